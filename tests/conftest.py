@@ -1,0 +1,58 @@
+"""Shared fixtures: every async test runs on asyncio's default loop and on uvloop; CUDA tests auto-skip."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+from collections.abc import Mapping
+
+import pytest
+import torch
+import uvloop
+
+from tiered_kv import KVLayout
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> Mapping[str, object]:
+    return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _fail_on_loop_errors(request: pytest.FixtureRequest) -> object:
+    """Fail a test on any unobserved task exception or call of the loop's exception handler."""
+    if not asyncio.iscoroutinefunction(getattr(request.node, "function", None)):
+        yield
+        return
+    errors: list[dict[str, object]] = []
+    loop = None
+    try:
+        loop = asyncio.get_event_loop_policy().get_event_loop()
+    except RuntimeError:
+        pass
+    if loop is not None:
+        loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+    yield
+    gc.collect()
+    assert not errors, f"event loop reported errors: {errors}"
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request: pytest.FixtureRequest) -> str:
+    """Every engine test runs on the emulated device, and on CUDA where there is one."""
+    return request.param
+
+
+@pytest.fixture
+def layout() -> KVLayout:
+    return KVLayout(num_layers=3, num_kv_heads=2, head_dim=16, tokens_per_block=8, dtype=torch.float16)

@@ -1,0 +1,335 @@
+"""Devices and streams: CUDA (torch streams and events) and an emulated device for machines without a GPU.
+
+Primitives (one small interface, two implementations):
+
+* :class:`Stream` -- ``submit(fn)`` enqueues work, ``record()`` returns an :class:`Event`, ``wait(event)``
+  makes later work wait for it *without blocking the CPU*, ``notify(cb)`` records an event and calls ``cb``
+  from another thread once everything submitted before it has executed (no polling), ``synchronize()``,
+  ``close()``.
+* :class:`Event` -- ``query()``, ``synchronize()``.
+* :class:`Device` -- makes streams and pool memory; ``resolve_device("auto")`` picks CUDA when present.
+
+On CUDA, ``submit(fn)`` calls ``fn`` at once under the stream, so whatever ``fn`` enqueues (copies, kernels)
+runs later on the GPU. The emulated device keeps the same semantics with threads: each stream is a FIFO
+worker thread and ``fn`` runs when the worker reaches it, *not* when it is submitted. That is what makes
+the races of the seeds reproducible on a CPU: a host buffer read by a queued op is read at execution time.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
+
+import torch
+
+__all__ = [
+    "CudaStream",
+    "Device",
+    "EmulatedEvent",
+    "EmulatedStream",
+    "Event",
+    "Stream",
+    "resolve_device",
+]
+
+log = logging.getLogger(__name__)
+
+Callback = Callable[[], None]
+
+
+@runtime_checkable
+class Event(Protocol):
+    """A point in a stream's work."""
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
+@runtime_checkable
+class Stream(Protocol):
+    """An ordered queue of device work."""
+
+    name: str
+
+    def submit(self, fn: Callback) -> None: ...
+
+    def record(self) -> Event: ...
+
+    def wait(self, event: Event) -> None: ...
+
+    def notify(self, callback: Callback) -> Event: ...
+
+    def synchronize(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+# --------------------------------------------------------------------------------------------- emulated
+
+
+class EmulatedEvent:
+    """Set when the stream that recorded it reaches the record point."""
+
+    __slots__ = ("_flag",)
+
+    def __init__(self) -> None:
+        self._flag = threading.Event()
+
+    def query(self) -> bool:
+        return self._flag.is_set()
+
+    def synchronize(self) -> None:
+        self._flag.wait()
+
+    def __repr__(self) -> str:
+        return f"<EmulatedEvent {'done' if self._flag.is_set() else 'pending'}>"
+
+
+_STOP = object()
+
+
+class EmulatedStream:
+    """A FIFO worker thread: work runs when the worker reaches it, not when it is submitted.
+
+    Exceptions raised by submitted work are logged and do not stop the worker; callers that need a
+    per-op error (the engine does) catch inside ``fn``.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"tiered_kv-emu-{name}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            fn = self._queue.get()
+            if fn is _STOP:
+                return
+            try:
+                fn()  # type: ignore[operator]
+            except BaseException:  # noqa: BLE001 - the worker must survive a failing op
+                log.exception("emulated stream %s: submitted work raised", self.name)
+
+    def submit(self, fn: Callback) -> None:
+        if self._closed:
+            raise RuntimeError(f"stream {self.name} is closed")
+        self._queue.put(fn)
+
+    def record(self) -> EmulatedEvent:
+        event = EmulatedEvent()
+        self.submit(event._flag.set)
+        return event
+
+    def wait(self, event: Event) -> None:
+        if not isinstance(event, EmulatedEvent):
+            raise TypeError(f"an emulated stream can only wait on an EmulatedEvent, got {type(event).__name__}")
+        if not event.query():
+            self.submit(event._flag.wait)
+
+    def notify(self, callback: Callback) -> EmulatedEvent:
+        event = EmulatedEvent()
+
+        def fire() -> None:
+            event._flag.set()
+            callback()
+
+        self.submit(fire)
+        return event
+
+    def synchronize(self) -> None:
+        self.record().synchronize()
+
+    def close(self) -> None:
+        """Run what is queued, then stop the worker thread."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(_STOP)
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"queued:{self._queue.qsize()}"
+        return f"<EmulatedStream {self.name} [{state}]>"
+
+
+# --------------------------------------------------------------------------------------------- CUDA
+
+
+class CudaStream:
+    """A torch CUDA stream plus a waiter thread that turns completions into callbacks (no polling).
+
+    The waiter blocks in ``cudaEventSynchronize`` on events created with ``blocking=True`` (the CPU sleeps
+    instead of spinning) and calls each callback in FIFO order: work on one stream completes in order.
+    """
+
+    def __init__(self, name: str, stream: torch.cuda.Stream | None = None, device: torch.device | None = None):
+        self.name = name
+        self.owned = stream is None
+        self.torch_stream = stream if stream is not None else torch.cuda.Stream(device=device)
+        self._waits: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._waiter: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def submit(self, fn: Callback) -> None:
+        if self._closed:
+            raise RuntimeError(f"stream {self.name} is closed")
+        with torch.cuda.stream(self.torch_stream):
+            fn()
+
+    def record(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(blocking=True)
+        event.record(self.torch_stream)
+        return event
+
+    def wait(self, event: Event) -> None:
+        if isinstance(event, torch.cuda.Event):
+            self.torch_stream.wait_event(event)
+        else:
+            raise TypeError(f"a CUDA stream can only wait on a torch.cuda.Event, got {type(event).__name__}")
+
+    def notify(self, callback: Callback) -> torch.cuda.Event:
+        if self._waiter is None:
+            with self._lock:
+                if self._waiter is None:
+                    self._waiter = threading.Thread(target=self._wait_loop, name=f"tiered_kv-cuda-{self.name}", daemon=True)
+                    self._waiter.start()
+        event = self.record()
+        self._waits.put((event, callback))
+        return event
+
+    def _wait_loop(self) -> None:
+        while True:
+            item = self._waits.get()
+            if item is _STOP:
+                return
+            event, callback = item  # type: ignore[misc]
+            event.synchronize()
+            try:
+                callback()
+            except BaseException:  # noqa: BLE001 - the waiter must survive a failing callback
+                log.exception("CUDA stream %s: completion callback raised", self.name)
+
+    def synchronize(self) -> None:
+        self.torch_stream.synchronize()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._waits.put(_STOP)
+        if self._waiter is not None and threading.current_thread() is not self._waiter:
+            self._waiter.join()
+
+    def __repr__(self) -> str:
+        return f"<CudaStream {self.name} [{'closed' if self._closed else 'open'}] {self.torch_stream}>"
+
+
+# --------------------------------------------------------------------------------------------- device
+
+
+class Device:
+    """Where GPU-tier memory lives and how its streams behave.
+
+    Args:
+        torch_device: ``cuda[:N]`` for a real GPU or ``cpu`` for the emulated device.
+    """
+
+    def __init__(self, torch_device: torch.device) -> None:
+        self.torch_device = torch_device
+        self.is_cuda = torch_device.type == "cuda"
+        if self.is_cuda and torch_device.index is None:
+            self.torch_device = torch.device("cuda", torch.cuda.current_device())
+
+    @property
+    def kind(self) -> str:
+        """``"cuda"`` or ``"emulated"``."""
+        return "cuda" if self.is_cuda else "emulated"
+
+    def new_stream(self, name: str) -> Stream:
+        """A new stream on this device."""
+        if self.is_cuda:
+            return CudaStream(name, device=self.torch_device)
+        return EmulatedStream(name)
+
+    def wrap_stream(self, stream: object) -> Stream:
+        """Accept one of our streams or a ``torch.cuda.Stream`` (e.g. the compute stream)."""
+        if isinstance(stream, (EmulatedStream, CudaStream)):
+            if isinstance(stream, CudaStream) != self.is_cuda:
+                raise TypeError(f"stream {stream!r} does not belong to a {self.kind} device")
+            return stream
+        if isinstance(stream, torch.cuda.Stream):
+            if not self.is_cuda:
+                raise TypeError("a torch.cuda.Stream cannot be used with the emulated device")
+            return CudaStream("external", stream=stream)
+        raise TypeError(f"expected a tiered_kv stream or torch.cuda.Stream, got {type(stream).__name__}")
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """GPU-tier memory (CPU memory on the emulated device)."""
+        return torch.empty(shape, dtype=dtype, device=self.torch_device)
+
+    def empty_host(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Host-tier memory: pinned on CUDA, so copies are asynchronous DMA; plain when emulated."""
+        return torch.empty(shape, dtype=dtype, pin_memory=self.is_cuda)
+
+    def __repr__(self) -> str:
+        return f"<Device {self.kind} {self.torch_device}>"
+
+
+def resolve_device(device: str | torch.device | None = "auto") -> Device:
+    """``"auto"`` (CUDA if available, else emulated), ``"cpu"`` (emulated), ``"cuda"``, ``"cuda:N"``.
+
+    Raises:
+        ValueError: the string is not a device.
+        BackendUnavailable: CUDA was asked for and is not available.
+    """
+    from .errors import BackendUnavailable
+
+    if device is None or device == "auto":
+        return Device(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}") from exc
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise BackendUnavailable("CUDA was requested but torch.cuda.is_available() is False")
+        return Device(dev)
+    if dev.type == "cpu":
+        return Device(dev)
+    raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+
+
+def stall_op(stream: Stream, seconds: float) -> Callback:
+    """A callable that, submitted to ``stream``, keeps it busy for about ``seconds``."""
+    if isinstance(stream, CudaStream):
+        cycles = int(seconds * _cuda_cycles_per_second())
+        return lambda: torch.cuda._sleep(cycles)
+    return lambda: time.sleep(seconds)
+
+
+_CYCLES_PER_SECOND: float | None = None
+
+
+def _cuda_cycles_per_second() -> float:
+    """Calibrate ``torch.cuda._sleep`` once (its unit is GPU clock cycles)."""
+    global _CYCLES_PER_SECOND
+    if _CYCLES_PER_SECOND is None:
+        s = torch.cuda.Stream()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(1_000_000)  # warm up
+            start.record(s)
+            torch.cuda._sleep(50_000_000)
+            end.record(s)
+        end.synchronize()
+        _CYCLES_PER_SECOND = 50_000_000 / max(start.elapsed_time(end) / 1e3, 1e-6)
+    return _CYCLES_PER_SECOND

@@ -1,0 +1,572 @@
+"""The transfer engine: ``await engine.copy(...)`` between GPU, pinned host and (later) file tiers.
+
+Primitives:
+
+* :class:`TransferEngine` -- owns the pools, the copy streams, the fence table; ``copy()`` returns a
+  :class:`Transfer` at once (the copy is enqueued, or deferred until a loop-side dependency completes).
+* :class:`Transfer` -- awaitable; ``done()``; ``result()`` gives a :class:`TransferResult` (bytes, seconds).
+
+Routes, by ``(source tier, destination tier)``: GPU->HOST on the *offload* stream, HOST->GPU on the
+*onboard* stream (so both PCIe directions are busy at once), GPU->GPU on the *local* stream, HOST->HOST on
+host threads. Every op first waits for its fences (:mod:`tiered_kv.fences`): stream-side (``wait_event``,
+no CPU block, no GPU bubble) when the dependency is a stream op already enqueued, otherwise on the loop.
+Completion reaches the loop through a waiter thread per stream and ``call_soon_threadsafe`` (no polling).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Generator, Iterable
+from typing import Any
+
+import numpy as np
+import torch
+
+from .config import EngineConfig
+from .device import Device, Stream, resolve_device
+from .errors import EngineClosedError, TransferError
+from .fences import FenceStatistics, FenceTable, Marker
+from .layout import KVLayout
+from .pools import BlockPool, Tier, as_indices, merge_runs
+
+__all__ = ["EngineStatistics", "Transfer", "TransferEngine", "TransferResult"]
+
+log = logging.getLogger(__name__)
+
+Indices = Iterable[int] | np.ndarray | torch.Tensor
+Op = Callable[[], None]
+
+# (source tier, destination tier) -> the stream that runs the copy; None means host threads.
+_ROUTES: dict[tuple[Tier, Tier], str | None] = {
+    (Tier.GPU, Tier.HOST): "offload",
+    (Tier.HOST, Tier.GPU): "onboard",
+    (Tier.GPU, Tier.GPU): "local",
+    (Tier.HOST, Tier.HOST): None,
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TransferResult:
+    """What a completed transfer did.
+
+    Attributes:
+        src_tier: where the data came from.
+        dst_tier: where it went.
+        num_blocks: blocks copied.
+        nbytes: bytes copied (for a partial copy, only the tokens copied).
+        seconds: from ``copy()`` to the device finishing the copy.
+    """
+
+    src_tier: Tier
+    dst_tier: Tier
+    num_blocks: int
+    nbytes: int
+    seconds: float
+
+    @property
+    def gbps(self) -> float:
+        """Throughput in GB/s (1e9 bytes)."""
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+class Transfer:
+    """An enqueued copy. Await it for a :class:`TransferResult`; it raises :class:`TransferError` if it failed.
+
+    Notes:
+        Cancellation: cancelling a task that awaits a transfer cancels only that wait. The copy still
+        completes, and its fences are released by completion, not by the awaiting task, so later copies
+        touching the same blocks still order after it.
+    """
+
+    __slots__ = ("_marker", "dst_tier", "nbytes", "num_blocks", "src_tier", "submitted_at")
+
+    def __init__(self, marker: Marker, src_tier: Tier, dst_tier: Tier, num_blocks: int, nbytes: int) -> None:
+        self._marker = marker
+        self.src_tier = src_tier
+        self.dst_tier = dst_tier
+        self.num_blocks = num_blocks
+        self.nbytes = nbytes
+        self.submitted_at = time.perf_counter()
+
+    def done(self) -> bool:
+        """True once the copy has completed (or failed)."""
+        return self._marker.completed
+
+    @property
+    def completed_at(self) -> float | None:
+        """``time.perf_counter()`` when the device finished the copy (before the loop heard of it)."""
+        return self._marker.done_at if self._marker.completed else None
+
+    def exception(self) -> BaseException | None:
+        """The error the copy failed with, or ``None``.
+
+        Raises:
+            asyncio.InvalidStateError: not done yet.
+        """
+        if not self._marker.completed:
+            raise asyncio.InvalidStateError("transfer is not done yet")
+        return self._marker.error
+
+    def result(self) -> TransferResult:
+        """The result of a completed copy.
+
+        Raises:
+            asyncio.InvalidStateError: not done yet.
+            TransferError: the copy failed; its destination blocks hold undefined data.
+        """
+        error = self.exception()
+        if error is not None:
+            if isinstance(error, TransferError):
+                raise error
+            raise TransferError(f"{self.src_tier.value}->{self.dst_tier.value} copy of {self.num_blocks} blocks failed: {error!r}") from error
+        done_at = self._marker.done_at or self.submitted_at
+        return TransferResult(self.src_tier, self.dst_tier, self.num_blocks, self.nbytes, done_at - self.submitted_at)
+
+    def __await__(self) -> Generator[Any, None, TransferResult]:
+        yield from self._marker.wait().__await__()
+        return self.result()
+
+    def __repr__(self) -> str:
+        state = "pending" if not self.done() else ("failed" if self._marker.error else "done")
+        return f"<Transfer {self.src_tier.value}->{self.dst_tier.value} blocks={self.num_blocks} bytes={self.nbytes} [{state}]>"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineStatistics:
+    """A snapshot of a :class:`TransferEngine`.
+
+    Attributes:
+        device: ``"cuda"`` or ``"emulated"``.
+        submitted: transfers accepted by ``copy()``.
+        completed: transfers finished (including failed ones).
+        failed: transfers that failed.
+        in_flight: submitted and not completed.
+        deferred: in flight and not yet enqueued (waiting on the loop for an off-stream dependency).
+        bytes_by_direction: ``"gpu->host"`` etc. -> bytes completed.
+        blocks_by_direction: ``"gpu->host"`` etc. -> blocks completed.
+        fences: the fence table.
+    """
+
+    device: str
+    submitted: int
+    completed: int
+    failed: int
+    in_flight: int
+    deferred: int
+    bytes_by_direction: dict[str, int]
+    blocks_by_direction: dict[str, int]
+    fences: FenceStatistics
+
+
+class TransferEngine:
+    """Schedules fenced copies between GPU and host pools (and the file tier, where configured).
+
+    Args:
+        layout: block geometry shared by every pool.
+        gpu_blocks: blocks in the GPU pool (ignored if ``gpu_pool`` is given).
+        host_blocks: blocks in the host pool (pinned on CUDA).
+        gpu_pool: an existing block-major GPU pool ``[blocks, *layout.block_shape]`` to use in place.
+        device: ``"auto"``, ``"cpu"`` (emulated), ``"cuda[:N]"``; overrides ``config.device``.
+        config: engine knobs; default :meth:`EngineConfig.from_env`.
+
+    Use it as an async context manager (``async with TransferEngine(...) as engine``) or call
+    :meth:`close`. All copies must be made from one event loop (the first one that uses it).
+
+    Example::
+
+        async with TransferEngine(layout, gpu_blocks=64, host_blocks=256) as engine:
+            await engine.copy(Tier.GPU, [0, 1], Tier.HOST, [10, 11])   # offload
+            await engine.copy(Tier.HOST, [10], Tier.GPU, [5])          # onboard
+    """
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        *,
+        gpu_blocks: int = 0,
+        host_blocks: int = 0,
+        gpu_pool: torch.Tensor | None = None,
+        device: str | torch.device | None = None,
+        config: EngineConfig | None = None,
+    ) -> None:
+        if not isinstance(layout, KVLayout):
+            raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
+        for name, value in (("gpu_blocks", gpu_blocks), ("host_blocks", host_blocks)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        self.config = config if config is not None else EngineConfig.from_env()
+        self.device: Device = resolve_device(device if device is not None else self.config.device)
+        self.layout = layout
+
+        self._pools: dict[Tier, BlockPool] = {}
+        if gpu_pool is not None:
+            if gpu_pool.device.type != self.device.torch_device.type:
+                raise ValueError(f"gpu_pool is on {gpu_pool.device}, but the engine's device is {self.device.torch_device}")
+            self._pools[Tier.GPU] = BlockPool(Tier.GPU, layout, gpu_pool)
+        elif gpu_blocks:
+            self._pools[Tier.GPU] = BlockPool(Tier.GPU, layout, self.device.empty((gpu_blocks, *layout.block_shape), layout.dtype))
+        if host_blocks:
+            self._pools[Tier.HOST] = BlockPool(Tier.HOST, layout, self.device.empty_host((host_blocks, *layout.block_shape), layout.dtype))
+
+        self._streams: dict[str, Stream] = {name: self.device.new_stream(name) for name in ("offload", "onboard", "local")}
+        self._host_threads = concurrent.futures.ThreadPoolExecutor(self.config.host_threads, thread_name_prefix="tiered_kv-host")
+        self._fences = FenceTable()
+        self._inflight: set[Marker] = set()
+        self._meta: dict[Marker, tuple[str, int, int]] = {}  # in-flight marker -> (direction, bytes, blocks)
+        self._deferred: set[asyncio.Task[None]] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closing = False
+        self._closed = False
+        self._submitted = self._completed = self._failed = 0
+        self._bytes: dict[str, int] = {}
+        self._blocks: dict[str, int] = {}
+
+    # ------------------------------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> TransferEngine:
+        self._bind_loop()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def drain(self) -> None:
+        """Wait until every copy submitted so far has completed.
+
+        Cancellation: cancels only the wait; the copies still complete.
+        """
+        while self._inflight:
+            await next(iter(self._inflight)).wait()
+
+    async def close(self) -> None:
+        """Wait for every queued copy, then stop the streams' threads and the host threads.
+
+        Idempotent. After it returns no thread, stream callback or fence of this engine is left.
+
+        Cancellation: if cancelled while waiting, the engine stays closing (no new copies) and a later
+        ``close()`` finishes the job.
+        """
+        if self._closed:
+            return
+        self._closing = True
+        await self.drain()
+        for stream in self._streams.values():
+            stream.close()
+        self._host_threads.shutdown(wait=True)
+        self._closed = True
+        assert not self._fences, "fences left after every op completed"
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _bind_loop(self) -> asyncio.AbstractEventLoop:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            raise RuntimeError("TransferEngine must be used from a coroutine running on an event loop") from None
+        if self._loop is None:
+            self._loop = loop
+        elif self._loop is not loop:
+            raise RuntimeError("TransferEngine is bound to another event loop; use one engine per loop")
+        return loop
+
+    def _check_open(self) -> asyncio.AbstractEventLoop:
+        if self._closing:
+            raise EngineClosedError("the TransferEngine is closed")
+        return self._bind_loop()
+
+    # ------------------------------------------------------------------------------------ inspection
+
+    def pool(self, tier: Tier | str) -> BlockPool:
+        """The pool of ``tier``.
+
+        Raises:
+            ValueError: unknown tier, or the engine has no pool for it.
+        """
+        t = Tier.coerce(tier)
+        pool = self._pools.get(t)
+        if pool is None:
+            raise ValueError(f"this engine has no {t.value} pool (give it {t.value}_blocks)")
+        return pool
+
+    def block(self, tier: Tier | str, index: int) -> torch.Tensor:
+        """A view of one block, for inspection and for filling in tests.
+
+        Notes:
+            The view is live memory: await the copies that touch the block (or :meth:`drain`) first.
+        """
+        return self.pool(tier).block(index)
+
+    def stream(self, name: str) -> Stream:
+        """One of the engine's copy streams: ``"offload"``, ``"onboard"`` or ``"local"``."""
+        try:
+            return self._streams[name]
+        except KeyError:
+            raise ValueError(f"unknown stream {name!r}; use one of {', '.join(self._streams)}") from None
+
+    @property
+    def fences(self) -> FenceTable:
+        return self._fences
+
+    def statistics(self) -> EngineStatistics:
+        return EngineStatistics(
+            device=self.device.kind,
+            submitted=self._submitted,
+            completed=self._completed,
+            failed=self._failed,
+            in_flight=len(self._inflight),
+            deferred=len(self._deferred),
+            bytes_by_direction=dict(self._bytes),
+            blocks_by_direction=dict(self._blocks),
+            fences=self._fences.statistics(),
+        )
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("closing" if self._closing else "open")
+        pools = ", ".join(f"{p.name}:{p.num_blocks}" for p in self._pools.values())
+        return (
+            f"<TransferEngine {self.device.kind} [{state}, in_flight:{len(self._inflight)}, "
+            f"deferred:{len(self._deferred)}, fenced:{len(self._fences)}] pools({pools})>"
+        )
+
+    # ------------------------------------------------------------------------------------ copies
+
+    def copy(
+        self,
+        src_tier: Tier | str,
+        src_indices: Indices,
+        dst_tier: Tier | str,
+        dst_indices: Indices,
+        *,
+        num_tokens: int | None = None,
+    ) -> Transfer:
+        """Copy blocks ``src_indices`` of ``src_tier`` to blocks ``dst_indices`` of ``dst_tier``.
+
+        Returns at once with an awaitable :class:`Transfer`. The copy waits for the fences of its blocks:
+        it reads a source only after that block's pending write has landed and overwrites a destination
+        only after that block's pending reads and write have finished.
+
+        Args:
+            src_tier: ``Tier.GPU`` or ``Tier.HOST`` (or their names).
+            src_indices: source block indices.
+            dst_tier: destination tier.
+            dst_indices: destination block indices, one per source, no duplicates.
+            num_tokens: copy only tokens ``[0, num_tokens)`` of every (layer, kv, head); the rest of each
+                destination block is left untouched. ``None`` copies whole blocks.
+
+        Raises:
+            ValueError: unknown tier or missing pool, an index out of range or negative, duplicate
+                destinations, a block that is both source and destination, length mismatch, or
+                ``num_tokens`` outside ``1..tokens_per_block``. Nothing is enqueued.
+            TypeError: indices that are not integers, ``num_tokens`` that is not an int.
+            EngineClosedError: the engine is closed.
+
+        Notes:
+            Cancellation: cancelling the task awaiting the returned transfer does not cancel the copy;
+            its fences are released when it completes.
+        """
+        loop = self._check_open()
+        src_t, dst_t = Tier.coerce(src_tier), Tier.coerce(dst_tier)
+        src_pool, dst_pool = self.pool(src_t), self.pool(dst_t)
+        if (src_t, dst_t) not in _ROUTES:
+            raise ValueError(f"copies from {src_t.value} to {dst_t.value} are not supported by this engine")
+        s = as_indices(src_indices, "source indices")
+        d = as_indices(dst_indices, "destination indices")
+        if s.size != d.size:
+            raise ValueError(f"got {s.size} source indices and {d.size} destination indices; they must pair up")
+        src_pool.check(s, "source indices")
+        dst_pool.check(d, "destination indices")
+        if d.size > 1 and np.unique(d).size != d.size:
+            values, counts = np.unique(d, return_counts=True)
+            raise ValueError(f"destination indices contain duplicates: {values[counts > 1][:8].tolist()}")
+        if src_pool is dst_pool and s.size:
+            both = np.intersect1d(s, d)
+            if both.size:
+                raise ValueError(f"blocks {both[:8].tolist()} are both a source and a destination of one copy")
+        n = self._check_tokens(num_tokens)
+
+        per_block = self.layout.bytes_per_block if n is None else self.layout.partial_bytes(n)
+        lane_name = _ROUTES[(src_t, dst_t)]
+        lane = self._streams[lane_name] if lane_name is not None else None
+        marker = Marker(lane)
+        transfer = Transfer(marker, src_t, dst_t, int(s.size), int(s.size) * per_block)
+        self._submitted += 1
+        if s.size == 0:
+            marker.complete()
+            self._completed += 1
+            return transfer
+
+        reads = [(src_pool.name, s.tolist())]
+        writes = [(dst_pool.name, d.tolist())]
+        deps = self._fences.dependencies(reads, writes)
+        op = self._block_copy_op(src_pool, s, dst_pool, d, n)
+        stream_deps: list[Marker] = []
+        loop_deps: list[Marker] = []
+        for dep in deps:
+            if lane is not None and dep.lane is not None and dep.event is not None:
+                if dep.lane is not lane:  # same stream: FIFO already orders it
+                    stream_deps.append(dep)
+            else:
+                loop_deps.append(dep)
+        if loop_deps:
+            task = loop.create_task(self._enqueue_after(marker, op, stream_deps, loop_deps))
+            self._deferred.add(task)
+            task.add_done_callback(self._deferred.discard)
+        else:
+            self._enqueue(marker, op, stream_deps)
+        self._fences.register(marker, reads, writes)
+        self._inflight.add(marker)
+        self._meta[marker] = (f"{src_t.value}->{dst_t.value}", transfer.nbytes, transfer.num_blocks)
+        return transfer
+
+    def _check_tokens(self, num_tokens: int | None) -> int | None:
+        if num_tokens is None:
+            return None
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)):
+            raise TypeError(f"num_tokens must be an int or None, got {type(num_tokens).__name__}")
+        tpb = self.layout.tokens_per_block
+        if not 1 <= num_tokens <= tpb:
+            raise ValueError(f"num_tokens must be in 1..{tpb} (tokens_per_block), got {num_tokens}")
+        return None if num_tokens == tpb else int(num_tokens)
+
+    # ------------------------------------------------------------------------------------ internals
+
+    def _enqueue(self, marker: Marker, op: Op, stream_deps: list[Marker]) -> None:
+        """Put ``op`` on its lane behind ``stream_deps``; its completion calls :meth:`_complete` on the loop."""
+        loop = self._loop
+        assert loop is not None
+
+        def finished() -> None:  # device waiter / worker / host thread
+            marker.done_at = time.perf_counter()
+            try:
+                loop.call_soon_threadsafe(self._complete, marker)
+            except RuntimeError:  # the loop is closed: nobody is left to tell
+                log.debug("transfer completed after its event loop closed")
+
+        def run() -> None:
+            try:
+                op()
+            except BaseException as exc:  # noqa: BLE001 - reported to whoever awaits the transfer
+                marker.error = exc
+
+        lane = marker.lane
+        if lane is None:
+
+            def run_and_finish() -> None:
+                run()
+                finished()
+
+            self._host_threads.submit(run_and_finish)
+            return
+        for dep in stream_deps:
+            assert dep.event is not None
+            lane.wait(dep.event)
+        self._fences.stream_waits += len(stream_deps)
+        lane.submit(run)
+        marker.event = lane.notify(finished)
+
+    async def _enqueue_after(self, marker: Marker, op: Op, stream_deps: list[Marker], loop_deps: list[Marker]) -> None:
+        """Wait on the loop for off-stream dependencies, then enqueue.
+
+        Cancellation: only happens when the loop shuts down under a live engine; the marker is then
+        completed with the error so that nothing waits on it forever.
+        """
+        try:
+            for dep in loop_deps:
+                await dep.wait()
+            self._fences.loop_waits += len(loop_deps)
+            self._enqueue(marker, op, stream_deps)
+        except BaseException as exc:
+            marker.error = exc
+            self._complete(marker)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+
+    def _complete(self, marker: Marker) -> None:
+        if marker.completed:
+            return
+        self._fences.release(marker)
+        self._inflight.discard(marker)
+        self._completed += 1
+        direction, nbytes, nblocks = self._meta.pop(marker)
+        if marker.error is not None:
+            self._failed += 1
+            log.warning("%s transfer of %d blocks failed: %r", direction, nblocks, marker.error)
+        else:
+            self._bytes[direction] = self._bytes.get(direction, 0) + nbytes
+            self._blocks[direction] = self._blocks.get(direction, 0) + nblocks
+        marker.complete()
+
+    def _block_copy_op(self, src_pool: BlockPool, s: np.ndarray, dst_pool: BlockPool, d: np.ndarray, n: int | None) -> Op:
+        """One op copying every run of blocks (runs contiguous on both sides are one copy)."""
+        runs = merge_runs(s, d)
+        src, dst = src_pool.tensor, dst_pool.tensor
+        if n is None:
+
+            def full() -> None:
+                for a, b, k in runs:
+                    dst[b : b + k].copy_(src[a : a + k], non_blocking=True)
+
+            return full
+        if src.device == dst.device:
+
+            def partial() -> None:
+                for a, b, k in runs:
+                    dst[b : b + k, :, :, :, :n].copy_(src[a : a + k, :, :, :, :n], non_blocking=True)
+
+            return partial
+        if dst.is_cuda:
+            # Host -> GPU partial: a strided host read would run on the CPU at enqueue time (torch makes
+            # it contiguous first), racing pending writes; move whole blocks by DMA, slice on the GPU.
+            def partial_h2d() -> None:
+                for a, b, k in runs:
+                    scratch = src[a : a + k].to(dst.device, non_blocking=True)
+                    dst[b : b + k, :, :, :, :n].copy_(scratch[:, :, :, :, :n])
+
+            return partial_h2d
+
+        # GPU -> host partial: read-modify-write through GPU scratch so every step stays on the stream
+        # and tokens [n, T) of the host block are written back unchanged.
+        def partial_d2h() -> None:
+            for a, b, k in runs:
+                scratch = dst[b : b + k].to(src.device, non_blocking=True)
+                scratch[:, :, :, :, :n].copy_(src[a : a + k, :, :, :, :n])
+                dst[b : b + k].copy_(scratch, non_blocking=True)
+
+        return partial_d2h
+
+    # ------------------------------------------------------------------------------------ compute sync
+
+    def sync_with_compute(self, stream: object) -> None:
+        """Make copies enqueued from now on wait for the work already queued on ``stream``.
+
+        Use it before offloading blocks that the compute stream is still writing. Stream-side: neither
+        the CPU nor the event loop blocks.
+
+        Args:
+            stream: the compute stream (``torch.cuda.Stream`` or a tiered_kv stream).
+        """
+        self._check_open()
+        compute = self.device.wrap_stream(stream)
+        event = compute.record()
+        for copy_stream in self._streams.values():
+            copy_stream.wait(event)
+
+    def sync_transfers(self, stream: object) -> None:
+        """Make work queued on ``stream`` from now on wait for every copy enqueued on the copy streams.
+
+        Use it before compute reads blocks that were just onboarded. Stream-side: nothing blocks.
+
+        Notes:
+            Copies still deferred (waiting on the loop for an off-stream dependency such as file I/O) and
+            host-to-host copies are not covered: await those transfers first.
+        """
+        self._check_open()
+        compute = self.device.wrap_stream(stream)
+        for copy_stream in self._streams.values():
+            compute.wait(copy_stream.record())

@@ -1,0 +1,35 @@
+"""Runtime errors of tiered_kv.
+
+Bad arguments raise ``ValueError``/``TypeError`` before anything is enqueued; the classes here are for
+failures that happen while work runs (or for using an engine that is closed).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendUnavailable",
+    "EngineClosedError",
+    "IntegrityError",
+    "TieredKVError",
+    "TransferError",
+]
+
+
+class TieredKVError(Exception):
+    """Base class of every runtime error raised by tiered_kv."""
+
+
+class TransferError(TieredKVError):
+    """A transfer failed while it ran; its destination blocks hold undefined data."""
+
+
+class IntegrityError(TransferError):
+    """Data read back failed verification (header, checksum or layout fingerprint); it was not served."""
+
+
+class BackendUnavailable(TieredKVError):
+    """A requested backend (CUDA, kvikio/cuFile, the compiled extension) cannot be used here."""
+
+
+class EngineClosedError(TieredKVError, RuntimeError):
+    """The engine was used after ``close()`` (or before it was opened)."""

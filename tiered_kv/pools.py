@@ -1,0 +1,121 @@
+"""Memory pools: tiers and block-major pools of KV blocks.
+
+A *memory-pool block index* addresses one block slot in one pool. Pools hand out cheap views; bounds and
+index rules are checked here, at the public boundary, before anything is enqueued.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+
+from .layout import KVLayout
+
+__all__ = ["BlockPool", "Tier", "as_indices"]
+
+
+class Tier(enum.Enum):
+    """Where a block lives."""
+
+    GPU = "gpu"
+    HOST = "host"
+    FILE = "file"
+
+    @classmethod
+    def coerce(cls, value: object) -> Tier:
+        """Accept a :class:`Tier` or its name/value (``"gpu"``, ``"HOST"``)."""
+        if isinstance(value, Tier):
+            return value
+        if isinstance(value, str):
+            try:
+                return cls(value.lower())
+            except ValueError:
+                pass
+        raise ValueError(f"unknown tier {value!r}; use one of {', '.join(t.name for t in cls)}")
+
+
+class BlockPool:
+    """A block-major pool: one tensor ``[num_blocks, layers, kv, heads, tokens, head_dim]``.
+
+    Args:
+        tier: the tier this pool is.
+        layout: block geometry.
+        tensor: the storage; its shape and dtype must match ``layout``.
+    """
+
+    def __init__(self, tier: Tier, layout: KVLayout, tensor: torch.Tensor) -> None:
+        expected = layout.block_shape
+        if tensor.dim() != 6 or tuple(tensor.shape[1:]) != expected:
+            raise ValueError(f"{tier.value} pool must have shape [num_blocks, *{list(expected)}], got {list(tensor.shape)}")
+        if tensor.dtype != layout.dtype:
+            raise TypeError(f"{tier.value} pool dtype {tensor.dtype} does not match the layout dtype {layout.dtype}")
+        if not tensor.is_contiguous():
+            raise ValueError(f"{tier.value} pool tensor must be contiguous (block-major)")
+        self.tier = tier
+        self.name = tier.value
+        self.layout = layout
+        self.tensor = tensor
+        self.num_blocks = tensor.shape[0]
+
+    def block(self, index: int) -> torch.Tensor:
+        """A view of one block, shape ``layout.block_shape``."""
+        if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
+            raise TypeError(f"block index must be an int, got {type(index).__name__}")
+        if not 0 <= index < self.num_blocks:
+            raise ValueError(f"block index {index} is out of range for the {self.name} pool of {self.num_blocks} blocks")
+        return self.tensor[index]
+
+    def check(self, indices: np.ndarray, what: str) -> None:
+        """Raise ``ValueError`` unless every index is in ``[0, num_blocks)``."""
+        if indices.size == 0:
+            return
+        lo, hi = int(indices.min()), int(indices.max())
+        if lo < 0:
+            raise ValueError(f"{what} contain a negative block index ({lo})")
+        if hi >= self.num_blocks:
+            raise ValueError(f"{what} contain block index {hi}, out of range for the {self.name} pool of {self.num_blocks} blocks")
+
+    def __repr__(self) -> str:
+        return f"<BlockPool {self.name} blocks={self.num_blocks} device={self.tensor.device}>"
+
+
+def as_indices(value: Iterable[int] | np.ndarray | torch.Tensor, what: str) -> np.ndarray:
+    """Convert block indices (list, range, numpy or CPU torch integer array) to a 1-D int64 array.
+
+    Raises:
+        TypeError: not a sequence of integers.
+    """
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(f"{what} must be integers, got a tensor of {value.dtype}")
+        arr = value.detach().to("cpu").numpy()
+    elif isinstance(value, (int, np.integer, str, bytes)):
+        raise TypeError(f"{what} must be a sequence of block indices, got {type(value).__name__}")
+    else:
+        try:
+            arr = np.asarray(value if isinstance(value, np.ndarray) else list(value))
+        except TypeError as exc:
+            raise TypeError(f"{what} must be a sequence of block indices, got {type(value).__name__}") from exc
+    if arr.ndim != 1:
+        raise TypeError(f"{what} must be one-dimensional, got shape {arr.shape}")
+    if arr.size == 0:
+        return arr.astype(np.int64)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"{what} must be integers, got {arr.dtype}")
+    return arr.astype(np.int64, copy=False)
+
+
+def merge_runs(src: np.ndarray, dst: np.ndarray) -> list[tuple[int, int, int]]:
+    """Group index pairs into ``(src_start, dst_start, length)`` runs contiguous on both sides.
+
+    Vectorized: a copy of 4096 consecutive blocks becomes one run, so one DMA.
+    """
+    if src.size == 0:
+        return []
+    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    lengths = np.diff(np.concatenate((starts, [src.size])))
+    return list(zip(src[starts].tolist(), dst[starts].tolist(), lengths.tolist(), strict=True))
