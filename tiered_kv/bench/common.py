@@ -1,0 +1,117 @@
+"""What every benchmark shares: machine facts, timing, a printed table and a JSON file.
+
+Convention: each benchmark module ``tiered_kv.bench.<name>`` has ``run(quick: bool, device: str) -> dict``
+returning ``{"name", "machine", "rows": [...], "notes": [...]}`` (rows are flat dicts; every row that is a
+measurement of ours carries its same-run baseline and the ratio), and ``main(argv)`` that runs it, prints
+the table and writes the JSON. ``tiered-kv bench`` runs them all into one table and one file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["bench_main", "machine_info", "percentile", "print_table", "timeit", "write_json"]
+
+
+def machine_info(device: str = "auto") -> dict[str, Any]:
+    """Where a figure came from: host, CPU count, torch, and the GPU name when CUDA is used."""
+    info: dict[str, Any] = {
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "device": "emulated (CPU)",
+    }
+    if device != "cpu" and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        info["device"] = props.name
+        info["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+def timeit(fn: Callable[[], object], repeat: int, warmup: int = 1) -> list[float]:
+    """Seconds per call of ``fn`` (``fn`` must finish its own work, e.g. synchronize)."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) by linear interpolation."""
+    if not values:
+        return float("nan")
+    if len(values) == 1:
+        return float(values[0])
+    return float(statistics.quantiles(values, n=100, method="inclusive")[max(0, min(98, round(q) - 1))]) if 0 < q < 100 else (
+        float(min(values)) if q <= 0 else float(max(values))
+    )
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        if value != value:  # NaN
+            return "-"
+        if abs(value) >= 100:
+            return f"{value:,.0f}"
+        if abs(value) >= 1:
+            return f"{value:.2f}"
+        return f"{value:.3g}"
+    return str(value)
+
+
+def print_table(rows: Sequence[dict[str, Any]], title: str = "") -> str:
+    """Render rows as an aligned text table (columns are the union of keys, in first-seen order)."""
+    if not rows:
+        return ""
+    cols: list[str] = []
+    for row in rows:
+        for key in row:
+            if key not in cols:
+                cols.append(key)
+    cells = [[_fmt(row.get(c, "")) for c in cols] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(cols)]
+    lines = []
+    if title:
+        lines.append(title)
+    lines.append("  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)))
+    lines.append("  ".join("-" * w for w in widths))
+    lines.extend("  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in cells)
+    text = "\n".join(lines)
+    print(text, flush=True)
+    return text
+
+
+def write_json(path: str, payload: dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2, default=str)
+
+
+def bench_main(name: str, run: Callable[[bool, str], dict[str, Any]], argv: Sequence[str] | None = None) -> int:
+    """Standard command line of one benchmark module: ``--quick``, ``--device``, ``--json``."""
+    parser = argparse.ArgumentParser(prog=f"python -m tiered_kv.bench.{name}", description=f"tiered_kv {name} benchmark")
+    parser.add_argument("--quick", action="store_true", help="CPU-sized run (seconds, not minutes)")
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default: auto)")
+    parser.add_argument("--json", default=f"bench-{name}.json", help="where to write the JSON (default: %(default)s)")
+    args = parser.parse_args(argv)
+    result = run(args.quick, args.device)
+    print_table(result["rows"], f"{result['name']} on {result['machine']['device']}")
+    for note in result.get("notes", []):
+        print(f"  note: {note}")
+    write_json(args.json, result)
+    print(f"wrote {args.json}")
+    return 0
