@@ -277,8 +277,20 @@ class Device:
         return torch.empty(shape, dtype=dtype, device=self.torch_device)
 
     def empty_host(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """Host-tier memory: pinned on CUDA, so copies are asynchronous DMA; plain when emulated."""
-        return torch.empty(shape, dtype=dtype, pin_memory=self.is_cuda)
+        """Host-tier memory: pinned on CUDA, so copies are asynchronous DMA; plain when emulated.
+
+        Either way the base address is page aligned (cudaHostAlloc is; plain memory is aligned here), so
+        the file tier can hand host blocks to O_DIRECT without a bounce copy.
+        """
+        if self.is_cuda:
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        nbytes = itemsize
+        for d in shape:
+            nbytes *= d
+        raw = torch.empty(nbytes + 4096, dtype=torch.uint8)
+        start = (-raw.data_ptr()) % 4096
+        return raw[start : start + nbytes].view(dtype).view(shape)
 
     def __repr__(self) -> str:
         return f"<Device {self.kind} {self.torch_device}>"

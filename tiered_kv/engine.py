@@ -19,6 +19,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable, Generator, Iterable
 from typing import Any
@@ -30,6 +31,7 @@ from .config import EngineConfig
 from .device import Device, Stream, resolve_device
 from .errors import EngineClosedError, TransferError
 from .fences import FenceStatistics, FenceTable, Marker
+from .filetier import FileTier, FileTierConfig
 from .layout import KVLayout
 from .pools import BlockPool, Tier, as_indices, merge_runs
 
@@ -46,6 +48,11 @@ _ROUTES: dict[tuple[Tier, Tier], str | None] = {
     (Tier.HOST, Tier.GPU): "onboard",
     (Tier.GPU, Tier.GPU): "local",
     (Tier.HOST, Tier.HOST): None,
+    # File I/O is off-stream (backend threads; GPU legs are queued on offload/onboard by the file op itself).
+    (Tier.HOST, Tier.FILE): None,
+    (Tier.FILE, Tier.HOST): None,
+    (Tier.GPU, Tier.FILE): None,
+    (Tier.FILE, Tier.GPU): None,
 }
 
 
@@ -172,6 +179,9 @@ class TransferEngine:
         gpu_pool: an existing block-major GPU pool ``[blocks, *layout.block_shape]`` to use in place.
         device: ``"auto"``, ``"cpu"`` (emulated), ``"cuda[:N]"``; overrides ``config.device``.
         config: engine knobs; default :meth:`EngineConfig.from_env`.
+        file_dir: directory of the file tier's slab (with ``file_blocks``; knobs from the environment).
+        file_blocks: slots in the file tier.
+        file_config: the file tier's full configuration (instead of ``file_dir``/``file_blocks``).
 
     Use it as an async context manager (``async with TransferEngine(...) as engine``) or call
     :meth:`close`. All copies must be made from one event loop (the first one that uses it).
@@ -192,6 +202,9 @@ class TransferEngine:
         gpu_pool: torch.Tensor | None = None,
         device: str | torch.device | None = None,
         config: EngineConfig | None = None,
+        file_dir: str | os.PathLike[str] | None = None,
+        file_blocks: int = 0,
+        file_config: FileTierConfig | None = None,
     ) -> None:
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
@@ -211,6 +224,15 @@ class TransferEngine:
             self._pools[Tier.GPU] = BlockPool(Tier.GPU, layout, self.device.empty((gpu_blocks, *layout.block_shape), layout.dtype))
         if host_blocks:
             self._pools[Tier.HOST] = BlockPool(Tier.HOST, layout, self.device.empty_host((host_blocks, *layout.block_shape), layout.dtype))
+
+        self._file: FileTier | None = None
+        if file_config is None and file_dir is not None and file_blocks:
+            file_config = FileTierConfig.from_env(file_dir, file_blocks)
+        elif file_config is None and (file_dir is not None or file_blocks):
+            raise ValueError("give both file_dir and file_blocks (or file_config) to have a file tier")
+        if file_config is not None:
+            self._file = FileTier(layout, file_config, device=self.device)
+            self._pools[Tier.FILE] = self._file  # type: ignore[assignment]  # pool look-alike: name, num_blocks, check
 
         self._streams: dict[str, Stream] = {name: self.device.new_stream(name) for name in ("offload", "onboard", "local")}
         self._host_threads = concurrent.futures.ThreadPoolExecutor(self.config.host_threads, thread_name_prefix="tiered_kv-host")
@@ -257,6 +279,8 @@ class TransferEngine:
         for stream in self._streams.values():
             stream.close()
         self._host_threads.shutdown(wait=True)
+        if self._file is not None:
+            self._file.close()
         self._closed = True
         assert not self._fences, "fences left after every op completed"
 
@@ -310,6 +334,17 @@ class TransferEngine:
             raise ValueError(f"unknown stream {name!r}; use one of {', '.join(self._streams)}") from None
 
     @property
+    def file_tier(self) -> FileTier:
+        """The file tier: its index (content key -> slot) and statistics.
+
+        Raises:
+            ValueError: the engine has no file tier.
+        """
+        if self._file is None:
+            raise ValueError("this engine has no file tier (give it file_dir and file_blocks)")
+        return self._file
+
+    @property
     def fences(self) -> FenceTable:
         return self._fences
 
@@ -344,6 +379,7 @@ class TransferEngine:
         dst_indices: Indices,
         *,
         num_tokens: int | None = None,
+        keys: Iterable[object] | None = None,
     ) -> Transfer:
         """Copy blocks ``src_indices`` of ``src_tier`` to blocks ``dst_indices`` of ``dst_tier``.
 
@@ -357,7 +393,10 @@ class TransferEngine:
             dst_tier: destination tier.
             dst_indices: destination block indices, one per source, no duplicates.
             num_tokens: copy only tokens ``[0, num_tokens)`` of every (layer, kv, head); the rest of each
-                destination block is left untouched. ``None`` copies whole blocks.
+                destination block is left untouched. ``None`` copies whole blocks. Not with the file tier.
+            keys: content keys (bytes, str or int), one per block. Required for copies into ``Tier.FILE``:
+                each is written into its slot's header and indexed (``engine.file_tier.lookup(key)``, also
+                after a restart). Optional for copies out of ``Tier.FILE``: checked against the index.
 
         Raises:
             ValueError: unknown tier or missing pool, an index out of range or negative, duplicate
@@ -389,6 +428,12 @@ class TransferEngine:
             if both.size:
                 raise ValueError(f"blocks {both[:8].tolist()} are both a source and a destination of one copy")
         n = self._check_tokens(num_tokens)
+        file_keys = None
+        if Tier.FILE in (src_t, dst_t):
+            assert self._file is not None
+            file_keys = self._file.validate(src_t, s, dst_t, d, num_tokens, None if keys is None else list(keys))  # type: ignore[arg-type]
+        elif keys is not None:
+            raise ValueError("keys are only used by copies to or from the file tier")
 
         per_block = self.layout.bytes_per_block if n is None else self.layout.partial_bytes(n)
         lane_name = _ROUTES[(src_t, dst_t)]
@@ -404,7 +449,11 @@ class TransferEngine:
         reads = [(src_pool.name, s.tolist())]
         writes = [(dst_pool.name, d.tolist())]
         deps = self._fences.dependencies(reads, writes)
-        op = self._block_copy_op(src_pool, s, dst_pool, d, n)
+        if Tier.FILE in (src_t, dst_t):
+            assert self._file is not None
+            op: Op = self._file.copy_op(src_t, src_pool, s, dst_t, dst_pool, d, file_keys, self._streams)  # type: ignore[assignment]
+        else:
+            op = self._block_copy_op(src_pool, s, dst_pool, d, n)
         stream_deps: list[Marker] = []
         loop_deps: list[Marker] = []
         for dep in deps:
@@ -455,6 +504,19 @@ class TransferEngine:
                 marker.error = exc
 
         lane = marker.lane
+        start = getattr(op, "start", None)
+        if lane is None and start is not None:
+            # File op: it starts backend work and calls back when done; no host thread waits for it.
+            def file_done(error: BaseException | None) -> None:
+                if error is not None:
+                    marker.error = error
+                finished()
+
+            try:
+                start(file_done)
+            except BaseException as exc:  # noqa: BLE001 - reported to whoever awaits the transfer
+                file_done(exc)
+            return
         if lane is None:
 
             def run_and_finish() -> None:

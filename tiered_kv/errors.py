@@ -10,6 +10,7 @@ __all__ = [
     "BackendUnavailable",
     "EngineClosedError",
     "IntegrityError",
+    "LayoutMismatchError",
     "TieredKVError",
     "TransferError",
 ]
@@ -25,6 +26,10 @@ class TransferError(TieredKVError):
 
 class IntegrityError(TransferError):
     """Data read back failed verification (header, checksum or layout fingerprint); it was not served."""
+
+
+class LayoutMismatchError(TieredKVError, ValueError):
+    """A persisted file tier was written for another block layout (or is not a tiered_kv slab)."""
 
 
 class BackendUnavailable(TieredKVError):

@@ -1,0 +1,322 @@
+"""GPUDirect Storage backend: kvikio ``CuFile`` pread/pwrite on device and host buffers.
+
+Primitives:
+
+* :class:`GdsMode` -- ``ON`` / ``OFF`` / ``AUTO``, from config or ``TIERED_KV_GDS`` (like kvikio's own
+  compat mode, seen from the other side: GDS ``ON`` is kvikio compat mode ``OFF``).
+* :func:`probe` -- what this machine offers: kvikio importable, ``libcuda.so.1`` loadable, cuFile's
+  ``is_gds_available``; never hangs (the driver query runs under a timeout).
+* :func:`select_backend` -- which backend a mode means here (``"gds"`` or ``"posix"``), logged once.
+* :class:`GdsBackend` -- :class:`~tiered_kv.backends.FileBackend` over ``kvikio.CuFile``.
+
+Notes:
+    Facts this module is built around (kvikio 26.10): ``import kvikio`` works without a GPU, but every
+    pread/pwrite -- host buffers too, compat mode too -- needs ``libcuda.so.1``, so ``AUTO`` checks that
+    it loads and otherwise means posix. Forcing cuFile (compat ``OFF``) where nvidia-fs is absent spun at
+    100% CPU inside ``cuFileHandleRegister``, so ``ON`` probes ``cufile_driver.get("is_gds_available")``
+    first and raises :class:`~tiered_kv.errors.BackendUnavailable` at once when it is false.
+    ``IOFuture.get()`` consumes the future and the future does not keep the buffer alive, so every call
+    here keeps its buffers referenced until the completion is done, and calls ``get()`` exactly once.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import dataclasses
+import enum
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from tiered_kv.errors import BackendUnavailable
+
+__all__ = ["GdsBackend", "GdsMode", "GdsProbe", "probe", "select_backend"]
+
+log = logging.getLogger(__name__)
+
+#: Seconds the cuFile driver query may take before we call GDS unavailable (it must never hang a caller).
+PROBE_TIMEOUT_S = 20.0
+
+
+class GdsMode(enum.Enum):
+    """Whether the file tier uses GPUDirect Storage.
+
+    * ``ON``: kvikio with real cuFile (kvikio compat mode OFF); fail fast if GDS is not available.
+    * ``OFF``: never kvikio; the posix backend.
+    * ``AUTO``: kvikio (its own compat mode AUTO: cuFile where it works, POSIX inside kvikio where not)
+      when kvikio imports and ``libcuda.so.1`` loads; otherwise the posix backend.
+    """
+
+    ON = "on"
+    OFF = "off"
+    AUTO = "auto"
+
+    @classmethod
+    def coerce(cls, value: object) -> GdsMode:
+        """Accept a :class:`GdsMode`, a bool, or ``"on"/"off"/"auto"`` (also ``"1"/"0"/"true"/"false"``)."""
+        if isinstance(value, GdsMode):
+            return value
+        if isinstance(value, bool):
+            return cls.ON if value else cls.OFF
+        if isinstance(value, str):
+            text = value.strip().lower()
+            aliases = {"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off"}
+            try:
+                return cls(aliases.get(text, text))
+            except ValueError:
+                pass
+        raise ValueError(f"GDS mode must be 'on', 'off' or 'auto', got {value!r}")
+
+    @classmethod
+    def from_env(cls, default: object = "auto") -> GdsMode:
+        """``TIERED_KV_GDS`` if set, else ``default``."""
+        raw = os.environ.get("TIERED_KV_GDS")
+        if raw is None:
+            return cls.coerce(default)
+        try:
+            return cls.coerce(raw)
+        except ValueError:
+            raise ValueError(f"TIERED_KV_GDS must be 'on', 'off' or 'auto', got {raw!r}") from None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GdsProbe:
+    """What this machine offers for GDS.
+
+    Attributes:
+        kvikio_version: the kvikio version, or ``None`` if it does not import.
+        libcuda: whether ``libcuda.so.1`` loads (kvikio needs it for every read and write).
+        gds_available: cuFile's ``is_gds_available`` (``None`` when not asked or not answerable).
+        reason: a sentence for logs and errors.
+    """
+
+    kvikio_version: str | None
+    libcuda: bool
+    gds_available: bool | None
+    reason: str
+
+
+def _libcuda_loads() -> bool:
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
+def _query_gds(kvikio_mod: Any) -> bool | None:
+    """``cufile_driver.get("is_gds_available")`` under a timeout (a daemon thread, so a hang cannot block exit)."""
+    box: list[object] = []
+
+    def ask() -> None:
+        try:
+            import kvikio.cufile_driver as driver
+
+            box.append(bool(driver.get("is_gds_available")))
+        except BaseException as exc:  # noqa: BLE001 - any failure means "not available"
+            box.append(exc)
+
+    t = threading.Thread(target=ask, name="tiered_kv-gds-probe", daemon=True)
+    t.start()
+    t.join(PROBE_TIMEOUT_S)
+    if not box:
+        log.warning("cuFile driver query did not answer in %.0f s; treating GDS as unavailable", PROBE_TIMEOUT_S)
+        return None
+    value = box[0]
+    if isinstance(value, BaseException):
+        log.info("cuFile driver query failed: %r", value)
+        return None
+    return bool(value)
+
+
+def probe(check_driver: bool = True) -> GdsProbe:
+    """Probe kvikio, ``libcuda.so.1`` and (if ``check_driver`` and both are there) cuFile."""
+    try:
+        import kvikio
+    except Exception as exc:  # noqa: BLE001 - ImportError, or a broken install raising anything
+        return GdsProbe(None, _libcuda_loads(), None, f"kvikio does not import ({exc.__class__.__name__}: {exc})")
+    version = str(getattr(kvikio, "__version__", "?"))
+    if not _libcuda_loads():
+        return GdsProbe(version, False, None, "libcuda.so.1 cannot be loaded (no CUDA driver); kvikio cannot do I/O here")
+    if not check_driver:
+        return GdsProbe(version, True, None, "kvikio and libcuda.so.1 are present")
+    available = _query_gds(kvikio)
+    why = "cuFile reports GDS available" if available else "cuFile reports GDS unavailable (kvikio would use its compat mode)"
+    return GdsProbe(version, True, available, why)
+
+
+_logged_lock = threading.Lock()
+_logged: set[tuple[str, str]] = set()
+
+
+def _log_once(backend: str, why: str) -> None:
+    with _logged_lock:
+        if (backend, why) in _logged:
+            return
+        _logged.add((backend, why))
+    log.info("tiered_kv file tier I/O: %s (%s)", backend, why)
+
+
+def select_backend(mode: GdsMode | str | bool | None = None) -> tuple[str, GdsProbe | None]:
+    """Which backend ``mode`` means on this machine: ``("gds" | "posix", probe)``; logged once.
+
+    Args:
+        mode: ``None`` reads ``TIERED_KV_GDS`` (default ``AUTO``).
+
+    Raises:
+        BackendUnavailable: ``ON`` and kvikio, ``libcuda.so.1`` or cuFile GDS is missing.
+    """
+    m = GdsMode.from_env() if mode is None else GdsMode.coerce(mode)
+    if m is GdsMode.OFF:
+        _log_once("posix", "GDS mode OFF")
+        return "posix", None
+    p = probe(check_driver=m is GdsMode.ON)
+    if m is GdsMode.ON:
+        if p.kvikio_version is None or not p.libcuda or not p.gds_available:
+            raise BackendUnavailable(f"GDS mode ON, but {p.reason}; use TIERED_KV_GDS=auto or off")
+        _log_once("gds", f"GDS mode ON, kvikio {p.kvikio_version}, cuFile available")
+        return "gds", p
+    if p.kvikio_version is None or not p.libcuda:
+        _log_once("posix", f"GDS mode AUTO: {p.reason}")
+        return "posix", p
+    _log_once("gds", f"GDS mode AUTO, kvikio {p.kvikio_version} (its compat mode decides cuFile vs POSIX)")
+    return "gds", p
+
+
+def _kvikio_buffer(t: torch.Tensor) -> Any:
+    """What kvikio accepts: a CUDA tensor (``__cuda_array_interface__``) or a numpy view of a host tensor."""
+    if not t.is_contiguous():
+        raise ValueError("buffers must be contiguous")
+    flat = t.reshape(-1).view(torch.uint8)  # uint8: __cuda_array_interface__ has no bfloat16/fp8
+    return flat if flat.is_cuda else flat.numpy()
+
+
+class GdsBackend:
+    """:class:`~tiered_kv.backends.FileBackend` over ``kvikio.CuFile``.
+
+    Args:
+        path: an existing file.
+        mode: ``ON`` sets kvikio's compat mode OFF (process-wide) after checking that GDS is available;
+            ``AUTO`` leaves kvikio's compat mode as configured (default AUTO, env ``KVIKIO_COMPAT_MODE``).
+            ``OFF`` is refused: it means the posix backend.
+        threads: completion threads (each waits on one kvikio future; kvikio's own pool does the I/O).
+        device_io: pass CUDA buffers to kvikio. ``None``: only when cuFile is really used (GDS available and
+            compat mode not forced on); otherwise the file tier stages through pinned host memory itself,
+            which pipelines better than kvikio's internal bounce buffers.
+
+    Raises:
+        BackendUnavailable: kvikio does not import, ``libcuda.so.1`` does not load, or ``ON`` without GDS.
+    """
+
+    name = "gds"
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        mode: GdsMode | str = GdsMode.AUTO,
+        threads: int = 4,
+        device_io: bool | None = None,
+    ) -> None:
+        m = GdsMode.coerce(mode)
+        if m is GdsMode.OFF:
+            raise ValueError("GdsBackend with mode OFF: use the posix backend")
+        backend, p = select_backend(m)
+        if backend != "gds":
+            raise BackendUnavailable(f"kvikio cannot be used here: {p.reason if p else 'GDS off'}")
+        import kvikio
+        import kvikio.defaults
+
+        if m is GdsMode.ON:
+            compat = getattr(kvikio, "CompatMode", None)
+            kvikio.defaults.set("compat_mode", compat.OFF if compat is not None else False)
+        gds_real = False
+        if device_io is None or m is GdsMode.ON:
+            try:
+                compat_now = kvikio.defaults.get("compat_mode")
+            except Exception:  # noqa: BLE001 - older kvikio: compat_mode() instead of get()
+                compat_now = getattr(kvikio.defaults, "compat_mode", lambda: None)()
+            forced_on = str(compat_now).lower().endswith("on") or compat_now is True
+            gds_real = not forced_on and bool(p.gds_available if p and p.gds_available is not None else _query_gds(kvikio))
+        self.device_io = gds_real if device_io is None else bool(device_io)
+        self.gds = gds_real
+        self.mode = m
+        self.path = os.fspath(path)
+        self._file = kvikio.CuFile(self.path, "r+")
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="tiered_kv-gds")
+        self._closed = False
+        self.threads = threads
+
+    def _check(self, buffers: Sequence[torch.Tensor]) -> list[Any]:
+        if self._closed:
+            raise RuntimeError("the gds backend is closed")
+        out = []
+        for b in buffers:
+            if not isinstance(b, torch.Tensor):
+                raise TypeError(f"buffers must be torch tensors, got {type(b).__name__}")
+            if b.is_cuda and not self.device_io:
+                raise TypeError("this gds backend was opened without device_io; pass host buffers")
+            out.append(_kvikio_buffer(b))
+        return out
+
+    def _start(self, method: str, buffers: Sequence[torch.Tensor], offset: int) -> concurrent.futures.Future[int]:
+        arrays = self._check(buffers)
+        futures = []
+        pos = offset
+        call = getattr(self._file, method)
+        try:
+            for arr, b in zip(arrays, buffers, strict=True):
+                futures.append(call(arr, b.nbytes, pos))
+                pos += b.nbytes
+        except BaseException:
+            for fut in futures:  # the buffers must outlive I/O already started
+                try:
+                    fut.get()
+                except Exception:  # noqa: BLE001, S110 - the first error is the one to report
+                    pass
+            raise
+        def wait(_keep: object) -> int:
+            # ``_keep`` (the tensors and kvikio's views of them) stays referenced by the executor's work
+            # item until this returns: the IOFutures do not keep the memory alive.
+            total = 0
+            for fut in futures:
+                total += int(fut.get())  # get() consumes the future: call it exactly once
+            return total
+
+        return self._pool.submit(wait, (tuple(buffers), arrays))
+
+    def pwrite(self, buffers: Sequence[torch.Tensor], offset: int) -> concurrent.futures.Future[int]:
+        """Write ``buffers`` back to back at ``offset`` (host or, with ``device_io``, CUDA tensors)."""
+        return self._start("pwrite", buffers, offset)
+
+    def pread(self, buffers: Sequence[torch.Tensor], offset: int) -> concurrent.futures.Future[int]:
+        """Fill ``buffers`` back to back from ``offset``."""
+        return self._start("pread", buffers, offset)
+
+    def sync(self, data_only: bool) -> concurrent.futures.Future[int]:
+        """``fdatasync`` / ``fsync`` the file."""
+        if self._closed:
+            raise RuntimeError("the gds backend is closed")
+        fd = self._file.fileno()
+
+        def run() -> int:
+            (os.fdatasync if data_only else os.fsync)(fd)
+            return 0
+
+        return self._pool.submit(run)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True)
+        self._file.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<GdsBackend {self.path} [{state}, mode:{self.mode.value}, cufile:{self.gds}, device_io:{self.device_io}]>"

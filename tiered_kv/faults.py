@@ -1,0 +1,146 @@
+"""A fault-injecting file backend for tests (re-exported by :mod:`tiered_kv.testing`).
+
+:class:`FaultyBackend` wraps a real :class:`~tiered_kv.backends.FileBackend` and, on chosen calls, fails
+with an ``OSError`` (ENOSPC, EIO, EINVAL as O_DIRECT gives it), transfers only part of the bytes, or
+stalls first. Calls are counted from 1 per direction, so a test can say *exactly* which block fails::
+
+    from tiered_kv.testing import FaultyBackend
+    from tiered_kv.backends.posix import PosixBackend
+
+    cfg = FileTierConfig(tmp_path, 16, backend_factory=lambda p: FaultyBackend(PosixBackend(p), enospc_on_write=3))
+    # the 3rd slot written fails with ENOSPC -> the transfer raises TransferError, the slot stays invalid
+
+The file tier writes one slot (header + payload) per ``pwrite`` and reads one per ``pread``, so "the k-th
+write" is "the k-th block written".
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import errno
+import os
+import threading
+import time
+from collections.abc import Collection, Sequence
+
+import torch
+
+from tiered_kv.backends import FileBackend
+from tiered_kv.backends.posix import DIRECT_ALIGN
+
+__all__ = ["FaultyBackend"]
+
+Calls = int | Collection[int] | None
+
+
+def _hits(spec: Calls, n: int) -> bool:
+    if spec is None:
+        return False
+    if isinstance(spec, int):
+        return n == spec
+    return n in spec
+
+
+def _truncate(buffers: Sequence[torch.Tensor], nbytes: int) -> list[torch.Tensor]:
+    out = []
+    for b in buffers:
+        if nbytes <= 0:
+            break
+        flat = b.reshape(-1).view(torch.uint8)
+        out.append(flat[:nbytes] if flat.numel() > nbytes else flat)
+        nbytes -= flat.numel()
+    return out
+
+
+class FaultyBackend:
+    """Wrap ``inner`` and inject faults on chosen calls (1-based, counted per direction).
+
+    Args:
+        inner: the backend that does the real I/O.
+        enospc_on_write / eio_on_write / einval_on_write: write calls that raise ``OSError`` with that errno
+            and write nothing.
+        eio_on_read: read calls that raise ``OSError(EIO)``.
+        short_write_on: write calls that write only the first half (rounded down to 4096, at least 4096
+            bytes) and report that count.
+        short_read_on: read calls that read only the first half and report that count.
+        stall_writes / stall_reads: seconds every write / read waits before it starts (on a worker thread;
+            the caller never blocks).
+
+    Attributes:
+        writes / reads: calls seen so far. ``faults``: faults injected so far.
+    """
+
+    def __init__(
+        self,
+        inner: FileBackend,
+        *,
+        enospc_on_write: Calls = None,
+        eio_on_write: Calls = None,
+        einval_on_write: Calls = None,
+        eio_on_read: Calls = None,
+        short_write_on: Calls = None,
+        short_read_on: Calls = None,
+        stall_writes: float = 0.0,
+        stall_reads: float = 0.0,
+    ) -> None:
+        self.inner = inner
+        self.name = f"faulty({inner.name})"
+        self.device_io = inner.device_io
+        self._write_errors = ((enospc_on_write, errno.ENOSPC), (eio_on_write, errno.EIO), (einval_on_write, errno.EINVAL))
+        self._read_errors = ((eio_on_read, errno.EIO),)
+        self._short_write_on = short_write_on
+        self._short_read_on = short_read_on
+        self._stall_writes = stall_writes
+        self._stall_reads = stall_reads
+        self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="tiered_kv-faulty")
+        self.writes = 0
+        self.reads = 0
+        self.faults = 0
+
+    def _run(self, write: bool, buffers: Sequence[torch.Tensor], offset: int) -> concurrent.futures.Future[int]:
+        with self._lock:
+            if write:
+                self.writes += 1
+                n = self.writes
+            else:
+                self.reads += 1
+                n = self.reads
+        errors = self._write_errors if write else self._read_errors
+        code = next((c for spec, c in errors if _hits(spec, n)), None)
+        short = _hits(self._short_write_on if write else self._short_read_on, n)
+        stall = self._stall_writes if write else self._stall_reads
+        if code is not None or short:
+            with self._lock:
+                self.faults += 1
+        keep = tuple(buffers)
+
+        def work() -> int:
+            if stall:
+                time.sleep(stall)
+            if code is not None:
+                raise OSError(code, f"{os.strerror(code)} (injected on {'write' if write else 'read'} #{n})")
+            bufs = list(keep)
+            if short:
+                total = sum(b.nbytes for b in bufs)
+                bufs = _truncate(bufs, max(DIRECT_ALIGN, total // 2 // DIRECT_ALIGN * DIRECT_ALIGN))
+            fut = self.inner.pwrite(bufs, offset) if write else self.inner.pread(bufs, offset)
+            return fut.result()
+
+        return self._pool.submit(work)
+
+    def pwrite(self, buffers: Sequence[torch.Tensor], offset: int) -> concurrent.futures.Future[int]:
+        return self._run(True, buffers, offset)
+
+    def pread(self, buffers: Sequence[torch.Tensor], offset: int) -> concurrent.futures.Future[int]:
+        return self._run(False, buffers, offset)
+
+    def sync(self, data_only: bool) -> concurrent.futures.Future[int]:
+        return self.inner.sync(data_only)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.inner.close()
+
+    def __repr__(self) -> str:
+        return f"<FaultyBackend writes:{self.writes} reads:{self.reads} faults:{self.faults} inner={self.inner!r}>"
