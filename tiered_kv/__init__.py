@@ -3,8 +3,9 @@
 from .config import EngineConfig
 from .device import Device, resolve_device
 from .engine import EngineStatistics, Transfer, TransferEngine, TransferResult
-from .errors import BackendUnavailable, EngineClosedError, IntegrityError, TieredKVError, TransferError
+from .errors import BackendUnavailable, EngineClosedError, IntegrityError, LayoutMismatchError, TieredKVError, TransferError
 from .fences import FenceStatistics, FenceTable
+from .filetier import Durability, FileTier, FileTierConfig, FileTierStatistics, OpenReport
 from .layout import FORMAT_VERSION, KVLayout
 from .pools import BlockPool, Tier
 
@@ -13,13 +14,19 @@ __all__ = [
     "BackendUnavailable",
     "BlockPool",
     "Device",
+    "Durability",
     "EngineClosedError",
     "EngineConfig",
     "EngineStatistics",
     "FenceStatistics",
     "FenceTable",
+    "FileTier",
+    "FileTierConfig",
+    "FileTierStatistics",
     "IntegrityError",
     "KVLayout",
+    "LayoutMismatchError",
+    "OpenReport",
     "Tier",
     "TieredKVError",
     "Transfer",

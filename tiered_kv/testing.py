@@ -10,6 +10,8 @@ Users write the same ordering tests we do::
 
 On CUDA a stall is ``torch.cuda._sleep`` on the stream (calibrated to seconds); on the emulated device it
 is a sleeping op on the stream's worker thread. Either way the CPU and the event loop are not blocked.
+
+File-tier faults (ENOSPC on the k-th write, EIO, short reads/writes, stalls): :class:`FaultyBackend`.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from __future__ import annotations
 import torch
 
 from .device import Device, Stream, stall_op
+from .faults import FaultyBackend
 
-__all__ = ["assert_blocks_equal", "fill_random", "stall"]
+__all__ = ["FaultyBackend", "assert_blocks_equal", "fill_random", "stall"]
 
 
 def stall(stream: Stream | torch.cuda.Stream, seconds: float) -> None:

@@ -1,0 +1,422 @@
+"""The file tier: round trips, fault injection, corruption, warm restart, permissions, layout changes."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import stat
+
+import pytest
+import torch
+
+from tiered_kv import IntegrityError, KVLayout, LayoutMismatchError, Tier, TransferEngine, TransferError
+from tiered_kv.filetier import FileTier, FileTierConfig
+from tiered_kv.slab import HEADER_SIZE
+from tiered_kv.testing import FaultyBackend, assert_blocks_equal, fill_random
+
+try:
+    import kvikio  # noqa: F401
+
+    HAS_KVIKIO = True
+except Exception:  # noqa: BLE001
+    HAS_KVIKIO = False
+
+
+def _posix(path: str):  # noqa: ANN202
+    from tiered_kv.backends.posix import PosixBackend
+
+    return PosixBackend(path, threads=2)
+
+
+@pytest.fixture(params=["posix", pytest.param("gds", marks=[pytest.mark.gpu, pytest.mark.gds])])
+def backend(request: pytest.FixtureRequest) -> str:
+    """posix everywhere; kvikio (compat mode where there is no nvidia-fs) on a CUDA machine with kvikio."""
+    if request.param == "gds" and not HAS_KVIKIO:
+        pytest.skip("kvikio is not installed")
+    return request.param
+
+
+def make_engine(layout: KVLayout, directory, device: str = "cpu", backend: str = "posix", *, blocks: int = 16, **cfg) -> TransferEngine:
+    cfg.setdefault("gds", "off" if backend == "posix" else "auto")
+    cfg.setdefault("io_threads", 2)
+    cfg.setdefault("staging_blocks", 3)
+    return TransferEngine(layout, gpu_blocks=8, host_blocks=8, device=device,
+                          file_config=FileTierConfig(directory, blocks, **cfg))
+
+
+def keys(*names: object) -> list[bytes]:
+    return [f"key-{n}".encode() for n in names]
+
+
+# --------------------------------------------------------------------------------------------- round trips
+
+
+async def test_round_trip_gpu_host_file_host_gpu(layout: KVLayout, tmp_path, device: str, backend: str) -> None:
+    async with make_engine(layout, tmp_path, device, backend) as eng:
+        src = [fill_random(eng.block(Tier.GPU, i)).clone() for i in range(4)]
+        await eng.copy(Tier.GPU, [0, 1, 2, 3], Tier.HOST, [4, 6, 5, 7])
+        await eng.copy(Tier.HOST, [4, 6, 5, 7], Tier.FILE, [9, 2, 3, 15], keys=keys(0, 1, 2, 3))
+        for i in range(8):
+            eng.block(Tier.HOST, i).zero_()
+        await eng.copy(Tier.FILE, [9, 2, 3, 15], Tier.HOST, [0, 1, 2, 3])
+        await eng.copy(Tier.HOST, [0, 1, 2, 3], Tier.GPU, [7, 6, 5, 4])
+        for i in range(4):
+            assert_blocks_equal(eng.block(Tier.GPU, 7 - i), src[i], f"gpu block {7 - i}")
+        assert eng.file_tier.entries() == dict(zip(keys(0, 1, 2, 3), [9, 2, 3, 15], strict=True))
+        s = eng.statistics()
+        assert s.blocks_by_direction["host->file"] == 4 and s.blocks_by_direction["file->host"] == 4
+
+
+async def test_round_trip_gpu_file_gpu(layout: KVLayout, tmp_path, device: str, backend: str) -> None:
+    # 7 blocks through 3 staging buffers: the pipeline must recycle them.
+    async with make_engine(layout, tmp_path, device, backend) as eng:
+        src = [fill_random(eng.block(Tier.GPU, i)).clone() for i in range(7)]
+        t = eng.copy(Tier.GPU, range(7), Tier.FILE, [10, 3, 4, 5, 0, 8, 1], keys=keys(*range(7)))
+        res = await t
+        assert res.num_blocks == 7 and res.nbytes == 7 * layout.bytes_per_block
+        for i in range(8):
+            eng.block(Tier.GPU, i).zero_()
+        await eng.copy(Tier.FILE, [10, 3, 4, 5, 0, 8, 1], Tier.GPU, [1, 2, 3, 4, 5, 6, 7])
+        for i in range(7):
+            assert_blocks_equal(eng.block(Tier.GPU, i + 1), src[i], f"gpu block {i + 1}")
+        assert eng.file_tier.statistics().integrity_failures == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.gds
+async def test_gds_device_buffers_round_trip(layout: KVLayout, tmp_path) -> None:
+    """kvikio reading/writing CUDA tensors directly (what true GDS does; compat mode bounces inside kvikio)."""
+    if not HAS_KVIKIO:
+        pytest.skip("kvikio is not installed")
+    from tiered_kv.backends.gds import GdsBackend
+
+    cfg = dict(backend_factory=lambda p: GdsBackend(p, device_io=True))
+    async with make_engine(layout, tmp_path, "cuda", "gds", **cfg) as eng:
+        assert eng.file_tier.backend.device_io
+        src = [fill_random(eng.block(Tier.GPU, i)).clone() for i in range(5)]
+        await eng.copy(Tier.GPU, range(5), Tier.FILE, range(5), keys=keys(*range(5)))
+        await eng.copy(Tier.FILE, range(5), Tier.GPU, [3, 4, 5, 6, 7])
+        for i in range(5):
+            assert_blocks_equal(eng.block(Tier.GPU, i + 3), src[i])
+
+
+async def test_write_then_read_same_slot_is_ordered_by_fences(layout: KVLayout, tmp_path) -> None:
+    slow = dict(backend_factory=lambda p: FaultyBackend(_posix(p), stall_writes=0.2))
+    async with make_engine(layout, tmp_path, **slow) as eng:
+        a = fill_random(eng.block(Tier.HOST, 0)).clone()
+        w = eng.copy(Tier.HOST, [0], Tier.FILE, [5], keys=keys("a"))
+        assert eng.file_tier.is_pending(5) and eng.file_tier.lookup(b"key-a") is None
+        r = eng.copy(Tier.FILE, [5], Tier.HOST, [1])  # enqueued behind the write, loop-side
+        assert not w.done() and not r.done()
+        await r
+        assert w.done()
+        assert_blocks_equal(eng.block(Tier.HOST, 1), a)
+        # overwrite while a read of the old content is pending: the read sees the old block
+        b = fill_random(eng.block(Tier.HOST, 2)).clone()
+        r2 = eng.copy(Tier.FILE, [5], Tier.HOST, [3])
+        w2 = eng.copy(Tier.HOST, [2], Tier.FILE, [5], keys=keys("b"))
+        await asyncio.gather(r2, w2)
+        assert_blocks_equal(eng.block(Tier.HOST, 3), a)
+        assert eng.file_tier.lookup(b"key-b") == 5 and eng.file_tier.lookup(b"key-a") is None
+        await eng.copy(Tier.FILE, [5], Tier.HOST, [4], keys=keys("b"))
+        assert_blocks_equal(eng.block(Tier.HOST, 4), b)
+        # the host source of a pending file write is fenced: overwriting it waits for the write
+        w3 = eng.copy(Tier.HOST, [2], Tier.FILE, [6], keys=keys("c"))
+        c = eng.copy(Tier.HOST, [0], Tier.HOST, [2])
+        await c
+        assert w3.done()
+        await eng.copy(Tier.FILE, [6], Tier.HOST, [5])
+        assert_blocks_equal(eng.block(Tier.HOST, 5), b)
+
+
+async def test_bad_arguments_raise_before_enqueue(layout: KVLayout, tmp_path) -> None:
+    async with make_engine(layout, tmp_path) as eng:
+        with pytest.raises(ValueError, match="need keys"):
+            eng.copy(Tier.HOST, [0], Tier.FILE, [0])
+        with pytest.raises(ValueError, match="one content key per block"):
+            eng.copy(Tier.HOST, [0, 1], Tier.FILE, [0, 1], keys=keys(1))
+        with pytest.raises(ValueError, match="duplicates"):
+            eng.copy(Tier.HOST, [0, 1], Tier.FILE, [0, 1], keys=keys(1, 1))
+        with pytest.raises(ValueError, match="num_tokens"):
+            eng.copy(Tier.HOST, [0], Tier.FILE, [0], keys=keys(1), num_tokens=2)
+        with pytest.raises(ValueError, match="holds no block"):
+            eng.copy(Tier.FILE, [3], Tier.HOST, [0])
+        with pytest.raises(ValueError, match="out of range"):
+            eng.copy(Tier.HOST, [0], Tier.FILE, [16], keys=keys(1))
+        with pytest.raises(ValueError, match="only used by copies"):
+            eng.copy(Tier.HOST, [0], Tier.GPU, [0], keys=keys(1))
+        with pytest.raises(TypeError, match="content key"):
+            eng.copy(Tier.HOST, [0], Tier.FILE, [0], keys=[1.5])
+        with pytest.raises(TypeError, match="no in-memory view"):
+            eng.block(Tier.FILE, 0)
+        assert eng.statistics().submitted == 0
+        assert eng.file_tier.free_slots() == list(range(16))
+        await eng.copy(Tier.HOST, [0], Tier.FILE, [0], keys=keys(1))
+        with pytest.raises(ValueError, match="holds key"):
+            eng.copy(Tier.FILE, [0], Tier.HOST, [1], keys=keys(2))
+
+
+# --------------------------------------------------------------------------------------------- faults
+
+
+async def test_enospc_on_third_write(layout: KVLayout, tmp_path) -> None:
+    holder: list[FaultyBackend] = []
+
+    def factory(p: str) -> FaultyBackend:
+        holder.append(FaultyBackend(_posix(p), enospc_on_write=3))
+        return holder[0]
+
+    async with make_engine(layout, tmp_path, backend_factory=factory) as eng:
+        src = [fill_random(eng.block(Tier.HOST, i)).clone() for i in range(5)]
+        await eng.copy(Tier.HOST, [0, 1], Tier.FILE, [0, 1], keys=keys(0, 1))  # writes 1 and 2
+        t = eng.copy(Tier.HOST, [2, 3, 4], Tier.FILE, [2, 3, 4], keys=keys(2, 3, 4))  # write 3 fails
+        with pytest.raises(TransferError) as info:
+            await t
+        assert not isinstance(info.value, IntegrityError)
+        assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == errno.ENOSPC
+        ft = eng.file_tier
+        # no slot of the failed transfer is visible; the earlier transfer is untouched
+        assert ft.entries() == {b"key-0": 0, b"key-1": 1}
+        assert [ft.is_valid(i) for i in range(5)] == [True, True, False, False, False]
+        assert ft.free_slots()[:3] == [2, 3, 4]
+        assert holder[0].faults == 1
+        st = ft.statistics()
+        assert st.write_failures == 1 and st.valid == 2 and st.pending == 0
+        assert eng.statistics().failed == 1
+        for i in range(5):  # the source stays the owner, unchanged
+            assert_blocks_equal(eng.block(Tier.HOST, i), src[i])
+        with pytest.raises(ValueError, match="holds no block"):
+            eng.copy(Tier.FILE, [2], Tier.HOST, [7])
+        # the next attempt (writes 6..) succeeds and reads back
+        await eng.copy(Tier.HOST, [2, 3, 4], Tier.FILE, [2, 3, 4], keys=keys(2, 3, 4))
+        await eng.copy(Tier.FILE, [2, 3, 4], Tier.HOST, [5, 6, 7])
+        for i in range(3):
+            assert_blocks_equal(eng.block(Tier.HOST, 5 + i), src[2 + i])
+
+
+@pytest.mark.parametrize(("fault", "code"), [("eio_on_write", errno.EIO), ("einval_on_write", errno.EINVAL)])
+async def test_write_errors_are_transfer_errors(layout: KVLayout, tmp_path, device: str, fault: str, code: int) -> None:
+    cfg = dict(backend_factory=lambda p: FaultyBackend(_posix(p), **{fault: 1}))
+    async with make_engine(layout, tmp_path, device, **cfg) as eng:
+        fill_random(eng.block(Tier.GPU, 0))
+        with pytest.raises(TransferError) as info:
+            await eng.copy(Tier.GPU, [0], Tier.FILE, [7], keys=keys(0))
+        assert info.value.__cause__.errno == code  # type: ignore[union-attr]
+        assert not eng.file_tier.is_valid(7) and eng.file_tier.lookup(b"key-0") is None
+
+
+async def test_short_write_is_a_transfer_error_and_torn_slot_is_not_recovered(layout: KVLayout, tmp_path) -> None:
+    cfg = dict(backend_factory=lambda p: FaultyBackend(_posix(p), short_write_on=2))
+    async with make_engine(layout, tmp_path, **cfg) as eng:
+        for i in range(2):
+            fill_random(eng.block(Tier.HOST, i))
+        await eng.copy(Tier.HOST, [0], Tier.FILE, [0], keys=keys(0))
+        with pytest.raises(TransferError, match="short write"):
+            await eng.copy(Tier.HOST, [1], Tier.FILE, [1], keys=keys(1))
+        assert eng.file_tier.entries() == {b"key-0": 0}
+    # the torn slot (new header, half a payload) fails verification on restart
+    async with make_engine(layout, tmp_path, verify_on_open="full") as eng:
+        r = eng.file_tier.open_report
+        assert (r.recovered, r.bad) == (1, 1)
+        assert eng.file_tier.entries() == {b"key-0": 0}
+
+
+async def test_read_faults(layout: KVLayout, tmp_path) -> None:
+    cfg = dict(backend_factory=lambda p: FaultyBackend(_posix(p), eio_on_read=1, short_read_on=2))
+    async with make_engine(layout, tmp_path, **cfg) as eng:
+        a = fill_random(eng.block(Tier.HOST, 0)).clone()
+        await eng.copy(Tier.HOST, [0], Tier.FILE, [4], keys=keys(0))
+        with pytest.raises(TransferError) as info:  # read 1: EIO -> TransferError, the slot is kept
+            await eng.copy(Tier.FILE, [4], Tier.HOST, [1])
+        assert not isinstance(info.value, IntegrityError)
+        assert eng.file_tier.is_valid(4)
+        with pytest.raises(IntegrityError, match="short read"):  # read 2: short -> IntegrityError, slot dropped
+            await eng.copy(Tier.FILE, [4], Tier.HOST, [1])
+        assert not eng.file_tier.is_valid(4) and eng.file_tier.lookup(b"key-0") is None
+        await eng.copy(Tier.HOST, [0], Tier.FILE, [4], keys=keys(0))
+        await eng.copy(Tier.FILE, [4], Tier.HOST, [2])  # read 3: fine
+        assert_blocks_equal(eng.block(Tier.HOST, 2), a)
+        st = eng.file_tier.statistics()
+        assert (st.read_failures, st.integrity_failures, st.blocks_read) == (2, 1, 1)
+
+
+async def test_stalled_write_does_not_block_the_loop(layout: KVLayout, tmp_path) -> None:
+    cfg = dict(backend_factory=lambda p: FaultyBackend(_posix(p), stall_writes=0.3))
+    async with make_engine(layout, tmp_path, **cfg) as eng:
+        t = eng.copy(Tier.HOST, [0], Tier.FILE, [0], keys=keys(0))
+        ticks = 0
+        while not t.done():
+            await asyncio.sleep(0.01)
+            ticks += 1
+        assert ticks >= 5  # the loop kept running while the write stalled
+        await t
+
+
+# --------------------------------------------------------------------------------------------- corruption
+
+
+def _flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+@pytest.mark.parametrize("where", ["payload", "payload_last", "header_key", "header_generation", "header_tail"])
+async def test_corruption_is_an_integrity_error(layout: KVLayout, tmp_path, device: str, where: str) -> None:
+    async with make_engine(layout, tmp_path, device) as eng:
+        src = fill_random(eng.block(Tier.GPU, 0)).clone()
+        await eng.copy(Tier.GPU, [0], Tier.FILE, [3], keys=keys(0))
+        ft = eng.file_tier
+        base = ft.offset(3)
+        where_at = {
+            "payload": base + HEADER_SIZE + 17,
+            "payload_last": base + HEADER_SIZE + layout.bytes_per_block - 1,
+            "header_key": base + 77,
+            "header_generation": base + 44,
+            "header_tail": base + HEADER_SIZE - 1,
+        }[where]
+        _flip(ft.path, where_at)
+        eng.block(Tier.GPU, 1).zero_()
+        with pytest.raises(IntegrityError, match="file slot 3 failed verification"):
+            await eng.copy(Tier.FILE, [3], Tier.GPU, [1])
+        # never wrong data: the GPU destination was not written from a bad slot (staged path verifies first)
+        assert not eng.block(Tier.GPU, 1).view(torch.uint8).any()
+        assert ft.lookup(b"key-0") is None and not ft.is_valid(3)
+        assert ft.statistics().integrity_failures == 1
+        with pytest.raises(ValueError, match="holds no block"):
+            eng.copy(Tier.FILE, [3], Tier.HOST, [0])
+        # a fresh write of the slot heals it
+        await eng.copy(Tier.GPU, [0], Tier.FILE, [3], keys=keys(0))
+        await eng.copy(Tier.FILE, [3], Tier.GPU, [2])
+        assert_blocks_equal(eng.block(Tier.GPU, 2), src)
+
+
+async def test_truncated_file_is_an_integrity_error(layout: KVLayout, tmp_path) -> None:
+    async with make_engine(layout, tmp_path) as eng:
+        for i in range(3):
+            fill_random(eng.block(Tier.HOST, i))
+        await eng.copy(Tier.HOST, [0, 1, 2], Tier.FILE, [13, 14, 15], keys=keys(0, 1, 2))
+        ft = eng.file_tier
+        os.truncate(ft.path, ft.offset(14) + HEADER_SIZE + 100)  # cut slot 14's payload, drop slot 15
+        with pytest.raises(IntegrityError, match="short read"):
+            await eng.copy(Tier.FILE, [14], Tier.HOST, [5])
+        with pytest.raises(IntegrityError):
+            await eng.copy(Tier.FILE, [15], Tier.HOST, [5])
+        await eng.copy(Tier.FILE, [13], Tier.HOST, [5])
+        assert_blocks_equal(eng.block(Tier.HOST, 5), eng.block(Tier.HOST, 0))
+        assert ft.entries() == {b"key-0": 13}
+
+
+# --------------------------------------------------------------------------------------------- restart
+
+
+async def test_restart_recovers_verified_blocks_and_nothing_else(layout: KVLayout, tmp_path) -> None:
+    data = {}
+    async with make_engine(layout, tmp_path) as eng:
+        for i in range(8):
+            data[i] = fill_random(eng.block(Tier.HOST, i)).clone()
+        slots = [0, 2, 4, 6, 8, 10, 12, 14]
+        await eng.copy(Tier.HOST, range(8), Tier.FILE, slots, keys=keys(*range(8)))
+        # key 7 rewritten into slot 15: slot 14's copy is superseded
+        await eng.copy(Tier.HOST, [7], Tier.FILE, [15], keys=keys(7))
+        assert eng.file_tier.lookup(b"key-7") == 15
+        ft = eng.file_tier
+        _flip(ft.path, ft.offset(2) + HEADER_SIZE + 5)  # payload of key-1
+        _flip(ft.path, ft.offset(4) + 30)  # header of key-2
+        path = ft.path
+    # a slot written for another position (copied header+payload) is foreign
+    with open(path, "r+b") as f:
+        f.seek(HEADER_SIZE + 6 * (HEADER_SIZE + 4096))
+        slot6 = f.read(HEADER_SIZE + 4096)
+        f.seek(HEADER_SIZE + 9 * (HEADER_SIZE + 4096))
+        f.write(slot6)
+    async with make_engine(layout, tmp_path) as eng:
+        ft = eng.file_tier
+        r = ft.open_report
+        # header mode: key-1's payload damage is found on read; key-2's header damage at open
+        assert (r.scanned, r.bad, r.foreign, r.stale) == (16, 1, 1, 1)
+        expected = {b"key-0": 0, b"key-1": 2, b"key-3": 6, b"key-4": 8, b"key-5": 10, b"key-6": 12, b"key-7": 15}
+        assert ft.entries() == expected
+        with pytest.raises(IntegrityError, match="payload checksum"):
+            await eng.copy(Tier.FILE, [2], Tier.HOST, [0])
+        del expected[b"key-1"]
+        for key, slot in expected.items():
+            i = int(key.split(b"-")[1])
+            await eng.copy(Tier.FILE, [slot], Tier.HOST, [1], keys=[key])
+            assert_blocks_equal(eng.block(Tier.HOST, 1), data[i], f"key {key!r}")
+        # new writes get generations above everything recovered
+        await eng.copy(Tier.HOST, [1], Tier.FILE, [1], keys=keys("new"))
+    async with make_engine(layout, tmp_path, verify_on_open="full") as eng:
+        r = eng.file_tier.open_report
+        assert r.recovered == 7 and r.bad == 2  # full mode also rejects key-1's payload at open
+        assert eng.file_tier.lookup(b"key-1") is None and eng.file_tier.lookup(b"key-new") == 1
+
+
+async def test_restart_with_more_and_fewer_slots(layout: KVLayout, tmp_path) -> None:
+    async with make_engine(layout, tmp_path, blocks=8) as eng:
+        await eng.copy(Tier.HOST, [0, 1], Tier.FILE, [1, 7], keys=keys(0, 1))
+    async with make_engine(layout, tmp_path, blocks=32) as eng:
+        assert eng.file_tier.entries() == {b"key-0": 1, b"key-1": 7}
+        assert eng.file_tier.open_report.empty == 30
+    async with make_engine(layout, tmp_path, blocks=4) as eng:
+        assert eng.file_tier.entries() == {b"key-0": 1}
+        assert os.path.getsize(eng.file_tier.path) == HEADER_SIZE + 4 * eng.file_tier.slot_size
+
+
+async def test_file_permissions_are_0600(layout: KVLayout, tmp_path) -> None:
+    d = tmp_path / "new" / "dir"
+    async with make_engine(layout, d) as eng:
+        mode = stat.S_IMODE(os.stat(eng.file_tier.path).st_mode)
+        assert mode == 0o600
+        assert stat.S_IMODE(os.stat(d).st_mode) & 0o077 == 0
+        assert os.listdir(d) == ["kv.slab"]  # the O_DIRECT probe left nothing behind
+
+
+async def test_reopen_with_another_layout(layout: KVLayout, tmp_path) -> None:
+    async with make_engine(layout, tmp_path) as eng:
+        await eng.copy(Tier.HOST, [0], Tier.FILE, [0], keys=keys(0))
+    other = KVLayout(num_layers=3, num_kv_heads=2, head_dim=16, tokens_per_block=8, dtype=torch.bfloat16)
+    with pytest.raises(LayoutMismatchError, match=r"another layout \(layers=3 kv=2 heads=2 tokens=8 head_dim=16 dtype=float16"):
+        make_engine(other, tmp_path)
+    with pytest.raises(ValueError, match="discard_mismatch=True"):
+        FileTier(other, FileTierConfig(tmp_path, 16, gds="off"))
+    async with make_engine(other, tmp_path, discard_mismatch=True) as eng:
+        r = eng.file_tier.open_report
+        assert r.discarded and r.created and eng.file_tier.entries() == {}
+    (tmp_path / "junk.slab").write_bytes(b"hello" * 2000)
+    with pytest.raises(LayoutMismatchError, match="not a tiered_kv slab"):
+        FileTier(layout, FileTierConfig(tmp_path, 4, name="junk", gds="off"))
+
+
+async def test_open_async_and_remove(layout: KVLayout, tmp_path) -> None:
+    ft = await FileTier.open_async(layout, FileTierConfig(tmp_path / "a", 4, gds="off"))
+    assert os.path.exists(ft.path) and repr(ft).startswith("<FileTier")
+    await ft.remove()
+    assert not os.path.exists(ft.path) and ft.closed
+
+
+@pytest.mark.parametrize("durability", ["none", "flush", "fsync"])
+async def test_durability_modes(layout: KVLayout, tmp_path, durability: str) -> None:
+    async with make_engine(layout, tmp_path, durability=durability) as eng:
+        a = fill_random(eng.block(Tier.HOST, 0)).clone()
+        await eng.copy(Tier.HOST, [0], Tier.FILE, [0], keys=keys(0))
+        await eng.copy(Tier.FILE, [0], Tier.HOST, [1])
+        assert_blocks_equal(eng.block(Tier.HOST, 1), a)
+        assert eng.file_tier.statistics().durability == durability
+
+
+async def test_unaligned_block_size_and_key_types(tmp_path) -> None:
+    # 3 * 1 * 3 * 5 * 7 * 4 bytes = 1260: not a multiple of 512; goes through the bounce path under O_DIRECT
+    odd = KVLayout(num_layers=3, num_kv_heads=3, head_dim=7, tokens_per_block=5, dtype=torch.float32, kv_factor=1)
+    async with make_engine(odd, tmp_path) as eng:
+        src = [fill_random(eng.block(Tier.GPU, i)).clone() for i in range(3)]
+        ks = [b"\x00raw", "text-\u00e9", -(2**100)]
+        await eng.copy(Tier.GPU, [0, 1, 2], Tier.FILE, [0, 1, 2], keys=ks)
+    async with make_engine(odd, tmp_path) as eng:
+        assert eng.file_tier.entries() == {b"\x00raw": 0, "text-\u00e9": 1, -(2**100): 2}
+        await eng.copy(Tier.FILE, [0, 1, 2], Tier.GPU, [5, 6, 7], keys=ks)
+        for i in range(3):
+            assert_blocks_equal(eng.block(Tier.GPU, 5 + i), src[i])
