@@ -96,7 +96,7 @@ def as_indices(value: Iterable[int] | np.ndarray | torch.Tensor, what: str) -> n
         raise TypeError(f"{what} must be a sequence of block indices, got {type(value).__name__}")
     else:
         try:
-            arr = np.asarray(value if isinstance(value, np.ndarray) else list(value))
+            arr = value if isinstance(value, np.ndarray) else np.fromiter(value, dtype=np.int64) if isinstance(value, range) else np.asarray(list(value))
         except TypeError as exc:
             raise TypeError(f"{what} must be a sequence of block indices, got {type(value).__name__}") from exc
     if arr.ndim != 1:
