@@ -113,8 +113,8 @@ def merge_runs(src: np.ndarray, dst: np.ndarray) -> list[tuple[int, int, int]]:
 
     Vectorized: a copy of 4096 consecutive blocks becomes one run, so one DMA.
     """
-    if src.size == 0:
-        return []
+    if src.size <= 1:
+        return [(int(src[0]), int(dst[0]), 1)] if src.size else []
     breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
     starts = np.concatenate(([0], breaks))
     lengths = np.diff(np.concatenate((starts, [src.size])))
