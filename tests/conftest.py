@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
-from collections.abc import Mapping
+import inspect
+from collections.abc import AsyncIterator, Mapping
 
 import pytest
 import torch
@@ -28,23 +29,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-@pytest.fixture(autouse=True)
-def _fail_on_loop_errors(request: pytest.FixtureRequest) -> object:
-    """Fail a test on any unobserved task exception or call of the loop's exception handler."""
-    if not asyncio.iscoroutinefunction(getattr(request.node, "function", None)):
-        yield
-        return
+@pytest.fixture
+async def _loop_errors() -> AsyncIterator[None]:
     errors: list[dict[str, object]] = []
-    loop = None
-    try:
-        loop = asyncio.get_event_loop_policy().get_event_loop()
-    except RuntimeError:
-        pass
-    if loop is not None:
-        loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
     yield
-    gc.collect()
+    gc.collect()  # surface "Task exception was never retrieved" now, while the handler is ours
+    await asyncio.sleep(0)
     assert not errors, f"event loop reported errors: {errors}"
+
+
+@pytest.fixture(autouse=True)
+def _fail_on_loop_errors(request: pytest.FixtureRequest) -> None:
+    """Fail an async test on any unobserved task exception or call of the loop's exception handler."""
+    if inspect.iscoroutinefunction(getattr(request.node, "function", None)):
+        request.getfixturevalue("_loop_errors")
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
