@@ -8,8 +8,8 @@ Each backend is synchronous and non-blocking: it starts work and returns a compl
   on a bounded thread pool; aiofiles for the file-system operations around it.
 * :mod:`tiered_kv.backends.gds` -- kvikio ``CuFile`` (GPUDirect Storage, or kvikio's compat mode).
 
-A file backend is bound to one open file and moves byte ranges between it and buffers (contiguous torch
-tensors: host tensors always, CUDA tensors when ``device_io`` is true). It knows nothing about slots,
+A file backend is bound to one open file and moves byte ranges between it and buffers (contiguous host
+torch tensors or numpy arrays always, CUDA tensors when ``device_io`` is true). It knows nothing about slots,
 headers or checksums: that is :mod:`tiered_kv.filetier`.
 """
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 __all__ = ["Completion", "FileBackend"]
@@ -53,17 +54,21 @@ class FileBackend(Protocol):
         number of bytes moved; it may be *short* (end of file on a read, a device that took fewer bytes
         on a write) -- the caller checks it. Buffers must stay alive and unchanged until the completion
         is done: a backend does not promise to keep a reference.
+
+        ``before``/``after`` let the caller fill a header (checksum the payload) just before the write, and
+        verify what was read, on the thread that does the I/O: no extra thread hop per block. If they
+        raise, the completion fails with that error (``before`` raising means nothing was written).
     """
 
     name: str
     device_io: bool
 
-    def pwrite(self, buffers: Sequence[torch.Tensor], offset: int) -> Completion:
-        """Write ``buffers`` back to back at ``offset``."""
+    def pwrite(self, buffers: Sequence[torch.Tensor | np.ndarray], offset: int, *, before: Callable[[], object] | None = None) -> Completion:
+        """Write ``buffers`` back to back at ``offset``; ``before()`` runs on the I/O thread first."""
         ...
 
-    def pread(self, buffers: Sequence[torch.Tensor], offset: int) -> Completion:
-        """Fill ``buffers`` back to back from ``offset``."""
+    def pread(self, buffers: Sequence[torch.Tensor | np.ndarray], offset: int, *, after: Callable[[int], object] | None = None) -> Completion:
+        """Fill ``buffers`` back to back from ``offset``; ``after(nbytes)`` runs on the I/O thread once they are filled."""
         ...
 
     def sync(self, data_only: bool) -> Completion:

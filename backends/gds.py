@@ -28,9 +28,10 @@ import enum
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from tiered_kv.errors import BackendUnavailable
@@ -188,8 +189,10 @@ def select_backend(mode: GdsMode | str | bool | None = None) -> tuple[str, GdsPr
     return "gds", p
 
 
-def _kvikio_buffer(t: torch.Tensor) -> Any:
+def _kvikio_buffer(t: torch.Tensor | np.ndarray) -> Any:
     """What kvikio accepts: a CUDA tensor (``__cuda_array_interface__``) or a numpy view of a host tensor."""
+    if isinstance(t, np.ndarray):
+        return t.reshape(-1).view(np.uint8)
     if not t.is_contiguous():
         raise ValueError("buffers must be contiguous")
     flat = t.reshape(-1).view(torch.uint8)  # uint8: __cuda_array_interface__ has no bfloat16/fp8
@@ -252,51 +255,57 @@ class GdsBackend:
         self._closed = False
         self.threads = threads
 
-    def _check(self, buffers: Sequence[torch.Tensor]) -> list[Any]:
+    def _check(self, buffers: Sequence[torch.Tensor | np.ndarray]) -> list[Any]:
         if self._closed:
             raise RuntimeError("the gds backend is closed")
         out = []
         for b in buffers:
-            if not isinstance(b, torch.Tensor):
-                raise TypeError(f"buffers must be torch tensors, got {type(b).__name__}")
-            if b.is_cuda and not self.device_io:
+            if not isinstance(b, (torch.Tensor, np.ndarray)):
+                raise TypeError(f"buffers must be torch tensors or numpy arrays, got {type(b).__name__}")
+            if isinstance(b, torch.Tensor) and b.is_cuda and not self.device_io:
                 raise TypeError("this gds backend was opened without device_io; pass host buffers")
             out.append(_kvikio_buffer(b))
         return out
 
-    def _start(self, method: str, buffers: Sequence[torch.Tensor], offset: int) -> concurrent.futures.Future[int]:
+    def _start(self, write: bool, buffers: Sequence[torch.Tensor | np.ndarray], offset: int, hook: Any) -> concurrent.futures.Future[int]:
         arrays = self._check(buffers)
-        futures = []
-        pos = offset
-        call = getattr(self._file, method)
-        try:
-            for arr, b in zip(arrays, buffers, strict=True):
-                futures.append(call(arr, b.nbytes, pos))
-                pos += b.nbytes
-        except BaseException:
-            for fut in futures:  # the buffers must outlive I/O already started
-                try:
-                    fut.get()
-                except Exception:  # noqa: BLE001, S110 - the first error is the one to report
-                    pass
-            raise
-        def wait(_keep: object) -> int:
-            # ``_keep`` (the tensors and kvikio's views of them) stays referenced by the executor's work
-            # item until this returns: the IOFutures do not keep the memory alive.
-            total = 0
-            for fut in futures:
-                total += int(fut.get())  # get() consumes the future: call it exactly once
+        call = self._file.pwrite if write else self._file.pread
+        sizes = [b.nbytes for b in buffers]
+
+        def run(_keep: object) -> int:
+            # ``_keep`` (the tensors and kvikio's views of them) stays referenced by the executor's work item
+            # until this returns: kvikio's IOFutures do not keep the memory alive.
+            if write and hook is not None:
+                hook()
+            futures = []
+            pos = offset
+            try:
+                for arr, size in zip(arrays, sizes, strict=True):
+                    futures.append(call(arr, size, pos))
+                    pos += size
+            finally:
+                total = 0
+                for fut in futures:
+                    total += int(fut.get())  # get() consumes the future: call it exactly once
+            if not write and hook is not None:
+                hook(total)
             return total
 
-        return self._pool.submit(wait, (tuple(buffers), arrays))
+        if self._closed:
+            raise RuntimeError("the gds backend is closed")
+        return self._pool.submit(run, (tuple(buffers), arrays))
 
-    def pwrite(self, buffers: Sequence[torch.Tensor], offset: int) -> concurrent.futures.Future[int]:
+    def pwrite(
+        self, buffers: Sequence[torch.Tensor | np.ndarray], offset: int, *, before: Callable[[], object] | None = None
+    ) -> concurrent.futures.Future[int]:
         """Write ``buffers`` back to back at ``offset`` (host or, with ``device_io``, CUDA tensors)."""
-        return self._start("pwrite", buffers, offset)
+        return self._start(True, buffers, offset, before)
 
-    def pread(self, buffers: Sequence[torch.Tensor], offset: int) -> concurrent.futures.Future[int]:
-        """Fill ``buffers`` back to back from ``offset``."""
-        return self._start("pread", buffers, offset)
+    def pread(
+        self, buffers: Sequence[torch.Tensor | np.ndarray], offset: int, *, after: Callable[[int], object] | None = None
+    ) -> concurrent.futures.Future[int]:
+        """Fill ``buffers`` back to back from ``offset``; ``after(nbytes)`` runs on the completion thread."""
+        return self._start(False, buffers, offset, after)
 
     def sync(self, data_only: bool) -> concurrent.futures.Future[int]:
         """``fdatasync`` / ``fsync`` the file."""

@@ -29,7 +29,8 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import aiofiles.os
 import numpy as np
@@ -37,6 +38,7 @@ import torch
 
 __all__ = [
     "DIRECT_ALIGN",
+    "Buffer",
     "PosixBackend",
     "aligned_empty",
     "create_file",
@@ -51,6 +53,9 @@ log = logging.getLogger(__name__)
 
 #: Alignment of buffers, lengths and offsets for O_DIRECT (and of every slab slot).
 DIRECT_ALIGN = 4096
+
+#: What backends read into and write from: contiguous host tensors or numpy arrays (CUDA tensors with GDS).
+Buffer = torch.Tensor | np.ndarray
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -152,11 +157,16 @@ async def remove_file(path: str | os.PathLike[str]) -> bool:
     return True
 
 
-def _host_views(buffers: Sequence[torch.Tensor]) -> list[memoryview]:
+def _host_views(buffers: Sequence[Buffer]) -> list[memoryview]:
     views = []
     for b in buffers:
+        if isinstance(b, np.ndarray):
+            if not b.flags.c_contiguous:
+                raise ValueError("buffers must be contiguous")
+            views.append(memoryview(b).cast("B"))
+            continue
         if not isinstance(b, torch.Tensor):
-            raise TypeError(f"buffers must be torch tensors, got {type(b).__name__}")
+            raise TypeError(f"buffers must be torch tensors or numpy arrays, got {type(b).__name__}")
         if b.device.type != "cpu":
             raise TypeError(f"the posix backend needs host buffers, got one on {b.device}")
         if not b.is_contiguous():
@@ -165,8 +175,12 @@ def _host_views(buffers: Sequence[torch.Tensor]) -> list[memoryview]:
     return views
 
 
-def _aligned(buffers: Sequence[torch.Tensor]) -> bool:
-    return all(b.data_ptr() % DIRECT_ALIGN == 0 and b.nbytes % DIRECT_ALIGN == 0 for b in buffers)
+def _aligned(buffers: Sequence[Buffer]) -> bool:
+    for b in buffers:
+        ptr, nbytes = (b.ctypes.data, b.nbytes) if isinstance(b, np.ndarray) else (b.data_ptr(), b.nbytes)
+        if ptr % DIRECT_ALIGN or nbytes % DIRECT_ALIGN:
+            return False
+    return True
 
 
 def _advance(views: list[memoryview], n: int) -> list[memoryview]:
@@ -215,17 +229,27 @@ class PosixBackend:
 
     # -------------------------------------------------------------------------------- public
 
-    def pwrite(self, buffers: Sequence[torch.Tensor], offset: int) -> concurrent.futures.Future[int]:
-        """Write ``buffers`` back to back at ``offset``; the future's result is the bytes written."""
-        views = _host_views(buffers)
-        direct = self.direct and _aligned(buffers)
-        return self._submit(self._write, views, offset, direct, tuple(buffers))
+    def pwrite(
+        self, buffers: Sequence[Buffer], offset: int, *, before: Callable[[], object] | None = None
+    ) -> concurrent.futures.Future[int]:
+        """Write ``buffers`` back to back at ``offset``; the future's result is the bytes written.
 
-    def pread(self, buffers: Sequence[torch.Tensor], offset: int) -> concurrent.futures.Future[int]:
-        """Fill ``buffers`` back to back from ``offset``; the future's result is the bytes read."""
+        ``before()`` runs on the I/O thread just before the write (e.g. to fill a header).
+        """
         views = _host_views(buffers)
         direct = self.direct and _aligned(buffers)
-        return self._submit(self._read, views, offset, direct, tuple(buffers))
+        return self._submit(self._write, views, offset, direct, (tuple(buffers), before))
+
+    def pread(
+        self, buffers: Sequence[Buffer], offset: int, *, after: Callable[[int], object] | None = None
+    ) -> concurrent.futures.Future[int]:
+        """Fill ``buffers`` back to back from ``offset``; the future's result is the bytes read.
+
+        ``after(nbytes)`` runs on the I/O thread once the buffers are filled (e.g. to verify them).
+        """
+        views = _host_views(buffers)
+        direct = self.direct and _aligned(buffers)
+        return self._submit(self._read, views, offset, direct, (tuple(buffers), after))
 
     def sync(self, data_only: bool) -> concurrent.futures.Future[int]:
         """``fdatasync`` (``data_only``) or ``fsync``; the result is 0."""
@@ -258,7 +282,7 @@ class PosixBackend:
             raise RuntimeError("the posix backend is closed")
         if offset < 0:
             raise ValueError(f"offset must be >= 0, got {offset}")
-        # ``keep`` holds the tensors until the worker is done with their memory.
+        # ``keep`` = (tensors, hook): the tensors stay referenced until the worker is done with their memory.
         return self._pool.submit(fn, views, offset, direct, keep)
 
     def _bounce(self, nbytes: int) -> memoryview:
@@ -269,7 +293,9 @@ class PosixBackend:
             buf = self._local.buf = memoryview(self._local.tensor.numpy())
         return buf[:nbytes]
 
-    def _write(self, views: list[memoryview], offset: int, direct: bool, keep: object) -> int:
+    def _write(self, views: list[memoryview], offset: int, direct: bool, keep: tuple[object, Any]) -> int:
+        if keep[1] is not None:
+            keep[1]()
         total = sum(len(v) for v in views)
         fd = self._fd
         # O_DIRECT only for whole aligned blocks of the file; anything else goes through the page cache.
@@ -293,7 +319,7 @@ class PosixBackend:
             todo = _advance(todo, n)
         return min(done, total)
 
-    def _read(self, views: list[memoryview], offset: int, direct: bool, keep: object) -> int:
+    def _read(self, views: list[memoryview], offset: int, direct: bool, keep: tuple[object, Any]) -> int:
         total = sum(len(v) for v in views)
         fd = self._fd
         targets = views
@@ -319,4 +345,6 @@ class PosixBackend:
                 k = max(0, min(len(v), done - pos))
                 v[:k] = bounce[pos : pos + k]
                 pos += len(v)
+        if keep[1] is not None:
+            keep[1](done)
         return done

@@ -21,12 +21,14 @@ import errno
 import os
 import threading
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
 
+import numpy as np
 import torch
 
 from tiered_kv.backends import FileBackend
-from tiered_kv.backends.posix import DIRECT_ALIGN
+from tiered_kv.backends.posix import DIRECT_ALIGN, Buffer
 
 __all__ = ["FaultyBackend"]
 
@@ -41,14 +43,14 @@ def _hits(spec: Calls, n: int) -> bool:
     return n in spec
 
 
-def _truncate(buffers: Sequence[torch.Tensor], nbytes: int) -> list[torch.Tensor]:
-    out = []
+def _truncate(buffers: Sequence[Buffer], nbytes: int) -> list[Buffer]:
+    out: list[Buffer] = []
     for b in buffers:
         if nbytes <= 0:
             break
-        flat = b.reshape(-1).view(torch.uint8)
-        out.append(flat[:nbytes] if flat.numel() > nbytes else flat)
-        nbytes -= flat.numel()
+        flat = b.reshape(-1).view(np.uint8) if isinstance(b, np.ndarray) else b.reshape(-1).view(torch.uint8)
+        out.append(flat[:nbytes] if flat.shape[0] > nbytes else flat)
+        nbytes -= flat.shape[0]
     return out
 
 
@@ -98,7 +100,7 @@ class FaultyBackend:
         self.reads = 0
         self.faults = 0
 
-    def _run(self, write: bool, buffers: Sequence[torch.Tensor], offset: int) -> concurrent.futures.Future[int]:
+    def _run(self, write: bool, buffers: Sequence[Buffer], offset: int, hook: Any) -> concurrent.futures.Future[int]:
         with self._lock:
             if write:
                 self.writes += 1
@@ -122,18 +124,20 @@ class FaultyBackend:
                 raise OSError(code, f"{os.strerror(code)} (injected on {'write' if write else 'read'} #{n})")
             bufs = list(keep)
             if short:
-                total = sum(b.nbytes for b in bufs)
+                total = sum(int(b.nbytes) for b in bufs)
                 bufs = _truncate(bufs, max(DIRECT_ALIGN, total // 2 // DIRECT_ALIGN * DIRECT_ALIGN))
-            fut = self.inner.pwrite(bufs, offset) if write else self.inner.pread(bufs, offset)
+            fut = self.inner.pwrite(bufs, offset, before=hook) if write else self.inner.pread(bufs, offset, after=hook)
             return fut.result()
 
         return self._pool.submit(work)
 
-    def pwrite(self, buffers: Sequence[torch.Tensor], offset: int) -> concurrent.futures.Future[int]:
-        return self._run(True, buffers, offset)
+    def pwrite(self, buffers: Sequence[Buffer], offset: int, *, before: Callable[[], object] | None = None,
+               ) -> concurrent.futures.Future[int]:
+        return self._run(True, buffers, offset, before)
 
-    def pread(self, buffers: Sequence[torch.Tensor], offset: int) -> concurrent.futures.Future[int]:
-        return self._run(False, buffers, offset)
+    def pread(self, buffers: Sequence[Buffer], offset: int, *, after: Callable[[int], object] | None = None,
+              ) -> concurrent.futures.Future[int]:
+        return self._run(False, buffers, offset, after)
 
     def sync(self, data_only: bool) -> concurrent.futures.Future[int]:
         return self.inner.sync(data_only)

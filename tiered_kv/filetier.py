@@ -67,6 +67,7 @@ __all__ = ["Durability", "FileTier", "FileTierConfig", "FileTierStatistics", "Op
 log = logging.getLogger(__name__)
 
 Done = Callable[[BaseException | None], None]
+Buffer = torch.Tensor | np.ndarray
 
 _EMPTY, _PENDING, _VALID = 0, 1, 2
 
@@ -296,10 +297,11 @@ class FileTier:
         self._workers = concurrent.futures.ThreadPoolExecutor(config.io_threads, thread_name_prefix="tiered_kv-filetier")
         self._staging: _Staging | None = None
         self._staging_lock = threading.Lock()
-        self._zero_pad = aligned_empty(self.pad_bytes) if self.pad_bytes else None
+        # Padding after a payload whose size is not a multiple of 4096: zeros written, bytes read discarded.
+        self._zero_pad = aligned_empty(self.pad_bytes).numpy() if self.pad_bytes else None
         if self._zero_pad is not None:
-            self._zero_pad.zero_()
-        self._trash_pad = aligned_empty(self.pad_bytes) if self.pad_bytes else None
+            self._zero_pad[:] = 0
+        self._trash_pad = aligned_empty(self.pad_bytes).numpy() if self.pad_bytes else None
         r = self.open_report
         log.info(
             "file tier %s: %d slots of %d bytes, backend %s (direct=%s), recovered %d, bad %d, foreign %d, %.3f s",
@@ -702,11 +704,34 @@ class _FileOp:
     # entry point ------------------------------------------------------------------------------
 
     def start(self, done: Done) -> None:
+        """Hand the launch to a worker thread and return: the loop thread does O(1) work per transfer.
+
+        Args:
+            done: called once with ``None`` or the error, from whichever thread finishes last.
+        """
         self._done = done
         if not self.slots:
             done(None)
             return
+        self.tier._workers.submit(self._launch).add_done_callback(self._launch_failed)
+
+    def _launch_failed(self, fut: concurrent.futures.Future[None]) -> None:
+        exc = fut.exception()
+        if exc is not None:  # only a bug or an allocation failure (staging) gets here
+            with self._lock:
+                started = self._left != len(self.slots) or self._error is not None
+            if not started:
+                if self.write:
+                    self.tier._finish_write(self.slots, self.gens, False)
+                assert self._done is not None
+                self._done(TransferError(f"starting a file copy of {len(self.slots)} blocks failed: {exc!r}"))
+
+    def _launch(self) -> None:
         staging = self.tier._staging_pool() if self.stream is not None else None
+        n = len(self.slots)
+        self._hdrs = aligned_empty(HEADER_SIZE * n).numpy().reshape(n, HEADER_SIZE)  # one aligned header per block
+        if staging is None:
+            self._pool_np = self.pool.reshape(self.pool.shape[0], -1).view(torch.uint8).numpy()  # block -> bytes
         for j in range(len(self.slots)):
             if staging is not None:
                 staging.acquire(lambda buf, j=j: self._guard(j, buf, self._run_staged))
@@ -728,60 +753,55 @@ class _FileOp:
         return self.pool[self.blocks[j]].reshape(-1).view(torch.uint8)
 
     def _run_host(self, j: int, buf: int | None) -> None:
-        payload = self._payload(j)
+        # numpy views: a few hundred ns per block, where torch indexing costs microseconds
+        payload = self._pool_np[self.blocks[j]]
+        hdr = self._hdrs[j]
         if self.write:
-            self._then(self.tier._workers.submit(self._header_for, j, payload), j, buf,
-                       lambda hdr: self._write(j, buf, hdr, payload))
+            self._write(j, buf, hdr, payload, payload)
         else:
-            hdr = aligned_empty(HEADER_SIZE)
-            self._read(j, buf, hdr, payload, lambda: self._then(
-                self.tier._workers.submit(self._verify, j, hdr, payload), j, buf, lambda _: self._job_done(j, buf, None)))
+            self._read(j, buf, hdr, payload, verify_with=payload, then=lambda: self._job_done(j, buf, None))
 
     # GPU pools through staging ---------------------------------------------------------------------
 
     def _run_staged(self, j: int, buf: int | None) -> None:
         assert buf is not None and self.stream is not None
-        tier = self.tier
-        staging = tier._staging_pool().tensor[buf]
+        stream = self.stream
+        staging = self.tier._staging_pool().tensor[buf]
         block = self._payload(j)
-        io_payload = block if self.direct_device else staging
+        hdr = self._hdrs[j]
+
+        def d2h() -> None:
+            with self._cuda_device():
+                staging.copy_(block, non_blocking=True)
+
         if self.write:
-
-            def d2h() -> None:
-                with self._cuda_device():
-                    staging.copy_(block, non_blocking=True)
-
-            def staged() -> None:  # stream waiter / worker thread: the bytes are on the host now
-                self._guard(j, buf, lambda j, buf: self._then(
-                    tier._workers.submit(self._header_for, j, staging), j, buf, lambda hdr: self._write(j, buf, hdr, io_payload)))
-
-            self.stream.submit(d2h)
-            self.stream.notify(staged)
+            # GPU block -> staging on the offload stream; then (stream waiter thread) start the write. With GDS
+            # the payload goes from the GPU block itself; the staged copy is what the checksum is taken of.
+            stream.submit(d2h)
+            stream.notify(lambda: self._guard(j, buf, lambda j, buf: self._write(
+                j, buf, hdr, block if self.direct_device else staging, staging)))
             return
-
-        hdr = aligned_empty(HEADER_SIZE)
-
-        def after_read() -> None:
-            if self.direct_device:  # the payload is in the GPU block: bring a copy over to verify it
-                def d2h() -> None:
-                    with self._cuda_device():
-                        staging.copy_(block, non_blocking=True)
-
-                self.stream.submit(d2h)  # type: ignore[union-attr]
-                self.stream.notify(lambda: self._guard(j, buf, lambda j, buf: self._then(  # type: ignore[union-attr]
-                    tier._workers.submit(self._verify, j, hdr, staging), j, buf, lambda _: self._job_done(j, buf, None))))
-                return
-            self._then(tier._workers.submit(self._verify, j, hdr, staging), j, buf, lambda _: h2d())
 
         def h2d() -> None:
             def copy() -> None:
                 with self._cuda_device():
                     block.copy_(staging, non_blocking=True)
 
-            self.stream.submit(copy)  # type: ignore[union-attr]
-            self.stream.notify(lambda: self._job_done(j, buf, None))  # type: ignore[union-attr]
+            stream.submit(copy)
+            stream.notify(lambda: self._job_done(j, buf, None))
 
-        self._read(j, buf, hdr, io_payload, after_read)
+        if not self.direct_device:
+            # file -> staging, verified on the I/O thread, and only then staging -> GPU block: a block that fails
+            # verification never reaches the GPU pool.
+            self._read(j, buf, hdr, staging, verify_with=staging, then=lambda: self._guard(j, buf, lambda j, buf: h2d()))
+            return
+
+        def after_direct_read() -> None:  # GDS read the payload into the GPU block: bring a copy over to verify it
+            stream.submit(d2h)
+            stream.notify(lambda: self._guard(j, buf, lambda j, buf: self._then(
+                self.tier._workers.submit(self._verify, j, hdr, staging), j, buf, lambda _: self._job_done(j, buf, None))))
+
+        self._read(j, buf, hdr, block, verify_with=None, then=lambda: self._guard(j, buf, lambda j, buf: after_direct_read()))
 
     def _cuda_device(self) -> Any:
         import contextlib
@@ -791,17 +811,16 @@ class _FileOp:
 
     # steps -----------------------------------------------------------------------------------------
 
-    def _header_for(self, j: int, payload: torch.Tensor) -> torch.Tensor:
+    def _write(self, j: int, buf: int | None, hdr: np.ndarray, payload: Buffer, host_payload: Buffer) -> None:
+        """Write slot ``j``: the header is filled (payload checksummed) on the I/O thread, right before the write."""
         tier = self.tier
-        hdr = aligned_empty(HEADER_SIZE)
-        pack_header(memoryview(hdr.numpy()), tier._fingerprint, self.slots[j], self.gens[j], self.keys[j], tier.payload_bytes,
-                    payload_checksum(payload))
-        return hdr
 
-    def _write(self, j: int, buf: int | None, hdr: torch.Tensor, payload: torch.Tensor) -> None:
-        tier = self.tier
+        def fill_header() -> None:
+            pack_header(memoryview(hdr), tier._fingerprint, self.slots[j], self.gens[j], self.keys[j],
+                        tier.payload_bytes, payload_checksum(host_payload))
+
         bufs = [hdr, payload] + ([tier._zero_pad] if tier._zero_pad is not None else [])
-        fut = tier.backend.pwrite(bufs, tier.offset(self.slots[j]))
+        fut = tier.backend.pwrite(bufs, tier.offset(self.slots[j]), before=fill_header)
 
         def written(n: int) -> None:
             if n != tier.slot_size:
@@ -810,22 +829,25 @@ class _FileOp:
 
         self._then(fut, j, buf, written)
 
-    def _read(self, j: int, buf: int | None, hdr: torch.Tensor, payload: torch.Tensor, then: Callable[[], None]) -> None:
+    def _read(self, j: int, buf: int | None, hdr: np.ndarray, payload: Buffer, *,
+              verify_with: Buffer | None, then: Callable[[], None]) -> None:
+        """Read slot ``j``; the length check and (with ``verify_with``) verification run on the I/O thread."""
         tier = self.tier
-        bufs = [hdr, payload] + ([tier._trash_pad] if tier._trash_pad is not None else [])
-        fut = tier.backend.pread(bufs, tier.offset(self.slots[j]))
 
-        def read(n: int) -> None:
+        def check(n: int) -> None:
             if n < HEADER_SIZE + tier.payload_bytes:
                 raise IntegrityError(f"file slot {self.slots[j]}: short read ({n} of {tier.slot_size} bytes; the file is truncated)")
-            then()
+            if verify_with is not None:
+                self._verify(j, hdr, verify_with)
 
-        self._then(fut, j, buf, read)
+        bufs = [hdr, payload] + ([tier._trash_pad] if tier._trash_pad is not None else [])
+        fut = tier.backend.pread(bufs, tier.offset(self.slots[j]), after=check)
+        self._then(fut, j, buf, lambda _: then())
 
-    def _verify(self, j: int, hdr: torch.Tensor, payload: torch.Tensor) -> None:
+    def _verify(self, j: int, hdr: np.ndarray, payload: Buffer) -> None:
         tier = self.tier
         slot = self.slots[j]
-        h = unpack_header(memoryview(hdr.numpy()))
+        h = unpack_header(memoryview(hdr))
         why = None
         if h is None:
             why = "the slot header is empty"

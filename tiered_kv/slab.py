@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import struct
 
+import numpy as np
 import torch
 import xxhash
 
@@ -116,7 +117,7 @@ def normalize_key(key: Key) -> Key:
     return decode_key(tag, raw)
 
 
-def payload_checksum(payload: torch.Tensor | memoryview | bytes) -> bytes:
+def payload_checksum(payload: torch.Tensor | np.ndarray | memoryview | bytes) -> bytes:
     """xxh3-128 digest of a host payload (16 bytes)."""
     if isinstance(payload, torch.Tensor):
         payload = memoryview(payload.reshape(-1).view(torch.uint8).numpy())
