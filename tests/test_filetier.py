@@ -16,14 +16,14 @@ from tiered_kv.slab import HEADER_SIZE
 from tiered_kv.testing import FaultyBackend, assert_blocks_equal, fill_random
 
 try:
-    import kvikio  # noqa: F401
+    import kvikio
 
     HAS_KVIKIO = True
-except Exception:  # noqa: BLE001
+except Exception:
     HAS_KVIKIO = False
 
 
-def _posix(path: str):  # noqa: ANN202
+def _posix(path: str):
     from tiered_kv.backends.posix import PosixBackend
 
     return PosixBackend(path, threads=2)

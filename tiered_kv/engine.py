@@ -431,7 +431,8 @@ class TransferEngine:
         file_keys = None
         if Tier.FILE in (src_t, dst_t):
             assert self._file is not None
-            file_keys = self._file.validate(src_t, s, dst_t, d, num_tokens, None if keys is None else list(keys))  # type: ignore[arg-type]
+            key_list = None if keys is None else list(keys)
+            file_keys = self._file.validate(src_t, s, dst_t, d, num_tokens, key_list)  # type: ignore[arg-type]
         elif keys is not None:
             raise ValueError("keys are only used by copies to or from the file tier")
 
@@ -451,7 +452,7 @@ class TransferEngine:
         deps = self._fences.dependencies(reads, writes)
         if Tier.FILE in (src_t, dst_t):
             assert self._file is not None
-            op: Op = self._file.copy_op(src_t, src_pool, s, dst_t, dst_pool, d, file_keys, self._streams)  # type: ignore[assignment]
+            op: Op = self._file.copy_op(src_t, src_pool, s, dst_t, dst_pool, d, file_keys, self._streams)  # type: ignore
         else:
             op = self._block_copy_op(src_pool, s, dst_pool, d, n)
         stream_deps: list[Marker] = []
