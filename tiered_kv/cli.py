@@ -150,6 +150,29 @@ def _doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------------------ soak
+
+
+async def _soak(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from .soak import SoakConfig, SoakFailure, soak
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    config = SoakConfig(ops=args.ops, seed=args.seed, tasks=args.tasks, device=device)
+    with tqdm(total=args.ops, unit="op", desc=f"soak seed={args.seed} on {device}", disable=args.quiet) as bar:
+        try:
+            report = await soak(config, progress=lambda done: bar.update(done - bar.n))
+        except SoakFailure as failure:
+            print(f"FAILED: {failure}", file=sys.stderr)
+            return 1
+    print(f"ok: {report.ops} ops, {report.checked_blocks} block checks, {report.cancelled} cancelled waits, "
+          f"{report.forgotten} unawaited, {report.stalls} stalls in {report.seconds:.1f} s; close() {report.close_seconds * 1e3:.1f} ms")
+    return 0
+
+
 # ------------------------------------------------------------------------------------------ main
 
 
@@ -181,6 +204,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", default="bench-tiered-kv.json", help="output file (default: %(default)s)")
     bench.add_argument("--only", nargs="+", metavar="NAME", help=f"run only these ({', '.join(BENCHMARKS)})")
     bench.set_defaults(func=_bench)
+
+    soak = sub.add_parser("soak", help="randomized soak with stalls and cancellations; every byte checked against a shadow model")
+    soak.add_argument("--ops", type=_positive, default=20_000, help="copies to issue (default: %(default)s)")
+    soak.add_argument("--seed", type=int, default=0, help="seed of the op sequence (default: %(default)s)")
+    soak.add_argument("--tasks", type=_positive, default=16, help="concurrent tasks (default: %(default)s)")
+    soak.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
+    soak.add_argument("--quiet", action="store_true", help="no progress bar")
+    soak.set_defaults(func=lambda a: _run_loop(_soak(a)))
 
     doctor = sub.add_parser("doctor", help="report CUDA, kvikio/GDS, pinned-memory limits, uvloop; what to do if missing")
     doctor.add_argument("--dir", default=os.getcwd(), help="directory to check for the file tier (default: cwd)")

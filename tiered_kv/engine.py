@@ -101,6 +101,13 @@ class Transfer:
         """``time.perf_counter()`` when the device finished the copy (before the loop heard of it)."""
         return self._marker.done_at if self._marker.completed else None
 
+    def add_done_callback(self, callback: Callable[[Transfer], None]) -> None:
+        """Call ``callback(transfer)`` on the event loop once the copy has completed (at once if it has).
+
+        Unlike awaiting, this needs no task: fire-and-forget copies can still be observed.
+        """
+        self._marker.add_done_callback(lambda: callback(self))
+
     def exception(self) -> BaseException | None:
         """The error the copy failed with, or ``None``.
 
