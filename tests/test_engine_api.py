@@ -8,8 +8,8 @@ import threading
 import numpy as np
 import pytest
 import torch
-
 from helpers import fill_pool, same, snapshot
+
 from tiered_kv import EngineClosedError, KVLayout, Tier, TransferEngine, TransferError
 from tiered_kv.testing import stall
 

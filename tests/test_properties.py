@@ -152,13 +152,17 @@ def test_layout_fuzz(layers, heads, dim, tokens, dtype, kv):
 
 
 @settings(max_examples=100, deadline=None)
-@given(gpu=st.one_of(junk, st.integers(0, 2**70)), host=st.one_of(junk, st.integers(0, 2**70)), device=st.one_of(st.sampled_from(["cpu", "auto", "tpu", "cuda:x", ""]), junk))
+@given(
+    gpu=st.one_of(junk, st.integers(0, 2**70)),
+    host=st.one_of(junk, st.integers(0, 2**70)),
+    device=st.one_of(st.sampled_from(["cpu", "auto", "tpu", "cuda:x", ""]), junk),
+)
 def test_engine_constructor_fuzz(gpu, host, device):
     try:
         engine = TransferEngine(LAYOUT, gpu_blocks=gpu, host_blocks=host, device=device)
     except (ValueError, TypeError, MemoryError):
         return
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         from tiered_kv import BackendUnavailable
 
         assert isinstance(exc, BackendUnavailable)  # asked for CUDA on a machine without it

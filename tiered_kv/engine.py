@@ -472,7 +472,7 @@ class TransferEngine:
         def run() -> None:
             try:
                 op()
-            except BaseException as exc:  # noqa: BLE001 - reported to whoever awaits the transfer
+            except BaseException as exc:
                 marker.error = exc
 
         lane = marker.lane

@@ -225,9 +225,9 @@ async def _run(config: SoakConfig, ops: list[_Op]) -> SoakReport:
         if not failures:
             for t in tiers:
                 actual = engine.pool(t).tensor.detach().cpu()
-                for i in range(actual.shape[0]):
-                    if not _same(actual[i], shadow.pools[t][i]):
-                        failures.append(f"end: {t.name} block {i} differs from the shadow")
+                failures.extend(
+                    f"end: {t.name} block {i} differs from the shadow" for i in range(actual.shape[0]) if not _same(actual[i], shadow.pools[t][i])
+                )
         stats = engine.statistics()
         if stats.fences.fenced_blocks or stats.in_flight or stats.deferred:
             failures.append(f"left behind after drain: {stats}")
