@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import importlib
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Final, Literal
 
 import numpy as np
@@ -238,72 +239,83 @@ def gather_block_offsets(
     dst: torch.Tensor,
     src: torch.Tensor,
     idx: torch.Tensor,
-    scale: torch.Tensor,
-    v_offset: torch.Tensor,
+    scale: torch.Tensor | None,
+    v_offset: torch.Tensor | None,
+    max_blocks: int,
     sentinel: int = NO_BLOCK,
 ) -> None:
-    """``dst[p, s, k, j] = scale[p] * src[p, idx[s], k, j] + (k == 1 ? v_offset[p] : 0)``; sentinel passes through.
+    """``dst[p, s, k, j] = scale[p] * src[p, idx[s], k, j] + (k == 1 ? v_offset[p] : 0)`` for ``j < max_blocks``.
 
-    The adapter between staging and the block-offset gather op: it uses ``tiered_kv.ops.gather_block_offsets``
-    (the extension kernel, which reads ``src``/``idx``/``scale``/``v_offset`` from pinned host memory) when
-    that module is importable, and otherwise a vectorized torch implementation with the same semantics.
-    Call it from inside a stream op: like the kernel, it reads its host inputs when the stream executes it.
+    The one adapter between staging and the block-offset gather op: it calls the extension op
+    ``tiered_kv.ops.gather_block_offsets`` (issue 3; on CUDA a kernel that reads ``src``, ``idx``, ``scale``
+    and ``v_offset`` from pinned host memory) when that module is importable, and otherwise a vectorized
+    torch implementation with the same semantics. Call it from inside a stream op: either way it reads
+    its host inputs when the stream *executes* it (the torch path through async H2D copies on CUDA).
 
     Args:
-        dst: ``[pools, seqs, kv, width]`` int32 on the device (may be a view of a larger table).
-        src: ``[pools, rows, kv, >= width]`` int32 host table; only the first ``width`` columns are read.
-        idx: ``[seqs]`` row of ``src`` for each output sequence.
-        scale: ``[pools]`` multiplier per pool.
-        v_offset: ``[pools]`` added to the V half (``k == 1``) per pool.
-        sentinel: the "no block" value, copied unchanged.
+        dst: ``[pools, seqs, kv, >= max_blocks]`` int32 on the device (may be a view of a larger table).
+        src: ``[pools, rows, kv, >= max_blocks]`` int32 host table (contiguous).
+        idx: ``[seqs]`` int32/int64: the row of ``src`` for each output sequence.
+        scale: ``[pools]`` int32 multiplier per pool (``None``: 1).
+        v_offset: ``[pools]`` int32 added to the V entries (``k == 1``) per pool (``None``: 0).
+        max_blocks: columns to write; the rest of ``dst`` is untouched.
+        sentinel: the "no block" value, written unchanged (not scaled or offset).
     """
     kernel = _kernel_gather()
-    if kernel is not None:
-        kernel(dst, src, idx, scale, v_offset, sentinel)
-        return
-    _torch_gather_block_offsets(dst, src, idx, scale, v_offset, sentinel)
+    if kernel is None:
+        _torch_gather_block_offsets(dst, src, idx, scale, v_offset, max_blocks, sentinel)
+    elif dst.is_contiguous():
+        kernel(dst, src, idx, scale=scale, v_offset=v_offset, max_blocks=max_blocks, sentinel=sentinel)
+    else:
+        # The op wants a contiguous dst; a batch smaller than the device table is a strided view of it.
+        tmp = torch.empty((*dst.shape[:3], max_blocks), dtype=dst.dtype, device=dst.device)
+        kernel(tmp, src, idx, scale=scale, v_offset=v_offset, max_blocks=max_blocks, sentinel=sentinel)
+        dst[..., :max_blocks].copy_(tmp)
 
 
 _KERNEL_LOOKED_UP = False
-_KERNEL = None
+_KERNEL: Callable[..., object] | None = None
 
 
-def _kernel_gather():  # type: ignore[no-untyped-def]
+def _kernel_gather() -> Callable[..., object] | None:
     """``tiered_kv.ops.gather_block_offsets`` (issue 3) when it exists, else None; looked up once."""
     global _KERNEL_LOOKED_UP, _KERNEL
     if not _KERNEL_LOOKED_UP:
         _KERNEL_LOOKED_UP = True
         try:
-            from . import ops  # type: ignore[attr-defined]
-
-            _KERNEL = getattr(ops, "gather_block_offsets", None)
+            ops = importlib.import_module(f"{__package__}.ops")
         except ImportError:
-            _KERNEL = None
+            ops = None
+        _KERNEL = getattr(ops, "gather_block_offsets", None)
     return _KERNEL
 
 
 def _torch_gather_block_offsets(
-    dst: torch.Tensor, src: torch.Tensor, idx: torch.Tensor, scale: torch.Tensor, v_offset: torch.Tensor, sentinel: int
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    idx: torch.Tensor,
+    scale: torch.Tensor | None,
+    v_offset: torch.Tensor | None,
+    max_blocks: int,
+    sentinel: int,
 ) -> None:
-    pools, seqs, kv, width = dst.shape
-    if seqs == 0 or width == 0:
+    pools, seqs, kv, _ = dst.shape
+    if seqs == 0 or max_blocks == 0:
         return
     target = dst.device
     # On CUDA these are async H2D copies on the current stream: the host inputs are read at execution time,
-    # exactly as the kernel reads them (so a racy caller is still racy, and a snapshot caller is safe).
-    rows = src[..., :width]
+    # exactly as the kernel reads them (so a racy caller stays racy, and a snapshot caller is safe).
+    rows = src[..., :max_blocks]
     if rows.device != target:
-        if not rows.is_contiguous():
-            # Copy only the columns we need, yet keep reading host memory at execution time (no host temp).
-            rows = src.to(target, non_blocking=True)[..., :width]
-        else:
-            rows = rows.to(target, non_blocking=True)
-    index = idx.to(target, non_blocking=True).long()
-    mul = scale.to(target, non_blocking=True).view(pools, 1, 1, 1)
-    add = v_offset.to(target, non_blocking=True).view(pools, 1, 1, 1) * (torch.arange(kv, device=target) == 1).view(1, 1, kv, 1)
-    picked = rows.index_select(1, index)
-    out = picked * mul + add
-    dst.copy_(torch.where(picked == sentinel, picked, out.to(dst.dtype)))
+        # Whole rows when the column slice is strided: a strided pinned source would be copied on the host now.
+        rows = rows.to(target, non_blocking=True) if rows.is_contiguous() else src.to(target, non_blocking=True)[..., :max_blocks]
+    picked = rows.index_select(1, idx.to(target, non_blocking=True).long())
+    out = picked.clone()
+    if scale is not None:
+        out *= scale.to(target, non_blocking=True).view(pools, 1, 1, 1)
+    if v_offset is not None and kv > 1:
+        out[:, :, 1] += v_offset.to(target, non_blocking=True).view(pools, 1, 1)
+    dst[..., :max_blocks] = torch.where(picked == sentinel, picked, out)
 
 
 # --------------------------------------------------------------------------------------------- block-offset table
@@ -557,8 +569,8 @@ class BlockOffsetTable:
             snap = buf[:snap_numel].view(pools, n, kv, width)
             # Snapshot: the only host memory the op will read. Taken now, so later refills cannot reach it.
             torch.index_select(self.host[..., :width], 1, index, out=snap)
-            out = dst[:, :n, :, :width]
             if mode == "copy":
+                out = dst[:, :n, :, :width]
 
                 def op() -> None:
                     out.copy_(snap, non_blocking=True)
@@ -571,9 +583,10 @@ class BlockOffsetTable:
                 tail[n : n + pools] = mul
                 tail[n + pools :] = add
                 s_view, v_view, sentinel = tail[n : n + pools], tail[n + pools :], self.sentinel
+                rows = dst[:, :n]  # full columns: contiguous whenever the batch fills the device table
 
                 def op() -> None:
-                    gather_block_offsets(out, snap, ident, s_view, v_view, sentinel)
+                    gather_block_offsets(rows, snap, ident, s_view, v_view, width, sentinel)
 
             target.submit(op)
         except BaseException:
@@ -597,8 +610,8 @@ class BlockOffsetTable:
     ) -> Event:
         """The seed's racy path: persistent host inputs reused by every call (tests and benchmark only)."""
         pools, kv = self.num_pools, self.kv_factor
-        out = dst[:, :n, :, :width]
         if mode == "copy":
+            out = dst[:, :n, :, :width]
             if self._inplace_buf is None:
                 self._inplace_buf = self.device.empty_host((self.host.numel(),), torch.int32)
             # Refilled in place every call: a pending copy of the previous call reads these new values.
@@ -619,10 +632,11 @@ class BlockOffsetTable:
             s_view.copy_(mul)
             v_view.copy_(add)
             host, sentinel = self.host, self.sentinel
+            rows = dst[:, :n]
 
             def op() -> None:
                 # Reads the live host table through the persistent index buffer at execution time.
-                gather_block_offsets(out, host, idx, s_view, v_view, sentinel)
+                gather_block_offsets(rows, host, idx, s_view, v_view, width, sentinel)
 
         target.submit(op)
         event = target.record()
