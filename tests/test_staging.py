@@ -63,7 +63,9 @@ def held(stream: Stream, dev: Device) -> Iterator[None]:
         gate.set()
 
 
-def make_table(dev: Device, *, pools: int = 2, max_seqs: int = 16, max_blocks: int = 12, depth: int = 4, seed: int = 0) -> BlockOffsetTable:
+def make_table(
+    dev: Device, *, pools: int = 2, max_seqs: int = 16, max_blocks: int = 12, depth: int = 4, seed: int = 0
+) -> BlockOffsetTable:
     table = BlockOffsetTable(pools, max_seqs, max_blocks, device=dev, depth=depth)
     rng = np.random.default_rng(seed)
     for slot in range(max_seqs):
@@ -149,18 +151,27 @@ def run_mutation_scenario(dev: Device, stream: Stream, mode: str, inplace: bool)
     v_offset = torch.tensor([1, 1000], dtype=torch.int32) if mode == "gather" else None
     dst = poisoned(table, dev)
     with held(stream, dev):
-        table.copy_batch_block_offsets(dst, slots, stream=stream, mode=mode, max_blocks=None, scale=scale, v_offset=v_offset, _inplace=inplace)
+        table.copy_batch_block_offsets(
+            dst, slots, stream=stream, mode=mode, max_blocks=None, scale=scale, v_offset=v_offset, _inplace=inplace
+        )
         width = int(max(table.num_blocks(int(s), p) for s in slots for p in range(2)))
-        ref = reference(table, slots.tolist(), width, mode, scale=None if scale is None else scale.tolist(),
-                        v_offset=None if v_offset is None else v_offset.tolist())
+        ref = reference(
+            table,
+            slots.tolist(),
+            width,
+            mode,
+            scale=None if scale is None else scale.tolist(),
+            v_offset=None if v_offset is None else v_offset.tolist(),
+        )
         table.host.fill_(4242)  # the whole host table, sentinels included
         slots.copy_(torch.tensor([0, 0, 0]))
         if scale is not None and v_offset is not None:
             scale.fill_(-1)
             v_offset.fill_(-1)
         # The next call in a racy world reuses the persistent index buffer for other slots.
-        table.copy_batch_block_offsets(poisoned(table, dev), [2, 2, 2], stream=stream, mode=mode, max_blocks=1,
-                                       _inplace=inplace, **gather_kwargs(mode))
+        table.copy_batch_block_offsets(
+            poisoned(table, dev), [2, 2, 2], stream=stream, mode=mode, max_blocks=1, _inplace=inplace, **gather_kwargs(mode)
+        )
     table.synchronize()
     return torch.equal(dst[:, :3, :, :width].cpu(), ref)
 
@@ -409,7 +420,7 @@ def test_set_append_clear_and_slot_reuse() -> None:
         (lambda t: t.append(0, 0, [1] * 6), ValueError),
     ],
 )
-def test_writer_bad_arguments(call, exc) -> None:  # noqa: ANN001
+def test_writer_bad_arguments(call, exc) -> None:
     table = BlockOffsetTable(2, 4, 5, device="cpu")
     before = table.host.clone()
     with pytest.raises(exc):

@@ -406,6 +406,8 @@ class BlockOffsetTable:
         self._calls: dict[str, int] = {"copy": 0, "gather": 0, "copy_inplace": 0, "gather_inplace": 0}
         self._sequences = self._bytes = 0
         self._last_event: Event | None = None
+        self._iota = torch.arange(max_seqs, dtype=torch.int32)  # source of the identity index
+        self._coeff_cache: dict[tuple[tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
         # Racy in-place mode only (tests prove they see the race; the benchmark's baseline): one persistent
         # staging buffer / index buffer reused by every call, as in the seed's bug.
         self._inplace_buf: torch.Tensor | None = None
@@ -548,8 +550,8 @@ class BlockOffsetTable:
         width = self._width(index, max_blocks)
         self._check_dst(dst, n, width)
         pools, kv = self.num_pools, self.kv_factor
-        mul = self._per_pool(scale, "scale", 1) if mode == "gather" else None
-        add = self._per_pool(v_offset, "v_offset", 0) if mode == "gather" else None
+        # [scale..., v_offset...] int32 (gather mode): copied into the staging buffer with the snapshot
+        coeffs = self._coefficients(scale, v_offset) if mode == "gather" else None
 
         key = f"{mode}_inplace" if _inplace else mode
         self._calls[key] += 1
@@ -560,7 +562,7 @@ class BlockOffsetTable:
         self._sequences += n
         self._bytes += pools * n * kv * width * 4
         if _inplace:
-            return self._ship_inplace(target, dst, index, n, width, mode, mul, add)
+            return self._ship_inplace(target, dst, index, n, width, mode, coeffs)
 
         snap_numel = pools * n * kv * width
         numel = snap_numel + (n + 2 * pools if mode == "gather" else 0)
@@ -576,12 +578,11 @@ class BlockOffsetTable:
                     out.copy_(snap, non_blocking=True)
 
             else:
-                assert mul is not None and add is not None
+                assert coeffs is not None
                 tail = buf[snap_numel:numel]
                 ident = tail[:n]
-                torch.arange(n, dtype=torch.int32, out=ident)  # identity: row i of the snapshot is sequence i
-                tail[n : n + pools] = mul
-                tail[n + pools :] = add
+                ident.copy_(self._iota[:n])  # identity: row i of the snapshot is sequence i
+                tail[n:].copy_(coeffs)
                 s_view, v_view, sentinel = tail[n : n + pools], tail[n + pools :], self.sentinel
                 rows = dst[:, :n]  # full columns: contiguous whenever the batch fills the device table
 
@@ -605,8 +606,7 @@ class BlockOffsetTable:
         n: int,
         width: int,
         mode: str,
-        mul: torch.Tensor | None,
-        add: torch.Tensor | None,
+        coeffs: torch.Tensor | None,
     ) -> Event:
         """The seed's racy path: persistent host inputs reused by every call (tests and benchmark only)."""
         pools, kv = self.num_pools, self.kv_factor
@@ -622,15 +622,14 @@ class BlockOffsetTable:
                 out.copy_(snap, non_blocking=True)
 
         else:
-            assert mul is not None and add is not None
+            assert coeffs is not None
             if self._inplace_idx is None:
                 self._inplace_idx = self.device.empty_host((self.max_seqs + 2 * pools,), torch.int32)
             idx = self._inplace_idx[:n]
             idx.copy_(index)
+            self._inplace_idx[self.max_seqs :].copy_(coeffs)
             s_view = self._inplace_idx[self.max_seqs : self.max_seqs + pools]
             v_view = self._inplace_idx[self.max_seqs + pools :]
-            s_view.copy_(mul)
-            v_view.copy_(add)
             host, sentinel = self.host, self.sentinel
             rows = dst[:, :n]
 
@@ -718,15 +717,38 @@ class BlockOffsetTable:
         if dst.shape[1] < n or dst.shape[3] < width:
             raise ValueError(f"dst {list(dst.shape)} is too small for {n} sequences x {width} blocks")
 
-    def _per_pool(self, values: Sequence[int] | torch.Tensor | None, what: str, default: int) -> torch.Tensor:
+    def _coefficients(
+        self, scale: Sequence[int] | torch.Tensor | None, v_offset: Sequence[int] | torch.Tensor | None
+    ) -> torch.Tensor:
+        """``[scale..., v_offset...]`` as int32, validated; cached by value (a scheduler passes the same ones)."""
+        key = (self._per_pool(scale, "scale", 1), self._per_pool(v_offset, "v_offset", 0))
+        cached = self._coeff_cache.get(key)
+        if cached is None:
+            if len(self._coeff_cache) >= 64:
+                self._coeff_cache.clear()
+            cached = self._coeff_cache[key] = torch.tensor(key[0] + key[1], dtype=torch.int32)
+        return cached
+
+    def _per_pool(self, values: Sequence[int] | torch.Tensor | None, what: str, default: int) -> tuple[int, ...]:
         if values is None:
-            return torch.full((self.num_pools,), default, dtype=torch.int32)
-        t = _as_int_tensor(values, what)
-        if t.shape != (self.num_pools,):
-            raise ValueError(f"{what} must have one value per pool ({self.num_pools}), got shape {list(t.shape)}")
-        if t.numel() and (int(t.min()) < -(2**31) or int(t.max()) >= 2**31):
-            raise ValueError(f"{what} must fit in int32")
-        return t.to(torch.int32)
+            return (default,) * self.num_pools
+        if isinstance(values, torch.Tensor):
+            t = _as_int_tensor(values, what)
+            if t.dim() != 1:
+                raise ValueError(f"{what} must be 1-D with one value per pool, got shape {list(t.shape)}")
+            items: list[object] = t.tolist()
+        elif isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+            raise TypeError(f"{what} must be a sequence of ints or a tensor, got {type(values).__name__}")
+        else:
+            items = list(values)
+        if len(items) != self.num_pools:
+            raise ValueError(f"{what} must have one value per pool ({self.num_pools}), got {len(items)}")
+        for v in items:
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise TypeError(f"{what} must hold ints, got {type(v).__name__}")
+            if not -(2**31) <= v < 2**31:
+                raise ValueError(f"{what} must fit in int32, got {v}")
+        return tuple(int(v) for v in items)  # type: ignore[call-overload]
 
     def _stream(self, stream: object) -> Stream:
         if isinstance(stream, (EmulatedStream, CudaStream)):
