@@ -143,10 +143,12 @@ def test_refill_scenario_catches_inplace_race(dev: Device, stream: Stream, mode:
     assert b_ok
 
 
-def run_mutation_scenario(dev: Device, stream: Stream, mode: str, inplace: bool) -> bool:
+def run_mutation_scenario(dev: Device, stream: Stream, mode: str, inplace: bool, container: str = "torch") -> bool:
     """Enqueue, then at once scribble over the host rows, the caller's index buffer and scale/V offset."""
     table = make_table(dev, seed=3)
     slots = torch.tensor([5, 1, 9], dtype=torch.int64)
+    if container == "numpy":
+        slots = slots.numpy()  # shares memory: mutating the tensor below mutates the caller's array
     scale = torch.tensor([3, 5], dtype=torch.int32) if mode == "gather" else None
     v_offset = torch.tensor([1, 1000], dtype=torch.int32) if mode == "gather" else None
     dst = poisoned(table, dev)
@@ -157,14 +159,14 @@ def run_mutation_scenario(dev: Device, stream: Stream, mode: str, inplace: bool)
         width = int(max(table.num_blocks(int(s), p) for s in slots for p in range(2)))
         ref = reference(
             table,
-            slots.tolist(),
+            list(slots.tolist()),
             width,
             mode,
             scale=None if scale is None else scale.tolist(),
             v_offset=None if v_offset is None else v_offset.tolist(),
         )
         table.host.fill_(4242)  # the whole host table, sentinels included
-        slots.copy_(torch.tensor([0, 0, 0]))
+        slots[:] = 0
         if scale is not None and v_offset is not None:
             scale.fill_(-1)
             v_offset.fill_(-1)
@@ -176,9 +178,10 @@ def run_mutation_scenario(dev: Device, stream: Stream, mode: str, inplace: bool)
     return torch.equal(dst[:, :3, :, :width].cpu(), ref)
 
 
+@pytest.mark.parametrize("container", ["torch", "numpy"])
 @pytest.mark.parametrize("mode", MODES)
-def test_mutating_inputs_after_enqueue_does_not_change_output(dev: Device, stream: Stream, mode: str) -> None:
-    assert run_mutation_scenario(dev, stream, mode, inplace=False)
+def test_mutating_inputs_after_enqueue_does_not_change_output(dev: Device, stream: Stream, mode: str, container: str) -> None:
+    assert run_mutation_scenario(dev, stream, mode, inplace=False, container=container)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -435,6 +438,13 @@ def test_writer_bad_arguments(call, exc) -> None:
         ({"slots": [-1]}, ValueError),
         ({"slots": [[0]]}, ValueError),
         ({"slots": [0.0]}, TypeError),
+        ({"slots": np.array([4])}, ValueError),
+        ({"slots": np.array([0.5])}, TypeError),
+        ({"slots": torch.tensor([0, 9])}, ValueError),
+        ({"mode": "gather", "scale": "ab"}, TypeError),
+        ({"mode": "gather", "scale": [1.5, 1]}, TypeError),
+        ({"mode": "gather", "v_offset": [2**31, 0]}, ValueError),
+        ({"mode": "gather", "scale": torch.ones(2, 1, dtype=torch.int32)}, ValueError),
         ({"slots": "ab"}, TypeError),
         ({"slots": list(range(5))}, ValueError),  # more than max_seqs
         ({"mode": "scatter"}, ValueError),

@@ -16,6 +16,7 @@ Run: ``python -m tiered_kv.bench.pagetables [--quick] [--device cpu|cuda] [--jso
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -49,29 +50,39 @@ def _device_time(dev: Device, stream: Stream, fn: Callable[[], object]) -> Calla
 
 
 def _measure(
-    dev: Device, stream: Stream, call: Callable[[], object], iters: int, refill: Callable[[], None]
-) -> tuple[float, float]:
-    """Median host and device seconds per call; the host table is refilled between calls (untimed).
+    dev: Device, stream: Stream, calls: Sequence[Callable[[], object]], iters: int, refill: Callable[[], None]
+) -> list[tuple[float, float]]:
+    """Median (host, device) seconds per call of each of ``calls``, interleaved so they share the machine's noise.
 
-    Even iterations time the host (no timing marks around the call), odd ones the device.
+    Host iterations time the call alone; on the emulated device the stream is held by a gate meanwhile, so
+    the worker thread does not compete with the caller for the GIL (an emulation artefact: a GPU runs
+    beside the CPU). Device iterations bracket the call with timing marks. The host table is refilled
+    between calls (untimed) and one call is in flight at a time, so no figure includes back-pressure.
     """
-    host: list[float] = []
-    device: list[float] = []
-    for i in range(2 * iters + 4):
-        refill()
-        if i % 2 == 0:
+    host: list[list[float]] = [[] for _ in calls]
+    device: list[list[float]] = [[] for _ in calls]
+    warmup = 3
+    for i in range(iters + warmup):
+        order = list(range(len(calls))) if i % 2 else list(range(len(calls)))[::-1]
+        for k in order:
+            refill()
+            gate = None
+            if not dev.is_cuda:
+                gate = threading.Event()
+                stream.submit(gate.wait)
             t0 = time.perf_counter()
-            call()
+            calls[k]()
             elapsed = time.perf_counter() - t0
-            stream.synchronize()  # one step in flight at a time: host figures exclude back-pressure waits
-            if i >= 4:  # warm-up: first allocations, kernel build/load
-                host.append(elapsed)
-        else:
-            getter = _device_time(dev, stream, call)
+            if gate is not None:
+                gate.set()
             stream.synchronize()
-            if i >= 4:
-                device.append(getter())
-    return statistics.median(host), statistics.median(device)
+            refill()
+            getter = _device_time(dev, stream, calls[k])
+            stream.synchronize()
+            if i >= warmup:  # warm-up: first allocations, kernel build/load
+                host[k].append(elapsed)
+                device[k].append(getter())
+    return [(statistics.median(h), statistics.median(d)) for h, d in zip(host, device, strict=True)]
 
 
 def _d2d_time(dev: Device, stream: Stream, shape: Sequence[int], iters: int) -> float:
@@ -120,16 +131,15 @@ def run(quick: bool, device: str) -> dict[str, Any]:
             for mode in ("copy", "gather"):
                 kw: dict[str, Any] = {"scale": scale, "v_offset": v_offset} if mode == "gather" else {}
 
-                def staged(mode: str = mode, kw: dict[str, Any] = kw) -> None:
-                    table.copy_batch_block_offsets(dst, slots, stream=stream, mode=mode, max_blocks=max_blocks, **kw)  # noqa: B023
+                def staged(mode: str = mode, kw: dict[str, Any] = kw, slots: np.ndarray = slots) -> None:
+                    table.copy_batch_block_offsets(dst, slots, stream=stream, mode=mode, max_blocks=max_blocks, **kw)
 
-                def racy(mode: str = mode, kw: dict[str, Any] = kw) -> None:
+                def racy(mode: str = mode, kw: dict[str, Any] = kw, slots: np.ndarray = slots) -> None:
                     table.copy_batch_block_offsets(
                         dst, slots, stream=stream, mode=mode, max_blocks=max_blocks, _inplace=True, **kw
                     )
 
-                host_racy, dev_racy = _measure(dev, stream, racy, iters, refill)
-                host_ours, dev_ours = _measure(dev, stream, staged, iters, refill)
+                (host_ours, dev_ours), (host_racy, dev_racy) = _measure(dev, stream, [staged, racy], iters, refill)
                 rows.append(
                     {
                         "seqs": n,
