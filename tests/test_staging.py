@@ -9,8 +9,10 @@ the test can see the race it guards against.
 from __future__ import annotations
 
 import contextlib
+import gc
 import random
 import threading
+import weakref
 from collections.abc import Iterator
 
 import numpy as np
@@ -96,7 +98,10 @@ def reference(table: BlockOffsetTable, slots: list[int], width: int, mode: str, 
 
 
 def poisoned(table: BlockOffsetTable, dev: Device, batch: int | None = None, value: int = -7) -> torch.Tensor:
-    return torch.full(table.device_shape(batch), value, dtype=torch.int32, device=dev.torch_device)
+    out = torch.full(table.device_shape(batch), value, dtype=torch.int32, device=dev.torch_device)
+    if dev.is_cuda:  # filled on the default stream; the ops under test run on another (non-blocking) stream
+        torch.cuda.current_stream().synchronize()
+    return out
 
 
 def gather_kwargs(mode: str, pools: int = 2) -> dict[str, object]:
@@ -228,9 +233,9 @@ class GuardedPool:
             self.acquired.append((buf.data_ptr(), buf.data_ptr() + buf.numel() * buf.element_size()))
             return buf
 
-        def recording_retire(buf: torch.Tensor, event: object) -> None:
+        def recording_retire(buf: torch.Tensor, event: object, keep: object = None) -> None:
             self.guard[buf.data_ptr()] = event
-            retire(buf, event)  # type: ignore[arg-type]
+            retire(buf, event, keep)  # type: ignore[arg-type]
 
         pool.acquire = checked_acquire  # type: ignore[method-assign]
         pool.retire = recording_retire  # type: ignore[method-assign]
@@ -296,6 +301,23 @@ def test_thousand_calls_random_stalls_bounded_and_correct(dev: Device, stream: S
     assert len(landed) == calls
     bad = [i for i, (got, ref) in enumerate(zip(landed, expected, strict=True)) if not torch.equal(got.cpu(), ref)]
     assert not bad, f"{len(bad)} of {calls} steps shipped a wrong table, first at step {bad[0]}"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_destination_stays_alive_until_the_op_completed(dev: Device, stream: Stream, mode: str) -> None:
+    """A caller dropping ``dst`` at once must not let the allocator reuse memory the op will still write.
+
+    (On CUDA the submitted closure is gone as soon as it has enqueued, so only the staging entry holds it.)
+    """
+    table = make_table(dev)
+    with held(stream, dev):
+        dst = poisoned(table, dev)
+        ref = weakref.ref(dst)
+        table.copy_batch_block_offsets(dst, [1, 2], stream=stream, mode=mode, **gather_kwargs(mode))
+        del dst
+        gc.collect()
+        assert ref() is not None
+    table.synchronize()
 
 
 # --------------------------------------------------------------------------------------------- semantics
@@ -384,7 +406,7 @@ def test_cuda_torch_stream_and_pinned_snapshots(mode: str) -> None:
         fill_slot(table, 1, np.random.default_rng(9))
         fill_slot(table, 2, np.random.default_rng(10))
     s.synchronize()
-    assert all(b.is_pinned() for b in table.staging._free + [b for b, _ in table.staging._in_flight])
+    assert all(b.is_pinned() for b in table.staging._free + [e[0] for e in table.staging._in_flight])
     assert torch.equal(dst[:, :2, :, :6].cpu(), ref)
 
 
@@ -406,6 +428,19 @@ def test_set_append_clear_and_slot_reuse() -> None:
     table.clear_row(1)
     assert bool((table.host[:, 1] == NO_BLOCK).all())
     assert "slots:0/4" in repr(table)
+
+
+def test_on_page_table_hook_follows_a_sequence_lifecycle() -> None:
+    """What the block manager calls: admit, grow (append a block), free; then the slot's next tenant."""
+    table = BlockOffsetTable(1, 4, 6, device="cpu")
+    hook = table.on_page_table
+    hook(2, (5, 9))
+    hook(2, (5, 9, 11))
+    assert table.row(2).tolist() == [[5, 9, 11], [5, 9, 11]]
+    hook(2, None)
+    assert table.num_blocks(2) == 0 and bool((table.host[0, 2] == NO_BLOCK).all())
+    hook(2, (1,))
+    assert table.host[0, 2, 0].tolist() == [1, NO_BLOCK, NO_BLOCK, NO_BLOCK, NO_BLOCK, NO_BLOCK]
 
 
 @pytest.mark.parametrize(

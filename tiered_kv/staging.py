@@ -113,7 +113,8 @@ class StagingPool:
         self.depth = depth
         self.dtype = dtype
         self._lock = threading.Lock()
-        self._in_flight: collections.deque[tuple[torch.Tensor, Event]] = collections.deque()  # FIFO of (buffer, guard)
+        # FIFO of (buffer, guard event, objects kept alive with it)
+        self._in_flight: collections.deque[tuple[torch.Tensor, Event, object]] = collections.deque()
         self._free: list[torch.Tensor] = []
         self._held = 0  # acquired, not yet retired or released
         self._peak_live = self._peak_in_flight = 0
@@ -144,11 +145,14 @@ class StagingPool:
             self._peak_live = max(self._peak_live, self._live_locked())
             return buf
 
-    def retire(self, buffer: torch.Tensor, event: Event) -> None:
-        """Keep ``buffer`` until ``event`` (recorded after the op reading it) has completed."""
+    def retire(self, buffer: torch.Tensor, event: Event, keep: object = None) -> None:
+        """Keep ``buffer`` (and ``keep``, e.g. the op's device output) until ``event`` has completed.
+
+        ``event`` must be recorded after the op that reads ``buffer``.
+        """
         with self._lock:
             self._held -= 1
-            self._in_flight.append((buffer, event))
+            self._in_flight.append((buffer, event, keep))
             self._peak_in_flight = max(self._peak_in_flight, len(self._in_flight))
 
     def release(self, buffer: torch.Tensor) -> None:
@@ -166,7 +170,7 @@ class StagingPool:
     def drain(self) -> None:
         """Wait for every in-flight op, then reclaim all buffers."""
         with self._lock:
-            pending = [event for _, event in self._in_flight]
+            pending = [entry[1] for entry in self._in_flight]
         for event in pending:
             event.synchronize()
         with self._lock:
@@ -180,7 +184,7 @@ class StagingPool:
 
     def statistics(self) -> StagingStatistics:
         with self._lock:
-            buffers = [b for b, _ in self._in_flight] + self._free
+            buffers = [entry[0] for entry in self._in_flight] + self._free
             return StagingStatistics(
                 depth=self.depth,
                 live=self._live_locked(),
@@ -208,16 +212,15 @@ class StagingPool:
 
     def _reclaim_locked(self) -> None:
         while self._in_flight and self._in_flight[0][1].query():
-            buffer, _ = self._in_flight.popleft()
-            self._free.append(buffer)
+            self._free.append(self._in_flight.popleft()[0])
 
     def _reclaim_all_done_locked(self) -> None:
-        kept: collections.deque[tuple[torch.Tensor, Event]] = collections.deque()
-        for buffer, event in self._in_flight:
-            if event.query():
-                self._free.append(buffer)
+        kept: collections.deque[tuple[torch.Tensor, Event, object]] = collections.deque()
+        for entry in self._in_flight:
+            if entry[1].query():
+                self._free.append(entry[0])
             else:
-                kept.append((buffer, event))
+                kept.append(entry)
         self._in_flight = kept
 
     def _take_free_locked(self, numel: int) -> torch.Tensor | None:
@@ -490,6 +493,17 @@ class BlockOffsetTable:
             self.host[pool, slot] = self.sentinel
             self._counts[pool, slot] = 0
 
+    def on_page_table(self, slot: int, page_table: Sequence[int] | None, pool: int = 0) -> None:
+        """The block manager's page-table hook: ``(slot, blocks)`` sets the row, ``(slot, None)`` clears it.
+
+        Pass the bound method as ``on_page_table=`` to ``BlockManager`` / ``TieredKVCache`` (GPU pool 0);
+        for several pools, ``functools.partial(table.on_page_table, pool=p)`` per pool's manager.
+        """
+        if page_table is None:
+            self.clear_row(slot, pool)
+        else:
+            self.set_row(slot, pool, page_table)
+
     def num_blocks(self, slot: int, pool: int = 0) -> int:
         """Blocks allocated to ``slot`` in ``pool``."""
         self._check_slot_pool(slot, pool)
@@ -596,7 +610,9 @@ class BlockOffsetTable:
             self.staging.release(buf)
             raise
         event = target.record()
-        self.staging.retire(buf, event)
+        # dst too: freeing it while the op is pending would let the allocator hand its memory to someone
+        # else on another stream, and the late write would land there.
+        self.staging.retire(buf, event, keep=dst)
         self._last_event = event
         return event
 

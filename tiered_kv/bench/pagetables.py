@@ -25,12 +25,21 @@ import numpy as np
 import torch
 
 from ..device import CudaStream, Device, Stream, resolve_device
-from ..staging import BlockOffsetTable, _kernel_gather
+from ..staging import BlockOffsetTable, Mode, _kernel_gather
 from .common import bench_main, machine_info
 
 __all__ = ["main", "run"]
 
 NAME = "pagetables"
+
+
+def void(_: object) -> None:
+    """Stream ops return nothing."""
+
+
+def _gate_op(gate: threading.Event) -> Callable[[], None]:
+    """A stream op that holds the (emulated) stream until ``gate`` is set."""
+    return lambda: void(gate.wait())
 
 
 def _device_time(dev: Device, stream: Stream, fn: Callable[[], object]) -> Callable[[], float]:
@@ -69,7 +78,7 @@ def _measure(
             gate = None
             if not dev.is_cuda:
                 gate = threading.Event()
-                stream.submit(gate.wait)
+                stream.submit(_gate_op(gate))
             t0 = time.perf_counter()
             calls[k]()
             elapsed = time.perf_counter() - t0
@@ -88,9 +97,11 @@ def _measure(
 def _d2d_time(dev: Device, stream: Stream, shape: Sequence[int], iters: int) -> float:
     src = torch.randint(0, 1000, tuple(shape), dtype=torch.int32, device=dev.torch_device)
     dst = torch.empty_like(src)
+    if dev.is_cuda:
+        torch.cuda.synchronize()  # made on the default stream; copied on ours
 
     def copy() -> None:
-        stream.submit(lambda: dst.copy_(src, non_blocking=True))
+        stream.submit(lambda: void(dst.copy_(src, non_blocking=True)))
 
     times = []
     for i in range(iters + 3):
@@ -114,7 +125,6 @@ def run(quick: bool, device: str) -> dict[str, Any]:
     for slot in range(max(sizes)):
         for p in range(pools):
             table.set_row(slot, p, full[p, slot])
-    dst = torch.zeros(table.device_shape(), dtype=torch.int32, device=dev.torch_device)
     scale, v_offset = [2, 2], [1, 1]
     gather_impl = "tiered_kv.ops kernel" if _kernel_gather() is not None else "torch fallback (no tiered_kv.ops)"
 
@@ -127,14 +137,22 @@ def run(quick: bool, device: str) -> dict[str, Any]:
         for n in sizes:
             slots = np.sort(rng.choice(max(sizes), size=n, replace=False))
             nbytes = pools * n * kv * max_blocks * 4
+            # Exactly the batch's shape, so the table is contiguous: the extension's gather writes a contiguous
+            # dst (a batch smaller than a bigger device table costs one more device copy; see the notes).
+            dst = torch.zeros(table.device_shape(n), dtype=torch.int32, device=dev.torch_device)
+            if dev.is_cuda:
+                torch.cuda.synchronize()  # allocated/filled on the default stream; used on ours
             d2d = _d2d_time(dev, stream, (pools, n, kv, max_blocks), iters)
-            for mode in ("copy", "gather"):
+            modes: tuple[Mode, ...] = ("copy", "gather")
+            for mode in modes:
                 kw: dict[str, Any] = {"scale": scale, "v_offset": v_offset} if mode == "gather" else {}
 
-                def staged(mode: str = mode, kw: dict[str, Any] = kw, slots: np.ndarray = slots) -> None:
+                def staged(
+                    mode: Mode = mode, kw: dict[str, Any] = kw, slots: np.ndarray = slots, dst: torch.Tensor = dst
+                ) -> None:
                     table.copy_batch_block_offsets(dst, slots, stream=stream, mode=mode, max_blocks=max_blocks, **kw)
 
-                def racy(mode: str = mode, kw: dict[str, Any] = kw, slots: np.ndarray = slots) -> None:
+                def racy(mode: Mode = mode, kw: dict[str, Any] = kw, slots: np.ndarray = slots, dst: torch.Tensor = dst) -> None:
                     table.copy_batch_block_offsets(
                         dst, slots, stream=stream, mode=mode, max_blocks=max_blocks, _inplace=True, **kw
                     )
