@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import random
 import threading
 import weakref
@@ -20,6 +21,7 @@ import pytest
 import torch
 
 from tiered_kv import resolve_device
+from tiered_kv.bench import pagetables
 from tiered_kv.device import Device, Stream
 from tiered_kv.staging import (
     NO_BLOCK,
@@ -604,3 +606,15 @@ def test_torch_gather_matches_elementwise_rule(kv: int) -> None:
                         v = int(src[p, idx[s], k, j]) if j < 4 else None
                         want = -7 if v is None else (v if v == -1 else int(scale[p]) * v + (int(v_offset[p]) if k == 1 else 0))
                         assert int(dst[p, s, k, j]) == want
+
+
+# --------------------------------------------------------------------------------------------- benchmark
+
+
+def test_benchmark_quick_run_has_baseline_columns(tmp_path) -> None:
+
+    assert pagetables.main(["--quick", "--device", "cpu", "--json", str(tmp_path / "b.json")]) == 0
+    result = json.loads((tmp_path / "b.json").read_text())
+    assert {(r["seqs"], r["mode"]) for r in result["rows"]} == {(n, m) for n in (64, 256, 1024) for m in MODES}
+    for row in result["rows"]:
+        assert row["host_us_racy"] > 0 and row["dev_us_d2d"] > 0 and row["host_x_racy"] > 0
