@@ -551,11 +551,13 @@ class BlockOffsetTable:
             ValueError / TypeError: bad arguments; raised before anything is enqueued.
 
         Notes:
-            The batch's rows, the identity index, the scale and the V offset are written into one fresh
-            staging buffer before this returns; the op reads only that buffer. So the caller may refill
-            the host table, reuse the slots, or mutate ``slots``/``scale``/``v_offset`` as soon as this
-            returns, even if the device runs the op much later. The buffer is reused only after the
-            returned event completes (FIFO); at most ``depth`` are in flight (this call waits beyond that).
+            The batch's rows (and in gather mode the scale and V offset) are written into one fresh staging
+            buffer before this returns; the op reads only that buffer and, in gather mode, an identity index
+            that is written once when the table is made and never again. So the caller may refill the host
+            table, reuse the slots, or mutate ``slots``/``scale``/``v_offset`` as soon as this returns, even
+            if the device runs the op much later. The buffer (and ``dst``, kept alive with it) is released
+            only after the returned event completes (FIFO); at most ``depth`` are in flight (this call waits
+            for the oldest beyond that).
         """
         target = self._stream(stream)
         index = self._slots(slots)
