@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import importlib
+import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Final, Literal
@@ -45,6 +47,8 @@ __all__ = [
     "copy_batch_block_offsets",
     "gather_block_offsets",
 ]
+
+log = logging.getLogger(__name__)
 
 NO_BLOCK: Final[int] = -1
 """The "no block" sentinel of unused page-table entries; the gather passes it through unchanged."""
@@ -276,21 +280,17 @@ def gather_block_offsets(
         dst[..., :max_blocks].copy_(tmp)
 
 
-_KERNEL_LOOKED_UP = False
-_KERNEL: Callable[..., object] | None = None
-
-
+@functools.cache
 def _kernel_gather() -> Callable[..., object] | None:
-    """``tiered_kv.ops.gather_block_offsets`` (issue 3) when it exists, else None; looked up once."""
-    global _KERNEL_LOOKED_UP, _KERNEL
-    if not _KERNEL_LOOKED_UP:
-        _KERNEL_LOOKED_UP = True
-        try:
-            ops = importlib.import_module(f"{__package__}.ops")
-        except ImportError:
-            ops = None
-        _KERNEL = getattr(ops, "gather_block_offsets", None)
-    return _KERNEL
+    """``tiered_kv.ops.gather_block_offsets`` (issue 3) when it exists, else None; looked up once, logged once."""
+    try:
+        ops = importlib.import_module(f"{__package__}.ops")
+    except ImportError as exc:
+        log.info("block-offset gather: tiered_kv.ops not importable (%s); using the torch implementation", exc)
+        return None
+    kernel = getattr(ops, "gather_block_offsets", None)
+    log.info("block-offset gather: %s", "tiered_kv.ops.gather_block_offsets" if kernel else "torch implementation")
+    return kernel
 
 
 def _torch_gather_block_offsets(
