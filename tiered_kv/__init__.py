@@ -7,10 +7,13 @@ from .errors import BackendUnavailable, EngineClosedError, IntegrityError, Tiere
 from .fences import FenceStatistics, FenceTable
 from .layout import FORMAT_VERSION, KVLayout
 from .pools import BlockPool, Tier
+from .staging import NO_BLOCK, BlockOffsetTable, StagingPool, copy_batch_block_offsets
 
 __all__ = [
     "FORMAT_VERSION",
+    "NO_BLOCK",
     "BackendUnavailable",
+    "BlockOffsetTable",
     "BlockPool",
     "Device",
     "EngineClosedError",
@@ -20,12 +23,14 @@ __all__ = [
     "FenceTable",
     "IntegrityError",
     "KVLayout",
+    "StagingPool",
     "Tier",
     "TieredKVError",
     "Transfer",
     "TransferEngine",
     "TransferError",
     "TransferResult",
+    "copy_batch_block_offsets",
     "resolve_device",
 ]
 
