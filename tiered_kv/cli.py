@@ -111,7 +111,7 @@ def _doctor_checks(directory: str) -> list[tuple[str, bool, str, str]]:
         driver = ""
         try:
             driver = f", driver API {torch._C._cuda_getDriverVersion()}"  # type: ignore[attr-defined]
-        except Exception:  # noqa: BLE001 - informational only
+        except Exception:
             pass
         checks.append(("CUDA device", True, f"{props.name}, {props.total_memory / 2**30:.0f} GiB{driver}", ""))
     else:
@@ -127,7 +127,7 @@ def _doctor_checks(directory: str) -> list[tuple[str, bool, str, str]]:
         import kvikio
 
         checks.append(("kvikio", True, getattr(kvikio, "__version__", "installed"), ""))
-    except Exception as exc:  # noqa: BLE001 - report any import failure
+    except Exception as exc:
         checks.append(("kvikio", False, f"not usable ({type(exc).__name__})", "pip install 'tiered-kv[gds]' for GPUDirect Storage"))
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     fmt = lambda v: "unlimited" if v == resource.RLIM_INFINITY else f"{v / 2**20:.0f} MiB"  # noqa: E731
@@ -147,6 +147,29 @@ def _doctor(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump([{"check": c[0], "ok": c[1], "found": c[2], "fix": c[3]} for c in checks], f, indent=2)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ soak
+
+
+async def _soak(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from .soak import SoakConfig, SoakFailure, soak
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    config = SoakConfig(ops=args.ops, seed=args.seed, tasks=args.tasks, device=device)
+    with tqdm(total=args.ops, unit="op", desc=f"soak seed={args.seed} on {device}", disable=args.quiet) as bar:
+        try:
+            report = await soak(config, progress=lambda done: bar.update(done - bar.n))
+        except SoakFailure as failure:
+            print(f"FAILED: {failure}", file=sys.stderr)
+            return 1
+    print(f"ok: {report.ops} ops, {report.checked_blocks} block checks, {report.cancelled} cancelled waits, "
+          f"{report.forgotten} unawaited, {report.stalls} stalls in {report.seconds:.1f} s; close() {report.close_seconds * 1e3:.1f} ms")
     return 0
 
 
@@ -181,6 +204,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", default="bench-tiered-kv.json", help="output file (default: %(default)s)")
     bench.add_argument("--only", nargs="+", metavar="NAME", help=f"run only these ({', '.join(BENCHMARKS)})")
     bench.set_defaults(func=_bench)
+
+    soak = sub.add_parser("soak", help="randomized soak with stalls and cancellations; every byte checked against a shadow model")
+    soak.add_argument("--ops", type=_positive, default=20_000, help="copies to issue (default: %(default)s)")
+    soak.add_argument("--seed", type=int, default=0, help="seed of the op sequence (default: %(default)s)")
+    soak.add_argument("--tasks", type=_positive, default=16, help="concurrent tasks (default: %(default)s)")
+    soak.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
+    soak.add_argument("--quiet", action="store_true", help="no progress bar")
+    soak.set_defaults(func=lambda a: _run_loop(_soak(a)))
 
     doctor = sub.add_parser("doctor", help="report CUDA, kvikio/GDS, pinned-memory limits, uvloop; what to do if missing")
     doctor.add_argument("--dir", default=os.getcwd(), help="directory to check for the file tier (default: cwd)")

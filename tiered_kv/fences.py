@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from .device import Event, Stream
 
@@ -40,7 +40,7 @@ class Marker:
         future, never the completion that the fence table (and other awaiters) rely on.
     """
 
-    __slots__ = ("_waiters", "completed", "done_at", "error", "event", "lane", "reads", "writes")
+    __slots__ = ("_callbacks", "_waiters", "completed", "done_at", "error", "event", "lane", "reads", "writes")
 
     def __init__(self, lane: Stream | None) -> None:
         self.lane = lane
@@ -51,6 +51,14 @@ class Marker:
         self.reads: list[tuple[str, list[int]]] = []  # (pool, block indices) this op reads
         self.writes: list[tuple[str, list[int]]] = []  # (pool, block indices) this op writes
         self._waiters: list[asyncio.Future[None]] = []
+        self._callbacks: list[Callable[[], None]] = []
+
+    def add_done_callback(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` on the loop once the op has completed (at once if it has)."""
+        if self.completed:
+            callback()
+        else:
+            self._callbacks.append(callback)
 
     async def wait(self) -> None:
         """Wait until the op has completed.
@@ -77,6 +85,9 @@ class Marker:
         for waiter in waiters:
             if not waiter.done():
                 waiter.set_result(None)
+        callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
 
     def __repr__(self) -> str:
         if self.completed:
@@ -154,19 +165,19 @@ class FenceTable:
             for i, readers in old.items():
                 rt[i] = [*readers, marker] if isinstance(readers, list) else [readers, marker]
         for pool, indices in writes:
-            rt = self._reads.get(pool)
-            if rt:
-                for i in rt.keys() & indices:  # the new write waits for them; ordering is transitive
-                    del rt[i]
+            pending_reads = self._reads.get(pool)
+            if pending_reads:
+                for i in pending_reads.keys() & indices:  # the new write waits for them; ordering is transitive
+                    del pending_reads[i]
             self._writes.setdefault(pool, {}).update(dict.fromkeys(indices, marker))
 
     def release(self, marker: Marker) -> None:
         """Drop ``marker``'s entries (called once the op has completed)."""
         for pool, indices in marker.reads:
             rt = self._reads[pool]
-            get = rt.get
+            rget = rt.get
             for i in indices:
-                readers = get(i)
+                readers = rget(i)
                 if readers is marker:
                     del rt[i]
                 elif isinstance(readers, list) and marker in readers:
