@@ -93,7 +93,7 @@ def direct_io_supported(directory: str | os.PathLike[str]) -> bool:
             try:
                 buf = aligned_empty(DIRECT_ALIGN).numpy()
                 buf[:] = 0
-                ok = os.pwrite(fd, memoryview(buf), 0) == DIRECT_ALIGN
+                ok = os.pwrite(fd, buf.data, 0) == DIRECT_ALIGN
             except OSError as exc:
                 log.info("O_DIRECT writes fail in %s (%s); using the page cache", key, exc)
             finally:
@@ -163,7 +163,7 @@ def _host_views(buffers: Sequence[Buffer]) -> list[memoryview]:
         if isinstance(b, np.ndarray):
             if not b.flags.c_contiguous:
                 raise ValueError("buffers must be contiguous")
-            views.append(memoryview(b).cast("B"))
+            views.append(b.data.cast("B"))
             continue
         if not isinstance(b, torch.Tensor):
             raise TypeError(f"buffers must be torch tensors or numpy arrays, got {type(b).__name__}")
@@ -171,7 +171,7 @@ def _host_views(buffers: Sequence[Buffer]) -> list[memoryview]:
             raise TypeError(f"the posix backend needs host buffers, got one on {b.device}")
         if not b.is_contiguous():
             raise ValueError("buffers must be contiguous")
-        views.append(memoryview(b.reshape(-1).view(torch.uint8).numpy()))
+        views.append(b.reshape(-1).view(torch.uint8).numpy().data)
     return views
 
 

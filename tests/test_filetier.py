@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import importlib.util
 import os
 import stat
 
@@ -15,12 +16,7 @@ from tiered_kv.filetier import FileTier, FileTierConfig
 from tiered_kv.slab import HEADER_SIZE
 from tiered_kv.testing import FaultyBackend, assert_blocks_equal, fill_random
 
-try:
-    import kvikio
-
-    HAS_KVIKIO = True
-except Exception:
-    HAS_KVIKIO = False
+HAS_KVIKIO = importlib.util.find_spec("kvikio") is not None
 
 
 def _posix(path: str):
@@ -256,6 +252,22 @@ async def test_stalled_write_does_not_block_the_loop(layout: KVLayout, tmp_path)
 # --------------------------------------------------------------------------------------------- corruption
 
 
+def _copy_slot(path: str, src: int, dst: int, slot_size: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(HEADER_SIZE + src * slot_size)
+        data = f.read(slot_size)
+        f.seek(HEADER_SIZE + dst * slot_size)
+        f.write(data)
+
+
+def _size(path: str) -> int:
+    return os.stat(path).st_size
+
+
+def _exists(path: str) -> bool:
+    return os.access(path, os.F_OK)
+
+
 def _flip(path: str, offset: int) -> None:
     with open(path, "r+b") as f:
         f.seek(offset)
@@ -327,12 +339,7 @@ async def test_restart_recovers_verified_blocks_and_nothing_else(layout: KVLayou
         _flip(ft.path, ft.offset(2) + HEADER_SIZE + 5)  # payload of key-1
         _flip(ft.path, ft.offset(4) + 30)  # header of key-2
         path = ft.path
-    # a slot written for another position (copied header+payload) is foreign
-    with open(path, "r+b") as f:
-        f.seek(HEADER_SIZE + 6 * (HEADER_SIZE + 4096))
-        slot6 = f.read(HEADER_SIZE + 4096)
-        f.seek(HEADER_SIZE + 9 * (HEADER_SIZE + 4096))
-        f.write(slot6)
+    _copy_slot(path, 6, 9, HEADER_SIZE + 4096)  # a slot copied to another position is foreign
     async with make_engine(layout, tmp_path) as eng:
         ft = eng.file_tier
         r = ft.open_report
@@ -363,7 +370,7 @@ async def test_restart_with_more_and_fewer_slots(layout: KVLayout, tmp_path) -> 
         assert eng.file_tier.open_report.empty == 30
     async with make_engine(layout, tmp_path, blocks=4) as eng:
         assert eng.file_tier.entries() == {b"key-0": 1}
-        assert os.path.getsize(eng.file_tier.path) == HEADER_SIZE + 4 * eng.file_tier.slot_size
+        assert _size(eng.file_tier.path) == HEADER_SIZE + 4 * eng.file_tier.slot_size
 
 
 async def test_file_permissions_are_0600(layout: KVLayout, tmp_path) -> None:
@@ -393,9 +400,9 @@ async def test_reopen_with_another_layout(layout: KVLayout, tmp_path) -> None:
 
 async def test_open_async_and_remove(layout: KVLayout, tmp_path) -> None:
     ft = await FileTier.open_async(layout, FileTierConfig(tmp_path / "a", 4, gds="off"))
-    assert os.path.exists(ft.path) and repr(ft).startswith("<FileTier")
+    assert _exists(ft.path) and repr(ft).startswith("<FileTier")
     await ft.remove()
-    assert not os.path.exists(ft.path) and ft.closed
+    assert not _exists(ft.path) and ft.closed
 
 
 @pytest.mark.parametrize("durability", ["none", "flush", "fsync"])

@@ -20,7 +20,7 @@ import torch
 __all__ = ["main"]
 
 # Benchmarks run by `tiered-kv bench`, in order (modules under tiered_kv.bench).
-BENCHMARKS = ["engine"]
+BENCHMARKS = ["engine", "filetier"]
 
 
 def _run_loop(coro: Any) -> Any:

@@ -536,7 +536,7 @@ class TransferEngine:
 
             try:
                 start(file_done)
-            except BaseException as exc:  # noqa: BLE001 - reported to whoever awaits the transfer
+            except BaseException as exc:  # reported to whoever awaits the transfer
                 file_done(exc)
             return
         if lane is None:

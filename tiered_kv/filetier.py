@@ -33,6 +33,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import enum
+import functools
 import logging
 import os
 import threading
@@ -463,9 +464,9 @@ class FileTier:
         # Newest generation wins for a key seen twice (a crash between writing the new slot and reusing the old).
         best: dict[Key, int] = {}
         for i, h in headers.items():
-            j = best.get(h.key)
-            if j is None or headers[j].generation < h.generation:
-                if j is not None:
+            prev = best.get(h.key)
+            if prev is None or headers[prev].generation < h.generation:
+                if prev is not None:
                     stale += 1
                 best[h.key] = i
             else:
@@ -734,9 +735,12 @@ class _FileOp:
             self._pool_np = self.pool.reshape(self.pool.shape[0], -1).view(torch.uint8).numpy()  # block -> bytes
         for j in range(len(self.slots)):
             if staging is not None:
-                staging.acquire(lambda buf, j=j: self._guard(j, buf, self._run_staged))
+                staging.acquire(functools.partial(self._acquired, j))
             else:
                 self._guard(j, None, self._run_host)
+
+    def _acquired(self, j: int, buf: int) -> None:
+        self._guard(j, buf, self._run_staged)
 
     def _guard(self, j: int, buf: int | None, fn: Callable[[int, int | None], None]) -> None:
         if self._error is not None:  # fail fast: do not start more blocks after one failed
@@ -816,7 +820,7 @@ class _FileOp:
         tier = self.tier
 
         def fill_header() -> None:
-            pack_header(memoryview(hdr), tier._fingerprint, self.slots[j], self.gens[j], self.keys[j],
+            pack_header(hdr.data, tier._fingerprint, self.slots[j], self.gens[j], self.keys[j],
                         tier.payload_bytes, payload_checksum(host_payload))
 
         bufs = [hdr, payload] + ([tier._zero_pad] if tier._zero_pad is not None else [])
@@ -847,7 +851,7 @@ class _FileOp:
     def _verify(self, j: int, hdr: np.ndarray, payload: Buffer) -> None:
         tier = self.tier
         slot = self.slots[j]
-        h = unpack_header(memoryview(hdr))
+        h = unpack_header(hdr.data)
         why = None
         if h is None:
             why = "the slot header is empty"

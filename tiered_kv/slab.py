@@ -120,7 +120,9 @@ def normalize_key(key: Key) -> Key:
 def payload_checksum(payload: torch.Tensor | np.ndarray | memoryview | bytes) -> bytes:
     """xxh3-128 digest of a host payload (16 bytes)."""
     if isinstance(payload, torch.Tensor):
-        payload = memoryview(payload.reshape(-1).view(torch.uint8).numpy())
+        payload = payload.reshape(-1).view(torch.uint8).numpy()
+    if isinstance(payload, np.ndarray):
+        payload = payload.data  # ndarray.data is the buffer (a memoryview) without a copy
     return xxhash.xxh3_128_digest(payload)
 
 
@@ -160,7 +162,7 @@ def unpack_header(raw: memoryview | bytes) -> SlotHeader | str | None:
     (stored,) = _TAIL.unpack(raw[_TAIL_AT:])
     if xxhash.xxh3_64_intdigest(raw[:_TAIL_AT]) != stored:
         return "header checksum mismatch"
-    magic, version, size, fp, slot, gen, length, checksum, algo, tag, klen = _SLOT.unpack_from(raw)
+    _, version, size, fp, slot, gen, length, checksum, algo, tag, klen = _SLOT.unpack_from(raw)
     if version != SLAB_VERSION or size != HEADER_SIZE or algo != CHECKSUM_XXH3_128:
         return f"unsupported slot format (version {version}, header {size}, checksum {algo})"
     if klen == 0 or klen > MAX_KEY_BYTES:
