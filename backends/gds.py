@@ -204,7 +204,8 @@ class GdsBackend:
 
     Args:
         path: an existing file.
-        mode: ``ON`` sets kvikio's compat mode OFF (process-wide) after checking that GDS is available;
+        mode: ``ON`` sets kvikio's compat mode OFF (process-wide, like ``num_threads``, which is raised to
+            ``threads`` if lower) after checking that GDS is available;
             ``AUTO`` leaves kvikio's compat mode as configured (default AUTO, env ``KVIKIO_COMPAT_MODE``).
             ``OFF`` is refused: it means the posix backend.
         threads: completion threads (each waits on one kvikio future; kvikio's own pool does the I/O).
@@ -238,6 +239,13 @@ class GdsBackend:
         if m is GdsMode.ON:
             compat = getattr(kvikio, "CompatMode", None)
             kvikio.defaults.set("compat_mode", compat.OFF if compat is not None else False)
+        try:
+            # kvikio runs I/O on its own pool (default 1 thread): give it as many threads as we keep requests
+            # in flight, or our ``threads`` concurrent calls would queue behind one another inside kvikio.
+            if int(kvikio.defaults.get("num_threads")) < threads:
+                kvikio.defaults.set("num_threads", threads)
+        except Exception as exc:  # noqa: BLE001 - older kvikio: keep its default
+            log.debug("could not raise kvikio num_threads: %r", exc)
         gds_real = False
         if device_io is None or m is GdsMode.ON:
             try:

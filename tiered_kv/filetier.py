@@ -292,6 +292,12 @@ class FileTier:
         self._counts = {"bw": 0, "br": 0, "nw": 0, "nr": 0, "wf": 0, "rf": 0, "if": 0}
         self._closed = False
 
+        # Pick the backend before touching the file: GDS mode ON without GDS fails fast and leaves nothing.
+        self._kind = "factory"
+        if config.backend_factory is None:
+            from .backends.gds import select_backend
+
+            self._kind, _ = select_backend(config.gds)
         self.open_report = self._open()
         self.backend = self._make_backend()
         self.direct = bool(getattr(self.backend, "direct", getattr(self.backend, "gds", False)))
@@ -340,11 +346,10 @@ class FileTier:
         cfg = self.config
         if cfg.backend_factory is not None:
             return cfg.backend_factory(self.path)
-        from .backends.gds import GdsBackend, select_backend
+        from .backends.gds import GdsBackend
         from .backends.posix import PosixBackend
 
-        kind, _ = select_backend(cfg.gds)
-        if kind == "gds":
+        if self._kind == "gds":
             return GdsBackend(self.path, mode=cfg.gds, threads=cfg.io_threads)
         return PosixBackend(self.path, threads=cfg.io_threads, direct=cfg.direct)
 
