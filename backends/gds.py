@@ -244,7 +244,7 @@ class GdsBackend:
             # in flight, or our ``threads`` concurrent calls would queue behind one another inside kvikio.
             if int(kvikio.defaults.get("num_threads")) < threads:
                 kvikio.defaults.set("num_threads", threads)
-        except Exception as exc:  # noqa: BLE001 - older kvikio: keep its default
+        except Exception as exc:
             log.debug("could not raise kvikio num_threads: %r", exc)
         gds_real = False
         if device_io is None or m is GdsMode.ON:
