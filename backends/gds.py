@@ -119,7 +119,7 @@ def _query_gds(kvikio_mod: Any) -> bool | None:
             import kvikio.cufile_driver as driver
 
             box.append(bool(driver.get("is_gds_available")))
-        except BaseException as exc:
+        except BaseException as exc:  # any failure means "not available"
             box.append(exc)
 
     t = threading.Thread(target=ask, name="tiered_kv-gds-probe", daemon=True)
@@ -139,7 +139,7 @@ def probe(check_driver: bool = True) -> GdsProbe:
     """Probe kvikio, ``libcuda.so.1`` and (if ``check_driver`` and both are there) cuFile."""
     try:
         import kvikio
-    except Exception as exc:
+    except Exception as exc:  # ImportError, or a broken install raising anything
         return GdsProbe(None, _libcuda_loads(), None, f"kvikio does not import ({exc.__class__.__name__}: {exc})")
     version = str(getattr(kvikio, "__version__", "?"))
     if not _libcuda_loads():
@@ -244,13 +244,13 @@ class GdsBackend:
             # in flight, or our ``threads`` concurrent calls would queue behind one another inside kvikio.
             if int(kvikio.defaults.get("num_threads")) < threads:
                 kvikio.defaults.set("num_threads", threads)
-        except Exception as exc:
+        except Exception as exc:  # older kvikio: keep its default
             log.debug("could not raise kvikio num_threads: %r", exc)
         gds_real = False
         if device_io is None or m is GdsMode.ON:
             try:
                 compat_now = kvikio.defaults.get("compat_mode")
-            except Exception:
+            except Exception:  # older kvikio: compat_mode() instead of get()
                 compat_now = getattr(kvikio.defaults, "compat_mode", lambda: None)()
             forced_on = str(compat_now).lower().endswith("on") or compat_now is True
             gds_real = not forced_on and bool(p.gds_available if p and p.gds_available is not None else _query_gds(kvikio))

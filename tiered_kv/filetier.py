@@ -753,7 +753,7 @@ class _FileOp:
             return
         try:
             fn(j, buf)
-        except BaseException as exc:
+        except BaseException as exc:  # reported through done()
             self._job_done(j, buf, exc)
 
     # host pools ---------------------------------------------------------------------------------
@@ -883,7 +883,7 @@ class _FileOp:
         def cb(f: Completion) -> None:
             try:
                 value = f.result()
-            except BaseException as exc:
+            except BaseException as exc:  # reported through done()
                 self._job_done(j, buf, exc)
                 return
             self._guard(j, buf, lambda j, buf: fn(value))
@@ -939,7 +939,7 @@ class _FileOp:
             err: BaseException | None = None
             try:
                 f.result()
-            except BaseException as exc:
+            except BaseException as exc:  # reported through done()
                 err = self._wrap(self.slots[0], exc)
             tier._finish_write(self.slots, self.gens, err is None)
             assert self._done is not None
@@ -947,7 +947,7 @@ class _FileOp:
 
         try:
             tier.backend.sync(tier.durability is Durability.FLUSH).add_done_callback(synced)  # type: ignore[arg-type]
-        except BaseException as exc:
+        except BaseException as exc:  # reported through done()
             tier._finish_write(self.slots, self.gens, False)
             self._done(self._wrap(self.slots[0], exc))
 
