@@ -206,7 +206,8 @@ class GdsBackend:
         path: an existing file.
         mode: ``ON`` sets kvikio's compat mode OFF (process-wide, like ``num_threads``, which is raised to
             ``threads`` if lower) after checking that GDS is available;
-            ``AUTO`` leaves kvikio's compat mode as configured (default AUTO, env ``KVIKIO_COMPAT_MODE``).
+            ``AUTO`` leaves kvikio's compat mode as configured (default AUTO, env ``KVIKIO_COMPAT_MODE``) where
+            cuFile reports GDS available, and sets it ON (kvikio's POSIX path) where not.
             ``OFF`` is refused: it means the posix backend.
         threads: completion threads (each waits on one kvikio future; kvikio's own pool does the I/O).
         device_io: pass CUDA buffers to kvikio. ``None``: only when cuFile is really used (GDS available and
@@ -246,14 +247,19 @@ class GdsBackend:
                 kvikio.defaults.set("num_threads", threads)
         except Exception as exc:  # older kvikio: keep its default
             log.debug("could not raise kvikio num_threads: %r", exc)
-        gds_real = False
-        if device_io is None or m is GdsMode.ON:
-            try:
-                compat_now = kvikio.defaults.get("compat_mode")
-            except Exception:  # older kvikio: compat_mode() instead of get()
-                compat_now = getattr(kvikio.defaults, "compat_mode", lambda: None)()
-            forced_on = str(compat_now).lower().endswith("on") or compat_now is True
-            gds_real = not forced_on and bool(p.gds_available if p and p.gds_available is not None else _query_gds(kvikio))
+        compat = getattr(kvikio, "CompatMode", None)
+        try:
+            compat_now = kvikio.defaults.get("compat_mode")
+        except Exception:  # older kvikio: compat_mode() instead of get()
+            compat_now = getattr(kvikio.defaults, "compat_mode", lambda: None)()
+        forced_on = str(compat_now).lower().endswith("on") or compat_now is True
+        available = p.gds_available if p is not None and p.gds_available is not None else (None if forced_on else _query_gds(kvikio))
+        if m is GdsMode.AUTO and not forced_on and not available:
+            # No GDS here: pin kvikio to its POSIX path so that no call ever tries cuFile handle registration
+            # (which spun at 100% CPU where nvidia-fs was missing). This is what AUTO would fall back to anyway.
+            kvikio.defaults.set("compat_mode", compat.ON if compat is not None else True)
+            forced_on = True
+        gds_real = not forced_on and bool(available)
         self.device_io = gds_real if device_io is None else bool(device_io)
         self.gds = gds_real
         self.mode = m

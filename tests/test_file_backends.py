@@ -317,3 +317,98 @@ def test_gds_backend_round_trip(tmp_path, device_io: bool) -> None:
         assert be.sync(True).result() == 0
     finally:
         be.close()
+
+
+class _FakeFuture:
+    """kvikio.IOFuture stand-in: ``get()`` may be called once (it consumes the future)."""
+
+    def __init__(self, n: int) -> None:
+        self._n: int | None = n
+
+    def done(self) -> bool:
+        return True
+
+    def get(self) -> int:
+        assert self._n is not None, "IOFuture.get() called twice"
+        n, self._n = self._n, None
+        return n
+
+
+def _fake_kvikio_io(monkeypatch, gds_available: bool) -> dict[str, object]:
+    """A kvikio whose CuFile does POSIX I/O on host numpy buffers, to drive GdsBackend on a CPU machine."""
+    import enum
+
+    _fake_kvikio(monkeypatch, gds_available, libcuda=True)
+    kvikio = sys.modules["kvikio"]
+    settings: dict[str, object] = {"num_threads": 1, "compat_mode": "auto"}
+
+    class CompatMode(enum.Enum):
+        ON = "on"
+        OFF = "off"
+        AUTO = "auto"
+
+    defaults = types.ModuleType("kvikio.defaults")
+    defaults.get = settings.__getitem__  # type: ignore[attr-defined]
+    defaults.set = settings.__setitem__  # type: ignore[attr-defined]
+
+    class CuFile:
+        def __init__(self, path: str, flags: str) -> None:
+            assert flags == "r+"
+            self.fd = os.open(path, os.O_RDWR)
+
+        def pwrite(self, buf: np.ndarray, size: int, offset: int) -> _FakeFuture:
+            assert isinstance(buf, np.ndarray) and buf.nbytes == size
+            return _FakeFuture(os.pwrite(self.fd, buf.data, offset))
+
+        def pread(self, buf: np.ndarray, size: int, offset: int) -> _FakeFuture:
+            assert isinstance(buf, np.ndarray) and buf.nbytes == size
+            return _FakeFuture(os.preadv(self.fd, [buf.data], offset))
+
+        def fileno(self) -> int:
+            return self.fd
+
+        def close(self) -> None:
+            os.close(self.fd)
+
+    kvikio.CompatMode = CompatMode  # type: ignore[attr-defined]
+    kvikio.defaults = defaults  # type: ignore[attr-defined]
+    kvikio.CuFile = CuFile  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "kvikio.defaults", defaults)
+    return settings
+
+
+async def test_engine_through_gds_backend_with_fake_kvikio(monkeypatch, tmp_path, layout: KVLayout) -> None:
+    """The gds backend's wiring (buffers, futures consumed once, hooks, settings), end to end on a CPU."""
+    from tiered_kv import Tier, TransferEngine
+    from tiered_kv.testing import assert_blocks_equal, fill_random
+
+    settings = _fake_kvikio_io(monkeypatch, gds_available=False)
+    cfg = FileTierConfig(tmp_path, 8, gds="auto", io_threads=3)
+    async with TransferEngine(layout, gpu_blocks=4, host_blocks=4, device="cpu", file_config=cfg) as eng:
+        be = eng.file_tier.backend
+        assert be.name == "gds" and not be.device_io
+        assert settings["num_threads"] == 3 and settings["compat_mode"].value == "on"  # type: ignore[union-attr]
+        src = [fill_random(eng.block(Tier.GPU, i)).clone() for i in range(4)]
+        await eng.copy(Tier.GPU, [0, 1], Tier.FILE, [0, 1], keys=[b"a", b"b"])
+        await eng.copy(Tier.GPU, [2, 3], Tier.HOST, [0, 1])
+        await eng.copy(Tier.HOST, [0, 1], Tier.FILE, [2, 3], keys=[b"c", b"d"])
+        await eng.copy(Tier.FILE, [0, 1], Tier.HOST, [2, 3])
+        await eng.copy(Tier.FILE, [2, 3], Tier.GPU, [0, 1])
+        assert_blocks_equal(eng.block(Tier.HOST, 2), src[0])
+        assert_blocks_equal(eng.block(Tier.HOST, 3), src[1])
+        assert_blocks_equal(eng.block(Tier.GPU, 0), src[2])
+        assert_blocks_equal(eng.block(Tier.GPU, 1), src[3])
+
+
+def test_gds_backend_on_mode_sets_compat_off(monkeypatch, tmp_path) -> None:
+    from tiered_kv.backends.gds import GdsBackend
+
+    settings = _fake_kvikio_io(monkeypatch, gds_available=True)
+    be = GdsBackend(_file(tmp_path), mode="on", threads=2)
+    try:
+        assert settings["compat_mode"].value == "off"  # type: ignore[union-attr]
+        assert be.gds and be.device_io
+    finally:
+        be.close()
+    with pytest.raises(ValueError, match="posix backend"):
+        GdsBackend(_file(tmp_path / "x") if os.makedirs(tmp_path / "x") is None else "", mode="off")
