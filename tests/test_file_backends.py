@@ -13,13 +13,13 @@ import types
 import numpy as np
 import pytest
 import torch
-
-from tiered_kv import BackendUnavailable, KVLayout
 from tiered_kv.backends import FileBackend
 from tiered_kv.backends import gds as gds_mod
 from tiered_kv.backends import posix as posix_mod
 from tiered_kv.backends.gds import GdsMode, select_backend
 from tiered_kv.backends.posix import DIRECT_ALIGN, PosixBackend, aligned_empty, direct_io_supported, preallocate
+
+from tiered_kv import BackendUnavailable, KVLayout
 from tiered_kv.filetier import FileTier, FileTierConfig
 from tiered_kv.slab import HEADER_SIZE, Superblock, pack_header, payload_checksum, unpack_header
 from tiered_kv.testing import FaultyBackend
