@@ -427,3 +427,53 @@ async def test_unaligned_block_size_and_key_types(tmp_path) -> None:
         await eng.copy(Tier.FILE, [0, 1, 2], Tier.GPU, [5, 6, 7], keys=ks)
         for i in range(3):
             assert_blocks_equal(eng.block(Tier.GPU, 5 + i), src[i])
+
+
+# --------------------------------------------------------------------------------------------- randomized ordering
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+async def test_random_mix_matches_a_sequential_model(layout: KVLayout, tmp_path, device: str, seed: int) -> None:
+    """Random copies among GPU, host and file, issued without awaiting, with stalled file I/O: the fences must
+    make the result equal to running them one by one in issue order."""
+    import random
+
+    rng = random.Random(seed)
+    cfg = dict(backend_factory=lambda p: FaultyBackend(_posix(p), stall_writes=0.01, stall_reads=0.005), staging_blocks=2)
+    async with make_engine(layout, tmp_path, device, blocks=6, **cfg) as eng:
+        sizes = {Tier.GPU: 8, Tier.HOST: 8, Tier.FILE: 6}
+        model: dict[tuple[Tier, int], torch.Tensor | None] = {(t, i): None for t, n in sizes.items() for i in range(n)}
+        for t in (Tier.GPU, Tier.HOST):
+            for i in range(8):
+                model[(t, i)] = fill_random(eng.block(t, i)).clone().cpu()
+        pending = []
+        routes = [(a, b) for a in sizes for b in sizes if a != b or a is not Tier.FILE]
+        version = 0
+        for _ in range(60):
+            src_t, dst_t = rng.choice(routes)
+            k = rng.randint(1, 3)
+            candidates = [i for i in range(sizes[src_t]) if model[(src_t, i)] is not None]
+            if len(candidates) < k:
+                continue
+            src = rng.sample(candidates, k)
+            pool = [i for i in range(sizes[dst_t]) if src_t is not dst_t or i not in src]
+            dst = rng.sample(pool, k)
+            kw = {}
+            if dst_t is Tier.FILE:
+                version += 1
+                kw["keys"] = [f"v{version}-{j}".encode() for j in range(k)]
+            pending.append(eng.copy(src_t, src, dst_t, dst, **kw))
+            for a, b in zip(src, dst, strict=True):
+                model[(dst_t, b)] = model[(src_t, a)]
+            if rng.random() < 0.1:
+                await pending[rng.randrange(len(pending))]
+        await asyncio.gather(*pending)
+        # read every file slot back through the host tier and compare everything with the model
+        for t in (Tier.GPU, Tier.HOST):
+            for i in range(8):
+                assert_blocks_equal(eng.block(t, i), model[(t, i)], f"{t.value} block {i}")
+        for s in range(6):
+            if model[(Tier.FILE, s)] is not None:
+                await eng.copy(Tier.FILE, [s], Tier.HOST, [0])
+                assert_blocks_equal(eng.block(Tier.HOST, 0), model[(Tier.FILE, s)], f"file slot {s}")
+        assert eng.file_tier.statistics().integrity_failures == 0
