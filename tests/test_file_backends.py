@@ -139,7 +139,7 @@ def test_file_tier_on_enospc_while_preallocating_leaves_no_file(tmp_path, monkey
     monkeypatch.setattr(posix_mod.os, "posix_fallocate", full)
     with pytest.raises(OSError):
         FileTier(layout, FileTierConfig(tmp_path, 8, gds="off"))
-    assert os.listdir(tmp_path) == []
+    assert os.listdir(tmp_path) == ["kv.lock"]  # no slab left behind
 
 
 # --------------------------------------------------------------------------------------------- faulty backend
@@ -412,3 +412,12 @@ def test_gds_backend_on_mode_sets_compat_off(monkeypatch, tmp_path) -> None:
         be.close()
     with pytest.raises(ValueError, match="posix backend"):
         GdsBackend(_file(tmp_path / "x") if os.makedirs(tmp_path / "x") is None else "", mode="off")
+
+
+def test_emulated_host_memory_is_page_aligned() -> None:
+    from tiered_kv.device import resolve_device
+
+    dev = resolve_device("cpu")
+    for dtype, shape in ((torch.float16, (3, 5, 7)), (torch.int32, (2, 1, 3, 9)), (torch.uint8, (4097,))):
+        t = dev.empty_host(shape, dtype)
+        assert t.data_ptr() % 4096 == 0 and t.shape == shape and t.dtype == dtype and t.is_contiguous()

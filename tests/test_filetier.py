@@ -11,7 +11,7 @@ import stat
 import pytest
 import torch
 
-from tiered_kv import IntegrityError, KVLayout, LayoutMismatchError, Tier, TransferEngine, TransferError
+from tiered_kv import IntegrityError, KVLayout, LayoutMismatchError, SlabInUseError, Tier, TransferEngine, TransferError
 from tiered_kv.filetier import FileTier, FileTierConfig
 from tiered_kv.slab import HEADER_SIZE
 from tiered_kv.testing import FaultyBackend, assert_blocks_equal, fill_random
@@ -379,7 +379,8 @@ async def test_file_permissions_are_0600(layout: KVLayout, tmp_path) -> None:
         mode = stat.S_IMODE(os.stat(eng.file_tier.path).st_mode)
         assert mode == 0o600
         assert stat.S_IMODE(os.stat(d).st_mode) & 0o077 == 0
-        assert os.listdir(d) == ["kv.slab"]  # the O_DIRECT probe left nothing behind
+        assert sorted(os.listdir(d)) == ["kv.lock", "kv.slab"]  # the O_DIRECT probe left nothing behind
+        assert stat.S_IMODE(os.stat(d / "kv.lock").st_mode) == 0o600
 
 
 async def test_reopen_with_another_layout(layout: KVLayout, tmp_path) -> None:
@@ -396,6 +397,17 @@ async def test_reopen_with_another_layout(layout: KVLayout, tmp_path) -> None:
     (tmp_path / "junk.slab").write_bytes(b"hello" * 2000)
     with pytest.raises(LayoutMismatchError, match="not a tiered_kv slab"):
         FileTier(layout, FileTierConfig(tmp_path, 4, name="junk", gds="off"))
+
+
+async def test_one_tier_per_slab(layout: KVLayout, tmp_path) -> None:
+    async with make_engine(layout, tmp_path) as eng:
+        with pytest.raises(SlabInUseError, match="in use by another file tier"):
+            make_engine(layout, tmp_path)
+        other = FileTier(layout, FileTierConfig(tmp_path, 4, name="other", gds="off"))  # another name is fine
+        other.close()
+        assert eng.file_tier.open_report.created
+    async with make_engine(layout, tmp_path) as eng:  # released on close
+        assert not eng.file_tier.open_report.created
 
 
 async def test_open_async_and_remove(layout: KVLayout, tmp_path) -> None:

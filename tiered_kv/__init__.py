@@ -3,7 +3,7 @@
 from .config import EngineConfig
 from .device import Device, resolve_device
 from .engine import EngineStatistics, Transfer, TransferEngine, TransferResult
-from .errors import BackendUnavailable, EngineClosedError, IntegrityError, LayoutMismatchError, TieredKVError, TransferError
+from .errors import BackendUnavailable, EngineClosedError, IntegrityError, LayoutMismatchError, SlabInUseError, TieredKVError, TransferError
 from .fences import FenceStatistics, FenceTable
 from .filetier import Durability, FileTier, FileTierConfig, FileTierStatistics, OpenReport
 from .layout import FORMAT_VERSION, KVLayout
@@ -30,6 +30,7 @@ __all__ = [
     "KVLayout",
     "LayoutMismatchError",
     "OpenReport",
+    "SlabInUseError",
     "StagingPool",
     "Tier",
     "TieredKVError",

@@ -11,6 +11,7 @@ __all__ = [
     "EngineClosedError",
     "IntegrityError",
     "LayoutMismatchError",
+    "SlabInUseError",
     "TieredKVError",
     "TransferError",
 ]
@@ -30,6 +31,10 @@ class IntegrityError(TransferError):
 
 class LayoutMismatchError(TieredKVError, ValueError):
     """A persisted file tier was written for another block layout (or is not a tiered_kv slab)."""
+
+
+class SlabInUseError(TieredKVError):
+    """A file tier's slab is already open (in this process or another): one tier per slab at a time."""
 
 
 class BackendUnavailable(TieredKVError):

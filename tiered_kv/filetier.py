@@ -33,6 +33,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import enum
+import fcntl
 import functools
 import logging
 import os
@@ -47,7 +48,7 @@ import torch
 from .backends import Completion, FileBackend
 from .backends.posix import aligned_empty, create_file, make_dir, preallocate, remove_file
 from .device import Device, Stream
-from .errors import IntegrityError, LayoutMismatchError, TransferError
+from .errors import IntegrityError, LayoutMismatchError, SlabInUseError, TransferError
 from .layout import KVLayout
 from .pools import Tier
 from .slab import (
@@ -298,9 +299,15 @@ class FileTier:
             from .backends.gds import select_backend
 
             self._kind, _ = select_backend(config.gds)
-        self.open_report = self._open()
-        self.backend = self._make_backend()
-        self.direct = bool(getattr(self.backend, "direct", getattr(self.backend, "gds", False)))
+        self._lock_fd = self._take_lock()
+        try:
+            self.open_report = self._open()
+            self.backend = self._make_backend()
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
+        inner = getattr(self.backend, "inner", self.backend)  # see through test wrappers
+        self.direct = bool(getattr(inner, "direct", False) or getattr(inner, "gds", False))
         self._workers = concurrent.futures.ThreadPoolExecutor(config.io_threads, thread_name_prefix="tiered_kv-filetier")
         self._staging: _Staging | None = None
         self._staging_lock = threading.Lock()
@@ -341,6 +348,17 @@ class FileTier:
         """
         self.close()
         await remove_file(self.path)
+
+    def _take_lock(self) -> int:
+        """Hold an exclusive ``flock`` on ``<name>.lock`` for the tier's lifetime: one writer per slab."""
+        lock_path = os.path.join(os.fspath(self.config.directory), f"{self.config.name}.lock")
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise SlabInUseError(f"{self.path} is in use by another file tier (this or another process); close it first") from None
+        return fd
 
     def _make_backend(self) -> FileBackend:
         cfg = self.config
@@ -668,6 +686,7 @@ class FileTier:
         self._closed = True
         self._workers.shutdown(wait=True)
         self.backend.close()
+        os.close(self._lock_fd)
 
     @property
     def closed(self) -> bool:
