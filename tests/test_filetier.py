@@ -41,6 +41,12 @@ def make_engine(layout: KVLayout, directory, device: str = "cpu", backend: str =
                           file_config=FileTierConfig(directory, blocks, **cfg))
 
 
+def settle(eng: TransferEngine) -> None:
+    """Blocks filled or zeroed directly (default stream) must land before the engine's streams read them."""
+    if eng.device.is_cuda:
+        torch.cuda.synchronize()
+
+
 def keys(*names: object) -> list[bytes]:
     return [f"key-{n}".encode() for n in names]
 
@@ -51,6 +57,7 @@ def keys(*names: object) -> list[bytes]:
 async def test_round_trip_gpu_host_file_host_gpu(layout: KVLayout, tmp_path, device: str, backend: str) -> None:
     async with make_engine(layout, tmp_path, device, backend) as eng:
         src = [fill_random(eng.block(Tier.GPU, i)).clone() for i in range(4)]
+        settle(eng)
         await eng.copy(Tier.GPU, [0, 1, 2, 3], Tier.HOST, [4, 6, 5, 7])
         await eng.copy(Tier.HOST, [4, 6, 5, 7], Tier.FILE, [9, 2, 3, 15], keys=keys(0, 1, 2, 3))
         for i in range(8):
@@ -68,11 +75,13 @@ async def test_round_trip_gpu_file_gpu(layout: KVLayout, tmp_path, device: str, 
     # 7 blocks through 3 staging buffers: the pipeline must recycle them.
     async with make_engine(layout, tmp_path, device, backend) as eng:
         src = [fill_random(eng.block(Tier.GPU, i)).clone() for i in range(7)]
+        settle(eng)
         t = eng.copy(Tier.GPU, range(7), Tier.FILE, [10, 3, 4, 5, 0, 8, 1], keys=keys(*range(7)))
         res = await t
         assert res.num_blocks == 7 and res.nbytes == 7 * layout.bytes_per_block
         for i in range(8):
             eng.block(Tier.GPU, i).zero_()
+        settle(eng)
         await eng.copy(Tier.FILE, [10, 3, 4, 5, 0, 8, 1], Tier.GPU, [1, 2, 3, 4, 5, 6, 7])
         for i in range(7):
             assert_blocks_equal(eng.block(Tier.GPU, i + 1), src[i], f"gpu block {i + 1}")
@@ -91,6 +100,7 @@ async def test_gds_device_buffers_round_trip(layout: KVLayout, tmp_path) -> None
     async with make_engine(layout, tmp_path, "cuda", "gds", **cfg) as eng:
         assert eng.file_tier.backend.device_io
         src = [fill_random(eng.block(Tier.GPU, i)).clone() for i in range(5)]
+        settle(eng)
         await eng.copy(Tier.GPU, range(5), Tier.FILE, range(5), keys=keys(*range(5)))
         await eng.copy(Tier.FILE, range(5), Tier.GPU, [3, 4, 5, 6, 7])
         for i in range(5):
@@ -196,6 +206,7 @@ async def test_write_errors_are_transfer_errors(layout: KVLayout, tmp_path, devi
     cfg = dict(backend_factory=lambda p: FaultyBackend(_posix(p), **{fault: 1}))
     async with make_engine(layout, tmp_path, device, **cfg) as eng:
         fill_random(eng.block(Tier.GPU, 0))
+        settle(eng)
         with pytest.raises(TransferError) as info:
             await eng.copy(Tier.GPU, [0], Tier.FILE, [7], keys=keys(0))
         assert info.value.__cause__.errno == code  # type: ignore[union-attr]
@@ -280,6 +291,7 @@ def _flip(path: str, offset: int) -> None:
 async def test_corruption_is_an_integrity_error(layout: KVLayout, tmp_path, device: str, where: str) -> None:
     async with make_engine(layout, tmp_path, device) as eng:
         src = fill_random(eng.block(Tier.GPU, 0)).clone()
+        settle(eng)
         await eng.copy(Tier.GPU, [0], Tier.FILE, [3], keys=keys(0))
         ft = eng.file_tier
         base = ft.offset(3)
@@ -292,6 +304,7 @@ async def test_corruption_is_an_integrity_error(layout: KVLayout, tmp_path, devi
         }[where]
         _flip(ft.path, where_at)
         eng.block(Tier.GPU, 1).zero_()
+        settle(eng)
         with pytest.raises(IntegrityError, match="file slot 3 failed verification"):
             await eng.copy(Tier.FILE, [3], Tier.GPU, [1])
         # never wrong data: the GPU destination was not written from a bad slot (staged path verifies first)
@@ -458,6 +471,7 @@ async def test_random_mix_matches_a_sequential_model(layout: KVLayout, tmp_path,
         for t in (Tier.GPU, Tier.HOST):
             for i in range(8):
                 model[(t, i)] = fill_random(eng.block(t, i)).clone().cpu()
+        settle(eng)
         pending = []
         routes = [(a, b) for a in sizes for b in sizes if a != b or a is not Tier.FILE]
         version = 0
