@@ -252,7 +252,8 @@ class GdsBackend:
             compat_now = kvikio.defaults.get("compat_mode")
         except Exception:  # older kvikio: compat_mode() instead of get()
             compat_now = getattr(kvikio.defaults, "compat_mode", lambda: None)()
-        forced_on = str(compat_now).lower().endswith("on") or compat_now is True
+        # CompatMode may be an IntEnum (str() gives a number): compare values, not names.
+        forced_on = compat_now is True or (compat is not None and compat_now == compat.ON) or str(compat_now).lower() in ("on", "compatmode.on")
         available = p.gds_available if p is not None and p.gds_available is not None else (None if forced_on else _query_gds(kvikio))
         if m is GdsMode.AUTO and not forced_on and not available:
             # No GDS here: pin kvikio to its POSIX path so that no call ever tries cuFile handle registration
