@@ -503,3 +503,85 @@ async def test_random_mix_matches_a_sequential_model(layout: KVLayout, tmp_path,
                 await eng.copy(Tier.FILE, [s], Tier.HOST, [0])
                 assert_blocks_equal(eng.block(Tier.HOST, 0), model[(Tier.FILE, s)], f"file slot {s}")
         assert eng.file_tier.statistics().integrity_failures == 0
+
+
+@pytest.mark.parametrize("seed", [11, 12, 13])
+async def test_random_mix_with_faults_never_serves_wrong_data(layout: KVLayout, tmp_path, device: str, seed: int) -> None:
+    """Random copies with random ENOSPC/EIO/short writes and reads: every block whose whole history succeeded
+    holds exactly what a sequential model says; a failed file write never leaves its slot valid."""
+    import random
+
+    rng = random.Random(seed)
+    faults = {
+        "enospc_on_write": set(rng.sample(range(1, 120), 8)),
+        "eio_on_write": set(rng.sample(range(1, 120), 4)),
+        "short_write_on": set(rng.sample(range(1, 120), 4)),
+        "eio_on_read": set(rng.sample(range(1, 120), 4)),
+        "short_read_on": set(rng.sample(range(1, 120), 4)),
+    }
+    cfg = dict(backend_factory=lambda p: FaultyBackend(_posix(p), stall_writes=0.003, **faults), staging_blocks=2)
+    async with make_engine(layout, tmp_path, device, blocks=6, **cfg) as eng:
+        sizes = {Tier.GPU: 8, Tier.HOST: 8, Tier.FILE: 6}
+        # (tier, index) -> (content, transfers it depends on); None: never written
+        model: dict[tuple[Tier, int], tuple[torch.Tensor, frozenset[int]] | None] = {
+            (t, i): None for t, n in sizes.items() for i in range(n)
+        }
+        for t in (Tier.GPU, Tier.HOST):
+            for i in range(8):
+                model[(t, i)] = (fill_random(eng.block(t, i)).clone().cpu(), frozenset())
+        settle(eng)
+        transfers: list = []
+        last_write: dict[int, int] = {}  # file slot -> transfer that last wrote it (at issue time)
+        reads_from: dict[int, set[int]] = {}  # file->x transfer -> the writes whose data it reads
+        routes = [(a, b) for a in sizes for b in sizes if a != b or a is not Tier.FILE]
+        for step in range(80):
+            src_t, dst_t = rng.choice(routes)
+            k = rng.randint(1, 3)
+            candidates = [i for i in range(sizes[src_t]) if model[(src_t, i)] is not None]
+            if src_t is Tier.FILE:  # only slots the index still has (a failed write empties its slot)
+                candidates = [i for i in candidates if eng.file_tier.is_valid(i) or eng.file_tier.is_pending(i)]
+            if len(candidates) < k:
+                continue
+            src = rng.sample(candidates, k)
+            dst = rng.sample([i for i in range(sizes[dst_t]) if src_t is not dst_t or i not in src], k)
+            kw = {"keys": [f"s{step}-{j}".encode() for j in range(k)]} if dst_t is Tier.FILE else {}
+            tid = len(transfers)
+            transfers.append(eng.copy(src_t, src, dst_t, dst, **kw))
+            for a, b in zip(src, dst, strict=True):
+                content, deps = model[(src_t, a)]  # type: ignore[misc]
+                model[(dst_t, b)] = (content, deps | {tid})
+            if src_t is Tier.FILE:
+                reads_from[tid] = {last_write[a] for a in src}
+            if dst_t is Tier.FILE:
+                last_write.update(dict.fromkeys(dst, tid))
+            if rng.random() < 0.15:
+                await asyncio.gather(transfers[rng.randrange(len(transfers))], return_exceptions=True)
+        results = await asyncio.gather(*transfers, return_exceptions=True)
+        failed = {i for i, r in enumerate(results) if isinstance(r, BaseException)}
+        for r in results:
+            assert not isinstance(r, BaseException) or isinstance(r, TransferError), r
+        assert failed, "the fault plan should have failed some transfers"
+        # never served: a file read succeeded only if every write it read from succeeded
+        for r, writes in reads_from.items():
+            if r not in failed:
+                assert not writes & failed, f"transfer {r} read slots whose writes {sorted(writes & failed)} failed"
+        # never visible: a slot whose last write failed is not valid
+        for slot, w in last_write.items():
+            if w in failed:
+                assert not eng.file_tier.is_valid(slot), f"slot {slot}: its last write failed, yet it is valid"
+        checked = 0
+        for (t, i), entry in model.items():
+            if entry is None or entry[1] & failed:
+                continue  # undefined after a failure upstream (allowed), or never written
+            content, _ = entry
+            if t is Tier.FILE:
+                assert eng.file_tier.is_valid(i), f"slot {i}: every write in its history succeeded, yet it is not valid"
+                await eng.copy(Tier.FILE, [i], Tier.HOST, [0])
+                assert_blocks_equal(eng.block(Tier.HOST, 0), content, f"file slot {i}")
+                model[(Tier.HOST, 0)] = None  # overwritten by the check
+            else:
+                assert_blocks_equal(eng.block(t, i), content, f"{t.value} block {i}")
+            checked += 1
+        assert checked > 0
+        st = eng.file_tier.statistics()
+        assert st.pending == 0

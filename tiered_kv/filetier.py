@@ -289,6 +289,7 @@ class FileTier:
         self._keys: list[Key | None] = [None] * self.num_blocks  # slot -> key (valid or pending)
         self._gens = [0] * self.num_blocks  # slot -> generation of the valid or pending content
         self._by_key: dict[Key, int] = {}  # content key -> valid slot
+        self._failed_gen: dict[int, int] = {}  # slot -> generation of its last failed write (a tombstone)
         self._next_gen = 1
         self._counts = {"bw": 0, "br": 0, "nw": 0, "nr": 0, "wf": 0, "rf": 0, "if": 0}
         self._closed = False
@@ -648,6 +649,13 @@ class FileTier:
     def _finish_write(self, slots: list[int], gens: list[int], ok: bool) -> None:
         with self._lock:
             for slot, gen in zip(slots, gens, strict=True):
+                if ok:
+                    self._failed_gen.pop(slot, None)
+                else:
+                    # Reads enqueued behind this write (they expect ``gen``) must fail even if this slot's own
+                    # block made it to disk: the transfer failed, so its slots hold nothing. A later write of
+                    # the slot starts only after those reads, so one tombstone per slot is enough.
+                    self._failed_gen[slot] = gen
                 if self._state[slot] != _PENDING or self._gens[slot] != gen:
                     continue  # a later copy has claimed the slot since
                 if ok:
@@ -656,8 +664,6 @@ class FileTier:
                     other = self._by_key.get(key)
                     if other is not None and other != slot:
                         self._drop_locked(other)  # the newest copy of a key wins
-                        self._state[slot] = _PENDING
-                        self._keys[slot] = key
                     self._state[slot] = _VALID
                     self._by_key[key] = slot
                 else:
@@ -895,6 +901,8 @@ class _FileOp:
             why = f"content key {h.key!r} != expected {self.keys[j]!r}"
         elif h.generation != self.gens[j]:
             why = f"generation {h.generation} != expected {self.gens[j]}"
+        elif tier._failed_gen.get(slot) == h.generation:
+            why = "the copy that wrote it failed"
         elif payload_checksum(payload) != h.checksum:
             why = "payload checksum mismatch"
         if why is not None:
