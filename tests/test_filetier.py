@@ -201,6 +201,25 @@ async def test_enospc_on_third_write(layout: KVLayout, tmp_path) -> None:
             assert_blocks_equal(eng.block(Tier.HOST, 5 + i), src[2 + i])
 
 
+async def test_read_queued_behind_a_failed_write_fails(layout: KVLayout, tmp_path) -> None:
+    """Slot 0's block of a two-block spill reaches the disk, slot 1's hits ENOSPC: the transfer failed, so a read
+    of slot 0 queued behind it must fail too (its bytes verify, but the copy that wrote them failed)."""
+    cfg = dict(backend_factory=lambda p: FaultyBackend(_posix(p), enospc_on_write=2, stall_writes=0.05), io_threads=1)
+    async with make_engine(layout, tmp_path, **cfg) as eng:
+        fill_random(eng.block(Tier.HOST, 0))
+        fill_random(eng.block(Tier.HOST, 1))
+        w = eng.copy(Tier.HOST, [0, 1], Tier.FILE, [0, 1], keys=keys(0, 1))
+        r = eng.copy(Tier.FILE, [0], Tier.HOST, [2])
+        with pytest.raises(TransferError, match="No space left"):
+            await w
+        with pytest.raises(IntegrityError, match="the copy that wrote it failed"):
+            await r
+        assert eng.file_tier.entries() == {}
+        await eng.copy(Tier.HOST, [0], Tier.FILE, [0], keys=keys(0))  # a successful rewrite clears it
+        await eng.copy(Tier.FILE, [0], Tier.HOST, [2])
+        assert_blocks_equal(eng.block(Tier.HOST, 2), eng.block(Tier.HOST, 0))
+
+
 @pytest.mark.parametrize(("fault", "code"), [("eio_on_write", errno.EIO), ("einval_on_write", errno.EINVAL)])
 async def test_write_errors_are_transfer_errors(layout: KVLayout, tmp_path, device: str, fault: str, code: int) -> None:
     cfg = dict(backend_factory=lambda p: FaultyBackend(_posix(p), **{fault: 1}))
