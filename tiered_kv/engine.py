@@ -8,7 +8,8 @@ Primitives:
 
 Routes, by ``(source tier, destination tier)``: GPU->HOST on the *offload* stream, HOST->GPU on the
 *onboard* stream (so both PCIe directions are busy at once), GPU->GPU on the *local* stream, HOST->HOST on
-host threads. Every op first waits for its fences (:mod:`tiered_kv.fences`): stream-side (``wait_event``,
+host threads, anything to or from FILE off-stream through :mod:`tiered_kv.filetier` (its GPU legs on the
+offload/onboard streams). Every op first waits for its fences (:mod:`tiered_kv.fences`): stream-side (``wait_event``,
 no CPU block, no GPU bubble) when the dependency is a stream op already enqueued, otherwise on the loop.
 Completion reaches the loop through a waiter thread per stream and ``call_soon_threadsafe`` (no polling).
 """
@@ -409,7 +410,7 @@ class TransferEngine:
         only after that block's pending reads and write have finished.
 
         Args:
-            src_tier: ``Tier.GPU`` or ``Tier.HOST`` (or their names).
+            src_tier: ``Tier.GPU``, ``Tier.HOST`` or ``Tier.FILE`` (or their names).
             src_indices: source block indices.
             dst_tier: destination tier.
             dst_indices: destination block indices, one per source, no duplicates.
