@@ -135,6 +135,18 @@ def _doctor_checks(directory: str) -> list[tuple[str, bool, str, str]]:
                    "raise `ulimit -l` if pinning the host pool fails"))
     writable = os.path.isdir(directory) and os.access(directory, os.W_OK)
     checks.append(("directory", writable, directory, "pass --dir with a writable directory"))
+    if writable:
+        from .backends.gds import select_backend
+        from .backends.posix import direct_io_supported
+
+        direct = direct_io_supported(directory)
+        checks.append(("O_DIRECT in directory", direct, "yes" if direct else "no (page cache)",
+                       "put the file tier on a filesystem that supports O_DIRECT (ext4, xfs) for full disk speed"))
+        try:
+            kind, probe = select_backend(None)
+            checks.append(("file tier I/O (TIERED_KV_GDS)", True, f"{kind}: {probe.reason if probe else 'GDS off'}", ""))
+        except Exception as exc:
+            checks.append(("file tier I/O (TIERED_KV_GDS)", False, str(exc), "use TIERED_KV_GDS=auto or off"))
     return checks
 
 
