@@ -154,6 +154,10 @@ async def test_bad_arguments_raise_before_enqueue(layout: KVLayout, tmp_path) ->
             eng.copy(Tier.HOST, [0], Tier.GPU, [0], keys=keys(1))
         with pytest.raises(TypeError, match="content key"):
             eng.copy(Tier.HOST, [0], Tier.FILE, [0], keys=[1.5])
+        with pytest.raises(TypeError, match="sequence of content keys"):
+            eng.copy(Tier.HOST, [0], Tier.FILE, [0], keys=b"k")
+        with pytest.raises(TypeError, match="sequence of content keys"):
+            eng.copy(Tier.HOST, [0], Tier.FILE, [0], keys=7)
         with pytest.raises(TypeError, match="no in-memory view"):
             eng.block(Tier.FILE, 0)
         assert eng.statistics().submitted == 0

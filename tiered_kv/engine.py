@@ -453,8 +453,7 @@ class TransferEngine:
         file_keys = None
         if Tier.FILE in (src_t, dst_t):
             assert self._file is not None
-            key_list = None if keys is None else list(keys)
-            file_keys = self._file.validate(src_t, s, dst_t, d, num_tokens, key_list)  # type: ignore[arg-type]
+            file_keys = self._file.validate(src_t, s, dst_t, d, num_tokens, keys)  # type: ignore[arg-type]
         elif keys is not None:
             raise ValueError("keys are only used by copies to or from the file tier")
 

@@ -39,7 +39,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -588,7 +588,7 @@ class FileTier:
     # ------------------------------------------------------------------------------------ copies
 
     def validate(self, src_tier: Tier, s: np.ndarray, dst_tier: Tier, d: np.ndarray, num_tokens: int | None,
-                 keys: Sequence[Key] | None) -> list[Key] | None:
+                 keys: Iterable[Key] | None) -> list[Key] | None:
         """Argument checks of a copy touching this tier (no side effects). Returns the normalized keys.
 
         Raises:
@@ -602,8 +602,8 @@ class FileTier:
             raise ValueError("num_tokens is not supported for copies to or from the file tier: file slots hold whole blocks")
         norm: list[Key] | None = None
         if keys is not None:
-            if isinstance(keys, (bytes, str, int)):
-                raise TypeError("keys must be a sequence of content keys, one per block")
+            if isinstance(keys, (bytes, bytearray, memoryview, str, int)) or not isinstance(keys, Iterable):
+                raise TypeError(f"keys must be a sequence of content keys, one per block, got {type(keys).__name__}")
             norm = [normalize_key(k) for k in keys]
             if len(norm) != s.size:
                 raise ValueError(f"got {len(norm)} keys for {s.size} blocks; give one content key per block")
