@@ -876,18 +876,21 @@ class _FileOp:
 
     def _read(self, j: int, buf: int | None, hdr: np.ndarray, payload: Buffer, *,
               verify_with: Buffer | None, then: Callable[[], None]) -> None:
-        """Read slot ``j``; the length check and (with ``verify_with``) verification run on the I/O thread."""
+        """Read slot ``j``; the length check runs on the I/O thread, verification (``verify_with``) on a worker."""
         tier = self.tier
 
         def check(n: int) -> None:
             if n < HEADER_SIZE + tier.payload_bytes:
                 raise IntegrityError(f"file slot {self.slots[j]}: short read ({n} of {tier.slot_size} bytes; the file is truncated)")
-            if verify_with is not None:
-                self._verify(j, hdr, verify_with)
 
         bufs = [hdr, payload] + ([tier._trash_pad] if tier._trash_pad is not None else [])
         fut = tier.backend.pread(bufs, tier.offset(self.slots[j]), after=check)
-        self._then(fut, j, buf, lambda _: then())
+        if verify_with is None:
+            self._then(fut, j, buf, lambda _: then())
+            return
+        # Verify on a tier worker, not on the I/O thread: the I/O threads keep as many reads in flight as raw
+        # preadv would while earlier blocks are checksummed.
+        self._then(fut, j, buf, lambda _: self._then(tier._workers.submit(self._verify, j, hdr, verify_with), j, buf, lambda _: then()))
 
     def _verify(self, j: int, hdr: np.ndarray, payload: Buffer) -> None:
         tier = self.tier
