@@ -263,6 +263,8 @@ class GdsBackend:
         gds_real = not forced_on and bool(available)
         self.device_io = gds_real if device_io is None else bool(device_io)
         self.gds = gds_real
+        _log_once("gds", f"kvikio {'cuFile (GPUDirect Storage)' if gds_real else 'compat mode (POSIX inside kvikio)'}, "
+                         f"device buffers {'direct' if self.device_io else 'staged through pinned memory'}")
         self.mode = m
         self.path = os.fspath(path)
         self._file = kvikio.CuFile(self.path, "r+")
