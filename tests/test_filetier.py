@@ -162,6 +162,7 @@ async def test_bad_arguments_raise_before_enqueue(layout: KVLayout, tmp_path) ->
             eng.block(Tier.FILE, 0)
         assert eng.statistics().submitted == 0
         assert eng.file_tier.free_slots() == list(range(16))
+        assert (await eng.copy(Tier.HOST, [], Tier.FILE, [])).num_blocks == 0  # empty copies need no keys
         await eng.copy(Tier.HOST, [0], Tier.FILE, [0], keys=keys(1))
         with pytest.raises(ValueError, match="holds key"):
             eng.copy(Tier.FILE, [0], Tier.HOST, [1], keys=keys(2))

@@ -608,10 +608,10 @@ class FileTier:
             if len(norm) != s.size:
                 raise ValueError(f"got {len(norm)} keys for {s.size} blocks; give one content key per block")
         if dst_tier is Tier.FILE:
-            if norm is None:
+            if norm is None and s.size:
                 raise ValueError("copies into the file tier need keys=[content key per block]: the key is written into "
                                  "each slot's header and is how the block is found again (also after a restart)")
-            if len(set(norm)) != len(norm):
+            if norm is not None and len(set(norm)) != len(norm):
                 raise ValueError("keys contain duplicates; one slot per content key")
         else:
             with self._lock:
