@@ -609,3 +609,51 @@ async def test_random_mix_with_faults_never_serves_wrong_data(layout: KVLayout, 
         assert checked > 0
         st = eng.file_tier.statistics()
         assert st.pending == 0
+
+
+# --------------------------------------------------------------------------------------------- index API and config
+
+
+async def test_index_api(layout: KVLayout, tmp_path) -> None:
+    slow = dict(backend_factory=lambda p: FaultyBackend(_posix(p), stall_writes=0.1))
+    async with make_engine(layout, tmp_path, **slow) as eng:
+        ft = eng.file_tier
+        fill_random(eng.block(Tier.HOST, 0))
+        w = eng.copy(Tier.HOST, [0], Tier.FILE, [3], keys=[bytearray(b"k")])
+        assert ft.is_pending(3) and not ft.is_valid(3) and ft.key_of(3) is None and 3 not in ft.free_slots()
+        with pytest.raises(ValueError, match="write in flight"):
+            ft.discard(3)
+        await w
+        assert ft.lookup(b"k") == 3 and ft.lookup(bytearray(b"k")) == 3 and ft.key_of(3) == b"k"
+        ft.discard(3)
+        assert ft.lookup(b"k") is None and 3 in ft.free_slots() and ft.entries() == {}
+        with pytest.raises(ValueError, match="out of range"):
+            ft.key_of(16)
+        with pytest.raises(TypeError):
+            ft.is_valid("3")  # type: ignore[arg-type]
+        assert "valid:0" in repr(ft) and "pending:0" in repr(ft)
+    assert ft.closed
+
+
+async def test_engine_file_arguments_and_env(layout: KVLayout, tmp_path, monkeypatch) -> None:
+    with pytest.raises(ValueError, match="both file_dir and file_blocks"):
+        TransferEngine(layout, host_blocks=2, device="cpu", file_dir=tmp_path)
+    monkeypatch.setenv("TIERED_KV_GDS", "off")
+    monkeypatch.setenv("TIERED_KV_FILE_DURABILITY", "fsync")
+    monkeypatch.setenv("TIERED_KV_FILE_THREADS", "3")
+    async with TransferEngine(layout, host_blocks=2, device="cpu", file_dir=tmp_path, file_blocks=5) as eng:
+        ft = eng.file_tier
+        assert (ft.num_blocks, ft.durability.value, ft.backend.name, ft.config.io_threads) == (5, "fsync", "posix", 3)
+        assert "file:5" in repr(eng)
+    monkeypatch.setenv("TIERED_KV_FILE_THREADS", "many")
+    with pytest.raises(ValueError, match="TIERED_KV_FILE_THREADS"):
+        FileTierConfig.from_env(tmp_path, 4)
+    with pytest.raises(ValueError, match="durability"):
+        FileTierConfig(tmp_path, 4, durability="sometimes")
+    with pytest.raises(ValueError, match="num_blocks"):
+        FileTierConfig(tmp_path, 0)
+    async with TransferEngine(layout, host_blocks=2, device="cpu") as eng:
+        with pytest.raises(ValueError, match="no file tier"):
+            eng.file_tier  # noqa: B018
+        with pytest.raises(ValueError, match=r"has no file pool \(give it file_blocks\)"):
+            eng.copy(Tier.HOST, [0], Tier.FILE, [0], keys=[b"x"])
