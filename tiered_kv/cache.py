@@ -1,0 +1,420 @@
+"""``TieredKVCache``: what a server calls -- prefix reuse across GPU, host and file tiers.
+
+Primitives:
+
+* :class:`TieredKVCache` -- async context manager over a :class:`~tiered_kv.TransferEngine` and a
+  :class:`~tiered_kv.blocks.BlockManager`: ``await add_sequences(requests)``, ``await append_tokens(...)``,
+  ``free(...)``, ``page_table(...)``, ``statistics()``.
+* :class:`CacheStatistics` -- hits per tier, evictions, bytes moved per direction.
+
+The block manager decides synchronously (so a decision and the copies it implies are issued in one step of
+the event loop, with no await in between: many tasks on one loop never interleave inside a decision); this
+layer issues the planned copies in plan order through ``engine.copy`` (the engine's per-block fences order
+a copy that overwrites a slot after every pending read of it) and then awaits, for every GPU slot it hands
+out, the pending copies of that slot. A copy that failed poisons the blocks whose data it produced: they
+leave the lookup and whoever was about to use them gets :class:`~tiered_kv.TransferError`.
+
+The file tier (third tier) is behind one seam, :meth:`TieredKVCache._copy_file`: it is used for every
+copy that has a file slot on one side, and calls ``engine.copy(..., Tier.FILE, ...)``. See its docstring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from .blocks import (
+    DEFAULT_PRIORITY,
+    Admission,
+    Block,
+    BlockManager,
+    BlockStatistics,
+    CacheFullError,
+    Move,
+    PageTableListener,
+    Plan,
+    Request,
+)
+from .engine import EngineStatistics, Transfer, TransferEngine
+from .errors import EngineClosedError, TransferError
+from .keys import KeyHasher
+from .layout import KVLayout
+from .pools import Tier
+
+__all__ = ["DEFAULT_PRIORITY", "Admission", "CacheFullError", "CacheStatistics", "Request", "TieredKVCache"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CacheStatistics:
+    """A snapshot of a :class:`TieredKVCache`.
+
+    Attributes:
+        requests: requests admitted.
+        tokens_requested, tokens_reused: prompt tokens admitted and reused from the cache.
+        hit_rate: ``tokens_reused / tokens_requested``.
+        hits: reused full blocks per tier they were found in (``"gpu"``, ``"host"``, ``"file"``).
+        partial_hits: partial reuses (first tokens of one block by a partial copy).
+        evictions: ``"gpu->host"``, ``"host->file"``, ``"gpu->dropped"``, ... -> blocks.
+        bytes_moved: engine bytes per direction (``"host->gpu"`` ...), completed copies only.
+        poisoned: blocks dropped because a copy producing them failed.
+        blocks: the block manager's snapshot (occupancy per tier, ...).
+        engine: the transfer engine's snapshot.
+    """
+
+    requests: int
+    tokens_requested: int
+    tokens_reused: int
+    hit_rate: float
+    hits: dict[str, int]
+    partial_hits: int
+    evictions: dict[str, int]
+    bytes_moved: dict[str, int]
+    poisoned: int
+    blocks: BlockStatistics
+    engine: EngineStatistics
+
+
+class TieredKVCache:
+    """A KV cache over GPU, pinned host and (optionally) file tiers, with prefix reuse.
+
+    Args:
+        layout: block geometry.
+        gpu_blocks: GPU pool size (blocks).
+        host_blocks: host pool size; 0 for a GPU-only cache.
+        file_blocks: file tier size; 0 for none. Needs an engine with a file pool (see ``file_dir``).
+        file_dir: directory of the file tier's slab files (used when the engine is built here).
+        device: ``"auto"``, ``"cpu"`` (emulated) or ``"cuda[:N]"``.
+        model_id: identity of the model; part of every content key.
+        max_seqs: live sequences at most; each gets a page-table row ``slot`` in ``[0, max_seqs)``.
+        max_blocks_per_seq: blocks a sequence may hold (default: the GPU pool).
+        drop_below_priority: GPU victims with a lower priority are dropped instead of offloaded.
+        compute_last_token: reuse at most ``len(prompt) - 1`` tokens (default ``True``).
+        on_page_table: ``callback(slot, page_table | None)`` when a sequence's page table changes or it
+            is freed (``None``); e.g. to fill a block-offset table.
+        engine: use this engine (its pools must match the sizes) instead of building one; it is then not
+            closed by :meth:`close`.
+
+    Example::
+
+        async with TieredKVCache(layout, gpu_blocks=1024, host_blocks=8192, device="cuda") as cache:
+            [adm] = await cache.add_sequences([prompt_ids])
+            run_prefill(adm.page_table, start=adm.tokens_reused)
+            await cache.append_tokens(adm.seq_id, [next_id])
+            cache.free(adm.seq_id)
+
+    Notes:
+        All calls must come from one event loop. Any number of tasks on it may call concurrently: each
+        decision is made and its copies issued without an await in between.
+        The caller's compute must not touch a block before ``add_sequences``/``append_tokens`` returned
+        it, and must order its writes before later copies of it (``engine.sync_with_compute``) when
+        running on CUDA streams of its own.
+    """
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        *,
+        gpu_blocks: int,
+        host_blocks: int = 0,
+        file_blocks: int = 0,
+        file_dir: str | os.PathLike[str] | None = None,
+        device: str | None = None,
+        model_id: str = "default",
+        max_seqs: int = 256,
+        max_blocks_per_seq: int | None = None,
+        drop_below_priority: int = 0,
+        compute_last_token: bool = True,
+        on_page_table: PageTableListener | None = None,
+        engine: TransferEngine | None = None,
+    ) -> None:
+        for name, value in (("gpu_blocks", gpu_blocks), ("host_blocks", host_blocks), ("file_blocks", file_blocks)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        if gpu_blocks < 1:
+            raise ValueError("gpu_blocks must be at least 1")
+        self.layout = layout
+        self.hasher = KeyHasher(layout, model_id)
+        self._owns_engine = engine is None
+        if engine is None:
+            engine = self._make_engine(layout, gpu_blocks, host_blocks, file_blocks, file_dir, device)
+        else:
+            for tier, n in ((Tier.GPU, gpu_blocks), (Tier.HOST, host_blocks), (Tier.FILE, file_blocks)):
+                if n and engine.pool(tier).num_blocks != n:
+                    raise ValueError(f"the engine's {tier.value} pool has {engine.pool(tier).num_blocks} blocks, not {n}")
+        self.engine = engine
+        self.blocks = BlockManager(
+            self.hasher,
+            {Tier.GPU: gpu_blocks, Tier.HOST: host_blocks, Tier.FILE: file_blocks},
+            max_seqs=max_seqs,
+            max_blocks_per_seq=max_blocks_per_seq,
+            drop_below_priority=drop_below_priority,
+            compute_last_token=compute_last_token,
+            on_page_table=on_page_table,
+        )
+        self._unchecked: list[tuple[Transfer, Block]] = []  # issued copies not yet seen complete
+        self._poisoned = 0
+        self._closed = False
+
+    @staticmethod
+    def _make_engine(
+        layout: KVLayout, gpu: int, host: int, file: int, file_dir: str | os.PathLike[str] | None, device: str | None
+    ) -> TransferEngine:
+        if file:
+            # FILE TIER SEAM (issue 4): build the engine with its file pool here once TransferEngine takes
+            # one (file_dir, file_blocks); until then a file tier needs an engine passed in.
+            if file_dir is None:
+                raise ValueError("file_blocks needs file_dir (or an engine with a file pool)")
+            try:
+                return TransferEngine(layout, gpu_blocks=gpu, host_blocks=host, device=device,
+                                      file_dir=file_dir, file_blocks=file)  # type: ignore[call-arg]
+            except TypeError as exc:
+                raise ValueError("this TransferEngine has no file tier; pass engine= with a file pool") from exc
+        return TransferEngine(layout, gpu_blocks=gpu, host_blocks=host, device=device)
+
+    # ------------------------------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> TieredKVCache:
+        if self._owns_engine:
+            await self.engine.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Wait for every copy in flight; close the engine if this cache built it. Idempotent.
+
+        Cancellation: the copies still complete; a later ``close()`` finishes the job.
+        """
+        self._closed = True
+        if self._owns_engine:
+            await self.engine.close()
+        else:
+            await self.engine.drain()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError("the TieredKVCache is closed")
+
+    # ------------------------------------------------------------------------------------ sequences
+
+    async def add_sequences(
+        self, requests: Iterable[Request | Sequence[int] | np.ndarray], *, _one_phase: bool = False
+    ) -> list[Admission]:
+        """Admit a batch of prompts: reuse their longest cached prefixes, allocate the rest on the GPU.
+
+        Two-phase (seed 001): every reusable block of every request is claimed before any block is
+        onboarded or allocated, so onboarding for one request cannot evict blocks another request of the
+        same batch was counted on: each request's ``tokens_reused`` equals what :meth:`match` said.
+
+        Args:
+            requests: :class:`Request` objects or plain token-id sequences (default priority).
+
+        Returns:
+            One :class:`Admission` per request, in order: its sequence id and slot, tokens reused,
+            blocks found per tier, blocks allocated, page table. Each is that request's own (equal to
+            admitting it alone on the same cache state). The blocks are on the GPU when this returns.
+
+        Raises:
+            ValueError, TypeError: bad requests (empty batch or prompt, too long, bad tokens/priority).
+            CacheFullError: the batch does not fit after every possible eviction. Nothing changed.
+            TransferError: a copy bringing a block failed; the batch's sequences were freed and the bad
+                blocks dropped.
+
+        Notes:
+            Cancellation: the sequences of the batch are freed (the copies already enqueued still complete
+            and keep their fences) and the cancellation propagates.
+        """
+        self._check_open()
+        self._sweep()
+        admissions, plan = self.blocks.admit(requests, one_phase=_one_phase)
+        self._issue(plan)
+        seq_ids = [a.seq_id for a in admissions]
+        try:
+            await self._settle(seq_ids, [a.page_table for a in admissions])
+        except BaseException:
+            for s in seq_ids:
+                if s in self.blocks.live_sequences:
+                    self.blocks.free(s)
+            raise
+        return admissions
+
+    async def append_tokens(self, seq_id: int, tokens: Sequence[int] | np.ndarray) -> tuple[int, ...]:
+        """Append generated tokens; a new GPU block is allocated each time one fills.
+
+        Returns:
+            The sequence's page table.
+
+        Raises:
+            ValueError: unknown or freed sequence, too many blocks for one sequence.
+            CacheFullError: no GPU block can be made free. Nothing changed.
+
+        Notes:
+            Cancellation: the tokens stay appended (the blocks are the sequence's); the copies that made
+            room still complete.
+        """
+        self._check_open()
+        self._sweep()
+        before = len(self.blocks.page_table(seq_id))
+        page_table, plan = self.blocks.append(seq_id, tokens)
+        self._issue(plan)
+        await self._settle_slots(page_table[before:])
+        return page_table
+
+    def free(self, seq_id: int) -> None:
+        """Release a sequence; its blocks become reusable cache (evicted down the tiers when room is needed).
+
+        Raises:
+            ValueError: unknown sequence id, or it was already freed.
+        """
+        self.blocks.free(seq_id)
+
+    def set_priority(self, seq_id: int, priority: int) -> None:
+        """Retention priority (0..100) of a live sequence's blocks once released."""
+        self.blocks.set_priority(seq_id, priority)
+
+    def match(self, tokens: Sequence[int] | np.ndarray) -> tuple[int, dict[str, int]]:
+        """How many tokens of ``tokens`` the cache would reuse now, and the blocks per tier (claims nothing)."""
+        m = self.blocks.match(tokens)
+        return m.tokens_reused, dict(m.by_tier)
+
+    async def evict(self, tier: Tier | str, count: int) -> int:
+        """Evict up to ``count`` unused cached blocks of ``tier`` down the cascade; returns how many.
+
+        Cancellation: the copies still complete.
+        """
+        self._check_open()
+        t_ = Tier.coerce(tier)
+        before = self.blocks.free_blocks(t_)
+        plan = self.blocks.evict(t_, count)
+        transfers = self._issue(plan)
+        for t in transfers:
+            try:
+                await t
+            except TransferError:
+                pass  # the poisoned block was dropped by the sweep below
+        self._sweep()
+        return self.blocks.free_blocks(t_) - before
+
+    # ------------------------------------------------------------------------------------ inspection
+
+    def page_table(self, seq_id: int) -> tuple[int, ...]:
+        """GPU block indices of a live sequence."""
+        return self.blocks.page_table(seq_id)
+
+    def page_tables(self) -> dict[int, tuple[int, ...]]:
+        """``seq_id -> page table`` of every live sequence."""
+        return {s: self.blocks.page_table(s) for s in self.blocks.live_sequences}
+
+    def sequence_slot(self, seq_id: int) -> int:
+        """The page-table row of a live sequence, in ``[0, max_seqs)``."""
+        return self.blocks.sequence_slot(seq_id)
+
+    def statistics(self) -> CacheStatistics:
+        b = self.blocks.statistics()
+        e = self.engine.statistics()
+        return CacheStatistics(
+            requests=b.requests,
+            tokens_requested=b.tokens_requested,
+            tokens_reused=b.tokens_reused,
+            hit_rate=b.tokens_reused / b.tokens_requested if b.tokens_requested else 0.0,
+            hits=b.hits,
+            partial_hits=b.partial_hits,
+            evictions=b.evictions,
+            bytes_moved=e.bytes_by_direction,
+            poisoned=self._poisoned,
+            blocks=b,
+            engine=e,
+        )
+
+    def __repr__(self) -> str:
+        b = self.blocks.statistics()
+        used = ", ".join(f"{t}:{b.capacity[t] - b.free[t]}/{b.capacity[t]}" for t in b.capacity if b.capacity[t])
+        state = "closed" if self._closed else "open"
+        return f"<TieredKVCache [{state}, seqs:{b.live_sequences}, in_flight:{len(self._unchecked)}] used({used})>"
+
+    # ------------------------------------------------------------------------------------ internals
+
+    def _issue(self, plan: Plan) -> list[Transfer]:
+        """Enqueue the plan's copies in order (no await: the fences see them in plan order)."""
+        out: list[Transfer] = []
+        for move in plan.moves:
+            if Tier.FILE in (move.src_tier, move.dst_tier):
+                t = self._copy_file(move)
+            else:
+                t = self.engine.copy(
+                    move.src_tier, [move.src_slot], move.dst_tier, [move.dst_slot], num_tokens=move.num_tokens
+                )
+            block = move.block
+            if move.source is not None:
+                # The new block's first tokens come from the source block's data: inherit its lineage.
+                block.sources = [*(s for s in move.source.sources if not _succeeded(s)), t]
+            else:
+                block.sources = [s for s in block.sources if not _succeeded(s)]
+                block.sources.append(t)
+            self._unchecked.append((t, block))
+            out.append(t)
+        return out
+
+    def _copy_file(self, move: Move) -> Transfer:
+        """FILE TIER SEAM (issue 4): one copy with a file slot on one side.
+
+        Spill (``Tier.HOST`` -> ``Tier.FILE``) when a host victim is evicted, and read back
+        (``Tier.FILE`` -> ``Tier.GPU``) when a reused block is onboarded from the file tier. The content key
+        of the block is ``move.block.key``; when the file tier's ``copy`` takes the key for its slot header
+        (and verifies it on read), pass it here. Until the file branch is merged this works with any engine
+        that routes ``Tier.FILE`` (tests install an in-memory one).
+        """
+        return self.engine.copy(
+            move.src_tier, [move.src_slot], move.dst_tier, [move.dst_slot], num_tokens=move.num_tokens
+        )
+
+    def _sweep(self) -> None:
+        """Drop blocks produced by copies that have failed since the last look (no await)."""
+        if not self._unchecked:
+            return
+        keep: list[tuple[Transfer, Block]] = []
+        for t, block in self._unchecked:
+            if not t.done():
+                keep.append((t, block))
+            elif t.exception() is not None:
+                self._poison(block)
+        self._unchecked = keep
+
+    def _poison(self, block: Block) -> None:
+        if block.cached:
+            self._poisoned += 1
+        self.blocks.invalidate(block)
+
+    async def _settle(self, seq_ids: list[int], page_tables: list[tuple[int, ...]]) -> None:
+        slots = sorted({s for pt in page_tables for s in pt})
+        await self._settle_slots(slots)
+        bad = [b for sid in seq_ids for b in self.blocks.sequence_blocks(sid) if _failed(b.sources)]
+        if bad:
+            for b in bad:
+                self._poison(b)
+            raise TransferError(f"{len(bad)} blocks of this batch could not be brought to the GPU (a copy failed)")
+        self._sweep()
+
+    async def _settle_slots(self, slots: Iterable[int]) -> None:
+        """Wait for every pending copy touching these GPU slots (the data is in place and no older read remains)."""
+        fences = self.engine.fences
+        pool = Tier.GPU.value
+        for slot in slots:
+            write, reads = fences.pending(pool, slot)
+            if write is not None:
+                await write.wait()
+            for r in reads:
+                await r.wait()
+
+
+def _succeeded(t: Any) -> bool:
+    return isinstance(t, Transfer) and t.done() and t.exception() is None
+
+
+def _failed(sources: list[object]) -> bool:
+    return any(isinstance(t, Transfer) and t.done() and t.exception() is not None for t in sources)
