@@ -249,7 +249,7 @@ class BlockStatistics:
 
 
 class _Sequence:
-    __slots__ = ("blocks", "keys", "priority", "seq_id", "slot", "tokens")
+    __slots__ = ("blocks", "committed", "keys", "priority", "registered", "seq_id", "slot", "tokens")
 
     def __init__(self, seq_id: int, slot: int, tokens: list[int], priority: int) -> None:
         self.seq_id = seq_id
@@ -258,6 +258,8 @@ class _Sequence:
         self.blocks: list[Block] = []
         self.keys: list[ContentKey] = []  # keys of the full blocks, in order
         self.priority = priority
+        self.committed = 0  # tokens whose KV the caller declared written (commit)
+        self.registered = 0  # leading blocks offered to the lookup so far
 
 
 def _check_priority(priority: object) -> int:
@@ -520,9 +522,10 @@ class BlockManager:
                 src, n = match.partial
                 plan.moves.append(Move("partial", src.tier, src.slot, Tier.GPU, block.slot, n, block, src))  # type: ignore[arg-type]
                 self._unref(src)  # the claim only had to last until the copy was planned
-            if len(block.tokens) == tpb:
-                self._register(block, seq.keys[i])
             seq.blocks.append(block)
+        # New blocks become matchable only once committed: their KV is not written yet.
+        seq.registered = m
+        seq.committed = match.tokens_reused
         self._seqs[seq.seq_id] = seq
 
         partial_n = match.partial[1] if match.partial else 0
@@ -572,9 +575,8 @@ class BlockManager:
             raise CacheFullError(f"appending to sequence {seq_id} needs {need} GPU blocks but at most {supply} can be made free")
         seq.tokens.extend(new.tolist())
         all_tokens = np.asarray(seq.tokens, dtype="<i8")
-        first_new_key = len(seq.keys)
         parent = seq.keys[-1] if seq.keys else None
-        seq.keys.extend(self.hasher.chain(all_tokens[first_new_key * tpb :], parent))
+        seq.keys.extend(self.hasher.chain(all_tokens[len(seq.keys) * tpb :], parent))
         # Fill the partial tail block, if any (it is always this sequence's own block).
         if old_len % tpb:
             i = len(seq.blocks) - 1
@@ -583,9 +585,6 @@ class BlockManager:
             parent_key = seq.keys[i - 1] if i else self.hasher.root
             seq.blocks.append(self._allocate(parent_key, all_tokens[i * tpb : (i + 1) * tpb], seq.priority, plan))
         self._allocated += need
-        # Register every block that became full.
-        for i in range(first_new_key, len(seq.keys)):
-            self._register(seq.blocks[i], seq.keys[i])
         page_table = tuple(b.slot for b in seq.blocks)
         if need:
             self._notify(seq, page_table)
@@ -603,16 +602,42 @@ class BlockManager:
         seq = self._live(seq_id)
         del self._seqs[seq_id]
         tpb = self.tokens_per_block
-        n = len(seq.tokens)
+        n = seq.committed
         if n % tpb:
-            tail = seq.blocks[-1]
+            tail = seq.blocks[n // tpb]
             if tail.key is None and tail.refcount == 1:
-                parent_key = seq.keys[-1] if seq.keys else self.hasher.root
+                parent_key = seq.keys[n // tpb - 1] if n >= tpb else self.hasher.root
+                tail.tokens = tail.tokens[: n % tpb]  # only the tokens whose KV was written
                 self._register(tail, self.hasher.block_key(parent_key, tail.tokens))
         for block in reversed(seq.blocks):
             self._unref(block)
         heapq.heappush(self._free_seq_slots, seq.slot)
         self._notify(seq, None)
+
+    def commit(self, seq_id: int, num_tokens: int | None = None) -> int:
+        """Declare that the KV of the first ``num_tokens`` tokens (default: all so far) is written.
+
+        The sequence's full blocks within them become matchable by other requests at once, and on
+        :meth:`free` a partly committed block is cached as a partial block. Blocks never committed are
+        never served to anyone (their content is unknown). Committing less than before is a no-op.
+
+        Returns:
+            The committed token count.
+
+        Raises:
+            ValueError: unknown sequence, ``num_tokens`` beyond the sequence's tokens or negative.
+        """
+        seq = self._live(seq_id)
+        n = len(seq.tokens) if num_tokens is None else num_tokens
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+            raise TypeError(f"num_tokens must be an int, got {type(n).__name__}")
+        if not 0 <= n <= len(seq.tokens):
+            raise ValueError(f"num_tokens must be in 0..{len(seq.tokens)} (the sequence's tokens), got {n}")
+        seq.committed = max(seq.committed, int(n))
+        for i in range(seq.registered, seq.committed // self.tokens_per_block):
+            self._register(seq.blocks[i], seq.keys[i])
+            seq.registered = i + 1
+        return seq.committed
 
     def set_priority(self, seq_id: int, priority: int) -> None:
         """Change the retention priority of a live sequence's blocks (takes effect when they are released).

@@ -265,8 +265,23 @@ class TieredKVCache:
         await self._settle_slots(page_table[before:])
         return page_table
 
+    def commit(self, seq_id: int, num_tokens: int | None = None) -> int:
+        """Declare the KV of the first ``num_tokens`` tokens (default: all) written: they become reusable.
+
+        Call it once the compute that writes them has been issued (after prefill, after decode steps).
+        Until then a sequence's new blocks are never matched by other requests, so nobody can read KV
+        that is not there yet. Returns the committed token count.
+
+        Raises:
+            ValueError: unknown sequence, ``num_tokens`` beyond its tokens.
+        """
+        return self.blocks.commit(seq_id, num_tokens)
+
     def free(self, seq_id: int) -> None:
-        """Release a sequence; its blocks become reusable cache (evicted down the tiers when room is needed).
+        """Release a sequence; its committed blocks become reusable cache, the rest free slots.
+
+        Cached blocks are evicted down the tiers when room is needed; a partly committed last block is
+        cached as a partial block (reused later through a partial copy).
 
         Raises:
             ValueError: unknown sequence id, or it was already freed.
