@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import pytest
 import torch
@@ -15,8 +15,23 @@ from tiered_kv import KVLayout
 HAS_CUDA = torch.cuda.is_available()
 
 
+# Exception-handler calls of the loops the tests run on (unobserved task exceptions, callback errors).
+LOOP_ERRORS: list[dict[str, object]] = []
+
+
+def _recording(factory: Callable[[], asyncio.AbstractEventLoop]) -> Callable[[], asyncio.AbstractEventLoop]:
+    # The handler must be installed on the loop the test runs on; a sync fixture cannot reach that loop
+    # (asking the policy for "the" loop there creates a stray one, which also leaks as a ResourceWarning).
+    def make() -> asyncio.AbstractEventLoop:
+        loop = factory()
+        loop.set_exception_handler(lambda _loop, ctx: LOOP_ERRORS.append(ctx))
+        return loop
+
+    return make
+
+
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> Mapping[str, object]:
-    return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+    return {"asyncio": _recording(asyncio.new_event_loop), "uvloop": _recording(uvloop.new_event_loop)}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -31,19 +46,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(autouse=True)
 def _fail_on_loop_errors(request: pytest.FixtureRequest) -> object:
     """Fail a test on any unobserved task exception or call of the loop's exception handler."""
-    if not asyncio.iscoroutinefunction(getattr(request.node, "function", None)):
-        yield
-        return
-    errors: list[dict[str, object]] = []
-    loop = None
-    try:
-        loop = asyncio.get_event_loop_policy().get_event_loop()
-    except RuntimeError:
-        pass
-    if loop is not None:
-        loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+    LOOP_ERRORS.clear()
     yield
     gc.collect()
+    errors = list(LOOP_ERRORS)
+    LOOP_ERRORS.clear()
     assert not errors, f"event loop reported errors: {errors}"
 
 

@@ -171,7 +171,8 @@ def expected_tokens(hasher: KeyHasher, tokens: np.ndarray, start: int, stop: int
     base = b * tpb
     rows = [token_pattern(hasher.block_key(parent, tokens[base : j + 1]), layout) for j in range(start, stop)]
     raw = torch.from_numpy(np.stack(rows).copy())  # [n, bytes]
-    per_token = raw.view(layout.dtype).view(stop - start, layout.num_layers, layout.kv_factor, layout.num_kv_heads, layout.head_dim)
+    shape = (stop - start, layout.num_layers, layout.kv_factor, layout.num_kv_heads, layout.head_dim)
+    per_token = raw.view(layout.dtype).view(shape)
     return per_token.permute(1, 2, 3, 0, 4).contiguous()
 
 
