@@ -20,6 +20,7 @@ copy that has a file slot on one side, and calls ``engine.copy(..., Tier.FILE, .
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import os
 from collections.abc import Iterable, Sequence
@@ -355,15 +356,39 @@ class TieredKVCache:
     # ------------------------------------------------------------------------------------ internals
 
     def _issue(self, plan: Plan) -> list[Transfer]:
-        """Enqueue the plan's copies in order (no await: the fences see them in plan order)."""
-        out: list[Transfer] = []
+        """Enqueue the plan's copies as few batched ``engine.copy`` calls, without an await in between.
+
+        A move joins the first group of its direction (and token count) that comes after every group it
+        conflicts with -- one that writes its source, or reads or writes its destination -- so every pair of
+        moves touching a common slot (other than two reads) keeps its plan order, and the engine's fences
+        order them on the device. Plans alternate offloads and onboards (each onboard frees the host slot
+        the next offload fills), so this turns thousands of single-block copies into a handful of calls.
+        """
+        groups: list[list[Move]] = []
+        by_kind: dict[tuple[Tier, Tier, int | None], list[int]] = {}  # direction -> its group indices, ascending
+        last_read: dict[tuple[Tier, int], int] = {}  # slot -> last group reading it
+        last_write: dict[tuple[Tier, int], int] = {}  # slot -> last group writing it
+        placed: list[int] = []  # move -> its group
         for move in plan.moves:
-            if Tier.FILE in (move.src_tier, move.dst_tier):
-                t = self._copy_file(move)
+            src, dst = (move.src_tier, move.src_slot), (move.dst_tier, move.dst_slot)
+            after = max(last_write.get(src, -1), last_write.get(dst, -1), last_read.get(dst, -1))
+            kind = (move.src_tier, move.dst_tier, move.num_tokens)
+            candidates = by_kind.setdefault(kind, [])
+            i = bisect.bisect_right(candidates, after)
+            if i < len(candidates):
+                g = candidates[i]
             else:
-                t = self.engine.copy(
-                    move.src_tier, [move.src_slot], move.dst_tier, [move.dst_slot], num_tokens=move.num_tokens
-                )
+                g = len(groups)
+                groups.append([])
+                candidates.append(g)
+            groups[g].append(move)
+            placed.append(g)
+            last_read[src] = max(last_read.get(src, -1), g)
+            last_write[dst] = max(last_write.get(dst, -1), g)
+        transfers = [self._issue_group(group) for group in groups]
+        # Lineage in plan order: a block moved twice in one plan ends with both copies in its sources.
+        for move, g in zip(plan.moves, placed, strict=True):
+            t = transfers[g]
             block = move.block
             if move.source is not None:
                 # The new block's first tokens come from the source block's data: inherit its lineage.
@@ -372,21 +397,28 @@ class TieredKVCache:
                 block.sources = [s for s in block.sources if not _succeeded(s)]
                 block.sources.append(t)
             self._unchecked.append((t, block))
-            out.append(t)
-        return out
+        return transfers
 
-    def _copy_file(self, move: Move) -> Transfer:
-        """FILE TIER SEAM (issue 4): one copy with a file slot on one side.
+    def _issue_group(self, group: list[Move]) -> Transfer:
+        head = group[0]
+        src = [m.src_slot for m in group]
+        dst = [m.dst_slot for m in group]
+        if Tier.FILE in (head.src_tier, head.dst_tier):
+            return self._copy_file(head.src_tier, src, head.dst_tier, dst, [m.block for m in group], head.num_tokens)
+        return self.engine.copy(head.src_tier, src, head.dst_tier, dst, num_tokens=head.num_tokens)
 
-        Spill (``Tier.HOST`` -> ``Tier.FILE``) when a host victim is evicted, and read back
-        (``Tier.FILE`` -> ``Tier.GPU``) when a reused block is onboarded from the file tier. The content key
-        of the block is ``move.block.key``; when the file tier's ``copy`` takes the key for its slot header
-        (and verifies it on read), pass it here. Until the file branch is merged this works with any engine
-        that routes ``Tier.FILE`` (tests install an in-memory one).
+    def _copy_file(
+        self, src_tier: Tier, src: list[int], dst_tier: Tier, dst: list[int], blocks: list[Block], num_tokens: int | None
+    ) -> Transfer:
+        """FILE TIER SEAM (issue 4): one batched copy with file slots on one side.
+
+        Spill (``Tier.HOST`` -> ``Tier.FILE``) when host victims are evicted, and read back (``Tier.FILE``
+        -> ``Tier.GPU``) when reused blocks are onboarded from the file tier. The content key of each block
+        is ``blocks[i].key``: when the file tier's ``copy`` takes keys for its slot headers (and verifies
+        them on read), pass them here. Until the file branch is merged this works with any engine that
+        routes ``Tier.FILE`` (the tests install an in-memory one).
         """
-        return self.engine.copy(
-            move.src_tier, [move.src_slot], move.dst_tier, [move.dst_slot], num_tokens=move.num_tokens
-        )
+        return self.engine.copy(src_tier, src, dst_tier, dst, num_tokens=num_tokens)
 
     def _sweep(self) -> None:
         """Drop blocks produced by copies that have failed since the last look (no await)."""
