@@ -128,6 +128,24 @@ async def test_seed_001_claims_survive_many_requests(small: KVLayout) -> None:
             await compute(cache, a.seq_id, a.tokens_reused)
 
 
+async def test_plan_copies_are_batched(small: KVLayout) -> None:
+    """Alternating offload/onboard moves of one admission become a few engine.copy calls, content intact."""
+    async with open_cache(small, gpu=12, host=12) as cache:
+        prompts = [toks(100 * (i + 1), 2 * TPB) for i in range(4)]
+        for p in prompts:
+            await run(cache, [*p, 1])
+        await cache.evict(Tier.GPU, 12)
+        await run(cache, toks(5000, 12 * TPB))
+        submitted = cache.engine.statistics().submitted
+        adms = await cache.add_sequences([[*p, 9, 9] for p in prompts])
+        moved = cache.statistics().blocks.evictions.get("gpu->host", 0)
+        calls = cache.engine.statistics().submitted - submitted
+        assert sum(a.blocks_from["host"] for a in adms) == 8 and moved >= 8
+        assert calls <= (8 + moved) // 2, f"{calls} engine.copy calls for 8 onboards and {moved} offloads"
+        for a in adms:
+            await compute(cache, a.seq_id, a.tokens_reused)
+
+
 # ---------------------------------------------------------------------------------------- per request
 
 

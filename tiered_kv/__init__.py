@@ -1,17 +1,24 @@
 """tiered_kv: awaitable, fenced transfers of LLM KV-cache blocks between GPU, pinned host DRAM and NVMe files."""
 
+from .blocks import Admission, BlockManager, CacheFullError, Request
+from .cache import CacheStatistics, TieredKVCache
 from .config import EngineConfig
 from .device import Device, resolve_device
 from .engine import EngineStatistics, Transfer, TransferEngine, TransferResult
 from .errors import BackendUnavailable, EngineClosedError, IntegrityError, TieredKVError, TransferError
 from .fences import FenceStatistics, FenceTable
+from .keys import KeyHasher
 from .layout import FORMAT_VERSION, KVLayout
 from .pools import BlockPool, Tier
 
 __all__ = [
     "FORMAT_VERSION",
+    "Admission",
     "BackendUnavailable",
+    "BlockManager",
     "BlockPool",
+    "CacheFullError",
+    "CacheStatistics",
     "Device",
     "EngineClosedError",
     "EngineConfig",
@@ -20,7 +27,10 @@ __all__ = [
     "FenceTable",
     "IntegrityError",
     "KVLayout",
+    "KeyHasher",
+    "Request",
     "Tier",
+    "TieredKVCache",
     "TieredKVError",
     "Transfer",
     "TransferEngine",
