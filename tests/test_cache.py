@@ -16,6 +16,7 @@ from tiered_kv import KVLayout, Tier, TransferEngine
 from tiered_kv.blocks import CacheFullError, Request
 from tiered_kv.cache import TieredKVCache
 from tiered_kv.keys import KeyHasher
+from tiered_kv.testing import stall
 from tiered_kv.workload import ChatWorkload, replay, verify_expected, write_expected
 
 TPB = 4
@@ -415,6 +416,25 @@ async def test_failed_onboard_poisons_block_and_frees_batch(small: KVLayout, mon
         reuse, _ = cache.match([*toks(0, 2 * TPB), 4])
         assert reuse < 2 * TPB  # the poisoned block is not served again
         [adm] = await cache.add_sequences([[*toks(0, 2 * TPB), 4]])
+        await compute(cache, adm.seq_id, adm.tokens_reused)
+
+
+async def test_cancelled_add_frees_its_sequences(small: KVLayout) -> None:
+    """Cancelling add_sequences while an onboard is stalled frees the batch; the copy still completes."""
+    async with open_cache(small, gpu=8, host=8) as cache:
+        await run(cache, toks(0, 2 * TPB + 1))
+        await cache.evict(Tier.GPU, 8)
+        stall(cache.engine.stream("onboard"), 0.3)
+        task = asyncio.create_task(cache.add_sequences([[*toks(0, 2 * TPB), 5]]))
+        await asyncio.sleep(0.05)
+        assert not task.done()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert cache.statistics().blocks.live_sequences == 0
+        await cache.engine.drain()
+        [adm] = await cache.add_sequences([[*toks(0, 2 * TPB), 5]])  # the onboarded blocks are reusable, intact
+        assert adm.blocks_from["gpu"] == 2
         await compute(cache, adm.seq_id, adm.tokens_reused)
 
 
