@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import inspect
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -147,6 +148,8 @@ class TieredKVCache:
                 if n and engine.pool(tier).num_blocks != n:
                     raise ValueError(f"the engine's {tier.value} pool has {engine.pool(tier).num_blocks} blocks, not {n}")
         self.engine = engine
+        # FILE TIER SEAM: the file tier's copy() takes the blocks' content keys (slot headers + index)
+        self._copy_takes_keys = "keys" in inspect.signature(engine.copy).parameters
         self.blocks = BlockManager(
             self.hasher,
             {Tier.GPU: gpu_blocks, Tier.HOST: host_blocks, Tier.FILE: file_blocks},
@@ -416,8 +419,12 @@ class TieredKVCache:
         -> ``Tier.GPU``) when reused blocks are onboarded from the file tier. The content key of each block
         is ``blocks[i].key``: when the file tier's ``copy`` takes keys for its slot headers (and verifies
         them on read), pass them here. Until the file branch is merged this works with any engine that
-        routes ``Tier.FILE`` (the tests install an in-memory one).
+        routes ``Tier.FILE`` (the tests install an in-memory one); with the file branch's engine (whose
+        ``copy`` takes ``keys=``) the keys are passed, written into slot headers and checked on read.
         """
+        if self._copy_takes_keys:
+            keys = [b.key for b in blocks]  # cached blocks (the only ones that spill or come back) have keys
+            return self.engine.copy(src_tier, src, dst_tier, dst, num_tokens=num_tokens, keys=keys)  # type: ignore[call-arg]
         return self.engine.copy(src_tier, src, dst_tier, dst, num_tokens=num_tokens)
 
     def _sweep(self) -> None:
