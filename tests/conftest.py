@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
-from collections.abc import Callable, Mapping
+import inspect
+from collections.abc import AsyncIterator, Mapping
 
 import pytest
 import torch
@@ -15,23 +16,8 @@ from tiered_kv import KVLayout
 HAS_CUDA = torch.cuda.is_available()
 
 
-# Exception-handler calls of the loops the tests run on (unobserved task exceptions, callback errors).
-LOOP_ERRORS: list[dict[str, object]] = []
-
-
-def _recording(factory: Callable[[], asyncio.AbstractEventLoop]) -> Callable[[], asyncio.AbstractEventLoop]:
-    # The handler must be installed on the loop the test runs on; a sync fixture cannot reach that loop
-    # (asking the policy for "the" loop there creates a stray one, which also leaks as a ResourceWarning).
-    def make() -> asyncio.AbstractEventLoop:
-        loop = factory()
-        loop.set_exception_handler(lambda _loop, ctx: LOOP_ERRORS.append(ctx))
-        return loop
-
-    return make
-
-
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> Mapping[str, object]:
-    return {"asyncio": _recording(asyncio.new_event_loop), "uvloop": _recording(uvloop.new_event_loop)}
+    return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -43,15 +29,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-@pytest.fixture(autouse=True)
-def _fail_on_loop_errors(request: pytest.FixtureRequest) -> object:
-    """Fail a test on any unobserved task exception or call of the loop's exception handler."""
-    LOOP_ERRORS.clear()
+@pytest.fixture
+async def _loop_errors() -> AsyncIterator[None]:
+    errors: list[dict[str, object]] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
     yield
-    gc.collect()
-    errors = list(LOOP_ERRORS)
-    LOOP_ERRORS.clear()
+    gc.collect()  # surface "Task exception was never retrieved" now, while the handler is ours
+    await asyncio.sleep(0)
     assert not errors, f"event loop reported errors: {errors}"
+
+
+@pytest.fixture(autouse=True)
+def _fail_on_loop_errors(request: pytest.FixtureRequest) -> None:
+    """Fail an async test on any unobserved task exception or call of the loop's exception handler."""
+    if inspect.iscoroutinefunction(getattr(request.node, "function", None)):
+        request.getfixturevalue("_loop_errors")
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

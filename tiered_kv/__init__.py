@@ -10,12 +10,15 @@ from .fences import FenceStatistics, FenceTable
 from .keys import KeyHasher
 from .layout import FORMAT_VERSION, KVLayout
 from .pools import BlockPool, Tier
+from .staging import NO_BLOCK, BlockOffsetTable, StagingPool, copy_batch_block_offsets
 
 __all__ = [
     "FORMAT_VERSION",
+    "NO_BLOCK",
     "Admission",
     "BackendUnavailable",
     "BlockManager",
+    "BlockOffsetTable",
     "BlockPool",
     "CacheFullError",
     "CacheStatistics",
@@ -29,6 +32,7 @@ __all__ = [
     "KVLayout",
     "KeyHasher",
     "Request",
+    "StagingPool",
     "Tier",
     "TieredKVCache",
     "TieredKVError",
@@ -36,6 +40,7 @@ __all__ = [
     "TransferEngine",
     "TransferError",
     "TransferResult",
+    "copy_batch_block_offsets",
     "resolve_device",
 ]
 

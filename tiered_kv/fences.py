@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from .device import Event, Stream
 
@@ -40,7 +40,7 @@ class Marker:
         future, never the completion that the fence table (and other awaiters) rely on.
     """
 
-    __slots__ = ("_waiters", "completed", "done_at", "error", "event", "lane", "reads", "writes")
+    __slots__ = ("_callbacks", "_waiters", "completed", "done_at", "error", "event", "lane", "reads", "writes")
 
     def __init__(self, lane: Stream | None) -> None:
         self.lane = lane
@@ -51,6 +51,14 @@ class Marker:
         self.reads: list[tuple[str, list[int]]] = []  # (pool, block indices) this op reads
         self.writes: list[tuple[str, list[int]]] = []  # (pool, block indices) this op writes
         self._waiters: list[asyncio.Future[None]] = []
+        self._callbacks: list[Callable[[], None]] = []
+
+    def add_done_callback(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` on the loop once the op has completed (at once if it has)."""
+        if self.completed:
+            callback()
+        else:
+            self._callbacks.append(callback)
 
     async def wait(self) -> None:
         """Wait until the op has completed.
@@ -77,6 +85,9 @@ class Marker:
         for waiter in waiters:
             if not waiter.done():
                 waiter.set_result(None)
+        callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
 
     def __repr__(self) -> str:
         if self.completed:
@@ -84,14 +95,6 @@ class Marker:
         else:
             state = "enqueued" if self.event is not None or self.lane is None else "deferred"
         return f"<Marker {state} lane={getattr(self.lane, 'name', 'host')} waiters:{len(self._waiters)}>"
-
-
-class _BlockFence:
-    __slots__ = ("reads", "write")
-
-    def __init__(self) -> None:
-        self.write: Marker | None = None
-        self.reads: list[Marker] = []
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -114,40 +117,40 @@ class FenceStatistics:
 
 
 class FenceTable:
-    """Pending reads and writes per (pool, block index)."""
+    """Pending reads and writes per (pool, block index).
+
+    Notes:
+        Per pool, two dicts: block -> pending write marker, and block -> pending reader(s) (a marker, or a
+        list when several copies read the block at once). Registration and lookups use C-level dict and
+        set operations over the index lists, so the Python-level work is proportional to the blocks that
+        are actually fenced, not to the blocks of the call.
+    """
 
     def __init__(self) -> None:
-        self._pools: dict[str, dict[int, _BlockFence]] = {}  # pool -> block index -> fence
+        self._writes: dict[str, dict[int, Marker]] = {}  # pool -> block index -> pending write
+        self._reads: dict[str, dict[int, Marker | list[Marker]]] = {}  # pool -> block index -> pending read(s)
         self.stream_waits = 0
         self.loop_waits = 0
-
-    def _table(self, pool: str) -> dict[int, _BlockFence]:
-        table = self._pools.get(pool)
-        if table is None:
-            table = self._pools[pool] = {}
-        return table
 
     def dependencies(self, reads: Iterable[tuple[str, list[int]]], writes: Iterable[tuple[str, list[int]]]) -> set[Marker]:
         """Markers an op must wait for before it reads ``reads`` and writes ``writes``."""
         deps: set[Marker] = set()
         for pool, indices in reads:
-            table = self._pools.get(pool)
-            if not table:
-                continue
-            for i in indices:
-                fence = table.get(i)
-                if fence is not None and fence.write is not None:
-                    deps.add(fence.write)
+            wt = self._writes.get(pool)
+            if wt:
+                deps.update(wt[i] for i in wt.keys() & indices)
         for pool, indices in writes:
-            table = self._pools.get(pool)
-            if not table:
-                continue
-            for i in indices:
-                fence = table.get(i)
-                if fence is not None:
-                    if fence.write is not None:
-                        deps.add(fence.write)
-                    deps.update(fence.reads)
+            wt = self._writes.get(pool)
+            if wt:
+                deps.update(wt[i] for i in wt.keys() & indices)
+            rt = self._reads.get(pool)
+            if rt:
+                for i in rt.keys() & indices:
+                    readers = rt[i]
+                    if isinstance(readers, list):
+                        deps.update(readers)
+                    else:
+                        deps.add(readers)
         return {m for m in deps if not m.completed}
 
     def register(self, marker: Marker, reads: list[tuple[str, list[int]]], writes: list[tuple[str, list[int]]]) -> None:
@@ -155,62 +158,64 @@ class FenceTable:
         marker.reads = reads
         marker.writes = writes
         for pool, indices in reads:
-            table = self._table(pool)
-            for i in indices:
-                fence = table.get(i)
-                if fence is None:
-                    fence = table[i] = _BlockFence()
-                fence.reads.append(marker)
+            rt = self._reads.setdefault(pool, {})
+            shared = rt.keys() & indices
+            old = {i: rt[i] for i in shared}
+            rt.update(dict.fromkeys(indices, marker))
+            for i, readers in old.items():
+                rt[i] = [*readers, marker] if isinstance(readers, list) else [readers, marker]
         for pool, indices in writes:
-            table = self._table(pool)
-            for i in indices:
-                fence = table.get(i)
-                if fence is None:
-                    fence = table[i] = _BlockFence()
-                else:
-                    fence.reads.clear()  # the new write waits for them; ordering is transitive
-                fence.write = marker
+            pending_reads = self._reads.get(pool)
+            if pending_reads:
+                for i in pending_reads.keys() & indices:  # the new write waits for them; ordering is transitive
+                    del pending_reads[i]
+            self._writes.setdefault(pool, {}).update(dict.fromkeys(indices, marker))
 
     def release(self, marker: Marker) -> None:
         """Drop ``marker``'s entries (called once the op has completed)."""
         for pool, indices in marker.reads:
-            table = self._pools[pool]
+            rt = self._reads[pool]
+            rget = rt.get
             for i in indices:
-                fence = table.get(i)
-                if fence is None:
-                    continue
-                if marker in fence.reads:
-                    fence.reads.remove(marker)
-                if fence.write is None and not fence.reads:
-                    del table[i]
+                readers = rget(i)
+                if readers is marker:
+                    del rt[i]
+                elif isinstance(readers, list) and marker in readers:
+                    readers.remove(marker)
+                    if len(readers) == 1:
+                        rt[i] = readers[0]
         for pool, indices in marker.writes:
-            table = self._pools[pool]
+            wt = self._writes[pool]
+            get = wt.get
             for i in indices:
-                fence = table.get(i)
-                if fence is None or fence.write is not marker:
-                    continue
-                fence.write = None
-                if not fence.reads:
-                    del table[i]
+                if get(i) is marker:
+                    del wt[i]
 
     def pending(self, pool: str, index: int) -> tuple[Marker | None, tuple[Marker, ...]]:
         """``(pending write, pending reads)`` of one block."""
-        fence = self._pools.get(pool, {}).get(index)
-        if fence is None:
-            return None, ()
-        return fence.write, tuple(fence.reads)
+        write = self._writes.get(pool, {}).get(index)
+        readers = self._reads.get(pool, {}).get(index)
+        if readers is None:
+            return write, ()
+        return write, tuple(readers) if isinstance(readers, list) else (readers,)
 
     def statistics(self) -> FenceStatistics:
-        fenced = reads = writes = 0
-        for table in self._pools.values():
-            fenced += len(table)
-            for fence in table.values():
-                reads += len(fence.reads)
-                writes += fence.write is not None
-        return FenceStatistics(fenced, reads, writes, self.stream_waits, self.loop_waits)
+        fenced: set[tuple[str, int]] = set()
+        reads = writes = 0
+        for pool, wt in self._writes.items():
+            writes += len(wt)
+            fenced.update((pool, i) for i in wt)
+        for pool, rt in self._reads.items():
+            for i, readers in rt.items():
+                reads += len(readers) if isinstance(readers, list) else 1
+                fenced.add((pool, i))
+        return FenceStatistics(len(fenced), reads, writes, self.stream_waits, self.loop_waits)
 
     def __len__(self) -> int:
-        return sum(len(t) for t in self._pools.values())
+        return self.statistics().fenced_blocks
+
+    def __bool__(self) -> bool:
+        return any(self._writes.values()) or any(self._reads.values())
 
     def __repr__(self) -> str:
         s = self.statistics()

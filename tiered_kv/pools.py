@@ -96,7 +96,7 @@ def as_indices(value: Iterable[int] | np.ndarray | torch.Tensor, what: str) -> n
         raise TypeError(f"{what} must be a sequence of block indices, got {type(value).__name__}")
     else:
         try:
-            arr = np.asarray(value if isinstance(value, np.ndarray) else list(value))
+            arr = value if isinstance(value, np.ndarray) else np.fromiter(value, dtype=np.int64) if isinstance(value, range) else np.asarray(list(value))
         except TypeError as exc:
             raise TypeError(f"{what} must be a sequence of block indices, got {type(value).__name__}") from exc
     if arr.ndim != 1:
@@ -113,8 +113,8 @@ def merge_runs(src: np.ndarray, dst: np.ndarray) -> list[tuple[int, int, int]]:
 
     Vectorized: a copy of 4096 consecutive blocks becomes one run, so one DMA.
     """
-    if src.size == 0:
-        return []
+    if src.size <= 1:
+        return [(int(src[0]), int(dst[0]), 1)] if src.size else []
     breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
     starts = np.concatenate(([0], breaks))
     lengths = np.diff(np.concatenate((starts, [src.size])))

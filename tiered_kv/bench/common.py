@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["bench_main", "machine_info", "percentile", "print_table", "timeit", "write_json"]
+__all__ = ["bench_main", "machine_info", "percentile", "print_grouped", "print_table", "timeit", "write_json"]
 
 
 def machine_info(device: str = "auto") -> dict[str, Any]:
@@ -96,6 +96,15 @@ def print_table(rows: Sequence[dict[str, Any]], title: str = "") -> str:
     return text
 
 
+def print_grouped(result: dict[str, Any]) -> None:
+    """Print a benchmark result as one table per ``bench`` kind (rows of a kind share their columns)."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for row in result["rows"]:
+        groups.setdefault(str(row.get("bench", result["name"])), []).append(row)
+    for kind, rows in groups.items():
+        print_table([{k: v for k, v in r.items() if k != "bench"} for r in rows], f"\n{result['name']} / {kind} on {result['machine']['device']}")
+
+
 def write_json(path: str, payload: dict[str, Any]) -> None:
     with open(path, "w") as f:
         json.dump(payload, f, indent=2, default=str)
@@ -109,7 +118,7 @@ def bench_main(name: str, run: Callable[[bool, str], dict[str, Any]], argv: Sequ
     parser.add_argument("--json", default=f"bench-{name}.json", help="where to write the JSON (default: %(default)s)")
     args = parser.parse_args(argv)
     result = run(args.quick, args.device)
-    print_table(result["rows"], f"{result['name']} on {result['machine']['device']}")
+    print_grouped(result)
     for note in result.get("notes", []):
         print(f"  note: {note}")
     write_json(args.json, result)

@@ -1,0 +1,30 @@
+"""Small helpers shared by the engine tests."""
+
+from __future__ import annotations
+
+import torch
+
+from tiered_kv import TransferEngine
+
+
+def fill_pool(engine: TransferEngine, tier: str, seed: int) -> torch.Tensor:
+    """Fill every block of a pool with random bits; return a CPU copy of the whole pool."""
+    pool = engine.pool(tier).tensor
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (pool.numel() * pool.element_size(),), dtype=torch.uint8, generator=g)
+    pool.view(-1).view(torch.uint8).copy_(raw.to(pool.device))
+    if pool.is_cuda:
+        torch.cuda.synchronize(pool.device)
+    return pool.detach().cpu().clone()
+
+
+def snapshot(engine: TransferEngine, tier: str, index: int) -> torch.Tensor:
+    block = engine.block(tier, index)
+    if block.is_cuda:
+        torch.cuda.synchronize(block.device)
+    return block.detach().cpu().clone()
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-exact equality (random bits include NaN patterns, which == would call different)."""
+    return bool((a.contiguous().view(torch.uint8) == b.contiguous().view(torch.uint8)).all())

@@ -1,0 +1,199 @@
+"""Hazard ordering under injected stalls (emulated device in CI; the same scenarios on CUDA).
+
+Each scenario has a twin that removes the fence waits (``FenceTable.dependencies`` returns nothing) and
+asserts that the corruption then *is* observed: proof that the scenario can see the race it guards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from helpers import fill_pool, same, snapshot
+
+from tiered_kv import FenceTable, Tier, TransferEngine
+from tiered_kv.testing import assert_blocks_equal, stall
+
+STALL = 0.25
+
+
+@pytest.fixture
+def no_fences(monkeypatch):
+    """Break the engine on purpose: no op waits for anything."""
+
+    def disabled(self, reads, writes):
+        return set()
+
+    def apply():
+        monkeypatch.setattr(FenceTable, "dependencies", disabled)
+
+    return apply
+
+
+async def raw_scenario(engine: TransferEngine) -> bool:
+    """Offload G0->H0 behind a stall, onboard H0->G1 at once. True when G1 == G0."""
+    g = fill_pool(engine, "gpu", 1)
+    fill_pool(engine, "host", 2)
+    stall(engine.stream("offload"), STALL)
+    t1 = engine.copy(Tier.GPU, [0], Tier.HOST, [0])
+    t2 = engine.copy(Tier.HOST, [0], Tier.GPU, [1])
+    await asyncio.gather(t1, t2)
+    return same(snapshot(engine, "gpu", 1), g[0])
+
+
+async def waw_scenario(engine: TransferEngine) -> bool:
+    """G1->H0 (offload, stalled) then H5->H0 (host threads). True when H0 ends as H5."""
+    fill_pool(engine, "gpu", 3)
+    h = fill_pool(engine, "host", 4)
+    stall(engine.stream("offload"), STALL)
+    t1 = engine.copy(Tier.GPU, [1], Tier.HOST, [0])
+    t2 = engine.copy(Tier.HOST, [5], Tier.HOST, [0])
+    await asyncio.gather(t1, t2)
+    return same(snapshot(engine, "host", 0), h[5])
+
+
+async def war_scenario(engine: TransferEngine) -> tuple[bool, bool]:
+    """Onboard H0->G1 behind a stall, then offload G2->H0. (G1 got the old H0, H0 got G2)."""
+    g = fill_pool(engine, "gpu", 5)
+    h = fill_pool(engine, "host", 6)
+    stall(engine.stream("onboard"), STALL)
+    t1 = engine.copy(Tier.HOST, [0], Tier.GPU, [1])
+    t2 = engine.copy(Tier.GPU, [2], Tier.HOST, [0])
+    await asyncio.gather(t1, t2)
+    return same(snapshot(engine, "gpu", 1), h[0]), same(snapshot(engine, "host", 0), g[2])
+
+
+async def test_read_after_write(device, layout):
+    async with TransferEngine(layout, gpu_blocks=4, host_blocks=4, device=device) as engine:
+        assert await raw_scenario(engine)
+        assert engine.fences.stream_waits >= 1  # stream-side, not a CPU wait
+
+
+async def test_read_after_write_without_fences_is_corrupted(device, layout, no_fences):
+    no_fences()
+    async with TransferEngine(layout, gpu_blocks=4, host_blocks=4, device=device) as engine:
+        assert not await raw_scenario(engine)
+
+
+async def test_write_after_write_same_stream(device, layout):
+    async with TransferEngine(layout, gpu_blocks=4, host_blocks=4, device=device) as engine:
+        g = fill_pool(engine, "gpu", 7)
+        t1 = engine.copy(Tier.GPU, [1], Tier.HOST, [0])
+        stall(engine.stream("offload"), STALL)
+        t2 = engine.copy(Tier.GPU, [2], Tier.HOST, [0])
+        await asyncio.gather(t1, t2)
+        assert_blocks_equal(snapshot(engine, "host", 0), g[2], "host 0 must hold the last write, never a mix")
+
+
+async def test_write_after_write_across_lanes(device, layout):
+    async with TransferEngine(layout, gpu_blocks=8, host_blocks=8, device=device) as engine:
+        assert await waw_scenario(engine)
+        assert engine.fences.loop_waits >= 1  # host threads wait on the loop for the stream op
+
+
+async def test_write_after_write_without_fences_is_corrupted(device, layout, no_fences):
+    no_fences()
+    async with TransferEngine(layout, gpu_blocks=8, host_blocks=8, device=device) as engine:
+        assert not await waw_scenario(engine)
+
+
+async def test_write_after_read(device, layout):
+    async with TransferEngine(layout, gpu_blocks=4, host_blocks=4, device=device) as engine:
+        old_read_ok, new_write_ok = await war_scenario(engine)
+        assert old_read_ok and new_write_ok
+
+
+async def test_write_after_read_without_fences_is_corrupted(device, layout, no_fences):
+    no_fences()
+    async with TransferEngine(layout, gpu_blocks=4, host_blocks=4, device=device) as engine:
+        old_read_ok, _ = await war_scenario(engine)
+        assert not old_read_ok
+
+
+async def test_gpu_and_host_indices_do_not_alias(device, layout):
+    async with TransferEngine(layout, gpu_blocks=4, host_blocks=4, device=device) as engine:
+        g = fill_pool(engine, "gpu", 8)
+        h = fill_pool(engine, "host", 9)
+        stall(engine.stream("offload"), STALL)
+        t1 = engine.copy(Tier.GPU, [0], Tier.HOST, [1])
+        t2 = engine.copy(Tier.HOST, [0], Tier.GPU, [1])
+        assert not t2.done()
+        await asyncio.gather(t1, t2)
+        assert_blocks_equal(snapshot(engine, "host", 1), g[0])
+        assert_blocks_equal(snapshot(engine, "gpu", 1), h[0])
+        # GPU 0 / HOST 0 and HOST 1 / GPU 1 share indices, not blocks: nothing waited on anything.
+        assert engine.fences.stream_waits == 0 and engine.fences.loop_waits == 0
+
+
+async def test_chain_through_every_lane(device, layout):
+    """Offload (stalled) -> host-to-host -> onboard: each waits for the previous one, loop-side."""
+    async with TransferEngine(layout, gpu_blocks=4, host_blocks=4, device=device) as engine:
+        g = fill_pool(engine, "gpu", 10)
+        fill_pool(engine, "host", 11)
+        stall(engine.stream("offload"), STALL)
+        engine.copy(Tier.GPU, [0], Tier.HOST, [0])
+        engine.copy(Tier.HOST, [0], Tier.HOST, [1])
+        last = engine.copy(Tier.HOST, [1], Tier.GPU, [2])
+        # the host copy waits on the loop for the offload, the onboard for the host copy
+        assert engine.statistics().deferred == 2
+        await last
+        assert_blocks_equal(snapshot(engine, "gpu", 2), g[0])
+
+
+async def test_sync_with_compute(device, layout):
+    async with TransferEngine(layout, gpu_blocks=4, host_blocks=4, device=device) as engine:
+        fill_pool(engine, "gpu", 12)
+        compute = engine.device.new_stream("compute")
+        try:
+            new = engine.block(Tier.GPU, 3).clone()
+            stall(compute, STALL)
+            compute.submit(lambda: engine.block(Tier.GPU, 0).copy_(new))  # a "kernel" writing block 0
+            engine.sync_with_compute(compute)
+            await engine.copy(Tier.GPU, [0], Tier.HOST, [0])
+            assert_blocks_equal(snapshot(engine, "host", 0), new.cpu())
+        finally:
+            compute.close()
+
+
+async def test_sync_transfers(device, layout):
+    async with TransferEngine(layout, gpu_blocks=4, host_blocks=4, device=device) as engine:
+        fill_pool(engine, "gpu", 13)
+        h = fill_pool(engine, "host", 14)
+        compute = engine.device.new_stream("compute")
+        try:
+            stall(engine.stream("onboard"), STALL)
+            transfer = engine.copy(Tier.HOST, [2], Tier.GPU, [0])
+            engine.sync_transfers(compute)
+            out = engine.block(Tier.GPU, 0).clone()
+            compute.submit(lambda: out.copy_(engine.block(Tier.GPU, 0)))  # a "kernel" reading block 0
+            compute.synchronize()
+            assert_blocks_equal(out.cpu(), h[2])
+            await transfer
+        finally:
+            compute.close()
+
+
+@pytest.mark.parametrize("route", [("gpu", "host"), ("host", "gpu"), ("gpu", "gpu"), ("host", "host")])
+@pytest.mark.parametrize("n", [1, 5, 7])
+async def test_partial_copy_touches_only_first_tokens(device, layout, route, n):
+    src, dst = route
+    async with TransferEngine(layout, gpu_blocks=6, host_blocks=6, device=device) as engine:
+        s = fill_pool(engine, src, 15)
+        d = fill_pool(engine, dst, 16) if src != dst else s
+        result = await engine.copy(src, [0, 1, 4], dst, [3, 2, 5], num_tokens=n)
+        assert result.nbytes == 3 * layout.partial_bytes(n)
+        for si, di in ((0, 3), (1, 2), (4, 5)):
+            expected = d[di].clone()
+            expected[:, :, :, :n] = s[si][:, :, :, :n]
+            assert_blocks_equal(snapshot(engine, dst, di), expected, f"{src}->{dst} block {di}")
+
+
+async def test_many_blocks_scattered_and_contiguous(device, layout):
+    async with TransferEngine(layout, gpu_blocks=64, host_blocks=64, device=device) as engine:
+        g = fill_pool(engine, "gpu", 17)
+        src = [*range(10, 40), 3, 1, 60, 61, 62]
+        dst = [*range(0, 30), 50, 40, 41, 42, 63]
+        result = await engine.copy(Tier.GPU, src, Tier.HOST, dst)
+        assert result.num_blocks == len(src) and result.nbytes == len(src) * layout.bytes_per_block
+        for si, di in zip(src, dst, strict=True):
+            assert_blocks_equal(snapshot(engine, "host", di), g[si], f"host {di}")

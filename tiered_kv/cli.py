@@ -1,0 +1,232 @@
+"""``tiered-kv`` / ``python -m tiered_kv``: demo, bench, doctor."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import json
+import logging
+import os
+import platform
+import resource
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["main"]
+
+# Benchmarks run by `tiered-kv bench`, in order (modules under tiered_kv.bench).
+BENCHMARKS = ["engine"]
+
+
+def _run_loop(coro: Any) -> Any:
+    try:
+        import uvloop
+
+        return uvloop.run(coro)
+    except ImportError:  # pragma: no cover
+        return asyncio.run(coro)
+
+
+# ------------------------------------------------------------------------------------------ demo
+
+
+async def _demo(args: argparse.Namespace) -> int:
+    from . import KVLayout, Tier, TransferEngine
+    from .bench.common import percentile, print_table
+    from .testing import fill_random
+
+    layout = KVLayout(num_layers=8, num_kv_heads=4, head_dim=128, tokens_per_block=16, dtype=torch.float16)
+    n = args.blocks
+    async with TransferEngine(layout, gpu_blocks=2 * n, host_blocks=n, device=args.device) as engine:
+        gpu = engine.pool(Tier.GPU).tensor
+        fill_random(gpu[:n], torch.Generator().manual_seed(args.seed))
+        expected = gpu[:n].detach().cpu().clone()
+        latencies: list[float] = []
+        results = []
+        for step in range(args.rounds):
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed + step)).tolist()
+            off = await engine.copy(Tier.GPU, list(range(n)), Tier.HOST, order)
+            on = await engine.copy(Tier.HOST, order, Tier.GPU, list(range(n, 2 * n)))
+            results += [off, on]
+            latencies += [off.seconds, on.seconds]
+            got = gpu[n : 2 * n].detach().cpu()
+            if not torch.equal(got.view(torch.uint8), expected.view(torch.uint8)):
+                print(f"error: round {step}: blocks came back different", file=sys.stderr)
+                return 1
+        rows = []
+        for direction in ("gpu->host", "host->gpu"):
+            rs = [r for r in results if f"{r.src_tier.value}->{r.dst_tier.value}" == direction]
+            nbytes = sum(r.nbytes for r in rs)
+            seconds = sum(r.seconds for r in rs)
+            rows.append({"direction": direction, "copies": len(rs), "MiB": nbytes / 2**20, "GB/s": nbytes / seconds / 1e9})
+        print_table(rows, f"round trips on {engine.device.kind} ({engine.device.torch_device}): {n} blocks x {args.rounds}, "
+                    f"{layout.bytes_per_block / 2**20:.2f} MiB per block, every byte verified")
+        print(f"await latency: p50 {percentile(latencies, 50) * 1e3:.2f} ms, p99 {percentile(latencies, 99) * 1e3:.2f} ms")
+        print(engine)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ bench
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .bench.common import machine_info, print_grouped, write_json
+
+    names = args.only or BENCHMARKS
+    unknown = [n for n in names if n not in BENCHMARKS]
+    if unknown:
+        print(f"error: unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)}", file=sys.stderr)
+        return 2
+    results = []
+    for name in names:
+        module = importlib.import_module(f"tiered_kv.bench.{name}")
+        t0 = time.perf_counter()
+        result = module.run(args.quick, args.device)
+        result["seconds"] = time.perf_counter() - t0
+        print_grouped(result)
+        for note in result.get("notes", []):
+            print(f"  note: {note}")
+        results.append(result)
+    payload = {"machine": machine_info(args.device), "quick": args.quick, "benchmarks": results}
+    write_json(args.json, payload)
+    print(f"\nwrote {args.json}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ doctor
+
+
+def _doctor_checks(directory: str) -> list[tuple[str, bool, str, str]]:
+    """(check, ok, what was found, what to do if not ok)."""
+    checks: list[tuple[str, bool, str, str]] = []
+    checks.append(("python", sys.version_info >= (3, 11), platform.python_version(), "use Python 3.11 or newer"))
+    checks.append(("torch", True, f"{torch.__version__} (CUDA build: {torch.version.cuda or 'no'})", ""))
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        driver = ""
+        try:
+            driver = f", driver API {torch._C._cuda_getDriverVersion()}"  # type: ignore[attr-defined]
+        except Exception:
+            pass
+        checks.append(("CUDA device", True, f"{props.name}, {props.total_memory / 2**30:.0f} GiB{driver}", ""))
+    else:
+        checks.append(("CUDA device", False, "none (the emulated device is used)",
+                       "install a CUDA build of torch and an NVIDIA driver to use a GPU"))
+    try:
+        import uvloop
+
+        checks.append(("uvloop", True, uvloop.__version__, ""))
+    except ImportError:
+        checks.append(("uvloop", False, "missing", "pip install uvloop (faster event loop)"))
+    try:
+        import kvikio
+
+        checks.append(("kvikio", True, getattr(kvikio, "__version__", "installed"), ""))
+    except Exception as exc:
+        checks.append(("kvikio", False, f"not usable ({type(exc).__name__})", "pip install 'tiered-kv[gds]' for GPUDirect Storage"))
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    fmt = lambda v: "unlimited" if v == resource.RLIM_INFINITY else f"{v / 2**20:.0f} MiB"  # noqa: E731
+    checks.append(("pinned memory (ulimit -l)", True, f"soft {fmt(soft)}, hard {fmt(hard)}",
+                   "raise `ulimit -l` if pinning the host pool fails"))
+    writable = os.path.isdir(directory) and os.access(directory, os.W_OK)
+    checks.append(("directory", writable, directory, "pass --dir with a writable directory"))
+    return checks
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    checks = _doctor_checks(args.dir)
+    width = max(len(c[0]) for c in checks)
+    for name, ok, found, fix in checks:
+        mark = "ok " if ok else "-- "
+        print(f"{mark} {name.ljust(width)}  {found}" + (f"\n    {' ' * width}  -> {fix}" if not ok and fix else ""))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{"check": c[0], "ok": c[1], "found": c[2], "fix": c[3]} for c in checks], f, indent=2)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ soak
+
+
+async def _soak(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from .soak import SoakConfig, SoakFailure, soak
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    config = SoakConfig(ops=args.ops, seed=args.seed, tasks=args.tasks, device=device)
+    with tqdm(total=args.ops, unit="op", desc=f"soak seed={args.seed} on {device}", disable=args.quiet) as bar:
+        try:
+            report = await soak(config, progress=lambda done: bar.update(done - bar.n))
+        except SoakFailure as failure:
+            print(f"FAILED: {failure}", file=sys.stderr)
+            return 1
+    print(f"ok: {report.ops} ops, {report.checked_blocks} block checks, {report.cancelled} cancelled waits, "
+          f"{report.forgotten} unawaited, {report.stalls} stalls in {report.seconds:.1f} s; close() {report.close_seconds * 1e3:.1f} ms")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ main
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tiered-kv", description="Awaitable, fenced KV-cache block transfers: GPU <-> host <-> NVMe.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="run the main job on the default device and verify every byte")
+    demo.add_argument("--device", default="auto", help="auto (CUDA if present, else emulated) | cpu | cuda[:N]")
+    demo.add_argument("--blocks", type=_positive, default=64, help="blocks per round trip (default: %(default)s)")
+    demo.add_argument("--rounds", type=_positive, default=8, help="round trips (default: %(default)s)")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the block contents (default: %(default)s)")
+    demo.set_defaults(func=lambda a: _run_loop(_demo(a)))
+
+    bench = sub.add_parser("bench", help="run every benchmark next to its same-run baseline; one table, one JSON")
+    bench.add_argument("--quick", action="store_true", help="CPU-sized run (under two minutes)")
+    bench.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
+    bench.add_argument("--json", default="bench-tiered-kv.json", help="output file (default: %(default)s)")
+    bench.add_argument("--only", nargs="+", metavar="NAME", help=f"run only these ({', '.join(BENCHMARKS)})")
+    bench.set_defaults(func=_bench)
+
+    soak = sub.add_parser("soak", help="randomized soak with stalls and cancellations; every byte checked against a shadow model")
+    soak.add_argument("--ops", type=_positive, default=20_000, help="copies to issue (default: %(default)s)")
+    soak.add_argument("--seed", type=int, default=0, help="seed of the op sequence (default: %(default)s)")
+    soak.add_argument("--tasks", type=_positive, default=16, help="concurrent tasks (default: %(default)s)")
+    soak.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
+    soak.add_argument("--quiet", action="store_true", help="no progress bar")
+    soak.set_defaults(func=lambda a: _run_loop(_soak(a)))
+
+    doctor = sub.add_parser("doctor", help="report CUDA, kvikio/GDS, pinned-memory limits, uvloop; what to do if missing")
+    doctor.add_argument("--dir", default=os.getcwd(), help="directory to check for the file tier (default: cwd)")
+    doctor.add_argument("--json", help="also write the checks as JSON")
+    doctor.set_defaults(func=_doctor)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args))
+    except (ValueError, TypeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
