@@ -307,6 +307,22 @@ async def test_append_and_page_table_hook(small: KVLayout) -> None:
         await compute(cache, again.seq_id, again.tokens_reused)
 
 
+async def test_block_offset_table_follows_page_tables(small: KVLayout) -> None:
+    """Issue 6's BlockOffsetTable, filled through the page-table hook: row ``slot`` is the page table."""
+    seen: list[int] = []
+    async with open_cache(small, gpu=16, max_seqs=3, block_offsets=True, on_page_table=lambda s, pt: seen.append(s)) as cache:
+        table = cache.block_offsets
+        assert table is not None
+        adms = await cache.add_sequences([toks(0, 2 * TPB + 1), toks(100, TPB)])
+        for a in adms:
+            assert table.row(a.slot)[0].tolist() == list(a.page_table)
+        pt = await cache.append_tokens(adms[0].seq_id, toks(50, 2 * TPB))
+        assert table.row(adms[0].slot)[0].tolist() == list(pt)
+        cache.free(adms[0].seq_id)
+        assert table.num_blocks(adms[0].slot) == 0
+        assert seen  # the user's own hook still runs
+
+
 async def test_chat_workload_replay_verifies_content(small: KVLayout) -> None:
     wl = ChatWorkload(seed=3, conversations=10, system_prompts=2, system_tokens=24, user_tokens=(2, 9), output_tokens=(2, 9))
     async with open_cache(small, gpu=24, host=16, file=16) as cache:

@@ -46,6 +46,7 @@ from .errors import EngineClosedError, TransferError
 from .keys import KeyHasher
 from .layout import KVLayout
 from .pools import Tier
+from .staging import BlockOffsetTable
 
 __all__ = ["DEFAULT_PRIORITY", "Admission", "CacheFullError", "CacheStatistics", "Request", "TieredKVCache"]
 
@@ -99,6 +100,9 @@ class TieredKVCache:
             is freed (``None``); e.g. to fill a block-offset table.
         engine: use this engine (its pools must match the sizes) instead of building one; it is then not
             closed by :meth:`close`.
+        block_offsets: also keep a :class:`~tiered_kv.staging.BlockOffsetTable` (one pool, the cache's
+            ``max_seqs`` and ``max_blocks_per_seq``) filled from every page-table change, as
+            ``cache.block_offsets``; row ``adm.slot`` is a sequence's page table.
 
     Example::
 
@@ -132,6 +136,7 @@ class TieredKVCache:
         compute_last_token: bool = True,
         on_page_table: PageTableListener | None = None,
         engine: TransferEngine | None = None,
+        block_offsets: bool = False,
     ) -> None:
         for name, value in (("gpu_blocks", gpu_blocks), ("host_blocks", host_blocks), ("file_blocks", file_blocks)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -159,6 +164,18 @@ class TieredKVCache:
             compute_last_token=compute_last_token,
             on_page_table=on_page_table,
         )
+        self.block_offsets: BlockOffsetTable | None = None
+        if block_offsets:
+            table = BlockOffsetTable(1, max_seqs, self.blocks.max_blocks_per_seq, kv_factor=layout.kv_factor, device=engine.device)
+            self.block_offsets = table
+            user_hook = on_page_table
+
+            def both(slot: int, page_table: tuple[int, ...] | None) -> None:
+                table.on_page_table(slot, page_table)
+                if user_hook is not None:
+                    user_hook(slot, page_table)
+
+            self.blocks.on_page_table = both
         self._unchecked: list[tuple[Transfer, Block]] = []  # issued copies not yet seen complete
         self._poisoned = 0
         self._closed = False
