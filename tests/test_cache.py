@@ -481,3 +481,22 @@ def test_keys_are_salted_by_layout_and_model(small: KVLayout) -> None:
         assert k == chain[i]
     assert h.block_key(h.root, tokens[: TPB - 1]) != chain[0]
     assert h.chain(tokens[:TPB], parent=chain[0]) != chain[:1]  # the parent is part of the key
+
+
+# ---------------------------------------------------------------------------------------- benchmark
+
+
+def test_benchmark_quick_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from tiered_kv.bench import cache as bench
+
+    assert bench.main(["--quick", "--device", "cpu", "--json", str(tmp_path / "b.json")]) == 0
+    rows = json.loads((tmp_path / "b.json").read_text())["rows"]
+    [lookup] = [r for r in rows if r["bench"] == "lookup"]
+    assert lookup["match_us_per_block"] > 0 and lookup["naive_us_per_block"] > 0
+    adds = {r["case"].split(", ")[1]: r for r in rows if r["bench"] == "add_sequences"}
+    assert adds["two-phase"]["reuse_lost"] == 0 and adds["two-phase"]["tokens_reused"] > 0
+    assert adds["one-phase"]["reuse_lost"] > 0  # the baseline shows seed 001's loss in the same run
+    chat = {r["case"]: r for r in rows if r["bench"] == "chat"}
+    assert chat["gpu+host"]["hit_rate"] > chat["gpu"]["hit_rate"] and chat["gpu+host"]["hits_host"] > 0
