@@ -220,6 +220,9 @@ class TieredKVCache:
     def _check_open(self) -> None:
         if self._closed:
             raise EngineClosedError("the TieredKVCache is closed")
+        if self.engine.closed or getattr(self.engine, "_closing", False):
+            # checked before any bookkeeping: a decision whose copies cannot be issued must not be made
+            raise EngineClosedError("the TieredKVCache's TransferEngine is closed")
 
     # ------------------------------------------------------------------------------------ sequences
 
