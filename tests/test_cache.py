@@ -7,6 +7,7 @@ import contextlib
 import inspect
 import random
 import tempfile
+import threading
 from collections.abc import AsyncIterator
 
 import numpy as np
@@ -18,7 +19,6 @@ from tiered_kv import KVLayout, Tier, TransferEngine
 from tiered_kv.blocks import CacheFullError, Request
 from tiered_kv.cache import TieredKVCache
 from tiered_kv.keys import KeyHasher
-from tiered_kv.testing import stall
 from tiered_kv.workload import ChatWorkload, replay, verify_expected, write_expected
 
 TPB = 4
@@ -450,7 +450,8 @@ async def test_cancelled_add_frees_its_sequences(small: KVLayout) -> None:
     async with open_cache(small, gpu=8, host=8) as cache:
         await run(cache, toks(0, 2 * TPB + 1))
         await cache.evict(Tier.GPU, 8)
-        stall(cache.engine.stream("onboard"), 0.3)
+        gate = threading.Event()
+        cache.engine.stream("onboard").submit(gate.wait)  # emulated stream: the onboard queues behind this
         task = asyncio.create_task(cache.add_sequences([[*toks(0, 2 * TPB), 5]]))
         await asyncio.sleep(0.05)
         assert not task.done()
@@ -458,6 +459,7 @@ async def test_cancelled_add_frees_its_sequences(small: KVLayout) -> None:
         with pytest.raises(asyncio.CancelledError):
             await task
         assert cache.statistics().blocks.live_sequences == 0
+        gate.set()
         await cache.engine.drain()
         [adm] = await cache.add_sequences([[*toks(0, 2 * TPB), 5]])  # the onboarded blocks are reusable, intact
         assert adm.blocks_from["gpu"] == 2

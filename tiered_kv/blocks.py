@@ -77,7 +77,8 @@ class Request:
 
     Attributes:
         tokens: the prompt's token ids (at least one).
-        priority: retention priority of its blocks, 0 (evicted first) .. 100 (evicted last).
+        priority: retention priority of its blocks, 0 (evicted first) .. 100 (evicted last). A reused block
+            takes the priority of the latest request that claims it.
     """
 
     tokens: Sequence[int] | np.ndarray
