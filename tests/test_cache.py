@@ -46,6 +46,9 @@ async def open_cache(
                 yield cache
                 cache.blocks.check()
         return
+    if device != "cpu":
+        # the double copies on host threads with no stream ordering: sound only on the emulated device
+        pytest.skip("the in-memory file tier double is for the emulated device; the real file tier is not merged")
     engine = TransferEngine(layout, gpu_blocks=gpu, host_blocks=host, device=device)
     with memory_file_tier(engine, file):
         async with TieredKVCache(layout, gpu_blocks=gpu, host_blocks=host, file_blocks=file, engine=engine, **kw) as cache:
@@ -91,9 +94,9 @@ async def seed_001_state(cache: TieredKVCache) -> tuple[list[int], list[int]]:
     return a + toks(7000, 2 * TPB), [*b, 7]
 
 
-async def seed_001_violations(layout: KVLayout, one_phase: bool) -> list[str]:
+async def seed_001_violations(layout: KVLayout, one_phase: bool, device: str = "cpu") -> list[str]:
     """Run the seed's batch; return how realized reuse broke the plan (empty: every request as planned)."""
-    async with open_cache(layout, gpu=8, host=6) as cache:
+    async with open_cache(layout, gpu=8, host=6, device=device) as cache:
         req_a, req_b = await seed_001_state(cache)
         planned = [cache.match(r) for r in (req_a, req_b)]
         assert [p[0] for p in planned] == [2 * TPB, 2 * TPB]
@@ -111,9 +114,9 @@ async def seed_001_violations(layout: KVLayout, one_phase: bool) -> list[str]:
     return out
 
 
-async def test_seed_001_batch_reuse_equals_plan(small: KVLayout) -> None:
+async def test_seed_001_batch_reuse_equals_plan(small: KVLayout, device: str) -> None:
     """Every request's realized reuse equals what was planned and nothing exceeds its budget."""
-    assert await seed_001_violations(small, one_phase=False) == []
+    assert await seed_001_violations(small, one_phase=False, device=device) == []
 
 
 async def test_seed_001_one_phase_order_fails_the_same_check(small: KVLayout) -> None:
@@ -323,9 +326,9 @@ async def test_block_offset_table_follows_page_tables(small: KVLayout) -> None:
         assert seen  # the user's own hook still runs
 
 
-async def test_chat_workload_replay_verifies_content(small: KVLayout) -> None:
+async def test_chat_workload_replay_verifies_content(small: KVLayout, device: str) -> None:
     wl = ChatWorkload(seed=3, conversations=10, system_prompts=2, system_tokens=24, user_tokens=(2, 9), output_tokens=(2, 9))
-    async with open_cache(small, gpu=24, host=16, file=16) as cache:
+    async with open_cache(small, gpu=24, host=16, file=16, device=device) as cache:
         report = await replay(cache, wl)
     assert report.mismatched_tokens == 0 and report.verified_tokens == report.reused_tokens > 0
     assert report.hits["host"] > 0
@@ -335,10 +338,10 @@ async def test_chat_workload_replay_verifies_content(small: KVLayout) -> None:
 # ---------------------------------------------------------------------------------------- concurrency
 
 
-async def test_many_tasks_add_and_free_on_one_loop(small: KVLayout) -> None:
+async def test_many_tasks_add_and_free_on_one_loop(small: KVLayout, device: str) -> None:
     rng = random.Random(7)
     prefixes = [toks(100 * i, 2 * TPB) for i in range(4)]
-    async with open_cache(small, gpu=40, host=24, max_seqs=16) as cache:
+    async with open_cache(small, gpu=40, host=24, max_seqs=16, device=device) as cache:
         live_blocks: dict[int, tuple[int, ...]] = {}
 
         async def worker(w: int) -> None:
