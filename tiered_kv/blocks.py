@@ -327,6 +327,7 @@ class BlockManager:
 
         # tier -> free slots (a stack, lowest index on top so fresh pools fill from 0)
         self._free: dict[Tier, list[int]] = {t: list(range(caps[t] - 1, -1, -1)) for t in TIER_ORDER}
+        self._gpu_free = self._free[Tier.GPU]  # the same list, without an Enum-keyed lookup on the hot path
         # tier -> priority -> block id -> block: cached blocks with refcount 0, least recently released first
         self._lru: dict[Tier, dict[int, collections.OrderedDict[int, Block]]] = {t: {} for t in TIER_ORDER}
         self._lookup: dict[ContentKey, Block] = {}  # content key -> the cached block
@@ -783,7 +784,8 @@ class BlockManager:
             self.on_page_table(seq.slot, page_table)
 
     def _allocate(self, parent_key: ContentKey, tokens: np.ndarray, priority: int, plan: Plan) -> Block:
-        slot = self._take_slot(Tier.GPU, plan)
+        free = self._gpu_free
+        slot = free.pop() if free else self._take_slot(Tier.GPU, plan)  # fast path: no eviction needed
         assert slot is not None, "capacity was checked before any change"
         return Block(next(self._ids), Tier.GPU, slot, parent_key, tokens, priority)
 
