@@ -1,10 +1,13 @@
 """tiered_kv: awaitable, fenced transfers of LLM KV-cache blocks between GPU, pinned host DRAM and NVMe files."""
 
+from .blocks import Admission, BlockManager, CacheFullError, Request
+from .cache import CacheStatistics, TieredKVCache
 from .config import EngineConfig
 from .device import Device, resolve_device
 from .engine import EngineStatistics, Transfer, TransferEngine, TransferResult
 from .errors import BackendUnavailable, EngineClosedError, IntegrityError, TieredKVError, TransferError
 from .fences import FenceStatistics, FenceTable
+from .keys import KeyHasher
 from .layout import FORMAT_VERSION, KVLayout
 from .pools import BlockPool, Tier
 from .staging import NO_BLOCK, BlockOffsetTable, StagingPool, copy_batch_block_offsets
@@ -12,9 +15,13 @@ from .staging import NO_BLOCK, BlockOffsetTable, StagingPool, copy_batch_block_o
 __all__ = [
     "FORMAT_VERSION",
     "NO_BLOCK",
+    "Admission",
     "BackendUnavailable",
+    "BlockManager",
     "BlockOffsetTable",
     "BlockPool",
+    "CacheFullError",
+    "CacheStatistics",
     "Device",
     "EngineClosedError",
     "EngineConfig",
@@ -23,8 +30,11 @@ __all__ = [
     "FenceTable",
     "IntegrityError",
     "KVLayout",
+    "KeyHasher",
+    "Request",
     "StagingPool",
     "Tier",
+    "TieredKVCache",
     "TieredKVError",
     "Transfer",
     "TransferEngine",
