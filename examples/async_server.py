@@ -30,15 +30,14 @@ import numpy as np
 import torch
 from aiohttp import web
 
-from tiered_kv import KVLayout, TieredKVCache
-from tiered_kv.blocks import Request
-from tiered_kv.errors import CacheFullError
+from tiered_kv import CacheFullError, KVLayout, Request, TieredKVCache
 from tiered_kv.workload import verify_expected, write_expected
 
 log = logging.getLogger("tiered_kv.examples.server")
 
 CACHE: web.AppKey[TieredKVCache] = web.AppKey("cache", TieredKVCache)
 CONFIG: web.AppKey[ServerConfig] = web.AppKey("config", object)  # type: ignore[arg-type]
+FREED: web.AppKey[asyncio.Condition] = web.AppKey("freed", asyncio.Condition)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -85,12 +84,20 @@ async def generate(request: web.Request) -> web.Response:
 
     t0 = time.perf_counter()
     tokens = np.asarray(prompt, dtype=np.int64)
-    try:
-        [adm] = await cache.add_sequences([Request(tokens, priority)])
-    except CacheFullError as exc:
-        raise web.HTTPServiceUnavailable(text=f"cache full: {exc}\n") from None
-    except (ValueError, TypeError) as exc:
-        raise _bad_request(str(exc)) from None
+    freed = request.app[FREED]
+    while True:
+        try:
+            [adm] = await cache.add_sequences([Request(tokens, priority)])
+            break
+        except CacheFullError as exc:
+            # Back-pressure: wait for a running request to free its blocks, then try again. If nothing
+            # is running, the prompt can never fit.
+            if not cache.blocks.live_sequences:
+                raise web.HTTPServiceUnavailable(text=f"prompt does not fit in the cache: {exc}\n") from None
+            async with freed:
+                await freed.wait()
+        except (ValueError, TypeError) as exc:
+            raise _bad_request(str(exc)) from None
     try:
         mismatched = len(verify_expected(cache, adm.seq_id, 0, adm.tokens_reused)) if config.verify else 0
         # prefill: only the tokens the cache could not give back cost compute
@@ -106,6 +113,8 @@ async def generate(request: web.Request) -> web.Response:
             cache.commit(adm.seq_id, len(prompt) + len(output) - 1)
     finally:
         cache.free(adm.seq_id)
+        async with freed:
+            freed.notify_all()
     return web.json_response(
         {
             "seq_id": adm.seq_id,
@@ -133,6 +142,7 @@ def make_app(cache: TieredKVCache, config: ServerConfig | None = None) -> web.Ap
     app = web.Application(client_max_size=8 * 2**20)
     app[CACHE] = cache
     app[CONFIG] = config or ServerConfig()
+    app[FREED] = asyncio.Condition()
     app.add_routes([web.post("/generate", generate), web.get("/stats", stats), web.get("/healthz", healthz)])
     return app
 

@@ -56,6 +56,8 @@ async def run_load(url: str, requests: int, concurrency: int, *, seed: int = 0, 
                 async with session.post(f"{url}/generate", json=body) as response:
                     if response.status != 200:
                         totals["errors"] += 1
+                        if totals["errors"] <= 3:
+                            print(f"HTTP {response.status}: {(await response.text()).strip()[:200]}")
                     else:
                         data = await response.json()
                         totals["prompt"] += len(turn.prompt)
