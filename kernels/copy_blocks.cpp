@@ -79,7 +79,7 @@ void copy_blocks_cuda(at::TensorList dst, at::TensorList src, const at::Tensor& 
   const at::Device device = s0.is_cuda() ? s0.device() : d0.device();
   TORCH_CHECK(device.is_cuda(), "copy_blocks: one side must be on a CUDA device");
   const c10::cuda::CUDAGuard guard(device);
-  auto stream = at::cuda::getCurrentCUDAStream();
+  auto stream = c10::cuda::getCurrentCUDAStream();
 
   if (method == 1) {  // DMA
     TORCH_CHECK(src_blocks.device().is_cpu() && dst_blocks.device().is_cpu(), "copy_blocks: DMA needs host indices");

@@ -21,7 +21,7 @@ void copy_chunks_cuda(at::TensorList dst, at::TensorList src, const at::Tensor& 
   for (const at::Tensor& t : dst) if (t.is_cuda()) device = t.device();
   TORCH_CHECK(device.is_cuda(), "copy_chunks: no tensor is on a CUDA device");
   const c10::cuda::CUDAGuard guard(device);
-  auto stream = at::cuda::getCurrentCUDAStream();
+  auto stream = c10::cuda::getCurrentCUDAStream();
   const at::Tensor table = chunks.contiguous();
   const int64_t* row = table.data_ptr<int64_t>();
 

@@ -26,7 +26,7 @@ void gather_block_offsets_cuda(const at::Tensor& dst, const at::Tensor& src, con
                        "gather_block_offsets: scale / v_offset must be contiguous int32 [pools]");
   }
   const c10::cuda::CUDAGuard guard(dst.device());
-  auto stream = at::cuda::getCurrentCUDAStream();
+  auto stream = c10::cuda::getCurrentCUDAStream();
   check_launch(launch_gather_block_offsets(
                    dst.data_ptr<int32_t>(), static_cast<const int32_t*>(device_view(src, "src")),
                    device_view(idx, "idx"), idx.scalar_type() == at::kLong,

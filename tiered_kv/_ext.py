@@ -22,7 +22,8 @@ Notes:
 
     Environment: ``TIERED_KV_EXT=0`` disables the extension; ``TIERED_KV_CUDA_ARCH`` (or
     ``TORCH_CUDA_ARCH_LIST``) picks the architectures (default: the visible GPU's, or ``9.0`` without one);
-    ``TIERED_KV_KERNELS_DIR`` points at the sources.
+    ``TIERED_KV_KERNELS_DIR`` points at the sources; ``TIERED_KV_EXT_BUILDER`` = ``auto`` (ninja when
+    present) / ``ninja`` / ``direct``.
 """
 
 from __future__ import annotations
@@ -247,7 +248,10 @@ def _build_and_load(verbose: bool = False) -> Path:
             from torch.utils import cpp_extension
 
             log.info("tiered_kv: compiling the CUDA extension (%d sources, arch %s) into %s", len(sources), arch, build_dir)
-            if cpp_extension.is_ninja_available():
+            builder = os.environ.get("TIERED_KV_EXT_BUILDER", "auto")
+            if builder not in ("auto", "ninja", "direct"):
+                raise ExtensionBuildError(f"TIERED_KV_EXT_BUILDER must be auto, ninja or direct, got {builder!r}")
+            if builder == "ninja" or (builder == "auto" and cpp_extension.is_ninja_available()):
                 with _env(TORCH_CUDA_ARCH_LIST=arch, CUDA_HOME=root):
                     cpp_extension.load(
                         name,
