@@ -54,7 +54,21 @@ def test_extension_compiles_and_registers_every_op(tmp_path: Path, builder: str)
 
 def test_status_reports_toolkit_and_ops() -> None:
     st = _ext.status()
-    for key in ("cuda_home", "nvcc", "nvcc_version", "torch", "torch_cuda", "cuda_available", "ninja", "arch", "sources", "cache_dir", "built", "registered", "error"):
+    for key in (
+        "cuda_home",
+        "nvcc",
+        "nvcc_version",
+        "torch",
+        "torch_cuda",
+        "cuda_available",
+        "ninja",
+        "arch",
+        "sources",
+        "cache_dir",
+        "built",
+        "registered",
+        "error",
+    ):
         assert key in st
     assert set(st["registered"]) == set(_ext.OPS)
     assert {"gather_block_offsets.cpp", "copy_blocks.cpp", "copy_chunks.cpp", "copy_blocks.cu"} <= set(st["sources"])

@@ -46,14 +46,19 @@ def _gather_loops(dst, src, idx, scale, v_offset, max_blocks, sentinel):
                 for j in range(max_blocks):
                     v = int(src[p, int(idx[s]), k, j])
                     if v != sentinel:
-                        v = v * (int(scale[p]) if scale is not None else 1) + (int(v_offset[p]) if (v_offset is not None and k == 1) else 0)
+                        v = v * (int(scale[p]) if scale is not None else 1) + (
+                            int(v_offset[p]) if (v_offset is not None and k == 1) else 0
+                        )
                         v = (v + 2**31) % 2**32 - 2**31
                     out[p, s, k, j] = v
     return out
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
-@pytest.mark.parametrize(("pools", "rows", "seqs", "kv", "cols", "max_blocks"), [(2, 7, 5, 2, 9, 6), (1, 3, 3, 1, 4, 4), (3, 4, 0, 2, 5, 5), (2, 4, 3, 2, 5, 0)])
+@pytest.mark.parametrize(
+    ("pools", "rows", "seqs", "kv", "cols", "max_blocks"),
+    [(2, 7, 5, 2, 9, 6), (1, 3, 3, 1, 4, 4), (3, 4, 0, 2, 5, 5), (2, 4, 3, 2, 5, 0)],
+)
 @pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("with_scale", [False, True])
 def test_gather_block_offsets(placement, pools, rows, seqs, kv, cols, max_blocks, idx_dtype, with_scale) -> None:
@@ -80,8 +85,14 @@ def test_gather_block_offsets(placement, pools, rows, seqs, kv, cols, max_blocks
 def test_gather_sentinel_passes_through_and_custom_sentinel() -> None:
     src = torch.tensor([[[[5, 7, 0, 7]], [[1, 2, 3, 4]]]], dtype=torch.int32).view(1, 2, 1, 4).repeat(1, 1, 2, 1)
     dst = torch.zeros(1, 2, 2, 4, dtype=torch.int32)
-    ops.gather_block_offsets(dst, src, torch.tensor([0, 1], dtype=torch.int32), scale=torch.tensor([3], dtype=torch.int32),
-                             v_offset=torch.tensor([1], dtype=torch.int32), sentinel=7)
+    ops.gather_block_offsets(
+        dst,
+        src,
+        torch.tensor([0, 1], dtype=torch.int32),
+        scale=torch.tensor([3], dtype=torch.int32),
+        v_offset=torch.tensor([1], dtype=torch.int32),
+        sentinel=7,
+    )
     assert dst[0, 0, 0].tolist() == [15, 7, 0, 7]
     assert dst[0, 0, 1].tolist() == [16, 7, 1, 7]  # V row: offset added, sentinel untouched
 
@@ -132,7 +143,7 @@ def _make_side(kind: str, n: int, dtype: torch.dtype, where: str, pad: int = 0) 
 
 
 def _logical(kind: str, tensors: list[torch.Tensor]) -> torch.Tensor:
-    L, kv, H, T, D = (GEOM[k] for k in ("L", "kv", "H", "T", "D"))
+    L, kv, _H, _T, _D = (GEOM[k] for k in ("L", "kv", "H", "T", "D"))
     cpu = [t.cpu() for t in tensors]
     if kind == "block":
         return cpu[0].clone()
@@ -290,11 +301,22 @@ def test_opcheck_cpu() -> None:
     src, _ = _make_side("layer", 3, torch.float16, "cpu")
     dst, _ = _make_side("block", 3, torch.float16, "cpu")
     torch.library.opcheck(torch.ops.tiered_kv.copy_blocks.default, (dst, src, torch.tensor([0, 2]), torch.tensor([1, 0]), 3, 0))
-    torch.library.opcheck(torch.ops.tiered_kv.copy_chunks.default, ([torch.zeros(32, dtype=torch.uint8)], [torch.ones(16, dtype=torch.uint8)], torch.tensor([[0, 1, 0, 3, 9]]), 0))
+    torch.library.opcheck(
+        torch.ops.tiered_kv.copy_chunks.default,
+        ([torch.zeros(32, dtype=torch.uint8)], [torch.ones(16, dtype=torch.uint8)], torch.tensor([[0, 1, 0, 3, 9]]), 0),
+    )
     table = torch.randint(0, 50, (2, 4, 2, 6), dtype=torch.int32)
     torch.library.opcheck(
         torch.ops.tiered_kv.gather_block_offsets.default,
-        (torch.zeros(2, 3, 2, 6, dtype=torch.int32), table, torch.tensor([3, 0, 1], dtype=torch.int32), torch.tensor([2, 3], dtype=torch.int32), None, 5, -1),
+        (
+            torch.zeros(2, 3, 2, 6, dtype=torch.int32),
+            table,
+            torch.tensor([3, 0, 1], dtype=torch.int32),
+            torch.tensor([2, 3], dtype=torch.int32),
+            None,
+            5,
+            -1,
+        ),
     )
 
 
@@ -307,5 +329,13 @@ def test_opcheck_cuda() -> None:
     table = torch.randint(0, 50, (2, 4, 2, 6), dtype=torch.int32, device="cuda")
     torch.library.opcheck(
         torch.ops.tiered_kv.gather_block_offsets.default,
-        (torch.zeros(2, 3, 2, 6, dtype=torch.int32, device="cuda"), table, torch.tensor([3, 0, 1], dtype=torch.int32, device="cuda"), None, None, 6, -1),
+        (
+            torch.zeros(2, 3, 2, 6, dtype=torch.int32, device="cuda"),
+            table,
+            torch.tensor([3, 0, 1], dtype=torch.int32, device="cuda"),
+            None,
+            None,
+            6,
+            -1,
+        ),
     )

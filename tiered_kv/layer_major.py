@@ -48,7 +48,9 @@ class LayerMajorPool:
             inner = (H, T, D)
             self.split_kv = True
         else:
-            raise ValueError(f"a layer-major pool needs {L} per-layer tensors (or {L * kv} per layer and K/V), got {len(tensors)}")
+            raise ValueError(
+                f"a layer-major pool needs {L} per-layer tensors (or {L * kv} per layer and K/V), got {len(tensors)}"
+            )
         first = tensors[0]
         if first.dim() != 1 + len(inner) or tuple(first.shape[1:]) != inner:
             raise ValueError(f"layer-major tensors must be [num_blocks, {', '.join(map(str, inner))}], got {list(first.shape)}")
@@ -100,8 +102,13 @@ class LayerMajorPool:
         if lo < 0:
             raise ValueError(f"{what} contain a negative block index ({lo})")
         if hi >= self.num_blocks:
-            raise ValueError(f"{what} contain block index {hi}, out of range for the {self.name} pool of {self.num_blocks} blocks")
+            raise ValueError(
+                f"{what} contain block index {hi}, out of range for the {self.name} pool of {self.num_blocks} blocks"
+            )
 
     def __repr__(self) -> str:
         kind = "layer+kv" if self.split_kv else "layer"
-        return f"<LayerMajorPool {self.name} blocks={self.num_blocks} tensors={len(self.tensors)} ({kind}-major) device={self.device}>"
+        return (
+            f"<LayerMajorPool {self.name} blocks={self.num_blocks} tensors={len(self.tensors)} ({kind}-major)"
+            f" device={self.device}>"
+        )

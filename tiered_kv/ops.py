@@ -108,11 +108,16 @@ def _block_geometry(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], nu
 
 
 def _copy_blocks_ref(
-    dst: list[torch.Tensor], src: list[torch.Tensor], src_blocks: torch.Tensor, dst_blocks: torch.Tensor, num_tokens: int, method: int
+    dst: list[torch.Tensor],
+    src: list[torch.Tensor],
+    src_blocks: torch.Tensor,
+    dst_blocks: torch.Tensor,
+    num_tokens: int,
+    method: int,
 ) -> None:
     if src_blocks.numel() == 0:
         return
-    groups, rows, row, width = _block_geometry(dst, src, num_tokens)
+    groups, rows, _row, width = _block_geometry(dst, src, num_tokens)
     s = src_blocks.to(torch.int64)
     d = dst_blocks.to(torch.int64)
     # One vectorized gather/scatter per group: a group is (a layer, or a layer and K/V), never a chunk.
@@ -176,7 +181,8 @@ def _check_host_readable(t: torch.Tensor, device: torch.device, what: str) -> No
         if t.device != device:
             raise ValueError(f"{what} is on {t.device}, but the operation runs on {device}")
     elif t.device.type != "cpu" or (t.numel() and not t.is_pinned()):
-        raise ValueError(f"{what} must be on {device} or in pinned host memory, got {'pageable host memory' if t.device.type == 'cpu' else t.device}")
+        where = "pageable host memory" if t.device.type == "cpu" else str(t.device)
+        raise ValueError(f"{what} must be on {device} or in pinned host memory, got {where}")
 
 
 def _run_device(tensors: Sequence[torch.Tensor]) -> torch.device:
@@ -234,7 +240,9 @@ def gather_block_offsets(
         if t.dtype != torch.int32:
             raise TypeError(f"gather_block_offsets: {name} must be int32, got {t.dtype}")
         if t.dim() != 4:
-            raise ValueError(f"gather_block_offsets: {name} must be [pools, seqs/rows, kv, max_blocks], got shape {list(t.shape)}")
+            raise ValueError(
+                f"gather_block_offsets: {name} must be [pools, seqs/rows, kv, max_blocks], got shape {list(t.shape)}"
+            )
     if idx.dtype not in _INDEX_DTYPES or idx.dim() != 1:
         raise TypeError(f"gather_block_offsets: idx must be a 1-D int32/int64 tensor, got {idx.dtype} of shape {list(idx.shape)}")
     pools, seqs, kv, dst_cols = dst.shape
@@ -259,7 +267,9 @@ def gather_block_offsets(
     if idx.device.type == "cpu" and idx.numel():
         lo, hi = int(idx.min()), int(idx.max())
         if lo < 0 or hi >= src.shape[1]:
-            raise ValueError(f"gather_block_offsets: idx holds {lo if lo < 0 else hi}, out of range for {src.shape[1]} source rows")
+            raise ValueError(
+                f"gather_block_offsets: idx holds {lo if lo < 0 else hi}, out of range for {src.shape[1]} source rows"
+            )
     torch.ops.tiered_kv.gather_block_offsets(dst, src, idx, scale, v_offset, cols, sentinel)
     return dst
 
@@ -272,7 +282,9 @@ def _side_shape(tensors: Sequence[torch.Tensor], what: str) -> tuple[int, tuple[
     if first.dtype not in _COPY_DTYPES:
         raise TypeError(f"copy_blocks: {what} dtype {first.dtype} is not supported")
     if first.dim() not in (4, 5, 6):
-        raise ValueError(f"copy_blocks: {what} tensors must be [N, layers, kv, heads, tokens, head_dim], [N, kv, heads, tokens, head_dim] or [N, heads, tokens, head_dim], got {list(first.shape)}")
+        raise ValueError(
+            f"copy_blocks: {what} tensors must be [N, L, kv, H, T, D], [N, kv, H, T, D] or [N, H, T, D], got {list(first.shape)}"
+        )
     for t in tensors:
         if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device or t.stride() != first.stride():
             raise ValueError(f"copy_blocks: every {what} tensor must share shape, strides, dtype and device")
@@ -333,8 +345,8 @@ def copy_blocks(
         Host tensors must be pinned on CUDA; the kernel reads and writes them through unified addressing at
         execution time. A partial copy by ``METHOD_DMA`` is one ``cudaMemcpy2DAsync`` per (block, group).
     """
-    ns, s_logical, s_dtype, s_dev = _side_shape(src, "src")
-    nd, d_logical, d_dtype, d_dev = _side_shape(dst, "dst")
+    ns, s_logical, s_dtype, _s_dev = _side_shape(src, "src")
+    nd, d_logical, d_dtype, _d_dev = _side_shape(dst, "dst")
     if s_dtype != d_dtype:
         raise TypeError(f"copy_blocks: src dtype {s_dtype} and dst dtype {d_dtype} differ")
     if _logical_elems(s_logical) != _logical_elems(d_logical) or s_logical[-2:] != d_logical[-2:]:
@@ -364,7 +376,9 @@ def copy_blocks(
     torch.ops.tiered_kv.copy_blocks(list(dst), list(src), src_blocks, dst_blocks, n, _check_method(method))
 
 
-def copy_chunks(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], chunks: torch.Tensor, *, method: int = METHOD_KERNEL) -> None:
+def copy_chunks(
+    dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], chunks: torch.Tensor, *, method: int = METHOD_KERNEL
+) -> None:
     """Copy many byte ranges in one call: row ``(si, so, di, do, nbytes)`` copies ``src[si]`` bytes
     ``[so, so + nbytes)`` to ``dst[di]`` bytes ``[do, do + nbytes)``.
 
