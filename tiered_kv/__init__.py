@@ -5,6 +5,7 @@ from .device import Device, resolve_device
 from .engine import EngineStatistics, Transfer, TransferEngine, TransferResult
 from .errors import BackendUnavailable, EngineClosedError, IntegrityError, TieredKVError, TransferError
 from .fences import FenceStatistics, FenceTable
+from .layer_major import LayerMajorPool
 from .layout import FORMAT_VERSION, KVLayout
 from .pools import BlockPool, Tier
 
@@ -20,6 +21,7 @@ __all__ = [
     "FenceTable",
     "IntegrityError",
     "KVLayout",
+    "LayerMajorPool",
     "Tier",
     "TieredKVError",
     "Transfer",

@@ -40,7 +40,7 @@ from .device import Device
 from .layer_major import LayerMajorPool
 from .pools import BlockPool, merge_runs
 
-__all__ = ["Copier", "CopierStatistics", "CopyPlan", "pool_tensors"]
+__all__ = ["Copier", "CopierStatistics", "CopyPlan", "choose_path", "pool_tensors"]
 
 log = logging.getLogger(__name__)
 
@@ -111,15 +111,7 @@ class Copier:
         if rows == 1 and groups == 1 and dense and runs:
             piece *= max(1, s.size // runs)  # a run of whole blocks is one contiguous piece
         on_cuda = any(t.is_cuda for t in (src_t[0], dst_t[0]))
-        if not on_cuda:
-            path = "reference"
-        elif not self.kernels:
-            path = "torch"
-        elif self.config.copy_path != "auto":
-            path = self.config.copy_path
-        else:
-            path = "dma" if piece >= self.config.dma_min_chunk_bytes else "kernel"
-        return CopyPlan(path, piece, groups, runs)
+        return CopyPlan(choose_path(piece, self.config, on_cuda=on_cuda, kernels=self.kernels), piece, groups, runs)
 
     def build(self, src_pool: Pool, s: np.ndarray, dst_pool: Pool, d: np.ndarray, num_tokens: int | None) -> Op:
         """One op copying blocks ``s`` of ``src_pool`` to blocks ``d`` of ``dst_pool`` (validated by the caller).
@@ -153,6 +145,17 @@ class Copier:
     def __repr__(self) -> str:
         kernels = "kernels" if self.kernels else ("no kernels" if self.device.is_cuda else "emulated")
         return f"<Copier {kernels} dma>={self.config.dma_min_chunk_bytes}B path={self.config.copy_path} calls={self._calls}>"
+
+
+def choose_path(piece_bytes: int, config: EngineConfig, *, on_cuda: bool, kernels: bool) -> str:
+    """The path for a copy whose contiguous pieces are ``piece_bytes`` (see the module docstring)."""
+    if not on_cuda:
+        return "reference"
+    if not kernels:
+        return "torch"
+    if config.copy_path != "auto":
+        return config.copy_path
+    return "dma" if piece_bytes >= config.dma_min_chunk_bytes else "kernel"
 
 
 def _torch_op(src_t: list[torch.Tensor], s: np.ndarray, dst_t: list[torch.Tensor], d: np.ndarray, n: int) -> Op:

@@ -423,7 +423,7 @@ class TransferEngine:
         reads = [(src_pool.name, s.tolist())]
         writes = [(dst_pool.name, d.tolist())]
         deps = self._fences.dependencies(reads, writes)
-        op = self.copier.build(src_pool, s, dst_pool, d, n)
+        op = self._block_copy_op(src_pool, s, dst_pool, d, n)
         stream_deps: list[Marker] = []
         loop_deps: list[Marker] = []
         for dep in deps:
@@ -520,6 +520,11 @@ class TransferEngine:
             self._bytes[direction] = self._bytes.get(direction, 0) + nbytes
             self._blocks[direction] = self._blocks.get(direction, 0) + nblocks
         marker.complete()
+
+    def _block_copy_op(self, src_pool: BlockPool | LayerMajorPool, s: np.ndarray, dst_pool: BlockPool | LayerMajorPool,
+                       d: np.ndarray, n: int | None) -> Op:
+        """The op of one copy call: DMA or the copy kernel, chosen per call by :mod:`tiered_kv.copyops`."""
+        return self.copier.build(src_pool, s, dst_pool, d, n)
 
     # ------------------------------------------------------------------------------------ compute sync
 
