@@ -121,8 +121,15 @@ def _nvcc_version(root: str | None) -> str | None:
 
 
 def _kernels_dir() -> Path:
+    """The sources: ``TIERED_KV_KERNELS_DIR``, else the checkout's ``kernels/``, else the installed copy."""
     env = os.environ.get("TIERED_KV_KERNELS_DIR")
-    return Path(env) if env else Path(__file__).resolve().parent.parent / "kernels"
+    if env:
+        return Path(env)
+    here = Path(__file__).resolve().parent
+    checkout = here.parent / "kernels"
+    if any(checkout.glob("*.cu")):
+        return checkout
+    return here / "_kernels"  # pyproject maps kernels/ to the tiered_kv._kernels package data
 
 
 def _sources() -> list[Path]:
