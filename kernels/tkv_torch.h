@@ -17,14 +17,14 @@ inline void* device_view(const at::Tensor& t, const char* what) {
   void* p = t.data_ptr();
   if (t.is_cuda() || p == nullptr) return p;
   TORCH_CHECK(t.device().is_cpu(), what, " must be on a CUDA device or in pinned host memory");
-  void* dev = nullptr;
-  cudaError_t err = cudaHostGetDevicePointer(&dev, p, 0);
-  if (err != cudaSuccess) {
-    cudaGetLastError();  // clear the sticky-free error so later launches do not report it
-    TORCH_CHECK(false, what, " is in pageable host memory; a kernel can only reach pinned host memory (",
-                cudaGetErrorString(err), ")");
-  }
-  return dev;
+  // cudaPointerGetAttributes resolves any address inside a pinned allocation (a view's offset included);
+  // pageable memory reports cudaMemoryTypeUnregistered and has no device address.
+  cudaPointerAttributes attr{};
+  const cudaError_t err = cudaPointerGetAttributes(&attr, p);
+  if (err != cudaSuccess) cudaGetLastError();  // clear it so later launches do not report it
+  TORCH_CHECK(err == cudaSuccess && attr.type == cudaMemoryTypeHost && attr.devicePointer != nullptr, what,
+              " is in pageable host memory; a kernel can only reach pinned host memory");
+  return attr.devicePointer;
 }
 
 // Ship `values` to `device` through a fresh pinned buffer. The caching host allocator records the copy's

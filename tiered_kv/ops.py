@@ -70,7 +70,7 @@ def _gather_block_offsets_ref(
 ) -> None:
     if idx.numel() == 0 or max_blocks == 0:
         return
-    rows = src.index_select(1, idx.to(torch.int64))[..., :max_blocks]  # [pools, seqs, kv, max_blocks]
+    rows = src.index_select(1, idx.to(device=src.device, dtype=torch.int64))[..., :max_blocks]  # [pools, seqs, kv, max_blocks]
     out = rows.clone()
     if scale is not None:
         out *= scale.to(out).view(-1, 1, 1, 1)
@@ -193,6 +193,19 @@ def _run_device(tensors: Sequence[torch.Tensor]) -> torch.device:
     return torch.device("cpu")
 
 
+def _use_reference(device: torch.device) -> bool:
+    """CUDA tensors but no compiled kernels (no toolkit, build failed): run the reference on them instead.
+
+    The reference is plain torch, so it works on CUDA tensors too; it is slower and synchronizes where it
+    crosses devices (which also makes it read host inputs at call time, never later).
+    """
+    if device.type != "cuda":
+        return False
+    from . import _ext  # lazy: _ext imports this module
+
+    return not _ext.load()
+
+
 def _check_method(method: int) -> int:
     if method not in (METHOD_KERNEL, METHOD_DMA):
         raise ValueError(f"method must be METHOD_KERNEL (0) or METHOD_DMA (1), got {method!r}")
@@ -270,7 +283,10 @@ def gather_block_offsets(
             raise ValueError(
                 f"gather_block_offsets: idx holds {lo if lo < 0 else hi}, out of range for {src.shape[1]} source rows"
             )
-    torch.ops.tiered_kv.gather_block_offsets(dst, src, idx, scale, v_offset, cols, sentinel)
+    if _use_reference(device):
+        _gather_block_offsets_ref(dst, src, idx, scale, v_offset, cols, sentinel)
+    else:
+        torch.ops.tiered_kv.gather_block_offsets(dst, src, idx, scale, v_offset, cols, sentinel)
     return dst
 
 
@@ -371,9 +387,14 @@ def copy_blocks(
             lo, hi = int(b.min()), int(b.max())
             if lo < 0 or hi >= limit:
                 raise ValueError(f"copy_blocks: {name} holds {lo if lo < 0 else hi}, out of range for a pool of {limit} blocks")
+    _check_method(method)
     if device.type == "cuda" and method == METHOD_DMA and src_blocks.device.type != "cpu":
         raise ValueError("copy_blocks: METHOD_DMA needs the block indices on the CPU (the copy calls are issued by the host)")
-    torch.ops.tiered_kv.copy_blocks(list(dst), list(src), src_blocks, dst_blocks, n, _check_method(method))
+    _check_method(method)
+    if _use_reference(device):
+        _copy_blocks_ref(list(dst), list(src), src_blocks, dst_blocks, n, method)
+    else:
+        torch.ops.tiered_kv.copy_blocks(list(dst), list(src), src_blocks, dst_blocks, n, method)
 
 
 def copy_chunks(
@@ -415,4 +436,8 @@ def copy_chunks(
         dst_sizes = torch.tensor([t.numel() * t.element_size() for t in dst], dtype=torch.int64)
         if bool(((so + nb) > src_sizes[si]).any()) or bool(((do + nb) > dst_sizes[di]).any()):
             raise ValueError("copy_chunks: a chunk reaches past the end of its tensor")
-    torch.ops.tiered_kv.copy_chunks(list(dst), list(src), chunks, _check_method(method))
+    _check_method(method)
+    if _use_reference(device):
+        _copy_chunks_ref(list(dst), list(src), chunks, method)
+    else:
+        torch.ops.tiered_kv.copy_chunks(list(dst), list(src), chunks, method)
