@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from tiered_kv import EngineConfig, KVLayout, LayerMajorPool, Tier, TransferEngine
+from tiered_kv import EngineConfig, KVLayout, LayerMajorPool, Tier, TransferEngine, _ext
 from tiered_kv.copyops import Copier, choose_path
 from tiered_kv.device import resolve_device
 from tiered_kv.testing import assert_blocks_equal, fill_random
@@ -31,11 +31,19 @@ def _sync(device: str) -> None:
 
 
 def _poison_pool(pool: LayerMajorPool) -> None:
-    for t in pool.tensors:  # strided views get their random bits through a dense buffer
-        t.copy_(fill_random(torch.empty(t.shape, dtype=t.dtype, device=t.device)))
+    for t in pool.tensors:
+        fill_random(t)
 
 
 KINDS = ["layer", "split", "padded"]
+
+
+def test_fill_random_fills_strided_views() -> None:
+    # regression: fill_random used .view(-1), which fails on a strided view (it now fills through a dense buffer)
+    raw = torch.zeros(4, 10, dtype=torch.float16)
+    view = raw[:, :8]
+    fill_random(view)
+    assert (raw[:, :8].view(torch.int16) != 0).any() and not raw[:, 8:].any()
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -186,12 +194,12 @@ async def test_cuda_engine_uses_kernel_for_small_chunks_and_dma_for_blocks() -> 
     pool = LayerMajorPool.allocate(layout, 8, "cuda", split_kv=True)
     _poison_pool(pool)
     async with TransferEngine(layout, gpu_pool=pool, host_blocks=8, device="cuda") as engine:
-        assert engine.copier.kernels, "the CUDA extension must build on the GPU machine"
+        assert engine.copier.kernels, f"the CUDA extension must build on the GPU machine: {_ext.status()['error']}"
         await engine.copy(Tier.GPU, [0, 1, 2], Tier.HOST, [0, 1, 2])
         await engine.copy(Tier.HOST, [0, 1, 2], Tier.HOST, [3, 4, 5])
         assert engine.copier.statistics().calls == {"kernel": 1, "reference": 1}
-    async with TransferEngine(layout, gpu_blocks=64, host_blocks=64, device="cuda") as engine:  # 512 KiB blocks
+    async with TransferEngine(layout, gpu_blocks=64, host_blocks=64, device="cuda") as engine:  # 128 KiB blocks
         fill_random(engine.pool(Tier.GPU).tensor)
-        await engine.copy(Tier.GPU, list(range(64)), Tier.HOST, list(range(64)))  # one 32 MiB run
+        await engine.copy(Tier.GPU, list(range(64)), Tier.HOST, list(range(64)))  # one 8 MiB run
         assert engine.copier.statistics().calls == {"dma": 1}
         assert_blocks_equal(engine.pool(Tier.HOST).tensor, engine.pool(Tier.GPU).tensor)

@@ -25,7 +25,7 @@ METHODS = [ops.METHOD_KERNEL, ops.METHOD_DMA]
 
 def _alloc(shape: tuple[int, ...], dtype: torch.dtype, where: str) -> torch.Tensor:
     if where == "cuda":
-        assert _ext.load(), "the CUDA extension must build on a CUDA machine"
+        assert _ext.load(), f"the CUDA extension must build on a CUDA machine: {_ext.status()['error']}"
         return torch.empty(shape, dtype=dtype, device="cuda")
     return torch.empty(shape, dtype=dtype, pin_memory=where == "pinned")
 
@@ -228,7 +228,7 @@ def test_copy_blocks_bad_arguments_raise_before_writing() -> None:
 
 @pytest.mark.gpu
 def test_copy_blocks_rejects_pageable_host_on_cuda() -> None:
-    assert _ext.load()
+    assert _ext.load(), _ext.status()["error"]
     src, _ = _make_side("layer", 3, torch.float16, "cuda")
     dst, _ = _make_side("block", 3, torch.float16, "cpu")  # pageable
     with pytest.raises(ValueError, match="pinned"):
@@ -237,7 +237,7 @@ def test_copy_blocks_rejects_pageable_host_on_cuda() -> None:
 
 @pytest.mark.gpu
 def test_copy_blocks_device_indices_kernel() -> None:
-    assert _ext.load()
+    assert _ext.load(), _ext.status()["error"]
     src, src_log = _make_side("layerkv", 4, torch.bfloat16, "cuda")
     dst, dst_log = _make_side("block", 4, torch.bfloat16, "pinned")
     ops.copy_blocks(dst, src, torch.tensor([3, 1], device="cuda"), torch.tensor([0, 2], device="cuda", dtype=torch.int32))
@@ -322,7 +322,7 @@ def test_opcheck_cpu() -> None:
 
 @pytest.mark.gpu
 def test_opcheck_cuda() -> None:
-    assert _ext.load()
+    assert _ext.load(), _ext.status()["error"]
     src, _ = _make_side("layer", 3, torch.float16, "cuda")
     dst, _ = _make_side("block", 3, torch.float16, "cuda")
     torch.library.opcheck(torch.ops.tiered_kv.copy_blocks.default, (dst, src, torch.tensor([0, 2]), torch.tensor([1, 0]), 3, 0))

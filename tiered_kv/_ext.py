@@ -28,9 +28,12 @@ Notes:
 
 from __future__ import annotations
 
+import argparse
+import concurrent.futures
 import contextlib
 import fcntl
 import hashlib
+import json
 import logging
 import os
 import re
@@ -220,7 +223,7 @@ def _build_direct(name: str, sources: list[Path], build_dir: Path, root: str, ar
     torch_inc = cpp_extension.include_paths("cuda")
     py_inc = sysconfig.get_paths()["include"]
     defines = [f"-DTORCH_EXTENSION_NAME={name}", "-DTORCH_API_INCLUDE_EXTENSION_H", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
-    objects = []
+    commands = []
     for src in sources:
         obj = build_dir / (src.name + ".o")
         if src.suffix == ".cu":
@@ -252,8 +255,12 @@ def _build_direct(name: str, sources: list[Path], build_dir: Path, root: str, ar
                 *(f"-I{p}" for p in [*torch_inc, py_inc]),
                 f"-I{Path(root) / 'include'}",
             ]
-        _run(cmd, verbose)
-        objects.append(str(obj))
+        commands.append(cmd)
+    # one compiler per source at once (what ninja would do); the first failure is raised
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(len(commands), os.cpu_count() or 1))) as pool:
+        for future in [pool.submit(_run, cmd, verbose) for cmd in commands]:
+            future.result()
+    objects = [cmd[cmd.index("-o") + 1] for cmd in commands]
     out = build_dir / f"{name}.so"
     libs = [f"-L{p}" for p in cpp_extension.library_paths("cuda")] + [f"-L{Path(root) / 'lib64'}"]
     _run(
@@ -416,3 +423,23 @@ def status() -> dict[str, Any]:
 
 
 _ = _ops  # imported for its side effect (op definitions)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tiered_kv._ext status|build``: print what was found, or build ahead of time."""
+    parser = argparse.ArgumentParser(prog="python -m tiered_kv._ext", description="tiered_kv CUDA extension")
+    parser.add_argument("command", choices=["status", "build"], nargs="?", default="status")
+    parser.add_argument("-v", "--verbose", action="store_true", help="print the compiler commands")
+    args = parser.parse_args(argv)
+    if args.command == "build":
+        try:
+            print(f"built and loaded: {build(verbose=args.verbose)}")
+        except ExtensionBuildError as exc:
+            print(f"build failed: {exc}")
+            return 1
+    print(json.dumps(status(), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

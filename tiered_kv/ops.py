@@ -25,6 +25,7 @@ Notes:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -97,7 +98,7 @@ def _block_geometry(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], nu
     """``(groups, rows per group, row elements, elements to copy per row)`` shared by both sides."""
     t = src[0]
     tokens, head_dim = t.shape[-2], t.shape[-1]
-    per_block = t[0].numel()  # elements of one block in one tensor
+    per_block = math.prod(t.shape[1:])  # elements of one block in one tensor
     total = per_block * len(src)
     groups = max(len(src), len(dst))
     group_elems = total // groups
