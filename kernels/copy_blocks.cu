@@ -99,6 +99,7 @@ unsigned grid_for(int64_t items) {
 
 }  // namespace
 
+#ifndef TKV_HOST_EMULATION  // tests/kernel_emulation.cpp runs the kernels above on the CPU, lane by lane
 cudaError_t launch_copy_blocks(const BlockCopyGeometry& g, const int64_t* bases, const int64_t* src_blocks,
                                const int64_t* dst_blocks, cudaStream_t stream) {
   if (g.num_pairs == 0 || g.width == 0) return cudaSuccess;
@@ -113,5 +114,7 @@ cudaError_t launch_copy_segments(const int64_t* segments, int64_t count, cudaStr
   copy_segments_kernel<<<grid_for(count), kThreads, 0, stream>>>(segments, count);
   return cudaGetLastError();
 }
+
+#endif  // TKV_HOST_EMULATION
 
 }  // namespace tiered_kv

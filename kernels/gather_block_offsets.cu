@@ -32,6 +32,7 @@ __global__ void gather_block_offsets_kernel(int32_t* __restrict__ dst, const int
 
 }  // namespace
 
+#ifndef TKV_HOST_EMULATION  // tests/kernel_emulation.cpp runs the kernels above on the CPU, lane by lane
 cudaError_t launch_gather_block_offsets(int32_t* dst, const int32_t* src, const void* idx, bool idx_is_64,
                                         const int32_t* scale, const int32_t* v_offset, int64_t pools, int64_t seqs,
                                         int64_t kv, int64_t dst_cols, int64_t src_rows, int64_t src_cols,
@@ -51,5 +52,7 @@ cudaError_t launch_gather_block_offsets(int32_t* dst, const int32_t* src, const 
   }
   return cudaGetLastError();
 }
+
+#endif  // TKV_HOST_EMULATION
 
 }  // namespace tiered_kv
