@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import threading
 from collections.abc import Callable
 
@@ -71,6 +72,19 @@ class CopyPlan:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class _PairInfo:
+    src_pool: Pool  # kept so that a recycled id() is detected
+    dst_pool: Pool
+    src_t: list[torch.Tensor]
+    dst_t: list[torch.Tensor]
+    groups: int
+    rows: int
+    width_bytes: int
+    dense: bool
+    on_cuda: bool
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class CopierStatistics:
     """Calls and bytes per path since the copier was made (``path -> count``)."""
 
@@ -97,21 +111,34 @@ class Copier:
         self._lock = threading.Lock()
         self._calls: dict[str, int] = {}
         self._bytes: dict[str, int] = {}
+        self._pairs: dict[tuple[int, int, int], _PairInfo] = {}  # (id(src pool), id(dst pool), n) -> geometry
+
+    def _pair(self, src_pool: Pool, dst_pool: Pool, n: int) -> _PairInfo:
+        """What does not change between calls for one (source pool, destination pool, num_tokens)."""
+        key = (id(src_pool), id(dst_pool), n)
+        info = self._pairs.get(key)
+        if info is None or info.src_pool is not src_pool or info.dst_pool is not dst_pool:
+            src_t, dst_t = pool_tensors(src_pool), pool_tensors(dst_pool)
+            groups, rows, _row, width = ops._block_geometry(dst_t, src_t, n)
+            dense = all(t.stride(0) == math.prod(t.shape[1:]) for t in (src_t[0], dst_t[0]))
+            on_cuda = src_t[0].is_cuda or dst_t[0].is_cuda
+            info = _PairInfo(src_pool, dst_pool, src_t, dst_t, groups, rows, width * src_pool.layout.itemsize, dense, on_cuda)
+            self._pairs[key] = info
+        return info
 
     def plan(self, src_pool: Pool, s: np.ndarray, dst_pool: Pool, d: np.ndarray, num_tokens: int | None) -> CopyPlan:
         """The path :meth:`build` takes for these arguments."""
-        src_t, dst_t = pool_tensors(src_pool), pool_tensors(dst_pool)
-        tokens = src_pool.layout.tokens_per_block
-        n = tokens if num_tokens is None else num_tokens
-        groups, rows, _row, width = ops._block_geometry(dst_t, src_t, n)
-        itemsize = src_pool.layout.itemsize
-        runs = 0 if s.size == 0 else int(np.count_nonzero((np.diff(s) != 1) | (np.diff(d) != 1))) + 1
-        piece = width * itemsize
-        dense = all(t.stride(0) == t[0].numel() for t in (src_t[0], dst_t[0])) if s.size else False
-        if rows == 1 and groups == 1 and dense and runs:
+        return self._plan(
+            self._pair(src_pool, dst_pool, src_pool.layout.tokens_per_block if num_tokens is None else num_tokens), s, d
+        )
+
+    def _plan(self, info: _PairInfo, s: np.ndarray, d: np.ndarray) -> CopyPlan:
+        runs = int(s.size) if s.size <= 1 else int(np.count_nonzero((np.diff(s) != 1) | (np.diff(d) != 1))) + 1
+        piece = info.width_bytes
+        if info.rows == 1 and info.groups == 1 and info.dense and runs:
             piece *= max(1, s.size // runs)  # a run of whole blocks is one contiguous piece
-        on_cuda = any(t.is_cuda for t in (src_t[0], dst_t[0]))
-        return CopyPlan(choose_path(piece, self.config, on_cuda=on_cuda, kernels=self.kernels), piece, groups, runs)
+        path = choose_path(piece, self.config, on_cuda=info.on_cuda, kernels=self.kernels)
+        return CopyPlan(path, piece, info.groups, runs)
 
     def build(self, src_pool: Pool, s: np.ndarray, dst_pool: Pool, d: np.ndarray, num_tokens: int | None) -> Op:
         """One op copying blocks ``s`` of ``src_pool`` to blocks ``d`` of ``dst_pool`` (validated by the caller).
@@ -119,15 +146,18 @@ class Copier:
         The op enqueues work on the current CUDA stream (the engine runs it under its copy stream), or runs
         the CPU reference when it is called (emulated device, host threads). Never a per-chunk Python loop.
         """
-        plan = self.plan(src_pool, s, dst_pool, d, num_tokens)
         layout = src_pool.layout
+        n = layout.tokens_per_block if num_tokens is None else num_tokens
+        info = self._pair(src_pool, dst_pool, n)
+        plan = self._plan(info, s, d)
         nbytes = int(s.size) * (layout.bytes_per_block if num_tokens is None else layout.partial_bytes(num_tokens))
         with self._lock:
             self._calls[plan.path] = self._calls.get(plan.path, 0) + 1
             self._bytes[plan.path] = self._bytes.get(plan.path, 0) + nbytes
-        src_t, dst_t = pool_tensors(src_pool), pool_tensors(dst_pool)
-        n = layout.tokens_per_block if num_tokens is None else num_tokens
-        s_t, d_t = torch.from_numpy(s), torch.from_numpy(d)
+        src_t, dst_t = info.src_t, info.dst_t
+        # from_numpy shares memory and warns on read-only arrays; the engine never changes them afterwards
+        s_t = torch.from_numpy(s if s.flags.writeable else s.copy())
+        d_t = torch.from_numpy(d if d.flags.writeable else d.copy())
         if plan.path in ("kernel", "dma", "reference"):
             method = ops.METHOD_DMA if plan.path == "dma" else ops.METHOD_KERNEL
             op = torch.ops.tiered_kv.copy_blocks
