@@ -203,3 +203,46 @@ async def test_cuda_engine_uses_kernel_for_small_chunks_and_dma_for_blocks() -> 
         await engine.copy(Tier.GPU, list(range(64)), Tier.HOST, list(range(64)))  # one 8 MiB run
         assert engine.copier.statistics().calls == {"dma": 1}
         assert_blocks_equal(engine.pool(Tier.HOST).tensor, engine.pool(Tier.GPU).tensor)
+
+
+@pytest.mark.parametrize("num_tokens", [None, 3])
+def test_torch_fallback_op_matches_reference_on_cpu(layout, num_tokens) -> None:
+    from tiered_kv.copyops import _torch_op
+    from tiered_kv.pools import BlockPool
+
+    gpu = LayerMajorPool.allocate(layout, 4, "cpu", split_kv=True)
+    _poison_pool(gpu)
+    host = BlockPool(Tier.HOST, layout, fill_random(torch.empty(4, *layout.block_shape, dtype=layout.dtype)))
+    want = host.tensor.clone()
+    s, d = np.array([3, 0, 1]), np.array([0, 1, 3])
+    n = layout.tokens_per_block if num_tokens is None else num_tokens
+    for a, b in zip(s, d, strict=True):
+        want[b, ..., :n, :] = gpu.block(int(a))[..., :n, :]
+    _torch_op(gpu.tensors, s, [host.tensor], d, n)()
+    assert_blocks_equal(host.tensor, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [None, 3])
+async def test_cuda_torch_fallback_path_round_trip(layout, num_tokens) -> None:
+    """The path taken when the extension cannot be built: copy_ per run and group, GPU scratch for host sides."""
+    pool = _pool(layout, 4, "cuda", "split")
+    _poison_pool(pool)
+    async with TransferEngine(layout, gpu_pool=pool, host_blocks=4, device="cuda") as engine:
+        engine.copier.kernels = False
+        fill_random(engine.pool(Tier.HOST).tensor)
+        torch.cuda.synchronize()
+        gpu_before = [pool.block(i).cpu() for i in range(4)]
+        host_before = engine.pool(Tier.HOST).tensor.cpu().clone()
+        n = layout.tokens_per_block if num_tokens is None else num_tokens
+        await engine.copy(Tier.GPU, [1, 2], Tier.HOST, [0, 3], num_tokens=num_tokens)
+        for g, h in ((1, 0), (2, 3)):
+            want = host_before[h].clone()
+            want[..., :n, :] = gpu_before[g][..., :n, :]
+            assert_blocks_equal(engine.block(Tier.HOST, h), want)
+        await engine.copy(Tier.HOST, [1], Tier.GPU, [0], num_tokens=num_tokens)
+        torch.cuda.synchronize()
+        want = gpu_before[0].clone()
+        want[..., :n, :] = host_before[1][..., :n, :]
+        assert_blocks_equal(pool.block(0), want)
+        assert set(engine.copier.statistics().calls) == {"torch"}
