@@ -35,7 +35,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from . import _ext, ops
+from . import ops
 from .config import EngineConfig
 from .device import Device
 from .layer_major import LayerMajorPool
@@ -107,7 +107,11 @@ class Copier:
     def __init__(self, device: Device, config: EngineConfig) -> None:
         self.device = device
         self.config = config
-        self.kernels = _ext.load() if device.is_cuda else False
+        self.kernels = False
+        if device.is_cuda:
+            from . import _ext  # lazy: keeps `python -m tiered_kv._ext` from importing itself twice
+
+            self.kernels = _ext.load()
         self._lock = threading.Lock()
         self._calls: dict[str, int] = {}
         self._bytes: dict[str, int] = {}
