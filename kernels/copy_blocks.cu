@@ -51,30 +51,34 @@ __device__ __forceinline__ void warp_copy(char* dst, const char* src, int64_t le
   }
 }
 
+// Index is the type of the work-item arithmetic: uint32_t whenever the item count fits (64-bit division is
+// emulated on the GPU and costs more than copying a short row), int64_t otherwise. Addresses are 64-bit.
+template <typename Index>
 __global__ void copy_blocks_kernel(BlockCopyGeometry g, const int64_t* __restrict__ bases,
                                    const int64_t* __restrict__ src_blocks, const int64_t* __restrict__ dst_blocks,
-                                   int64_t pieces_per_row, int64_t total) {
+                                   int64_t pieces_per_row, int64_t total_items) {
   const int lane = threadIdx.x & 31;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
-  const int64_t src_per = g.groups / g.src_tensors, dst_per = g.groups / g.dst_tensors;
-  for (int64_t item = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5); item < total;
-       item += warps) {
+  const Index warps = static_cast<Index>(gridDim.x) * kWarpsPerBlock;
+  const Index total = static_cast<Index>(total_items), pieces = static_cast<Index>(pieces_per_row);
+  const Index rows = static_cast<Index>(g.rows), groups = static_cast<Index>(g.groups);
+  const Index src_per = static_cast<Index>(g.groups / g.src_tensors), dst_per = static_cast<Index>(g.groups / g.dst_tensors);
+  for (Index item = static_cast<Index>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5); item < total; item += warps) {
     // item -> (pair, group, row, piece); pair is the slowest so one warp's neighbours touch one block
-    int64_t rest = item;
-    const int64_t piece = rest % pieces_per_row;
-    rest /= pieces_per_row;
-    const int64_t row = rest % g.rows;
-    rest /= g.rows;
-    const int64_t group = rest % g.groups;
-    const int64_t pair = rest / g.groups;
-    const int64_t off = piece * kSegmentBytes;
+    Index rest = item;
+    const Index piece = rest % pieces;
+    rest /= pieces;
+    const Index row = rest % rows;
+    rest /= rows;
+    const Index group = rest % groups;
+    const Index pair = rest / groups;
+    const int64_t off = static_cast<int64_t>(piece) * kSegmentBytes;
     int64_t len = g.width - off;
     if (len > kSegmentBytes) len = kSegmentBytes;
-    const int64_t within = row * g.row_pitch + off;
+    const int64_t within = static_cast<int64_t>(row) * g.row_pitch + off;
     const char* s = reinterpret_cast<const char*>(bases[group / src_per]) + src_blocks[pair] * g.src_block_stride +
-                    (group % src_per) * g.group_bytes + within;
+                    static_cast<int64_t>(group % src_per) * g.group_bytes + within;
     char* d = reinterpret_cast<char*>(bases[g.src_tensors + group / dst_per]) + dst_blocks[pair] * g.dst_block_stride +
-              (group % dst_per) * g.group_bytes + within;
+              static_cast<int64_t>(group % dst_per) * g.group_bytes + within;
     warp_copy(d, s, len, lane);
   }
 }
@@ -105,7 +109,12 @@ cudaError_t launch_copy_blocks(const BlockCopyGeometry& g, const int64_t* bases,
   if (g.num_pairs == 0 || g.width == 0) return cudaSuccess;
   const int64_t pieces = (g.width + kSegmentBytes - 1) / kSegmentBytes;
   const int64_t total = g.num_pairs * g.groups * g.rows * pieces;
-  copy_blocks_kernel<<<grid_for(total), kThreads, 0, stream>>>(g, bases, src_blocks, dst_blocks, pieces, total);
+  // the 32-bit variant needs every item index (up to total + one grid of warps) to fit
+  if (total + static_cast<int64_t>(grid_for(total)) * kWarpsPerBlock < (int64_t{1} << 32)) {
+    copy_blocks_kernel<uint32_t><<<grid_for(total), kThreads, 0, stream>>>(g, bases, src_blocks, dst_blocks, pieces, total);
+  } else {
+    copy_blocks_kernel<int64_t><<<grid_for(total), kThreads, 0, stream>>>(g, bases, src_blocks, dst_blocks, pieces, total);
+  }
   return cudaGetLastError();
 }
 

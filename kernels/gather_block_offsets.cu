@@ -17,15 +17,18 @@ __global__ void gather_block_offsets_kernel(int32_t* __restrict__ dst, const int
     const int32_t add = v_offset ? v_offset[p] : 0;
     const int32_t* in = src + (p * src_rows + row) * kv * src_cols;
     int32_t* out = dst + (p * seqs + s) * kv * dst_cols;
-    const int64_t n = kv * max_blocks;
-    for (int64_t e = threadIdx.x; e < n; e += blockDim.x) {
-      const int64_t k = e / max_blocks;
-      const int64_t j = e - k * max_blocks;
-      const int32_t v = in[k * src_cols + j];
+    // 32-bit element arithmetic (the launcher checks kv * max_blocks fits): a 64-bit division per element
+    // would cost more than the load
+    const int n = static_cast<int>(kv * max_blocks), cols = static_cast<int>(max_blocks);
+    const int scols = static_cast<int>(src_cols), dcols = static_cast<int>(dst_cols);
+    for (int e = threadIdx.x; e < n; e += blockDim.x) {
+      const int k = e / cols;
+      const int j = e - k * cols;
+      const int32_t v = in[k * scols + j];
       // unsigned arithmetic: wraps like the int32 reference instead of being undefined on overflow
       const uint32_t scaled = static_cast<uint32_t>(v) * static_cast<uint32_t>(mul) +
                               (k == 1 ? static_cast<uint32_t>(add) : 0u);
-      out[k * dst_cols + j] = v == sentinel ? v : static_cast<int32_t>(scaled);
+      out[k * dcols + j] = v == sentinel ? v : static_cast<int32_t>(scaled);
     }
   }
 }
@@ -39,6 +42,9 @@ cudaError_t launch_gather_block_offsets(int32_t* dst, const int32_t* src, const 
                                         int64_t max_blocks, int32_t sentinel, cudaStream_t stream) {
   if (pools == 0 || seqs == 0 || max_blocks == 0 || kv == 0) return cudaSuccess;
   const int64_t per_row = kv * max_blocks;
+  if (per_row >= (int64_t{1} << 31) || kv * src_cols >= (int64_t{1} << 31) || kv * dst_cols >= (int64_t{1} << 31)) {
+    return cudaErrorInvalidValue;
+  }
   const int threads = per_row >= 256 ? 256 : (per_row >= 128 ? 128 : 64);
   const dim3 grid(static_cast<unsigned>(seqs < 65535 ? seqs : 65535), static_cast<unsigned>(pools));
   if (idx_is_64) {

@@ -35,14 +35,19 @@ extern "C" {
 // geometry: num_pairs, groups, rows, row_pitch, width, group_bytes, src_tensors, dst_tensors,
 // src_block_stride, dst_block_stride (the BlockCopyGeometry fields, in order)
 void emu_copy_blocks(const int64_t* geometry, const int64_t* bases, const int64_t* src_blocks, const int64_t* dst_blocks,
-                     int max_grid) {
+                     int max_grid, int index64) {
   tiered_kv::BlockCopyGeometry g{geometry[0], geometry[1], geometry[2], geometry[3], geometry[4],
                                  geometry[5], geometry[6], geometry[7], geometry[8], geometry[9]};
   if (g.num_pairs == 0 || g.width == 0) return;
   const int64_t pieces = (g.width + tiered_kv::kSegmentBytes - 1) / tiered_kv::kSegmentBytes;
   const int64_t total = g.num_pairs * g.groups * g.rows * pieces;
-  run_grid(capped(tiered_kv::grid_for(total), max_grid), tiered_kv::kThreads,
-           [&] { tiered_kv::copy_blocks_kernel(g, bases, src_blocks, dst_blocks, pieces, total); });
+  run_grid(capped(tiered_kv::grid_for(total), max_grid), tiered_kv::kThreads, [&] {
+    if (index64) {
+      tiered_kv::copy_blocks_kernel<int64_t>(g, bases, src_blocks, dst_blocks, pieces, total);
+    } else {
+      tiered_kv::copy_blocks_kernel<uint32_t>(g, bases, src_blocks, dst_blocks, pieces, total);
+    }
+  });
 }
 
 void emu_copy_segments(const int64_t* segments, int64_t count, int max_grid) {

@@ -59,25 +59,26 @@ def _geometry(dst: list[torch.Tensor], src: list[torch.Tensor], n: int, pairs: i
     return [pairs, groups, rows, pitch, width, group_bytes, len(src), len(dst), s0.stride(0) * isz, d0.stride(0) * isz]
 
 
-def _emu_copy_blocks(emu, dst, src, s, d, n, max_grid=0) -> None:
+def _emu_copy_blocks(emu, dst, src, s, d, n, max_grid=0, index64=False) -> None:
     geom = _i64(_geometry(dst, src, n, len(s)))
     bases = _i64([t.data_ptr() for t in src] + [t.data_ptr() for t in dst])
     s_t, d_t = _i64(s), _i64(d)  # named: a temporary would be freed before the call reads it
-    emu.emu_copy_blocks(_ptr(geom), _ptr(bases), _ptr(s_t), _ptr(d_t), ctypes.c_int(max_grid))
+    emu.emu_copy_blocks(_ptr(geom), _ptr(bases), _ptr(s_t), _ptr(d_t), ctypes.c_int(max_grid), ctypes.c_int(index64))
 
 
 @pytest.mark.parametrize("src_kind", KINDS)
 @pytest.mark.parametrize("dst_kind", KINDS)
 @pytest.mark.parametrize("num_tokens", [None, 1, 3])
 @pytest.mark.parametrize("pad", [0, 3])
-def test_copy_blocks_kernel_matches_reference(emu, src_kind, dst_kind, num_tokens, pad) -> None:
+@pytest.mark.parametrize("index64", [False, True])
+def test_copy_blocks_kernel_matches_reference(emu, src_kind, dst_kind, num_tokens, pad, index64) -> None:
     src, _ = _make_side(src_kind, GEOM["n"], torch.float16, "cpu", pad)
     dst, _ = _make_side(dst_kind, GEOM["n"] + 1, torch.float16, "cpu", pad)
     want = [t.clone() for t in dst]
     s, d = [0, 1, 2, 5, 4], [2, 3, 4, 0, 6]
     n = GEOM["T"] if num_tokens is None else num_tokens
     ops.copy_blocks(want, src, _i64(s), _i64(d), num_tokens=num_tokens)
-    _emu_copy_blocks(emu, dst, src, s, d, n, max_grid=2)  # two CTAs: every warp loops over many items
+    _emu_copy_blocks(emu, dst, src, s, d, n, max_grid=2, index64=index64)  # two CTAs: every warp loops over many items
     assert_blocks_equal(_logical(dst_kind, dst), _logical(dst_kind, want), f"{src_kind}->{dst_kind} n={num_tokens} pad={pad}")
 
 
