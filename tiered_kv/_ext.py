@@ -72,7 +72,9 @@ class ExtensionBuildError(RuntimeError):
 
 
 def _valid_root(root: str | os.PathLike[str] | None) -> bool:
-    return bool(root) and (Path(root) / "bin" / "nvcc").exists() and (Path(root) / "include" / "cuda_runtime.h").exists()
+    if not root:
+        return False
+    return (Path(root) / "bin" / "nvcc").exists() and (Path(root) / "include" / "cuda_runtime.h").exists()
 
 
 def find_cuda_home() -> str | None:
@@ -108,7 +110,7 @@ def _prepare_cuda_home() -> str | None:
         os.environ["CUDA_HOME"] = root
     cpp_ext = sys.modules.get("torch.utils.cpp_extension")
     if root is not None and cpp_ext is not None and not _valid_root(getattr(cpp_ext, "CUDA_HOME", None)):
-        cpp_ext.CUDA_HOME = root  # imported before us with the wrong root: fix the module global it uses
+        cpp_ext.CUDA_HOME = root  # type: ignore[attr-defined]  # imported before us with the wrong root: fix the module global it uses
     return root
 
 

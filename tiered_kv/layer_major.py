@@ -78,6 +78,16 @@ class LayerMajorPool:
         return cls(layout, [torch.empty(shape, dtype=layout.dtype, device=device) for _ in range(count)], tier)
 
     @property
+    def tensor(self) -> torch.Tensor:
+        """Not available: a layer-major pool has no single tensor (use :attr:`tensors` or :meth:`layer`).
+
+        Raises:
+            TypeError: always; the property exists so that code written for block-major pools fails with a
+                sentence instead of an AttributeError.
+        """
+        raise TypeError("a layer-major pool has no single tensor; use pool.tensors or pool.layer(i)")
+
+    @property
     def device(self) -> torch.device:
         return self.tensors[0].device
 

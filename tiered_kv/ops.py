@@ -87,7 +87,7 @@ def normalize_groups(tensors: Sequence[torch.Tensor], groups: int, rows: int) ->
     per-block part is contiguous, so it splits into ``groups // len(tensors)`` consecutive groups.
     """
     per = groups // len(tensors)
-    out = []
+    out: list[torch.Tensor] = []
     for t in tensors:
         v = t.view(t.shape[0], per, rows, -1)
         out.extend(v[:, j] for j in range(per))
@@ -264,9 +264,9 @@ def gather_block_offsets(
         raise ValueError(f"gather_block_offsets: src {list(src.shape)} and dst {list(dst.shape)} disagree on pools or kv")
     if idx.shape[0] != seqs:
         raise ValueError(f"gather_block_offsets: idx has {idx.shape[0]} entries but dst has {seqs} sequences")
-    for name, t in (("scale", scale), ("v_offset", v_offset)):
-        if t is not None and (t.dtype != torch.int32 or tuple(t.shape) != (pools,)):
-            raise TypeError(f"gather_block_offsets: {name} must be int32 [{pools}], got {t.dtype} of shape {list(t.shape)}")
+    for name, opt in (("scale", scale), ("v_offset", v_offset)):
+        if opt is not None and (opt.dtype != torch.int32 or tuple(opt.shape) != (pools,)):
+            raise TypeError(f"gather_block_offsets: {name} must be int32 [{pools}], got {opt.dtype} of shape {list(opt.shape)}")
     cols = dst_cols if max_blocks is None else max_blocks
     if isinstance(cols, bool) or not isinstance(cols, int) or not 0 <= cols <= min(dst_cols, src.shape[3]):
         raise ValueError(f"gather_block_offsets: max_blocks must be in 0..{min(dst_cols, src.shape[3])}, got {max_blocks!r}")
@@ -275,9 +275,9 @@ def gather_block_offsets(
     if not dst.is_contiguous() or not src.is_contiguous():
         raise ValueError("gather_block_offsets: src and dst must be contiguous")
     device = dst.device
-    for name, t in (("src", src), ("idx", idx), ("scale", scale), ("v_offset", v_offset)):
-        if t is not None:
-            _check_host_readable(t, device, name)
+    for name, opt in (("src", src), ("idx", idx), ("scale", scale), ("v_offset", v_offset)):
+        if opt is not None:
+            _check_host_readable(opt, device, name)
     if idx.device.type == "cpu" and idx.numel():
         lo, hi = int(idx.min()), int(idx.max())
         if lo < 0 or hi >= src.shape[1]:

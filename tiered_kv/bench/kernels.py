@@ -24,6 +24,7 @@ Run: ``python -m tiered_kv.bench.kernels [--quick] [--device cpu|cuda] [--json F
 from __future__ import annotations
 
 import asyncio
+import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -37,11 +38,17 @@ from ..config import EngineConfig
 from ..engine import TransferEngine
 from ..layer_major import LayerMajorPool
 from ..layout import KVLayout
-from ..pools import Tier
+from ..pools import BlockPool, Tier
 from ..testing import fill_random
 from .common import bench_main, machine_info
 
 __all__ = ["main", "run"]
+
+
+def _block_pool(engine: TransferEngine, tier: Tier) -> BlockPool:
+    pool = engine.pool(tier)
+    assert isinstance(pool, BlockPool)
+    return pool
 
 
 def _sync(cuda: bool) -> None:
@@ -101,7 +108,7 @@ async def _layer_major(device: str, chunk: int, layers: int, blocks: int, repeat
     idx = np.arange(blocks)
     rows = []
     async with TransferEngine(layout, gpu_pool=pool, host_blocks=blocks, device=device) as engine:
-        host = engine.pool(Tier.HOST).tensor
+        host = _block_pool(engine, Tier.HOST).tensor
         nbytes = blocks * layout.bytes_per_block
         off = await _engine_seconds(engine, Tier.GPU, idx, Tier.HOST, idx, repeat)
         on = await _engine_seconds(engine, Tier.HOST, idx, Tier.GPU, idx, repeat)
@@ -200,8 +207,8 @@ async def _partial(device: str, blocks: int, repeat: int) -> list[dict[str, Any]
     idx = np.arange(blocks)
     half = blocks // 2
     async with TransferEngine(layout, gpu_blocks=blocks, host_blocks=half, device=device) as engine:
-        gpu = engine.pool(Tier.GPU).tensor
-        host = engine.pool(Tier.HOST).tensor
+        gpu = _block_pool(engine, Tier.GPU).tensor
+        host = _block_pool(engine, Tier.HOST).tensor
         for frac in (0.25, 0.5, 0.75):
             n = int(layout.tokens_per_block * frac)
             nbytes = half * layout.partial_bytes(n)
@@ -211,8 +218,8 @@ async def _partial(device: str, blocks: int, repeat: int) -> list[dict[str, Any]
             a = gpu.view(-1).view(torch.uint8)[:nbytes]
             b = gpu.view(-1).view(torch.uint8)[nbytes : 2 * nbytes]
             h = host.view(-1).view(torch.uint8)[:nbytes]
-            base_d2d = _median_seconds(lambda a=a, b=b: b.copy_(a, non_blocking=True), repeat, cuda)
-            base_h2d = _median_seconds(lambda a=a, h=h: a.copy_(h, non_blocking=True), repeat, cuda)
+            base_d2d = _median_seconds(functools.partial(b.copy_, a, non_blocking=True), repeat, cuda)
+            base_h2d = _median_seconds(functools.partial(a.copy_, h, non_blocking=True), repeat, cuda)
             for direction, ours, base, target in (("gpu->gpu", d2d, base_d2d, 0.8), ("host->gpu", h2d, base_h2d, 0.85)):
                 rows.append(
                     {
