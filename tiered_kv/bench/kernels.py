@@ -324,8 +324,8 @@ def run(quick: bool = False, device: str = "auto") -> dict[str, Any]:
             rows += loop.run_until_complete(_partial(device, 256, 3 if quick else 10))
             rows += _gather(device, 512, 2, 256, 20 if quick else 100)
         else:
-            rows += loop.run_until_complete(_layer_major(device, 4096, 4, 8, 2, 1))
-            rows += loop.run_until_complete(_sweep(device, [4 << 10, 64 << 10, 1 << 20], 2 << 20, 2))
+            rows += loop.run_until_complete(_layer_major(device, 4096, 4, 8, 5, 1))
+            rows += loop.run_until_complete(_sweep(device, [4 << 10, 64 << 10, 1 << 20], 2 << 20, 3))
             rows += loop.run_until_complete(_partial(device, 8, 2))
             rows += _gather(device, 64, 2, 32, 5)
     finally:
