@@ -200,6 +200,7 @@ async def test_cuda_engine_uses_kernel_for_small_chunks_and_dma_for_blocks() -> 
         assert engine.copier.statistics().calls == {"kernel": 1, "reference": 1}
     async with TransferEngine(layout, gpu_blocks=64, host_blocks=64, device="cuda") as engine:  # 128 KiB blocks
         fill_random(engine.pool(Tier.GPU).tensor)
+        torch.cuda.synchronize()  # the fill ran on the default stream, the copy runs on the offload stream
         await engine.copy(Tier.GPU, list(range(64)), Tier.HOST, list(range(64)))  # one 8 MiB run
         assert engine.copier.statistics().calls == {"dma": 1}
         assert_blocks_equal(engine.pool(Tier.HOST).tensor, engine.pool(Tier.GPU).tensor)
