@@ -44,7 +44,8 @@ METHOD_KERNEL = 0
 #: ``method`` argument: DMA (``cudaMemcpyAsync`` / ``cudaMemcpy2DAsync``), merging contiguous runs, issued in C++.
 METHOD_DMA = 1
 
-_lib = torch.library.Library("tiered_kv", "DEF")
+# FRAGMENT, not DEF: other modules may add ops to the namespace (DEF can be used only once per namespace)
+_lib = torch.library.Library("tiered_kv", "FRAGMENT")
 
 _lib.define(
     "gather_block_offsets(Tensor(a!) dst, Tensor src, Tensor idx, Tensor? scale, Tensor? v_offset, "
