@@ -19,6 +19,7 @@ def test_quick_run_on_cpu_has_every_row_kind(tmp_path: Path, capsys: pytest.Capt
     assert kinds == {"layer_major", "sweep", "partial", "gather"}
     assert all(row["device"] == "emulated" for row in payload["rows"])
     assert any("emulated" in note for note in payload["notes"])
+    assert not [note for note in payload["notes"] if "failed" in note]
     sweep = [r for r in payload["rows"] if r["bench"] == "sweep"]
     assert [r["chunk_KiB"] for r in sweep] == [4, 64, 1024]
     assert "kernels / gather on emulated" in capsys.readouterr().out

@@ -315,19 +315,32 @@ def run(quick: bool = False, device: str = "auto") -> dict[str, Any]:
     kernels = _ext.load() if cuda else False
     rows: list[dict[str, Any]] = []
     loop = asyncio.new_event_loop()
+    errors: list[str] = []
+
+    def section(name: str, make: Callable[[], Any]) -> None:
+        # one failing section (say, out of memory) must not lose the others' rows in an unattended run
+        try:
+            result = make()
+            rows.extend(loop.run_until_complete(result) if asyncio.iscoroutine(result) else result)
+        except Exception as exc:
+            errors.append(f"{name} failed: {type(exc).__name__}: {exc}")
+
     try:
         if cuda:
             for chunk in (64 << 10, 8 << 10):
-                rows += loop.run_until_complete(_layer_major(device, chunk, 32, 256, 3 if quick else 10, 1 if quick else 3))
+                section(
+                    f"layer_major {chunk}",
+                    lambda c=chunk: _layer_major(device, c, 32, 256, 3 if quick else 10, 1 if quick else 3),
+                )
             sizes = [4 << 10 << k for k in range(0, 11, 2 if quick else 1)]
-            rows += loop.run_until_complete(_sweep(device, sizes, (64 if quick else 256) << 20, 3 if quick else 10))
-            rows += loop.run_until_complete(_partial(device, 256, 3 if quick else 10))
-            rows += _gather(device, 512, 2, 256, 20 if quick else 100)
+            section("sweep", lambda: _sweep(device, sizes, (64 if quick else 256) << 20, 3 if quick else 10))
+            section("partial", lambda: _partial(device, 256, 3 if quick else 10))
+            section("gather", lambda: _gather(device, 512, 2, 256, 20 if quick else 100))
         else:
-            rows += loop.run_until_complete(_layer_major(device, 4096, 4, 8, 5, 1))
-            rows += loop.run_until_complete(_sweep(device, [4 << 10, 64 << 10, 1 << 20], 2 << 20, 3))
-            rows += loop.run_until_complete(_partial(device, 8, 2))
-            rows += _gather(device, 64, 2, 32, 5)
+            section("layer_major", lambda: _layer_major(device, 4096, 4, 8, 5, 1))
+            section("sweep", lambda: _sweep(device, [4 << 10, 64 << 10, 1 << 20], 2 << 20, 3))
+            section("partial", lambda: _partial(device, 8, 2))
+            section("gather", lambda: _gather(device, 64, 2, 32, 5))
     finally:
         loop.close()
     notes = [
@@ -338,6 +351,7 @@ def run(quick: bool = False, device: str = "auto") -> dict[str, Any]:
         "partial: block-major pools, tokens [0, n) of every (layer, kv, head); fraction = contiguous time / engine time",
         "gather: host_us = CPU time to issue one call; device_us = CUDA events around it; end_to_end = issue to synchronize",
     ]
+    notes += errors
     if not cuda:
         notes.append("emulated: CPU reference ops on the emulated device with small sizes; not GPU figures")
     elif not kernels:
