@@ -328,10 +328,8 @@ def run(quick: bool = False, device: str = "auto") -> dict[str, Any]:
     try:
         if cuda:
             for chunk in (64 << 10, 8 << 10):
-                section(
-                    f"layer_major {chunk}",
-                    lambda c=chunk: _layer_major(device, c, 32, 256, 3 if quick else 10, 1 if quick else 3),
-                )
+                make = functools.partial(_layer_major, device, chunk, 32, 256, 3 if quick else 10, 1 if quick else 3)
+                section(f"layer_major {chunk}", make)
             sizes = [4 << 10 << k for k in range(0, 11, 2 if quick else 1)]
             section("sweep", lambda: _sweep(device, sizes, (64 if quick else 256) << 20, 3 if quick else 10))
             section("partial", lambda: _partial(device, 256, 3 if quick else 10))
