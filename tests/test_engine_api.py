@@ -8,8 +8,8 @@ import threading
 import numpy as np
 import pytest
 import torch
-
 from helpers import fill_pool, same, snapshot
+
 from tiered_kv import EngineClosedError, KVLayout, Tier, TransferEngine, TransferError
 from tiered_kv.testing import stall
 
@@ -190,6 +190,12 @@ def test_bad_constructor_arguments(layout):
         TransferEngine("not a layout", gpu_blocks=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         TransferEngine(layout, gpu_blocks=-1)
+    with pytest.raises(TypeError):
+        TransferEngine(layout, gpu_blocks=2.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="larger than any"):
+        TransferEngine(layout, host_blocks=2**60, device="cpu")
+    with pytest.raises(MemoryError, match="cannot allocate"):
+        TransferEngine(layout, host_blocks=2**40, device="cpu")
     with pytest.raises(ValueError, match="device"):
         TransferEngine(layout, gpu_blocks=1, device="tpu")
     with pytest.raises(ValueError, match="shape"):

@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from helpers import fill_pool, same, snapshot
+
 from tiered_kv import FenceTable, Tier, TransferEngine
 from tiered_kv.testing import assert_blocks_equal, stall
 
@@ -191,8 +191,8 @@ async def test_partial_copy_touches_only_first_tokens(device, layout, route, n):
 async def test_many_blocks_scattered_and_contiguous(device, layout):
     async with TransferEngine(layout, gpu_blocks=64, host_blocks=64, device=device) as engine:
         g = fill_pool(engine, "gpu", 17)
-        src = list(range(10, 40)) + [3, 1, 60, 61, 62]
-        dst = list(range(0, 30)) + [50, 40, 41, 42, 63]
+        src = [*range(10, 40), 3, 1, 60, 61, 62]
+        dst = [*range(0, 30), 50, 40, 41, 42, 63]
         result = await engine.copy(Tier.GPU, src, Tier.HOST, dst)
         assert result.num_blocks == len(src) and result.nbytes == len(src) * layout.bytes_per_block
         for si, di in zip(src, dst, strict=True):

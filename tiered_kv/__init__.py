@@ -8,10 +8,13 @@ from .fences import FenceStatistics, FenceTable
 from .layer_major import LayerMajorPool
 from .layout import FORMAT_VERSION, KVLayout
 from .pools import BlockPool, Tier
+from .staging import NO_BLOCK, BlockOffsetTable, StagingPool, copy_batch_block_offsets
 
 __all__ = [
     "FORMAT_VERSION",
+    "NO_BLOCK",
     "BackendUnavailable",
+    "BlockOffsetTable",
     "BlockPool",
     "Device",
     "EngineClosedError",
@@ -22,12 +25,14 @@ __all__ = [
     "IntegrityError",
     "KVLayout",
     "LayerMajorPool",
+    "StagingPool",
     "Tier",
     "TieredKVError",
     "Transfer",
     "TransferEngine",
     "TransferError",
     "TransferResult",
+    "copy_batch_block_offsets",
     "resolve_device",
 ]
 

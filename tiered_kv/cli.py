@@ -111,7 +111,7 @@ def _doctor_checks(directory: str) -> list[tuple[str, bool, str, str]]:
         driver = ""
         try:
             driver = f", driver API {torch._C._cuda_getDriverVersion()}"  # type: ignore[attr-defined]
-        except Exception:  # noqa: BLE001 - informational only
+        except Exception:
             pass
         checks.append(("CUDA device", True, f"{props.name}, {props.total_memory / 2**30:.0f} GiB{driver}", ""))
     else:
@@ -127,7 +127,7 @@ def _doctor_checks(directory: str) -> list[tuple[str, bool, str, str]]:
         import kvikio
 
         checks.append(("kvikio", True, getattr(kvikio, "__version__", "installed"), ""))
-    except Exception as exc:  # noqa: BLE001 - report any import failure
+    except Exception as exc:
         checks.append(("kvikio", False, f"not usable ({type(exc).__name__})", "pip install 'tiered-kv[gds]' for GPUDirect Storage"))
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     fmt = lambda v: "unlimited" if v == resource.RLIM_INFINITY else f"{v / 2**20:.0f} MiB"  # noqa: E731

@@ -114,7 +114,7 @@ class EmulatedStream:
                 return
             try:
                 fn()  # type: ignore[operator]
-            except BaseException:  # noqa: BLE001 - the worker must survive a failing op
+            except BaseException:
                 log.exception("emulated stream %s: submitted work raised", self.name)
 
     def submit(self, fn: Callback) -> None:
@@ -131,7 +131,8 @@ class EmulatedStream:
         if not isinstance(event, EmulatedEvent):
             raise TypeError(f"an emulated stream can only wait on an EmulatedEvent, got {type(event).__name__}")
         if not event.query():
-            self.submit(event._flag.wait)
+            flag = event._flag
+            self.submit(lambda: None if flag.wait() else None)
 
     def notify(self, callback: Callback) -> EmulatedEvent:
         event = EmulatedEvent()
@@ -211,11 +212,12 @@ class CudaStream:
             item = self._waits.get()
             if item is _STOP:
                 return
-            event, callback = item  # type: ignore[misc]
+            event: torch.cuda.Event = item[0]  # type: ignore[index]
+            callback: Callback = item[1]  # type: ignore[index]
             event.synchronize()
             try:
                 callback()
-            except BaseException:  # noqa: BLE001 - the waiter must survive a failing callback
+            except BaseException:
                 log.exception("CUDA stream %s: completion callback raised", self.name)
 
     def synchronize(self) -> None:

@@ -51,6 +51,16 @@ _ROUTES: dict[tuple[Tier, Tier], str | None] = {
 }
 
 
+def _allocate(empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor], what: str, blocks: int, layout: KVLayout) -> torch.Tensor:
+    nbytes = blocks * layout.bytes_per_block
+    if nbytes >= 2**62:
+        raise ValueError(f"{what} pool of {blocks} blocks ({nbytes} bytes) is larger than any machine's memory")
+    try:
+        return empty((blocks, *layout.block_shape), layout.dtype)
+    except (RuntimeError, MemoryError) as exc:  # torch reports allocation failures as RuntimeError
+        raise MemoryError(f"cannot allocate the {what} pool: {blocks} blocks x {layout.bytes_per_block} bytes = {nbytes / 2**30:.1f} GiB ({exc})") from exc
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class TransferResult:
     """What a completed transfer did.
@@ -206,8 +216,10 @@ class TransferEngine:
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
         for name, value in (("gpu_blocks", gpu_blocks), ("host_blocks", host_blocks)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
         self.config = config if config is not None else EngineConfig.from_env()
         self.device: Device = resolve_device(device if device is not None else self.config.device)
         self.layout = layout
@@ -216,6 +228,8 @@ class TransferEngine:
         if gpu_pool is not None:
             if isinstance(gpu_pool, (list, tuple)):
                 gpu_pool = LayerMajorPool(layout, gpu_pool)
+            if not isinstance(gpu_pool, (torch.Tensor, LayerMajorPool)):
+                raise TypeError(f"gpu_pool must be a torch.Tensor, a LayerMajorPool or a list of tensors, got {type(gpu_pool).__name__}")
             if gpu_pool.device.type != self.device.torch_device.type:
                 raise ValueError(f"gpu_pool is on {gpu_pool.device}, but the engine's device is {self.device.torch_device}")
             if isinstance(gpu_pool, LayerMajorPool):
@@ -225,9 +239,9 @@ class TransferEngine:
             else:
                 self._pools[Tier.GPU] = BlockPool(Tier.GPU, layout, gpu_pool)
         elif gpu_blocks:
-            self._pools[Tier.GPU] = BlockPool(Tier.GPU, layout, self.device.empty((gpu_blocks, *layout.block_shape), layout.dtype))
+            self._pools[Tier.GPU] = BlockPool(Tier.GPU, layout, _allocate(self.device.empty, "GPU", gpu_blocks, layout))
         if host_blocks:
-            self._pools[Tier.HOST] = BlockPool(Tier.HOST, layout, self.device.empty_host((host_blocks, *layout.block_shape), layout.dtype))
+            self._pools[Tier.HOST] = BlockPool(Tier.HOST, layout, _allocate(self.device.empty_host, "host", host_blocks, layout))
 
         self.copier = Copier(self.device, self.config)  # DMA-or-kernel choice per call (tiered_kv.copyops)
         self._streams: dict[str, Stream] = {name: self.device.new_stream(name) for name in ("offload", "onboard", "local")}
@@ -470,7 +484,7 @@ class TransferEngine:
         def run() -> None:
             try:
                 op()
-            except BaseException as exc:  # noqa: BLE001 - reported to whoever awaits the transfer
+            except BaseException as exc:
                 marker.error = exc
 
         lane = marker.lane

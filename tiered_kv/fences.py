@@ -165,19 +165,19 @@ class FenceTable:
             for i, readers in old.items():
                 rt[i] = [*readers, marker] if isinstance(readers, list) else [readers, marker]
         for pool, indices in writes:
-            rt = self._reads.get(pool)
-            if rt:
-                for i in rt.keys() & indices:  # the new write waits for them; ordering is transitive
-                    del rt[i]
+            pending_reads = self._reads.get(pool)
+            if pending_reads:
+                for i in pending_reads.keys() & indices:  # the new write waits for them; ordering is transitive
+                    del pending_reads[i]
             self._writes.setdefault(pool, {}).update(dict.fromkeys(indices, marker))
 
     def release(self, marker: Marker) -> None:
         """Drop ``marker``'s entries (called once the op has completed)."""
         for pool, indices in marker.reads:
             rt = self._reads[pool]
-            get = rt.get
+            rget = rt.get
             for i in indices:
-                readers = get(i)
+                readers = rget(i)
                 if readers is marker:
                     del rt[i]
                 elif isinstance(readers, list) and marker in readers:

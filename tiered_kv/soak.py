@@ -31,7 +31,7 @@ from .layout import KVLayout
 from .pools import Tier
 from .testing import stall
 
-__all__ = ["SoakConfig", "SoakFailure", "SoakReport", "generate_ops", "soak"]
+__all__ = ["LoadReport", "SoakConfig", "SoakFailure", "SoakReport", "generate_ops", "load", "soak"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -225,9 +225,9 @@ async def _run(config: SoakConfig, ops: list[_Op]) -> SoakReport:
         if not failures:
             for t in tiers:
                 actual = engine.pool(t).tensor.detach().cpu()
-                for i in range(actual.shape[0]):
-                    if not _same(actual[i], shadow.pools[t][i]):
-                        failures.append(f"end: {t.name} block {i} differs from the shadow")
+                failures.extend(
+                    f"end: {t.name} block {i} differs from the shadow" for i in range(actual.shape[0]) if not _same(actual[i], shadow.pools[t][i])
+                )
         stats = engine.statistics()
         if stats.fences.fenced_blocks or stats.in_flight or stats.deferred:
             failures.append(f"left behind after drain: {stats}")
@@ -310,3 +310,64 @@ async def _shortest(config: SoakConfig, ops: list[_Op]) -> list[str] | None:
         except _Failed:
             best, hi = mid, mid - 1
     return None if best is None else [str(op) for op in ops[:best]]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoadReport:
+    """Many tasks awaiting copies at once on one loop."""
+
+    tasks: int
+    seconds: float
+    p50_ms: float
+    p99_ms: float
+    max_ms: float
+    first_tenth_last_rank: float
+    peak_traced_mib: float
+
+
+async def load(tasks: int = 10_000, *, device: str = "cpu", blocks: int = 256, seed: int = 0) -> LoadReport:
+    """``tasks`` tasks each issue one single-block copy and await it, all at once, on the running loop.
+
+    Every copy lands on one of the engine's lanes; the report gives the latency percentiles (issue to
+    resume), how far down the resume order the first tenth of the issued copies got (1.0 would mean an
+    early copy was overtaken by every later one: starvation), and the peak Python memory traced while
+    they were in flight (``tracemalloc``).
+    """
+    import tracemalloc
+
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, tokens_per_block=4)
+    rng = random.Random(seed)
+    latencies: list[float] = []
+    issued: list[int] = []  # issue position -> resume rank
+    routes = [(Tier.GPU, Tier.HOST), (Tier.HOST, Tier.GPU), (Tier.GPU, Tier.GPU), (Tier.HOST, Tier.HOST)]
+    tracemalloc.start()
+    try:
+        async with TransferEngine(layout, gpu_blocks=blocks, host_blocks=blocks, device=device) as engine:
+            start = asyncio.Event()
+
+            async def one(i: int) -> None:
+                src, dst = routes[i % len(routes)]
+                a, b = rng.sample(range(blocks), 2)
+                await start.wait()
+                t0 = time.perf_counter()
+                transfer = engine.copy(src, [a], dst, [b])
+                position = len(issued)
+                issued.append(-1)
+                await transfer
+                issued[position] = len(latencies)
+                latencies.append(time.perf_counter() - t0)
+
+            runners = [asyncio.ensure_future(one(i)) for i in range(tasks)]
+            await asyncio.sleep(0)
+            t0 = time.perf_counter()
+            start.set()
+            await asyncio.gather(*runners)
+            seconds = time.perf_counter() - t0
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    latencies.sort()
+    pick = lambda q: latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1e3  # noqa: E731
+    # Fairness: how far down the resume order the first tenth of the issued copies got (0..1).
+    first_tenth = max(issued[: max(1, tasks // 10)]) / tasks
+    return LoadReport(tasks, seconds, pick(0.5), pick(0.99), latencies[-1] * 1e3, first_tenth, peak / 2**20)

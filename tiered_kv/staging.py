@@ -1,0 +1,827 @@
+"""Staging: ship block-offset tables (page tables) to the device without races (seed 000).
+
+An asynchronous copy, or a kernel that reads pinned host memory, reads its host inputs when the stream
+*executes* it, not when it is enqueued. A scheduler that runs an iteration ahead and refills a host table
+in place therefore ships the *next* batch's offsets, and attention reads another request's blocks. This
+module makes that impossible by construction:
+
+* :class:`StagingPool` -- pinned host snapshot buffers. A buffer handed out by :meth:`StagingPool.acquire`
+  is not read by any pending op; :meth:`StagingPool.retire` keeps it, FIFO, until an event recorded after
+  the consuming op has completed. At most ``depth`` buffers are in flight (back-pressure beyond that), so
+  memory is bounded by the overlap depth.
+* :class:`BlockOffsetTable` -- the persistent host table ``[pools, max_seqs, kv, max_blocks_per_seq]``
+  (int32, :data:`NO_BLOCK` in unused entries) that the block manager fills per sequence slot
+  (:meth:`~BlockOffsetTable.set_row`, :meth:`~BlockOffsetTable.append`, :meth:`~BlockOffsetTable.clear_row`).
+* :meth:`BlockOffsetTable.copy_batch_block_offsets` (and the function :func:`copy_batch_block_offsets`)
+  -- ships a batch of slots to a device table, in *copy* mode (snapshot the rows into a fresh pinned
+  buffer, one async H2D) or *gather* mode (snapshot the rows, give the gather op an identity index so
+  neither of its host inputs can change under it, apply a per-pool scale and V offset).
+
+Everything runs on the :mod:`tiered_kv.device` stream abstraction, so the same code (and the same race
+tests) runs on the emulated device, where a stream op executes when the worker thread reaches it, and on
+CUDA.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import importlib
+import logging
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import Final, Literal
+
+import numpy as np
+import torch
+
+from .device import CudaStream, Device, EmulatedStream, Event, Stream, resolve_device
+
+__all__ = [
+    "NO_BLOCK",
+    "BlockOffsetStatistics",
+    "BlockOffsetTable",
+    "StagingPool",
+    "StagingStatistics",
+    "copy_batch_block_offsets",
+    "gather_block_offsets",
+]
+
+log = logging.getLogger(__name__)
+
+NO_BLOCK: Final[int] = -1
+"""The "no block" sentinel of unused page-table entries; the gather passes it through unchanged."""
+
+Mode = Literal["copy", "gather"]
+_MODES: Final = ("copy", "gather")
+_MIN_CAPACITY: Final = 1024  # elements; smaller requests share one size class
+
+
+# --------------------------------------------------------------------------------------------- staging pool
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StagingStatistics:
+    """A snapshot of a :class:`StagingPool`.
+
+    Attributes:
+        depth: the most buffers allowed in flight (the overlap depth).
+        live: buffers allocated now (in flight + free + held by a caller between acquire and retire).
+        in_flight: retired buffers whose guarding event has not been seen complete yet.
+        free: buffers ready for reuse.
+        peak_live: the most buffers ever allocated at once.
+        peak_in_flight: the most buffers ever in flight at once.
+        acquired: calls of ``acquire``.
+        allocated: fresh allocations (the rest were reuses).
+        waited: acquisitions that blocked on the oldest in-flight event (back-pressure at ``depth``).
+        live_bytes: bytes held by live buffers.
+    """
+
+    depth: int
+    live: int
+    in_flight: int
+    free: int
+    peak_live: int
+    peak_in_flight: int
+    acquired: int
+    allocated: int
+    waited: int
+    live_bytes: int
+
+
+class StagingPool:
+    """Host snapshot buffers that are never reused while an op may still read them.
+
+    Args:
+        device: decides the memory: pinned on CUDA (so copies and kernels read it asynchronously), plain
+            memory on the emulated device.
+        depth: the most buffers in flight at once. ``acquire`` blocks on the oldest op beyond that, which
+            bounds memory to ``depth`` buffers; use the scheduler's overlap depth plus a margin.
+        dtype: element type of the buffers.
+
+    Notes:
+        Ordering contract: ``retire(buf, event)`` must be given an event recorded *after* every op that
+        reads ``buf`` was enqueued. Events of one stream complete in order, so the in-flight FIFO is
+        reclaimed from its head and stops at the first pending event. Buffers retired on several streams
+        are still safe (a buffer is reused only once its own event and those before it completed), just
+        reclaimed later.
+
+        Thread safety: the pool is guarded by a lock, but it is meant for one scheduler thread.
+    """
+
+    def __init__(self, device: Device | str = "auto", *, depth: int = 4, dtype: torch.dtype = torch.int32) -> None:
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            raise ValueError(f"depth must be a positive int, got {depth!r}")
+        self.device = device if isinstance(device, Device) else resolve_device(device)
+        self.depth = depth
+        self.dtype = dtype
+        self._lock = threading.Lock()
+        # FIFO of (buffer, guard event, objects kept alive with it)
+        self._in_flight: collections.deque[tuple[torch.Tensor, Event, object]] = collections.deque()
+        self._free: list[torch.Tensor] = []
+        self._held = 0  # acquired, not yet retired or released
+        self._peak_live = self._peak_in_flight = 0
+        self._acquired = self._allocated = self._waited = 0
+
+    def acquire(self, numel: int) -> torch.Tensor:
+        """A 1-D buffer of at least ``numel`` elements that no pending op reads.
+
+        Blocks (on the oldest in-flight event) only when ``depth`` buffers are already in flight.
+        Give it back with :meth:`retire` (after enqueueing the op that reads it) or :meth:`release`.
+        """
+        if numel < 0:
+            raise ValueError(f"numel must be >= 0, got {numel}")
+        with self._lock:
+            self._acquired += 1
+            self._reclaim_locked()
+            while len(self._in_flight) >= self.depth:
+                # Back-pressure: the CPU is `depth` calls ahead of the device; wait for the oldest op.
+                self._waited += 1
+                self._in_flight[0][1].synchronize()
+                self._reclaim_locked()
+            buf = self._take_free_locked(numel)
+            if buf is None:
+                capacity = max(_MIN_CAPACITY, 1 << max(0, numel - 1).bit_length())
+                buf = self.device.empty_host((capacity,), self.dtype)
+                self._allocated += 1
+            self._held += 1
+            self._peak_live = max(self._peak_live, self._live_locked())
+            return buf
+
+    def retire(self, buffer: torch.Tensor, event: Event, keep: object = None) -> None:
+        """Keep ``buffer`` (and ``keep``, e.g. the op's device output) until ``event`` has completed.
+
+        ``event`` must be recorded after the op that reads ``buffer``.
+        """
+        with self._lock:
+            self._held -= 1
+            self._in_flight.append((buffer, event, keep))
+            self._peak_in_flight = max(self._peak_in_flight, len(self._in_flight))
+
+    def release(self, buffer: torch.Tensor) -> None:
+        """Return a buffer that no op was enqueued to read (e.g. the call failed before enqueueing)."""
+        with self._lock:
+            self._held -= 1
+            self._free.append(buffer)
+
+    def reclaim(self) -> int:
+        """Move buffers whose events completed to the free list; returns how many are still in flight."""
+        with self._lock:
+            self._reclaim_locked()
+            return len(self._in_flight)
+
+    def drain(self) -> None:
+        """Wait for every in-flight op, then reclaim all buffers."""
+        with self._lock:
+            pending = [entry[1] for entry in self._in_flight]
+        for event in pending:
+            event.synchronize()
+        with self._lock:
+            self._reclaim_all_done_locked()
+
+    def clear(self) -> None:
+        """Drain, then drop every free buffer (memory goes back to the allocator)."""
+        self.drain()
+        with self._lock:
+            self._free.clear()
+
+    def statistics(self) -> StagingStatistics:
+        with self._lock:
+            buffers = [entry[0] for entry in self._in_flight] + self._free
+            return StagingStatistics(
+                depth=self.depth,
+                live=self._live_locked(),
+                in_flight=len(self._in_flight),
+                free=len(self._free),
+                peak_live=self._peak_live,
+                peak_in_flight=self._peak_in_flight,
+                acquired=self._acquired,
+                allocated=self._allocated,
+                waited=self._waited,
+                live_bytes=sum(b.numel() * b.element_size() for b in buffers),
+            )
+
+    def __repr__(self) -> str:
+        with self._lock:
+            return (
+                f"<StagingPool {self.device.kind} [in_flight:{len(self._in_flight)}/{self.depth} free:{len(self._free)} "
+                f"held:{self._held}]>"
+            )
+
+    # ------------------------------------------------------------------ internals (lock held)
+
+    def _live_locked(self) -> int:
+        return len(self._in_flight) + len(self._free) + self._held
+
+    def _reclaim_locked(self) -> None:
+        while self._in_flight and self._in_flight[0][1].query():
+            self._free.append(self._in_flight.popleft()[0])
+
+    def _reclaim_all_done_locked(self) -> None:
+        kept: collections.deque[tuple[torch.Tensor, Event, object]] = collections.deque()
+        for entry in self._in_flight:
+            if entry[1].query():
+                self._free.append(entry[0])
+            else:
+                kept.append(entry)
+        self._in_flight = kept
+
+    def _take_free_locked(self, numel: int) -> torch.Tensor | None:
+        if not self._free:
+            return None
+        fitting = [i for i, b in enumerate(self._free) if b.numel() >= numel]
+        if fitting:
+            best = min(fitting, key=lambda i: self._free[i].numel())  # best fit keeps big buffers for big calls
+            return self._free.pop(best)
+        # Nothing big enough: drop the largest free buffer so the count (and memory bound) stays put.
+        self._free.pop(max(range(len(self._free)), key=lambda i: self._free[i].numel()))
+        return None
+
+
+# --------------------------------------------------------------------------------------------- gather op
+
+
+def gather_block_offsets(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    idx: torch.Tensor,
+    scale: torch.Tensor | None,
+    v_offset: torch.Tensor | None,
+    max_blocks: int,
+    sentinel: int = NO_BLOCK,
+) -> None:
+    """``dst[p, s, k, j] = scale[p] * src[p, idx[s], k, j] + (k == 1 ? v_offset[p] : 0)`` for ``j < max_blocks``.
+
+    The one adapter between staging and the block-offset gather op: it calls the extension op
+    ``tiered_kv.ops.gather_block_offsets`` (issue 3; on CUDA a kernel that reads ``src``, ``idx``, ``scale``
+    and ``v_offset`` from pinned host memory) when that module is importable, and otherwise a vectorized
+    torch implementation with the same semantics. Call it from inside a stream op: either way it reads
+    its host inputs when the stream *executes* it (the torch path through async H2D copies on CUDA).
+
+    Args:
+        dst: ``[pools, seqs, kv, >= max_blocks]`` int32 on the device (may be a view of a larger table).
+        src: ``[pools, rows, kv, >= max_blocks]`` int32 host table (contiguous).
+        idx: ``[seqs]`` int32/int64: the row of ``src`` for each output sequence.
+        scale: ``[pools]`` int32 multiplier per pool (``None``: 1).
+        v_offset: ``[pools]`` int32 added to the V entries (``k == 1``) per pool (``None``: 0).
+        max_blocks: columns to write; the rest of ``dst`` is untouched.
+        sentinel: the "no block" value, written unchanged (not scaled or offset).
+    """
+    kernel = _kernel_gather()
+    if kernel is None:
+        _torch_gather_block_offsets(dst, src, idx, scale, v_offset, max_blocks, sentinel)
+    elif dst.is_contiguous():
+        kernel(dst, src, idx, scale=scale, v_offset=v_offset, max_blocks=max_blocks, sentinel=sentinel)
+    else:
+        # The op wants a contiguous dst; a batch smaller than the device table is a strided view of it.
+        tmp = torch.empty((*dst.shape[:3], max_blocks), dtype=dst.dtype, device=dst.device)
+        kernel(tmp, src, idx, scale=scale, v_offset=v_offset, max_blocks=max_blocks, sentinel=sentinel)
+        dst[..., :max_blocks].copy_(tmp)
+
+
+@functools.cache
+def _kernel_gather() -> Callable[..., object] | None:
+    """``tiered_kv.ops.gather_block_offsets`` (issue 3) when it exists, else None; looked up once, logged once."""
+    try:
+        ops = importlib.import_module(f"{__package__}.ops")
+    except ImportError as exc:
+        log.info("block-offset gather: tiered_kv.ops not importable (%s); using the torch implementation", exc)
+        return None
+    kernel = getattr(ops, "gather_block_offsets", None)
+    log.info("block-offset gather: %s", "tiered_kv.ops.gather_block_offsets" if kernel else "torch implementation")
+    return kernel
+
+
+def _torch_gather_block_offsets(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    idx: torch.Tensor,
+    scale: torch.Tensor | None,
+    v_offset: torch.Tensor | None,
+    max_blocks: int,
+    sentinel: int,
+) -> None:
+    pools, seqs, kv, _ = dst.shape
+    if seqs == 0 or max_blocks == 0:
+        return
+    target = dst.device
+    # On CUDA these are async H2D copies on the current stream: the host inputs are read at execution time,
+    # exactly as the kernel reads them (so a racy caller stays racy, and a snapshot caller is safe).
+    rows = src[..., :max_blocks]
+    if rows.device != target:
+        # Whole rows when the column slice is strided: a strided pinned source would be copied on the host now.
+        rows = rows.to(target, non_blocking=True) if rows.is_contiguous() else src.to(target, non_blocking=True)[..., :max_blocks]
+    picked = rows.index_select(1, idx.to(target, non_blocking=True).long())
+    out = picked.clone()
+    if scale is not None:
+        out *= scale.to(target, non_blocking=True).view(pools, 1, 1, 1)
+    if v_offset is not None and kv > 1:
+        out[:, :, 1] += v_offset.to(target, non_blocking=True).view(pools, 1, 1)
+    dst[..., :max_blocks] = torch.where(picked == sentinel, picked, out)
+
+
+# --------------------------------------------------------------------------------------------- block-offset table
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BlockOffsetStatistics:
+    """A snapshot of a :class:`BlockOffsetTable`.
+
+    Attributes:
+        calls: ``copy_batch_block_offsets`` calls (copy / gather / racy in-place, by key).
+        sequences: sequence rows shipped.
+        bytes_shipped: table bytes shipped to the device.
+        staging: the staging pool.
+    """
+
+    calls: dict[str, int]
+    sequences: int
+    bytes_shipped: int
+    staging: StagingStatistics
+
+
+class BlockOffsetTable:
+    """The persistent host page table ``[pools, max_seqs, kv, max_blocks_per_seq]`` (int32) and its shipping.
+
+    The block manager fills one row per sequence *slot* (slots in ``[0, max_seqs)`` are reused by new
+    requests); every entry past a row's allocated blocks holds ``sentinel``. Each forward step ships the
+    batch's rows to a device table with :meth:`copy_batch_block_offsets`, which snapshots them first, so
+    the host table may be refilled at once, while the device has not executed the copy yet.
+
+    Args:
+        num_pools: memory pools (e.g. one per window size / layer group).
+        max_seqs: sequence slots.
+        max_blocks_per_seq: columns per row.
+        kv_factor: 2 (K and V rows) or 1 (MLA).
+        device: ``"auto"``, ``"cpu"`` (emulated), ``"cuda[:N]"`` or a :class:`~tiered_kv.Device`.
+        depth: staging buffers in flight at most (the scheduler's overlap depth plus a margin); the call
+            that would exceed it waits for the oldest one.
+        sentinel: the "no block" value (default :data:`NO_BLOCK`).
+
+    Attributes:
+        host: the table (pinned on CUDA). Write it through the methods below; readers may read it freely.
+
+    Example::
+
+        table = BlockOffsetTable(num_pools=1, max_seqs=256, max_blocks_per_seq=128, device="cuda")
+        dev = torch.empty(table.device_shape(256), dtype=torch.int32, device="cuda")
+        table.set_row(slot=3, pool=0, block_ids=[7, 8, 9])
+        table.copy_batch_block_offsets(dev, [3, 5], stream=compute_stream)          # copy mode
+        table.set_row(slot=3, pool=0, block_ids=[1, 2])                             # safe right away
+        table.copy_batch_block_offsets(dev, [3], stream=compute_stream, mode="gather", scale=[2], v_offset=[1])
+
+    Notes:
+        Ordering: the device table is written on ``stream`` in enqueue order; work that reads it should be
+        on the same stream (the usual case: the compute stream) or wait for the returned event.
+        Thread safety: the writers and ``copy_batch_block_offsets`` are meant for one scheduler thread.
+    """
+
+    def __init__(
+        self,
+        num_pools: int,
+        max_seqs: int,
+        max_blocks_per_seq: int,
+        *,
+        kv_factor: int = 2,
+        device: Device | str = "auto",
+        depth: int = 4,
+        sentinel: int = NO_BLOCK,
+    ) -> None:
+        for name, value in (("num_pools", num_pools), ("max_seqs", max_seqs), ("max_blocks_per_seq", max_blocks_per_seq)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if kv_factor not in (1, 2) or isinstance(kv_factor, bool):
+            raise ValueError(f"kv_factor must be 1 (MLA) or 2 (K and V), got {kv_factor!r}")
+        if isinstance(sentinel, bool) or not isinstance(sentinel, int) or not -(2**31) <= sentinel < 2**31:
+            raise ValueError(f"sentinel must be an int32 value, got {sentinel!r}")
+        self.device = device if isinstance(device, Device) else resolve_device(device)
+        self.num_pools = num_pools
+        self.max_seqs = max_seqs
+        self.kv_factor = kv_factor
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.sentinel = sentinel
+        self.host = self.device.empty_host((num_pools, max_seqs, kv_factor, max_blocks_per_seq), torch.int32)
+        self.host.fill_(sentinel)
+        self._counts = np.zeros((num_pools, max_seqs), dtype=np.int64)  # (pool, slot) -> allocated blocks
+        self.staging = StagingPool(self.device, depth=depth, dtype=torch.int32)
+        self._wrapped: dict[object, Stream] = {}  # torch.cuda.Stream -> our wrapper (made once)
+        self._calls: dict[str, int] = {"copy": 0, "gather": 0, "copy_inplace": 0, "gather_inplace": 0}
+        self._sequences = self._bytes = 0
+        self._last_event: Event | None = None
+        # The identity index of every gather: written once here and never again, so sharing it between
+        # calls cannot race (pinned on CUDA: the kernel reads it where it is).
+        self._iota = self.device.empty_host((max_seqs,), torch.int32)
+        torch.arange(max_seqs, dtype=torch.int32, out=self._iota)
+        self._coeff_cache: dict[tuple[tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
+        # Racy in-place mode only (tests prove they see the race; the benchmark's baseline): one persistent
+        # staging buffer / index buffer reused by every call, as in the seed's bug.
+        self._inplace_buf: torch.Tensor | None = None
+        self._inplace_idx: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------------------------ writers
+
+    def device_shape(self, batch: int | None = None, max_blocks: int | None = None) -> tuple[int, int, int, int]:
+        """Shape of a device table for ``batch`` sequences (default ``max_seqs``) and ``max_blocks`` columns."""
+        return (
+            self.num_pools,
+            self.max_seqs if batch is None else batch,
+            self.kv_factor,
+            self.max_blocks_per_seq if max_blocks is None else max_blocks,
+        )
+
+    def set_row(
+        self,
+        slot: int,
+        pool: int,
+        block_ids: Iterable[int] | np.ndarray | torch.Tensor,
+        v_block_ids: Iterable[int] | np.ndarray | torch.Tensor | None = None,
+    ) -> None:
+        """Make ``block_ids`` the blocks of sequence ``slot`` in ``pool``; the rest of the row becomes the sentinel.
+
+        Args:
+            slot: sequence slot in ``[0, max_seqs)``.
+            pool: pool in ``[0, num_pools)``.
+            block_ids: the sequence's blocks in order (written to the K row, and to the V row unless
+                ``v_block_ids`` is given). Gather mode turns them into offsets with its scale and V offset;
+                copy mode ships them as they are.
+            v_block_ids: different values for the V row (copy mode with precomputed offsets), same length.
+
+        Raises:
+            ValueError: slot or pool out of range, too many blocks, a value equal to the sentinel or
+                outside int32, or ``v_block_ids`` of another length.
+        """
+        self._check_slot_pool(slot, pool)
+        ids = self._ids(block_ids, "block_ids")
+        v_ids = None
+        if v_block_ids is not None:
+            if self.kv_factor == 1:
+                raise ValueError("v_block_ids needs kv_factor=2; this table has no V rows")
+            v_ids = self._ids(v_block_ids, "v_block_ids")
+            if v_ids.numel() != ids.numel():
+                raise ValueError(f"v_block_ids has {v_ids.numel()} entries but block_ids has {ids.numel()}")
+        n = ids.numel()
+        row = self.host[pool, slot]
+        row[:, :n] = ids
+        if v_ids is not None:
+            row[1, :n] = v_ids
+        row[:, n:] = self.sentinel
+        self._counts[pool, slot] = n
+
+    def append(self, slot: int, pool: int, block_ids: Iterable[int] | np.ndarray | torch.Tensor) -> None:
+        """Add blocks at the end of ``slot``'s row in ``pool`` (the sequence grew during generation).
+
+        Raises:
+            ValueError: as :meth:`set_row`, or the row would exceed ``max_blocks_per_seq``.
+        """
+        self._check_slot_pool(slot, pool)
+        ids = self._ids(block_ids, "block_ids", start=int(self._counts[pool, slot]))
+        start = int(self._counts[pool, slot])
+        self.host[pool, slot, :, start : start + ids.numel()] = ids
+        self._counts[pool, slot] = start + ids.numel()
+
+    def clear_row(self, slot: int, pool: int | None = None) -> None:
+        """Forget ``slot``'s blocks (in ``pool``, or in every pool): the row becomes the sentinel.
+
+        Call it when a sequence is freed; the slot may then be given to a new request.
+        """
+        self._check_slot_pool(slot, 0 if pool is None else pool)
+        if pool is None:
+            self.host[:, slot] = self.sentinel
+            self._counts[:, slot] = 0
+        else:
+            self.host[pool, slot] = self.sentinel
+            self._counts[pool, slot] = 0
+
+    def on_page_table(self, slot: int, page_table: Sequence[int] | None, pool: int = 0) -> None:
+        """The block manager's page-table hook: ``(slot, blocks)`` sets the row, ``(slot, None)`` clears it.
+
+        Pass the bound method as ``on_page_table=`` to ``BlockManager`` / ``TieredKVCache`` (GPU pool 0);
+        for several pools, ``functools.partial(table.on_page_table, pool=p)`` per pool's manager.
+        """
+        if page_table is None:
+            self.clear_row(slot, pool)
+        else:
+            self.set_row(slot, pool, page_table)
+
+    def num_blocks(self, slot: int, pool: int = 0) -> int:
+        """Blocks allocated to ``slot`` in ``pool``."""
+        self._check_slot_pool(slot, pool)
+        return int(self._counts[pool, slot])
+
+    def row(self, slot: int, pool: int = 0) -> torch.Tensor:
+        """A copy of ``slot``'s allocated entries in ``pool``: ``[kv, num_blocks]``."""
+        self._check_slot_pool(slot, pool)
+        return self.host[pool, slot, :, : int(self._counts[pool, slot])].clone()
+
+    # ------------------------------------------------------------------------------------ shipping
+
+    def copy_batch_block_offsets(
+        self,
+        dst: torch.Tensor,
+        slots: Sequence[int] | np.ndarray | torch.Tensor,
+        *,
+        stream: object,
+        mode: Mode = "copy",
+        max_blocks: int | None = None,
+        scale: Sequence[int] | torch.Tensor | None = None,
+        v_offset: Sequence[int] | torch.Tensor | None = None,
+        _inplace: bool = False,
+    ) -> Event:
+        """Ship the rows of ``slots`` to ``dst[:, :len(slots), :, :width]`` on ``stream``, race-free.
+
+        Args:
+            dst: device table ``[num_pools, >= len(slots), kv_factor, >= width]`` int32 on this table's
+                device (``device_shape()`` gives the full size). Columns past ``width`` are not written.
+            slots: the batch's sequence slots, in batch order (row ``i`` of ``dst`` gets ``slots[i]``).
+            stream: where the copy or gather runs (usually the compute stream): a tiered_kv stream or a
+                ``torch.cuda.Stream``.
+            mode: ``"copy"`` (snapshot + one async H2D, values shipped as stored) or ``"gather"`` (snapshot +
+                gather op with an identity index, ``scale[p] * id + (V ? v_offset[p] : 0)``, sentinel kept).
+            max_blocks: ``width``: write only the first ``max_blocks`` columns; ``None`` writes every
+                allocated block (the most any sequence of the batch has, in any pool).
+            scale: gather mode only, one int per pool (default 1).
+            v_offset: gather mode only, one int per pool added to the V row (default 0).
+
+        Returns:
+            An event recorded after the op; the host snapshot is kept until it completes. Work on
+            ``stream`` needs no wait; work on another stream waits for this event.
+
+        Raises:
+            ValueError / TypeError: bad arguments; raised before anything is enqueued.
+
+        Notes:
+            The batch's rows (and in gather mode the scale and V offset) are written into one fresh staging
+            buffer before this returns; the op reads only that buffer and, in gather mode, an identity index
+            that is written once when the table is made and never again. So the caller may refill the host
+            table, reuse the slots, or mutate ``slots``/``scale``/``v_offset`` as soon as this returns, even
+            if the device runs the op much later. The buffer (and ``dst``, kept alive with it) is released
+            only after the returned event completes (FIFO); at most ``depth`` are in flight (this call waits
+            for the oldest beyond that).
+        """
+        target = self._stream(stream)
+        index = self._slots(slots)
+        n = index.numel()
+        if mode not in _MODES:
+            raise ValueError(f"mode must be 'copy' or 'gather', got {mode!r}")
+        if mode == "copy" and (scale is not None or v_offset is not None):
+            raise ValueError("scale and v_offset apply only in gather mode; copy mode ships the stored values")
+        width = self._width(index, max_blocks)
+        self._check_dst(dst, n, width)
+        pools, kv = self.num_pools, self.kv_factor
+        # [scale..., v_offset...] int32 (gather mode): copied into the staging buffer with the snapshot
+        coeffs = self._coefficients(scale, v_offset) if mode == "gather" else None
+
+        key = f"{mode}_inplace" if _inplace else mode
+        self._calls[key] += 1
+        if n == 0 or width == 0:
+            event = target.record()  # nothing to write; keep the return type uniform
+            self._last_event = event
+            return event
+        self._sequences += n
+        self._bytes += pools * n * kv * width * 4
+        if _inplace:
+            return self._ship_inplace(target, dst, index, n, width, mode, coeffs)
+
+        snap_numel = pools * n * kv * width
+        numel = snap_numel + (2 * pools if mode == "gather" else 0)
+        buf = self.staging.acquire(numel)
+        try:
+            snap = buf[:snap_numel].view(pools, n, kv, width)
+            # Snapshot: the only host memory the op will read. Taken now, so later refills cannot reach it.
+            torch.index_select(self.host[..., :width], 1, index, out=snap)
+            if mode == "copy":
+                out = dst[:, :n, :, :width]
+
+                def op() -> None:
+                    out.copy_(snap, non_blocking=True)
+
+            else:
+                assert coeffs is not None
+                tail = buf[snap_numel:numel]
+                tail.copy_(coeffs)
+                ident = self._iota[:n]  # identity: row i of the snapshot is sequence i
+                s_view, v_view, sentinel = tail[:pools], tail[pools:], self.sentinel
+                rows = dst[:, :n]  # full columns: contiguous whenever the batch fills the device table
+
+                def op() -> None:
+                    gather_block_offsets(rows, snap, ident, s_view, v_view, width, sentinel)
+
+            target.submit(op)
+        except BaseException:
+            self.staging.release(buf)
+            raise
+        event = target.record()
+        # dst too: freeing it while the op is pending would let the allocator hand its memory to someone
+        # else on another stream, and the late write would land there.
+        self.staging.retire(buf, event, keep=dst)
+        self._last_event = event
+        return event
+
+    def _ship_inplace(
+        self,
+        target: Stream,
+        dst: torch.Tensor,
+        index: torch.Tensor,
+        n: int,
+        width: int,
+        mode: str,
+        coeffs: torch.Tensor | None,
+    ) -> Event:
+        """The seed's racy path: persistent host inputs reused by every call (tests and benchmark only)."""
+        pools, kv = self.num_pools, self.kv_factor
+        if mode == "copy":
+            out = dst[:, :n, :, :width]
+            if self._inplace_buf is None:
+                self._inplace_buf = self.device.empty_host((self.host.numel(),), torch.int32)
+            # Refilled in place every call: a pending copy of the previous call reads these new values.
+            snap = self._inplace_buf[: pools * n * kv * width].view(pools, n, kv, width)
+            torch.index_select(self.host[..., :width], 1, index, out=snap)
+
+            def op() -> None:
+                out.copy_(snap, non_blocking=True)
+
+        else:
+            assert coeffs is not None
+            if self._inplace_idx is None:
+                self._inplace_idx = self.device.empty_host((self.max_seqs + 2 * pools,), torch.int32)
+            idx = self._inplace_idx[:n]
+            idx.copy_(index)
+            self._inplace_idx[self.max_seqs :].copy_(coeffs)
+            s_view = self._inplace_idx[self.max_seqs : self.max_seqs + pools]
+            v_view = self._inplace_idx[self.max_seqs + pools :]
+            host, sentinel = self.host, self.sentinel
+            rows = dst[:, :n]
+
+            def op() -> None:
+                # Reads the live host table through the persistent index buffer at execution time.
+                gather_block_offsets(rows, host, idx, s_view, v_view, width, sentinel)
+
+        target.submit(op)
+        event = target.record()
+        self._last_event = event
+        return event
+
+    def synchronize(self) -> None:
+        """Wait until every shipped table has landed, and reclaim all staging buffers."""
+        if self._last_event is not None:
+            self._last_event.synchronize()
+        self.staging.drain()
+
+    def statistics(self) -> BlockOffsetStatistics:
+        return BlockOffsetStatistics(dict(self._calls), self._sequences, self._bytes, self.staging.statistics())
+
+    def __repr__(self) -> str:
+        live = int((self._counts > 0).any(axis=0).sum())
+        return (
+            f"<BlockOffsetTable {self.device.kind} [pools:{self.num_pools} slots:{live}/{self.max_seqs} kv:{self.kv_factor} "
+            f"max_blocks:{self.max_blocks_per_seq}] {self.staging!r}>"
+        )
+
+    # ------------------------------------------------------------------------------------ checks
+
+    def _check_slot_pool(self, slot: int, pool: int) -> None:
+        for name, value, limit in (("slot", slot, self.max_seqs), ("pool", pool, self.num_pools)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if not 0 <= value < limit:
+                raise ValueError(f"{name} {value} is out of range [0, {limit})")
+
+    def _ids(self, values: Iterable[int] | np.ndarray | torch.Tensor, what: str, start: int = 0) -> torch.Tensor:
+        ids = _as_int_tensor(values, what)
+        if ids.dim() != 1:
+            raise ValueError(f"{what} must be 1-D, got shape {list(ids.shape)}")
+        if start + ids.numel() > self.max_blocks_per_seq:
+            raise ValueError(f"{start + ids.numel()} blocks exceed max_blocks_per_seq={self.max_blocks_per_seq}")
+        if ids.numel():
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < -(2**31) or hi >= 2**31:
+                raise ValueError(f"{what} must fit in int32, got values in [{lo}, {hi}]")
+            if bool((ids == self.sentinel).any()):
+                raise ValueError(f"{what} contains the 'no block' sentinel {self.sentinel}")
+        return ids.to(torch.int32)
+
+    def _slots(self, slots: Sequence[int] | np.ndarray | torch.Tensor) -> torch.Tensor:
+        if isinstance(slots, np.ndarray) and slots.ndim == 1 and slots.dtype.kind in "iu":
+            # Fast path for the usual scheduler input; numpy reductions are cheaper than torch ones.
+            if slots.size and (int(slots.min()) < 0 or int(slots.max()) >= self.max_seqs):
+                raise ValueError(f"slots must be in [0, {self.max_seqs}), got values in [{int(slots.min())}, {int(slots.max())}]")
+            if slots.size > self.max_seqs:
+                raise ValueError(f"{slots.size} slots exceed max_seqs={self.max_seqs}")
+            return torch.from_numpy(slots.astype(np.int64, copy=True))  # private copy: the caller may mutate its own
+        index = _as_int_tensor(slots, "slots")
+        if index.dim() != 1:
+            raise ValueError(f"slots must be 1-D, got shape {list(index.shape)}")
+        if index.numel() > self.max_seqs:
+            raise ValueError(f"{index.numel()} slots exceed max_seqs={self.max_seqs}")
+        if index.numel():
+            lo, hi = int(index.min()), int(index.max())
+            if lo < 0 or hi >= self.max_seqs:
+                raise ValueError(f"slots must be in [0, {self.max_seqs}), got values in [{lo}, {hi}]")
+        # A private copy: the caller may mutate its index buffer once we return.
+        return index.to(torch.int64, copy=True)
+
+    def _width(self, index: torch.Tensor, max_blocks: int | None) -> int:
+        if max_blocks is None:
+            if index.numel() == 0:
+                return 0
+            return int(self._counts[:, index.numpy()].max())
+        if isinstance(max_blocks, bool) or not isinstance(max_blocks, (int, np.integer)):
+            raise TypeError(f"max_blocks must be an int or None, got {type(max_blocks).__name__}")
+        if not 0 <= max_blocks <= self.max_blocks_per_seq:
+            raise ValueError(f"max_blocks must be in [0, {self.max_blocks_per_seq}], got {max_blocks}")
+        return int(max_blocks)
+
+    def _check_dst(self, dst: torch.Tensor, n: int, width: int) -> None:
+        if not isinstance(dst, torch.Tensor):
+            raise TypeError(f"dst must be a torch.Tensor, got {type(dst).__name__}")
+        if dst.dtype != torch.int32:
+            raise TypeError(f"dst must be int32, got {dst.dtype}")
+        if dst.device != self.device.torch_device:
+            raise ValueError(f"dst is on {dst.device}, but this table ships to {self.device.torch_device}")
+        if dst.dim() != 4 or dst.shape[0] != self.num_pools or dst.shape[2] != self.kv_factor:
+            raise ValueError(f"dst must have shape [{self.num_pools}, seqs, {self.kv_factor}, blocks], got {list(dst.shape)}")
+        if dst.shape[1] < n or dst.shape[3] < width:
+            raise ValueError(f"dst {list(dst.shape)} is too small for {n} sequences x {width} blocks")
+
+    def _coefficients(
+        self, scale: Sequence[int] | torch.Tensor | None, v_offset: Sequence[int] | torch.Tensor | None
+    ) -> torch.Tensor:
+        """``[scale..., v_offset...]`` as int32, validated; cached by value (a scheduler passes the same ones)."""
+        key = (self._per_pool(scale, "scale", 1), self._per_pool(v_offset, "v_offset", 0))
+        cached = self._coeff_cache.get(key)
+        if cached is None:
+            if len(self._coeff_cache) >= 64:
+                self._coeff_cache.clear()
+            cached = self._coeff_cache[key] = torch.tensor(key[0] + key[1], dtype=torch.int32)
+        return cached
+
+    def _per_pool(self, values: Sequence[int] | torch.Tensor | None, what: str, default: int) -> tuple[int, ...]:
+        if values is None:
+            return (default,) * self.num_pools
+        if isinstance(values, torch.Tensor):
+            t = _as_int_tensor(values, what)
+            if t.dim() != 1:
+                raise ValueError(f"{what} must be 1-D with one value per pool, got shape {list(t.shape)}")
+            items: list[object] = t.tolist()
+        elif isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+            raise TypeError(f"{what} must be a sequence of ints or a tensor, got {type(values).__name__}")
+        else:
+            items = list(values)
+        if len(items) != self.num_pools:
+            raise ValueError(f"{what} must have one value per pool ({self.num_pools}), got {len(items)}")
+        for v in items:
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise TypeError(f"{what} must hold ints, got {type(v).__name__}")
+            if not -(2**31) <= v < 2**31:
+                raise ValueError(f"{what} must fit in int32, got {v}")
+        return tuple(int(v) for v in items)  # type: ignore[call-overload]
+
+    def _stream(self, stream: object) -> Stream:
+        if isinstance(stream, (EmulatedStream, CudaStream)):
+            if isinstance(stream, CudaStream) != self.device.is_cuda:
+                raise TypeError(f"stream {stream!r} does not belong to this table's {self.device.kind} device")
+            return stream
+        if isinstance(stream, torch.cuda.Stream):
+            wrapped = self._wrapped.get(stream)
+            if wrapped is None:
+                wrapped = self._wrapped[stream] = self.device.wrap_stream(stream)
+            return wrapped
+        raise TypeError(f"stream must be a tiered_kv stream or torch.cuda.Stream, got {type(stream).__name__}")
+
+
+def copy_batch_block_offsets(
+    table: BlockOffsetTable,
+    dst: torch.Tensor,
+    slots: Sequence[int] | np.ndarray | torch.Tensor,
+    *,
+    stream: object,
+    mode: Mode = "copy",
+    max_blocks: int | None = None,
+    scale: Sequence[int] | torch.Tensor | None = None,
+    v_offset: Sequence[int] | torch.Tensor | None = None,
+) -> Event:
+    """Ship a batch's block-offset rows from ``table`` to ``dst``; see :meth:`BlockOffsetTable.copy_batch_block_offsets`."""
+    if not isinstance(table, BlockOffsetTable):
+        raise TypeError(f"table must be a BlockOffsetTable, got {type(table).__name__}")
+    return table.copy_batch_block_offsets(
+        dst, slots, stream=stream, mode=mode, max_blocks=max_blocks, scale=scale, v_offset=v_offset
+    )
+
+
+def _as_int_tensor(values: object, what: str) -> torch.Tensor:
+    if isinstance(values, torch.Tensor):
+        t = values.detach()
+        if t.device.type != "cpu":
+            raise ValueError(f"{what} must be on the host, got a tensor on {t.device}")
+    elif isinstance(values, np.ndarray):
+        t = torch.from_numpy(values)
+    else:
+        try:
+            items = values if isinstance(values, (list, tuple)) else list(values)  # type: ignore[call-overload]
+            t = torch.as_tensor(items) if len(items) else torch.empty(0, dtype=torch.int64)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise TypeError(f"{what} must be a sequence of ints, got {type(values).__name__}") from exc
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        raise TypeError(f"{what} must hold integers, got {t.dtype}")
+    return t
