@@ -152,6 +152,7 @@ def test_choose_path_thresholds() -> None:
 
 
 def test_config_env_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert EngineConfig().dma_min_chunk_bytes == 2 << 20 and EngineConfig().copy_path == "auto"
     monkeypatch.setenv("TIERED_KV_DMA_MIN_CHUNK", "65536")
     monkeypatch.setenv("TIERED_KV_COPY_PATH", "kernel")
     cfg = EngineConfig.from_env()

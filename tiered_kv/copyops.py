@@ -19,9 +19,9 @@ Paths:
 
 The choice: a copy whose contiguous pieces (one (layer, kv) chunk for layer-major pools, a run of whole
 blocks for block-major ones, ``num_tokens * head_dim`` elements for partial copies) are at least
-``EngineConfig.dma_min_chunk_bytes`` goes to DMA, smaller ones to the kernel (BASELINES.md: below ~1 MiB
-the kernel is up to 36x faster than one DMA call per chunk; at 1 MiB and up DMA matches it and leaves the
-SMs to compute). ``EngineConfig.copy_path`` forces one path.
+``EngineConfig.dma_min_chunk_bytes`` (2 MiB) goes to DMA, smaller ones to the kernel (BASELINES.md: the kernel
+is up to 36x faster than one DMA call per chunk for small chunks and still ahead at 1 MiB; at 4 MiB DMA
+matches it and leaves the SMs to compute). ``EngineConfig.copy_path`` forces one path.
 """
 
 from __future__ import annotations
