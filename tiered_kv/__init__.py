@@ -8,6 +8,7 @@ from .engine import EngineStatistics, Transfer, TransferEngine, TransferResult
 from .errors import BackendUnavailable, EngineClosedError, IntegrityError, TieredKVError, TransferError
 from .fences import FenceStatistics, FenceTable
 from .keys import KeyHasher
+from .layer_major import LayerMajorPool
 from .layout import FORMAT_VERSION, KVLayout
 from .pools import BlockPool, Tier
 from .staging import NO_BLOCK, BlockOffsetTable, StagingPool, copy_batch_block_offsets
@@ -31,6 +32,7 @@ __all__ = [
     "IntegrityError",
     "KVLayout",
     "KeyHasher",
+    "LayerMajorPool",
     "Request",
     "StagingPool",
     "Tier",
