@@ -657,3 +657,25 @@ async def test_engine_file_arguments_and_env(layout: KVLayout, tmp_path, monkeyp
             eng.file_tier  # noqa: B018
         with pytest.raises(ValueError, match=r"has no file pool \(give it file_blocks\)"):
             eng.copy(Tier.HOST, [0], Tier.FILE, [0], keys=[b"x"])
+
+
+@pytest.mark.parametrize("split_kv", [False, True])
+async def test_layer_major_gpu_pool_round_trip(layout: KVLayout, tmp_path, device: str, backend: str, split_kv: bool) -> None:
+    """A vLLM-style GPU pool (one tensor per layer, or per layer and K/V): blocks are gathered into staging
+    by the engine's copier, stored contiguously, and scattered back."""
+    from tiered_kv import LayerMajorPool
+
+    torch_device = "cuda" if device == "cuda" else "cpu"
+    pool = LayerMajorPool.allocate(layout, 6, torch_device, split_kv=split_kv)
+    for t in pool.tensors:
+        fill_random(t)
+    cfg = FileTierConfig(tmp_path, 8, gds="off" if backend == "posix" else "auto", io_threads=2, staging_blocks=2)
+    async with TransferEngine(layout, gpu_pool=pool, host_blocks=4, device=device, file_config=cfg) as eng:
+        settle(eng)
+        src = [pool.block(i).cpu() for i in range(6)]
+        await eng.copy(Tier.GPU, [0, 2, 4, 5], Tier.FILE, [7, 1, 0, 3], keys=keys(0, 2, 4, 5))
+        await eng.copy(Tier.FILE, [7], Tier.HOST, [0])
+        assert_blocks_equal(eng.block(Tier.HOST, 0), src[0], "host copy of a layer-major block")
+        await eng.copy(Tier.FILE, [7, 1, 0, 3], Tier.GPU, [1, 3, 2, 0])
+        for got, want in ((1, 0), (3, 2), (2, 4), (0, 5)):
+            assert_blocks_equal(pool.block(got), src[want], f"gpu block {got}")

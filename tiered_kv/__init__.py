@@ -1,11 +1,15 @@
 """tiered_kv: awaitable, fenced transfers of LLM KV-cache blocks between GPU, pinned host DRAM and NVMe files."""
 
+from .blocks import Admission, BlockManager, CacheFullError, Request
+from .cache import CacheStatistics, TieredKVCache
 from .config import EngineConfig
 from .device import Device, resolve_device
 from .engine import EngineStatistics, Transfer, TransferEngine, TransferResult
 from .errors import BackendUnavailable, EngineClosedError, IntegrityError, LayoutMismatchError, SlabInUseError, TieredKVError, TransferError
 from .fences import FenceStatistics, FenceTable
 from .filetier import Durability, FileTier, FileTierConfig, FileTierStatistics, OpenReport
+from .keys import KeyHasher
+from .layer_major import LayerMajorPool
 from .layout import FORMAT_VERSION, KVLayout
 from .pools import BlockPool, Tier
 from .staging import NO_BLOCK, BlockOffsetTable, StagingPool, copy_batch_block_offsets
@@ -13,9 +17,13 @@ from .staging import NO_BLOCK, BlockOffsetTable, StagingPool, copy_batch_block_o
 __all__ = [
     "FORMAT_VERSION",
     "NO_BLOCK",
+    "Admission",
     "BackendUnavailable",
+    "BlockManager",
     "BlockOffsetTable",
     "BlockPool",
+    "CacheFullError",
+    "CacheStatistics",
     "Device",
     "Durability",
     "EngineClosedError",
@@ -28,11 +36,15 @@ __all__ = [
     "FileTierStatistics",
     "IntegrityError",
     "KVLayout",
+    "KeyHasher",
+    "LayerMajorPool",
     "LayoutMismatchError",
     "OpenReport",
+    "Request",
     "SlabInUseError",
     "StagingPool",
     "Tier",
+    "TieredKVCache",
     "TieredKVError",
     "Transfer",
     "TransferEngine",

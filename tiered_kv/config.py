@@ -16,12 +16,26 @@ class EngineConfig:
         device: ``"auto"`` (CUDA if present, else the emulated device), ``"cpu"`` or ``"cuda[:N]"``.
             Env: ``TIERED_KV_DEVICE``.
         host_threads: threads that run host-only work (host-to-host copies). Env: ``TIERED_KV_HOST_THREADS``.
+        dma_min_chunk_bytes: on CUDA, copies whose contiguous pieces are at least this big go to the DMA
+            engine (``cudaMemcpy(2D)Async`` per run), smaller ones to the copy kernel. Default 2 MiB: in the
+            H200 measurement (BASELINES.md) one DMA call per chunk trails the kernel at 1 MiB (47 vs 51 GB/s)
+            and leads it at 4 MiB (52.5 vs 51); the engine issues one call per chunk, not a batch.
+            Env: ``TIERED_KV_DMA_MIN_CHUNK``.
+        copy_path: ``"auto"`` (by ``dma_min_chunk_bytes``), ``"dma"`` or ``"kernel"`` (forced).
+            Env: ``TIERED_KV_COPY_PATH``.
     """
 
     device: str = "auto"
     host_threads: int = 2
+    dma_min_chunk_bytes: int = 2 << 20
+    copy_path: str = "auto"
 
     def __post_init__(self) -> None:
+        threshold = self.dma_min_chunk_bytes
+        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+            raise ValueError(f"dma_min_chunk_bytes must be a non-negative int, got {self.dma_min_chunk_bytes!r}")
+        if self.copy_path not in ("auto", "dma", "kernel"):
+            raise ValueError(f"copy_path must be 'auto', 'dma' or 'kernel', got {self.copy_path!r}")
         if isinstance(self.host_threads, bool) or not isinstance(self.host_threads, int) or self.host_threads < 1:
             raise ValueError(f"host_threads must be a positive int, got {self.host_threads!r}")
 
@@ -37,5 +51,13 @@ class EngineConfig:
                 values["host_threads"] = int(raw)
             except ValueError as exc:
                 raise ValueError(f"TIERED_KV_HOST_THREADS must be an int, got {raw!r}") from exc
+        if "TIERED_KV_DMA_MIN_CHUNK" in os.environ:
+            raw = os.environ["TIERED_KV_DMA_MIN_CHUNK"]
+            try:
+                values["dma_min_chunk_bytes"] = int(raw)
+            except ValueError as exc:
+                raise ValueError(f"TIERED_KV_DMA_MIN_CHUNK must be an int (bytes), got {raw!r}") from exc
+        if "TIERED_KV_COPY_PATH" in os.environ:
+            values["copy_path"] = os.environ["TIERED_KV_COPY_PATH"]
         values.update(overrides)
         return cls(**values)  # type: ignore[arg-type]

@@ -29,12 +29,14 @@ import numpy as np
 import torch
 
 from .config import EngineConfig
+from .copyops import Copier
 from .device import Device, Stream, resolve_device
 from .errors import EngineClosedError, TransferError
 from .fences import FenceStatistics, FenceTable, Marker
 from .filetier import FileTier, FileTierConfig
+from .layer_major import LayerMajorPool
 from .layout import KVLayout
-from .pools import BlockPool, Tier, as_indices, merge_runs
+from .pools import BlockPool, Tier, as_indices
 
 __all__ = ["EngineStatistics", "Transfer", "TransferEngine", "TransferResult"]
 
@@ -194,7 +196,8 @@ class TransferEngine:
         layout: block geometry shared by every pool.
         gpu_blocks: blocks in the GPU pool (ignored if ``gpu_pool`` is given).
         host_blocks: blocks in the host pool (pinned on CUDA).
-        gpu_pool: an existing block-major GPU pool ``[blocks, *layout.block_shape]`` to use in place.
+        gpu_pool: an existing GPU pool to use in place: a block-major tensor ``[blocks, *layout.block_shape]``,
+            a :class:`~tiered_kv.LayerMajorPool`, or a list of per-layer tensors (see ``LayerMajorPool``).
         device: ``"auto"``, ``"cpu"`` (emulated), ``"cuda[:N]"``; overrides ``config.device``.
         config: engine knobs; default :meth:`EngineConfig.from_env`.
         file_dir: directory of the file tier's slab (with ``file_blocks``; knobs from the environment).
@@ -217,7 +220,7 @@ class TransferEngine:
         *,
         gpu_blocks: int = 0,
         host_blocks: int = 0,
-        gpu_pool: torch.Tensor | None = None,
+        gpu_pool: torch.Tensor | LayerMajorPool | list[torch.Tensor] | tuple[torch.Tensor, ...] | None = None,
         device: str | torch.device | None = None,
         config: EngineConfig | None = None,
         file_dir: str | os.PathLike[str] | None = None,
@@ -235,13 +238,20 @@ class TransferEngine:
         self.device: Device = resolve_device(device if device is not None else self.config.device)
         self.layout = layout
 
-        self._pools: dict[Tier, BlockPool] = {}
+        self._pools: dict[Tier, BlockPool | LayerMajorPool] = {}
         if gpu_pool is not None:
-            if not isinstance(gpu_pool, torch.Tensor):
-                raise TypeError(f"gpu_pool must be a torch.Tensor, got {type(gpu_pool).__name__}")
+            if isinstance(gpu_pool, (list, tuple)):
+                gpu_pool = LayerMajorPool(layout, gpu_pool)
+            if not isinstance(gpu_pool, (torch.Tensor, LayerMajorPool)):
+                raise TypeError(f"gpu_pool must be a torch.Tensor, a LayerMajorPool or a list of tensors, got {type(gpu_pool).__name__}")
             if gpu_pool.device.type != self.device.torch_device.type:
                 raise ValueError(f"gpu_pool is on {gpu_pool.device}, but the engine's device is {self.device.torch_device}")
-            self._pools[Tier.GPU] = BlockPool(Tier.GPU, layout, gpu_pool)
+            if isinstance(gpu_pool, LayerMajorPool):
+                if gpu_pool.layout != layout or gpu_pool.tier is not Tier.GPU:
+                    raise ValueError("the LayerMajorPool must be a GPU pool with the engine's layout")
+                self._pools[Tier.GPU] = gpu_pool
+            else:
+                self._pools[Tier.GPU] = BlockPool(Tier.GPU, layout, gpu_pool)
         elif gpu_blocks:
             self._pools[Tier.GPU] = BlockPool(Tier.GPU, layout, _allocate(self.device.empty, "GPU", gpu_blocks, layout))
         if host_blocks:
@@ -256,6 +266,7 @@ class TransferEngine:
             self._file = FileTier(layout, file_config, device=self.device)
             self._pools[Tier.FILE] = self._file  # type: ignore[assignment]  # pool look-alike: name, num_blocks, check
 
+        self.copier = Copier(self.device, self.config)  # DMA-or-kernel choice per call (tiered_kv.copyops)
         self._streams: dict[str, Stream] = {name: self.device.new_stream(name) for name in ("offload", "onboard", "local")}
         self._host_threads = concurrent.futures.ThreadPoolExecutor(self.config.host_threads, thread_name_prefix="tiered_kv-host")
         self._fences = FenceTable()
@@ -328,7 +339,7 @@ class TransferEngine:
 
     # ------------------------------------------------------------------------------------ inspection
 
-    def pool(self, tier: Tier | str) -> BlockPool:
+    def pool(self, tier: Tier | str) -> BlockPool | LayerMajorPool:
         """The pool of ``tier``.
 
         Raises:
@@ -345,6 +356,7 @@ class TransferEngine:
 
         Notes:
             The view is live memory: await the copies that touch the block (or :meth:`drain`) first.
+            A layer-major GPU pool returns a block-major *copy* (write through ``pool(...).layer(i)``).
         """
         return self.pool(tier).block(index)
 
@@ -473,7 +485,7 @@ class TransferEngine:
         deps = self._fences.dependencies(reads, writes)
         if Tier.FILE in (src_t, dst_t):
             assert self._file is not None
-            op: Op = self._file.copy_op(src_t, src_pool, s, dst_t, dst_pool, d, file_keys, self._streams)  # type: ignore
+            op: Op = self._file.copy_op(src_t, src_pool, s, dst_t, dst_pool, d, file_keys, self._streams, self.copier)  # type: ignore
         else:
             op = self._block_copy_op(src_pool, s, dst_pool, d, n)
         stream_deps: list[Marker] = []
@@ -586,43 +598,10 @@ class TransferEngine:
             self._blocks[direction] = self._blocks.get(direction, 0) + nblocks
         marker.complete()
 
-    def _block_copy_op(self, src_pool: BlockPool, s: np.ndarray, dst_pool: BlockPool, d: np.ndarray, n: int | None) -> Op:
-        """One op copying every run of blocks (runs contiguous on both sides are one copy)."""
-        runs = merge_runs(s, d)
-        src, dst = src_pool.tensor, dst_pool.tensor
-        if n is None:
-
-            def full() -> None:
-                for a, b, k in runs:
-                    dst[b : b + k].copy_(src[a : a + k], non_blocking=True)
-
-            return full
-        if src.device == dst.device:
-
-            def partial() -> None:
-                for a, b, k in runs:
-                    dst[b : b + k, :, :, :, :n].copy_(src[a : a + k, :, :, :, :n], non_blocking=True)
-
-            return partial
-        if dst.is_cuda:
-            # Host -> GPU partial: a strided host read would run on the CPU at enqueue time (torch makes
-            # it contiguous first), racing pending writes; move whole blocks by DMA, slice on the GPU.
-            def partial_h2d() -> None:
-                for a, b, k in runs:
-                    scratch = src[a : a + k].to(dst.device, non_blocking=True)
-                    dst[b : b + k, :, :, :, :n].copy_(scratch[:, :, :, :, :n])
-
-            return partial_h2d
-
-        # GPU -> host partial: read-modify-write through GPU scratch so every step stays on the stream
-        # and tokens [n, T) of the host block are written back unchanged.
-        def partial_d2h() -> None:
-            for a, b, k in runs:
-                scratch = dst[b : b + k].to(src.device, non_blocking=True)
-                scratch[:, :, :, :, :n].copy_(src[a : a + k, :, :, :, :n])
-                dst[b : b + k].copy_(scratch, non_blocking=True)
-
-        return partial_d2h
+    def _block_copy_op(self, src_pool: BlockPool | LayerMajorPool, s: np.ndarray, dst_pool: BlockPool | LayerMajorPool,
+                       d: np.ndarray, n: int | None) -> Op:
+        """The op of one copy call: DMA or the copy kernel, chosen per call by :mod:`tiered_kv.copyops`."""
+        return self.copier.build(src_pool, s, dst_pool, d, n)
 
     # ------------------------------------------------------------------------------------ compute sync
 

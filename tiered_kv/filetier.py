@@ -47,10 +47,12 @@ import torch
 
 from .backends import Completion, FileBackend
 from .backends.posix import aligned_empty, create_file, make_dir, preallocate, remove_file
+from .copyops import Copier
 from .device import Device, Stream
 from .errors import IntegrityError, LayoutMismatchError, SlabInUseError, TransferError
+from .layer_major import LayerMajorPool
 from .layout import KVLayout
-from .pools import Tier
+from .pools import BlockPool, Tier
 from .slab import (
     HEADER_SIZE,
     Key,
@@ -225,6 +227,8 @@ class _Staging:
 
     def __init__(self, device: Device, layout: KVLayout, count: int) -> None:
         self.tensor = device.empty_host((count, layout.bytes_per_block), torch.uint8)
+        # the same memory as a block-major host pool, for the engine's copier (layer-major GPU pools)
+        self.pool = BlockPool(Tier.HOST, layout, self.tensor.view(layout.dtype).view(count, *layout.block_shape))
         self._free = list(range(count))
         self._waiters: list[Callable[[int], None]] = []
         self._lock = threading.Lock()
@@ -623,8 +627,14 @@ class FileTier:
         return norm
 
     def copy_op(self, src_tier: Tier, src: Any, s: np.ndarray, dst_tier: Tier, dst: Any, d: np.ndarray,
-                keys: list[Key] | None, streams: dict[str, Stream]) -> _FileOp:
-        """The op for a validated copy; updates the index for writes (slots become pending)."""
+                keys: list[Key] | None, streams: dict[str, Stream], copier: Copier | None = None) -> _FileOp:
+        """The op for a validated copy; updates the index for writes (slots become pending).
+
+        Args:
+            src / dst: the pools (block-major :class:`BlockPool`, or a :class:`LayerMajorPool` on the GPU side,
+                whose blocks are gathered into / scattered from staging by ``copier``).
+            copier: the engine's :class:`~tiered_kv.copyops.Copier` (needed for layer-major pools).
+        """
         if dst_tier is Tier.FILE:
             assert keys is not None
             slots = d.tolist()
@@ -639,13 +649,13 @@ class FileTier:
                     self._gens[slot] = gen
                     gens.append(gen)
             stream = streams["offload"] if src_tier is Tier.GPU else None
-            return _FileOp(self, True, src.tensor, s.tolist(), slots, keys, gens, stream)
+            return _FileOp(self, True, src, s.tolist(), slots, keys, gens, stream, copier)
         slots = s.tolist()
         with self._lock:
             expect = [self._keys[i] for i in slots]
             gens = [self._gens[i] for i in slots]
         stream = streams["onboard"] if dst_tier is Tier.GPU else None
-        return _FileOp(self, False, dst.tensor, d.tolist(), slots, expect, gens, stream)  # type: ignore[arg-type]
+        return _FileOp(self, False, dst, d.tolist(), slots, expect, gens, stream, copier)  # type: ignore[arg-type]
 
     def _staging_pool(self) -> _Staging:
         with self._staging_lock:
@@ -723,17 +733,23 @@ class FileTier:
 class _FileOp:
     """One engine copy into or out of the file tier; ``start(done)`` starts it and returns at once."""
 
-    def __init__(self, tier: FileTier, write: bool, pool: torch.Tensor, blocks: list[int], slots: list[int],
-                 keys: list[Key], gens: list[int], stream: Stream | None) -> None:
+    def __init__(self, tier: FileTier, write: bool, pool: BlockPool | LayerMajorPool, blocks: list[int], slots: list[int],
+                 keys: list[Key], gens: list[int], stream: Stream | None, copier: Copier | None = None) -> None:
         self.tier = tier
         self.write = write
-        self.pool = pool  # the HOST or GPU pool tensor on the other side
+        # the HOST or GPU pool on the other side: its tensor when block-major, else the layer-major pool
+        self.layer_major = pool if isinstance(pool, LayerMajorPool) else None
+        self.pool = pool.tensor if self.layer_major is None else torch.empty(0)
+        if self.layer_major is not None and copier is None:
+            raise ValueError("copies between a layer-major pool and the file tier need the engine's copier")
+        self.copier = copier
         self.blocks = blocks  # pool block index per job
         self.slots = slots  # file slot per job
         self.keys = keys  # content key to write / expected
         self.gens = gens  # generation to write / expected
         self.stream = stream  # offload/onboard stream for GPU<->staging copies; None for host pools
-        self.direct_device = stream is not None and tier.backend.device_io
+        # GDS straight from/to the GPU block: only for block-major pools (a layer-major block is not one region)
+        self.direct_device = stream is not None and tier.backend.device_io and self.layer_major is None
         self._lock = threading.Lock()
         self._left = len(slots)
         self._error: BaseException | None = None
@@ -809,13 +825,26 @@ class _FileOp:
     def _run_staged(self, j: int, buf: int | None) -> None:
         assert buf is not None and self.stream is not None
         stream = self.stream
-        staging = self.tier._staging_pool().tensor[buf]
-        block = self._payload(j)
+        staging_pool = self.tier._staging_pool()
+        staging = staging_pool.tensor[buf]
         hdr = self._hdrs[j]
+        lm = self.layer_major
+        if lm is not None:
+            # gather / scatter the block's layers*kv chunks with the engine's copier (one kernel or DMA batch)
+            assert self.copier is not None
+            at, sb = np.array([self.blocks[j]]), np.array([buf])
+            gather = self.copier.build(lm, at, staging_pool.pool, sb, None)
+            scatter = self.copier.build(staging_pool.pool, sb, lm, at, None)
+            block = staging  # unused as an I/O buffer: direct_device is off for layer-major pools
+        else:
+            block = self._payload(j)
 
         def d2h() -> None:
             with self._cuda_device():
-                staging.copy_(block, non_blocking=True)
+                if lm is not None:
+                    gather()
+                else:
+                    staging.copy_(block, non_blocking=True)
 
         if self.write:
             # GPU block -> staging on the offload stream; then (stream waiter thread) start the write. With GDS
@@ -828,7 +857,10 @@ class _FileOp:
         def h2d() -> None:
             def copy() -> None:
                 with self._cuda_device():
-                    block.copy_(staging, non_blocking=True)
+                    if lm is not None:
+                        scatter()
+                    else:
+                        block.copy_(staging, non_blocking=True)
 
             stream.submit(copy)
             stream.notify(lambda: self._job_done(j, buf, None))

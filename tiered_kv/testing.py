@@ -44,6 +44,8 @@ def fill_random(tensor: torch.Tensor, generator: torch.Generator | None = None) 
 
     Random *bytes*, so every bit pattern of the block is checked, including fp8 and int8 ones.
     """
+    if not tensor.is_contiguous():  # a strided view (e.g. one layer of a padded cache): fill through a dense buffer
+        return tensor.copy_(fill_random(torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device), generator))
     raw = torch.randint(0, 256, (tensor.numel() * tensor.element_size(),), dtype=torch.uint8, generator=generator)
     tensor.view(-1).view(torch.uint8).copy_(raw.to(tensor.device))
     return tensor

@@ -1,0 +1,47 @@
+// tiered_kv CUDA kernels: torch-free launchers (raw pointers + a stream), shared by the torch bindings.
+//
+// Every pointer may be device memory or pinned host memory addressed through unified addressing (the
+// binding passes the device view of a host pointer from cudaHostGetDevicePointer). Launchers return the
+// launch error; they never synchronize.
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime.h>
+
+namespace tiered_kv {
+
+// dst[p, s, k, j] = src[p, idx[s], k, j] == sentinel ? sentinel
+//                 : scale[p] * src[p, idx[s], k, j] + (k == 1 ? v_offset[p] : 0),   for j < max_blocks.
+// scale / v_offset may be null (1 / 0). idx is int32 or int64 (idx_is_64).
+cudaError_t launch_gather_block_offsets(int32_t* dst, const int32_t* src, const void* idx, bool idx_is_64,
+                                        const int32_t* scale, const int32_t* v_offset, int64_t pools, int64_t seqs,
+                                        int64_t kv, int64_t dst_cols, int64_t src_rows, int64_t src_cols,
+                                        int64_t max_blocks, int32_t sentinel, cudaStream_t stream);
+
+// Geometry of a structured block copy (see tiered_kv/ops.py copy_blocks). A side has `tensors` base
+// pointers; group g of a block lives in tensor g / (groups / tensors) at byte offset
+// (g % (groups / tensors)) * group_bytes + block * block_stride. Each group is `rows` rows `row_pitch`
+// bytes apart, of which the first `width` bytes are copied.
+struct BlockCopyGeometry {
+  int64_t num_pairs;
+  int64_t groups;
+  int64_t rows;
+  int64_t row_pitch;
+  int64_t width;
+  int64_t group_bytes;
+  int64_t src_tensors, dst_tensors;
+  int64_t src_block_stride, dst_block_stride;
+};
+
+// bases: src_tensors source base pointers then dst_tensors destination base pointers (device-readable).
+// src_blocks / dst_blocks: num_pairs block indices each (device-readable int64).
+cudaError_t launch_copy_blocks(const BlockCopyGeometry& g, const int64_t* bases, const int64_t* src_blocks,
+                               const int64_t* dst_blocks, cudaStream_t stream);
+
+// segments: [count, 3] int64 rows (src address, dst address, nbytes), device-readable; any alignment.
+cudaError_t launch_copy_segments(const int64_t* segments, int64_t count, cudaStream_t stream);
+
+// Largest piece one warp copies; longer chunks are split so that big chunks use many warps.
+constexpr int64_t kSegmentBytes = 16 * 1024;
+
+}  // namespace tiered_kv

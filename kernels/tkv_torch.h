@@ -1,0 +1,43 @@
+// Helpers shared by the torch bindings of the tiered_kv kernels (host code only).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace tiered_kv {
+
+// The address a kernel on the current device uses for `t`: its data pointer for device memory, the
+// device view of a pinned host allocation (unified addressing) for host memory.
+inline void* device_view(const at::Tensor& t, const char* what) {
+  void* p = t.data_ptr();
+  if (t.is_cuda() || p == nullptr) return p;
+  TORCH_CHECK(t.device().is_cpu(), what, " must be on a CUDA device or in pinned host memory");
+  // cudaPointerGetAttributes resolves any address inside a pinned allocation (a view's offset included);
+  // pageable memory reports cudaMemoryTypeUnregistered and has no device address.
+  cudaPointerAttributes attr{};
+  const cudaError_t err = cudaPointerGetAttributes(&attr, p);
+  if (err != cudaSuccess) cudaGetLastError();  // clear it so later launches do not report it
+  TORCH_CHECK(err == cudaSuccess && attr.type == cudaMemoryTypeHost && attr.devicePointer != nullptr, what,
+              " is in pageable host memory; a kernel can only reach pinned host memory");
+  return attr.devicePointer;
+}
+
+// Ship `values` to `device` through a fresh pinned buffer. The caching host allocator records the copy's
+// stream, so the buffer is not reused before the copy has executed (the seed-000 staging rule).
+inline at::Tensor to_device_pinned(const std::vector<int64_t>& values, const at::Device& device) {
+  at::Tensor host = at::empty({static_cast<int64_t>(values.size())},
+                              at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  std::copy(values.begin(), values.end(), host.data_ptr<int64_t>());
+  return host.to(device, /*non_blocking=*/true);
+}
+
+inline void check_launch(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, what, " failed: ", cudaGetErrorString(err));
+}
+
+}  // namespace tiered_kv

@@ -1,0 +1,82 @@
+// Runs the CUDA kernels of kernels/*.cu on the CPU, one lane at a time, so CI checks their indexing and
+// alignment logic without a GPU. Valid because no kernel uses shared memory, barriers or warp intrinsics:
+// every lane reads and writes its own bytes, so running lanes one after another gives the GPU's result.
+// Built and driven by tests/test_kernel_emulation.py (ctypes).
+#include <cuda_runtime.h>
+
+static uint3 threadIdx, blockIdx;
+static dim3 blockDim, gridDim;
+
+#define TKV_HOST_EMULATION 1
+#include "../kernels/copy_blocks.cu"
+#include "../kernels/gather_block_offsets.cu"
+
+namespace {
+
+template <typename F>
+void run_grid(unsigned grid, unsigned threads, F body) {
+  gridDim = dim3(grid);
+  blockDim = dim3(threads);
+  for (unsigned b = 0; b < grid; ++b) {
+    blockIdx.x = b;
+    for (unsigned t = 0; t < threads; ++t) {
+      threadIdx.x = t;
+      body();
+    }
+  }
+}
+
+unsigned capped(unsigned grid, int max_grid) { return max_grid > 0 && grid > unsigned(max_grid) ? unsigned(max_grid) : grid; }
+
+}  // namespace
+
+extern "C" {
+
+// geometry: num_pairs, groups, rows, row_pitch, width, group_bytes, src_tensors, dst_tensors,
+// src_block_stride, dst_block_stride (the BlockCopyGeometry fields, in order)
+void emu_copy_blocks(const int64_t* geometry, const int64_t* bases, const int64_t* src_blocks, const int64_t* dst_blocks,
+                     int max_grid, int index64) {
+  tiered_kv::BlockCopyGeometry g{geometry[0], geometry[1], geometry[2], geometry[3], geometry[4],
+                                 geometry[5], geometry[6], geometry[7], geometry[8], geometry[9]};
+  if (g.num_pairs == 0 || g.width == 0) return;
+  const int64_t pieces = (g.width + tiered_kv::kSegmentBytes - 1) / tiered_kv::kSegmentBytes;
+  const int64_t total = g.num_pairs * g.groups * g.rows * pieces;
+  run_grid(capped(tiered_kv::grid_for(total), max_grid), tiered_kv::kThreads, [&] {
+    if (index64) {
+      tiered_kv::copy_blocks_kernel<int64_t>(g, bases, src_blocks, dst_blocks, pieces, total);
+    } else {
+      tiered_kv::copy_blocks_kernel<uint32_t>(g, bases, src_blocks, dst_blocks, pieces, total);
+    }
+  });
+}
+
+void emu_copy_segments(const int64_t* segments, int64_t count, int max_grid) {
+  if (count == 0) return;
+  run_grid(capped(tiered_kv::grid_for(count), max_grid), tiered_kv::kThreads,
+           [&] { tiered_kv::copy_segments_kernel(segments, count); });
+}
+
+void emu_gather(int32_t* dst, const int32_t* src, const void* idx, int idx_is_64, const int32_t* scale,
+                const int32_t* v_offset, int64_t pools, int64_t seqs, int64_t kv, int64_t dst_cols, int64_t src_rows,
+                int64_t src_cols, int64_t max_blocks, int32_t sentinel, int grid_x, int threads) {
+  for (unsigned p = 0; p < pools; ++p) {
+    gridDim = dim3(grid_x, pools);
+    blockDim = dim3(threads);
+    blockIdx.y = p;
+    for (int b = 0; b < grid_x; ++b) {
+      blockIdx.x = b;
+      for (int t = 0; t < threads; ++t) {
+        threadIdx.x = t;
+        if (idx_is_64) {
+          tiered_kv::gather_block_offsets_kernel<int64_t>(dst, src, static_cast<const int64_t*>(idx), scale, v_offset, seqs,
+                                                          kv, dst_cols, src_rows, src_cols, max_blocks, sentinel);
+        } else {
+          tiered_kv::gather_block_offsets_kernel<int32_t>(dst, src, static_cast<const int32_t*>(idx), scale, v_offset, seqs,
+                                                          kv, dst_cols, src_rows, src_cols, max_blocks, sentinel);
+        }
+      }
+    }
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,130 @@
+"""The CUDA extension compiles, loads and registers a CUDA kernel for every op (whenever nvcc and a CUDA
+build of torch exist, GPU or not), so a compile error fails CI. Builds run in subprocesses: one process
+cannot load two builds of the same op library."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiered_kv import _ext
+
+CAN_COMPILE = _ext.find_cuda_home() is not None and torch.version.cuda is not None
+needs_toolkit = pytest.mark.skipif(not CAN_COMPILE, reason="needs nvcc and a CUDA build of torch")
+
+_BUILD = """
+import json
+from tiered_kv import _ext
+path = _ext.build()
+print(json.dumps({"path": str(path), "registered": _ext.cuda_kernels_registered(), "status": _ext.status()}))
+"""
+
+
+def _build_in_subprocess(cache: Path, builder: str) -> dict:
+    env = {**os.environ, "TIERED_KV_EXT_DIR": str(cache), "TIERED_KV_EXT_BUILDER": builder}
+    proc = subprocess.run([sys.executable, "-c", _BUILD], capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, f"extension build failed:\n{proc.stderr[-8000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@needs_toolkit
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("builder", ["auto", "direct"])
+def test_extension_compiles_and_registers_every_op(tmp_path: Path, builder: str) -> None:
+    if builder == "auto":
+        from torch.utils import cpp_extension
+
+        if not cpp_extension.is_ninja_available():
+            pytest.skip("ninja is not installed; the direct builder case covers this machine")
+    out = _build_in_subprocess(tmp_path, builder)
+    assert Path(out["path"]).exists()
+    assert out["registered"] == {op: True for op in _ext.OPS}
+    assert out["status"]["built"] is True and out["status"]["error"] is None
+    # A second process finds the cache entry and does not rebuild.
+    mtime = Path(out["path"]).stat().st_mtime_ns
+    again = _build_in_subprocess(tmp_path, builder)
+    assert again["path"] == out["path"] and Path(out["path"]).stat().st_mtime_ns == mtime
+
+
+def test_status_reports_toolkit_and_ops() -> None:
+    st = _ext.status()
+    for key in (
+        "cuda_home",
+        "nvcc",
+        "nvcc_version",
+        "torch",
+        "torch_cuda",
+        "cuda_available",
+        "ninja",
+        "arch",
+        "sources",
+        "cache_dir",
+        "built",
+        "registered",
+        "error",
+    ):
+        assert key in st
+    assert set(st["registered"]) == set(_ext.OPS)
+    assert {"gather_block_offsets.cpp", "copy_blocks.cpp", "copy_chunks.cpp", "copy_blocks.cu"} <= set(st["sources"])
+    if CAN_COMPILE:
+        assert st["nvcc_version"] and st["cuda_home"]
+
+
+def test_build_key_changes_with_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    kernels = tmp_path / "kernels"
+    kernels.mkdir()
+    (kernels / "a.cu").write_text("// one\n")
+    monkeypatch.setenv("TIERED_KV_KERNELS_DIR", str(kernels))
+    k1 = _ext._build_key("9.0")
+    assert _ext._build_key("9.0") == k1
+    assert _ext._build_key("8.0") != k1
+    (kernels / "a.cuh").write_text("// a header counts too\n")
+    k2 = _ext._build_key("9.0")
+    assert k2 != k1
+    (kernels / "a.cu").write_text("// two\n")
+    assert _ext._build_key("9.0") not in (k1, k2)
+
+
+def test_find_cuda_home_reads_a_wrapper_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "cuda-99.1"
+    (root / "bin").mkdir(parents=True)
+    (root / "include").mkdir()
+    (root / "bin" / "nvcc").write_text("#!/bin/sh\necho fake\n")
+    (root / "include" / "cuda_runtime.h").write_text("")
+    wrapper_dir = tmp_path / "wrapper"
+    wrapper_dir.mkdir()
+    wrapper = wrapper_dir / "nvcc"
+    wrapper.write_text(f'#!/bin/sh\nexec {root}/bin/nvcc "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setenv("PATH", f"{wrapper_dir}{os.pathsep}{os.environ['PATH']}")
+    assert _ext.find_cuda_home() == str(root)
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "nowhere"))  # invalid: ignored
+    assert _ext.find_cuda_home() == str(root)
+
+
+def test_load_without_gpu_falls_back_and_logs_once(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    monkeypatch.setitem(_ext._state, "loaded", None)
+    monkeypatch.setitem(_ext._state, "logged", False)
+    with caplog.at_level("WARNING", logger="tiered_kv._ext"):
+        assert _ext.load() is False
+        assert _ext.load() is False
+    assert sum("CPU reference" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_arch_flags() -> None:
+    assert _ext._arch_flags("9.0") == ["-gencode=arch=compute_90,code=sm_90"]
+    assert _ext._arch_flags("8.0;9.0+PTX") == [
+        "-gencode=arch=compute_80,code=sm_80",
+        "-gencode=arch=compute_90,code=sm_90",
+        "-gencode=arch=compute_90,code=compute_90",
+    ]

@@ -1,0 +1,152 @@
+"""The CUDA kernels' own code, run on the CPU lane by lane (tests/kernel_emulation.cpp), against the references.
+
+This checks the kernels' index decoding, piece splitting, grid-stride loops and alignment paths in CI;
+the ``gpu`` tests in test_ops.py run the same cases on the device.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from test_ops import GEOM, KINDS, _logical, _make_side
+
+from tiered_kv import _ext, ops
+from tiered_kv.testing import assert_blocks_equal, fill_random
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    root = _ext.find_cuda_home()
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if root is None or cxx is None:
+        pytest.skip("needs a C++ compiler and the CUDA headers")
+    out = tmp_path_factory.mktemp("emu") / "libtkv_emu.so"
+    cmd = [cxx, "-std=c++17", "-O1", "-shared", "-fPIC", f"-I{root}/include", str(HERE / "kernel_emulation.cpp"), "-o", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return ctypes.CDLL(str(out))
+
+
+def _i64(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr())
+
+
+def _geometry(dst: list[torch.Tensor], src: list[torch.Tensor], n: int, pairs: int) -> list[int]:
+    """What kernels/copy_blocks.cpp computes (BlockCopyGeometry field order)."""
+    s0, d0 = src[0], dst[0]
+    isz = s0.element_size()
+    tokens, head_dim = s0.shape[-2], s0.shape[-1]
+    total = isz * math.prod(s0.shape[1:]) * len(src)
+    groups = max(len(src), len(dst))
+    group_bytes = total // groups
+    if n == tokens:
+        rows, pitch, width = 1, group_bytes, group_bytes
+    else:
+        pitch = tokens * head_dim * isz
+        rows, width = group_bytes // pitch, n * head_dim * isz
+    return [pairs, groups, rows, pitch, width, group_bytes, len(src), len(dst), s0.stride(0) * isz, d0.stride(0) * isz]
+
+
+def _emu_copy_blocks(emu, dst, src, s, d, n, max_grid=0, index64=False) -> None:
+    geom = _i64(_geometry(dst, src, n, len(s)))
+    bases = _i64([t.data_ptr() for t in src] + [t.data_ptr() for t in dst])
+    s_t, d_t = _i64(s), _i64(d)  # named: a temporary would be freed before the call reads it
+    emu.emu_copy_blocks(_ptr(geom), _ptr(bases), _ptr(s_t), _ptr(d_t), ctypes.c_int(max_grid), ctypes.c_int(index64))
+
+
+@pytest.mark.parametrize("src_kind", KINDS)
+@pytest.mark.parametrize("dst_kind", KINDS)
+@pytest.mark.parametrize("num_tokens", [None, 1, 3])
+@pytest.mark.parametrize("pad", [0, 3])
+@pytest.mark.parametrize("index64", [False, True])
+def test_copy_blocks_kernel_matches_reference(emu, src_kind, dst_kind, num_tokens, pad, index64) -> None:
+    src, _ = _make_side(src_kind, GEOM["n"], torch.float16, "cpu", pad)
+    dst, _ = _make_side(dst_kind, GEOM["n"] + 1, torch.float16, "cpu", pad)
+    want = [t.clone() for t in dst]
+    s, d = [0, 1, 2, 5, 4], [2, 3, 4, 0, 6]
+    n = GEOM["T"] if num_tokens is None else num_tokens
+    ops.copy_blocks(want, src, _i64(s), _i64(d), num_tokens=num_tokens)
+    _emu_copy_blocks(emu, dst, src, s, d, n, max_grid=2, index64=index64)  # two CTAs: every warp loops over many items
+    assert_blocks_equal(_logical(dst_kind, dst), _logical(dst_kind, want), f"{src_kind}->{dst_kind} n={num_tokens} pad={pad}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.uint8])
+@pytest.mark.parametrize("num_tokens", [None, 7, 64])
+@pytest.mark.parametrize("max_grid", [0, 1])
+def test_copy_blocks_kernel_large_rows_split_into_pieces(emu, dtype, num_tokens, max_grid) -> None:
+    # 2 layers x K/V x 3 heads x 64 tokens x 64 dims: a (layer) group is 96 KiB of fp32 -> several 16 KiB pieces
+    L, kv, H, T, D = 2, 2, 3, 64, 64
+    pad = 1 if dtype == torch.uint8 else 0  # uint8 + 1 byte of padding: source and destination misaligned mod 4
+    raw_src = [fill_random(torch.empty(3, kv * H * T * D + pad, dtype=dtype)) for _ in range(L)]
+    src = [r[:, : kv * H * T * D].unflatten(1, (kv, H, T, D)) for r in raw_src]
+    dst = [fill_random(torch.empty(4, L, kv, H, T, D, dtype=dtype))]
+    want = [dst[0].clone()]
+    n = T if num_tokens is None else num_tokens
+    ops.copy_blocks(want, src, _i64([2, 0]), _i64([1, 3]), num_tokens=num_tokens)
+    _emu_copy_blocks(emu, dst, src, [2, 0], [1, 3], n, max_grid)
+    assert_blocks_equal(dst[0], want[0])
+
+
+@pytest.mark.parametrize("max_grid", [0, 1])
+def test_copy_segments_kernel_any_alignment(emu, max_grid) -> None:
+    g = torch.Generator().manual_seed(3)
+    src = fill_random(torch.empty(200_000, dtype=torch.uint8), g)
+    dst = fill_random(torch.empty(200_000, dtype=torch.uint8), g)
+    want = dst.clone()
+    rows, cursor = [], 0
+    for nbytes in [0, 1, 15, 16, 17, 33, 100, 4096, 16 * 1024, 16 * 1024 + 7, 40_000]:
+        so = int(torch.randint(0, 150_000, (1,), generator=g))
+        do = cursor + int(torch.randint(0, 16, (1,), generator=g))
+        rows.append((src.data_ptr() + so, dst.data_ptr() + do, nbytes))
+        want[do : do + nbytes] = src[so : so + nbytes]
+        cursor = do + nbytes
+    # the binding splits chunks into pieces of at most kSegmentBytes before the launch
+    segments = []
+    for s_addr, d_addr, nbytes in rows:
+        for off in range(0, nbytes, 16 * 1024):
+            segments += [s_addr + off, d_addr + off, min(16 * 1024, nbytes - off)]
+    table = _i64(segments)
+    emu.emu_copy_segments(_ptr(table), ctypes.c_int64(len(segments) // 3), ctypes.c_int(max_grid))
+    assert_blocks_equal(dst, want, "segments")
+
+
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize(("grid_x", "threads"), [(1, 64), (3, 256), (40, 128)])
+def test_gather_kernel_matches_reference(emu, idx_dtype, grid_x, threads) -> None:
+    g = torch.Generator().manual_seed(grid_x)
+    pools, rows, seqs, kv, src_cols, dst_cols, max_blocks = 2, 9, 7, 2, 300, 280, 270
+    src = torch.randint(-1, 5000, (pools, rows, kv, src_cols), dtype=torch.int32, generator=g)
+    idx = torch.randint(0, rows, (seqs,), generator=g).to(idx_dtype)
+    scale = torch.tensor([3, -2], dtype=torch.int32)
+    v_off = torch.tensor([7, 100], dtype=torch.int32)
+    dst = torch.randint(-(2**31), 2**31 - 1, (pools, seqs, kv, dst_cols), dtype=torch.int32, generator=g)
+    want = dst.clone()
+    ops.gather_block_offsets(want, src, idx, scale=scale, v_offset=v_off, max_blocks=max_blocks, sentinel=-1)
+    emu.emu_gather(
+        _ptr(dst), _ptr(src), _ptr(idx), ctypes.c_int(idx_dtype == torch.int64), _ptr(scale), _ptr(v_off),
+        *(ctypes.c_int64(v) for v in (pools, seqs, kv, dst_cols, rows, src_cols, max_blocks)),
+        ctypes.c_int32(-1), ctypes.c_int(grid_x), ctypes.c_int(threads),
+    )  # fmt: skip
+    torch.testing.assert_close(dst, want, rtol=0, atol=0)
+    # no scale / offset: null pointers
+    dst2 = dst.clone()
+    want2 = dst.clone()
+    ops.gather_block_offsets(want2, src, idx, max_blocks=5, sentinel=-1)
+    emu.emu_gather(
+        _ptr(dst2), _ptr(src), _ptr(idx), ctypes.c_int(idx_dtype == torch.int64), None, None,
+        *(ctypes.c_int64(v) for v in (pools, seqs, kv, dst_cols, rows, src_cols, 5)),
+        ctypes.c_int32(-1), ctypes.c_int(grid_x), ctypes.c_int(threads),
+    )  # fmt: skip
+    torch.testing.assert_close(dst2, want2, rtol=0, atol=0)

@@ -1,0 +1,365 @@
+"""Kernel benchmark: layer-major offload/onboard, the DMA-vs-kernel choice, partial copies, offset gather.
+
+Rows, each next to a baseline measured in the same run:
+
+* ``layer_major``: engine offload and onboard of 256 blocks of a layer-major pool (32 layers x K/V tensors,
+  64 KiB and 8 KiB chunks) next to one contiguous pinned copy of the same bytes, a per-chunk ``copy_`` loop
+  in Python and a per-chunk ``cudaMemcpyAsync`` loop in C++ (``copy_chunks`` DMA, no merging possible).
+  Targets (H200): >= 0.9x contiguous and >= 5x the per-chunk loop at 64 KiB; >= 0.8x contiguous at 8 KiB.
+* ``sweep``: chunk sizes 4 KiB..4 MiB through the engine with the path forced to DMA, forced to the kernel,
+  and left to the engine's choice (``EngineConfig.dma_min_chunk_bytes``). Target: the choice within 5% of
+  the better path at every size.
+* ``partial``: ``num_tokens`` = 1/4, 1/2, 3/4 of a block, GPU->GPU (fraction of a contiguous device copy of
+  the same bytes; target >= 0.8) and host->GPU (fraction of a contiguous pinned H2D; target >= 0.85).
+* ``gather``: block-offset gather for 512 sequences x 2 pools x 256 blocks from a pinned table: host time
+  per call, device time, end to end, next to index_select + non_blocking copy + torch arithmetic.
+  Target: >= 3x faster end to end.
+
+With ``--quick`` on a machine without CUDA every row runs the CPU reference on the emulated device, with
+small sizes, and is labelled ``emulated``: it proves the program runs, not how fast a GPU is.
+
+Run: ``python -m tiered_kv.bench.kernels [--quick] [--device cpu|cuda] [--json F]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import _ext, ops
+from ..config import EngineConfig
+from ..engine import TransferEngine
+from ..layer_major import LayerMajorPool
+from ..layout import KVLayout
+from ..pools import BlockPool, Tier
+from ..testing import fill_random
+from .common import bench_main, machine_info
+
+__all__ = ["main", "run"]
+
+
+def _block_pool(engine: TransferEngine, tier: Tier) -> BlockPool:
+    pool = engine.pool(tier)
+    assert isinstance(pool, BlockPool)
+    return pool
+
+
+def _sync(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def _median_seconds(fn: Callable[[], object], repeat: int, cuda: bool) -> float:
+    """Median wall seconds of ``fn`` (synchronized before and after), after one warm-up call."""
+    times = []
+    for i in range(repeat + 1):
+        _sync(cuda)
+        t0 = time.perf_counter()
+        fn()
+        _sync(cuda)
+        if i:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+async def _engine_seconds(
+    engine: TransferEngine, src: Tier, s: np.ndarray, dst: Tier, d: np.ndarray, repeat: int, n: int | None = None
+) -> float:
+    times = []
+    for i in range(repeat + 1):
+        t0 = time.perf_counter()
+        await engine.copy(src, s, dst, d, num_tokens=n)
+        if i:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _layout_for_chunk(chunk: int, layers: int) -> KVLayout:
+    """bf16, 16 tokens x 128 head_dim per head (4 KiB): heads = chunk / 4 KiB; fp32 halves for 2 KiB."""
+    if chunk < 4096:
+        return KVLayout(num_layers=layers, num_kv_heads=1, head_dim=chunk // 64, tokens_per_block=16, dtype=torch.float32)
+    return KVLayout(num_layers=layers, num_kv_heads=chunk // 4096, head_dim=128, tokens_per_block=16, dtype=torch.bfloat16)
+
+
+def _fill(pool: LayerMajorPool, random: bool) -> None:
+    # content does not change bandwidth; random bits only where it is cheap (CPU-sized runs)
+    for t in pool.tensors:
+        if random:
+            fill_random(t)
+        else:
+            t.zero_()
+
+
+# ------------------------------------------------------------------------------------------ layer-major
+
+
+async def _layer_major(device: str, chunk: int, layers: int, blocks: int, repeat: int, loop_repeat: int) -> list[dict[str, Any]]:
+    cuda = device.startswith("cuda")
+    layout = _layout_for_chunk(chunk, layers)
+    pool = LayerMajorPool.allocate(layout, blocks, device if cuda else "cpu", split_kv=True)
+    _fill(pool, not cuda)
+    idx = np.arange(blocks)
+    rows = []
+    async with TransferEngine(layout, gpu_pool=pool, host_blocks=blocks, device=device) as engine:
+        host = _block_pool(engine, Tier.HOST).tensor
+        nbytes = blocks * layout.bytes_per_block
+        off = await _engine_seconds(engine, Tier.GPU, idx, Tier.HOST, idx, repeat)
+        on = await _engine_seconds(engine, Tier.HOST, idx, Tier.GPU, idx, repeat)
+        path = next(iter(engine.copier.statistics().calls))
+        flat_gpu = torch.empty(nbytes, dtype=torch.uint8, device=pool.device)
+        flat_host = host.view(-1).view(torch.uint8)
+        contig_d2h = _median_seconds(lambda: flat_host.copy_(flat_gpu, non_blocking=True), repeat, cuda)
+        contig_h2d = _median_seconds(lambda: flat_gpu.copy_(flat_host, non_blocking=True), repeat, cuda)
+
+        # per-chunk loops: every (block, layer, kv) chunk its own copy
+        chunks = layout.num_layers * layout.kv_factor
+        host_chunks = host.view(blocks, chunks, -1)
+
+        def python_loop_d2h() -> None:
+            for b in range(blocks):
+                for c, t in enumerate(pool.tensors):
+                    host_chunks[b, c].copy_(t[b].view(-1), non_blocking=True)
+
+        loop_d2h = _median_seconds(python_loop_d2h, loop_repeat, cuda)
+        table = torch.tensor(
+            [[c, b * chunk, 0, (b * chunks + c) * chunk, chunk] for b in range(blocks) for c in range(chunks)], dtype=torch.int64
+        )
+        cxx_loop = float("nan")
+        if cuda and engine.copier.kernels:
+            cxx_loop = _median_seconds(lambda: ops.copy_chunks([host], pool.tensors, table, method=ops.METHOD_DMA), repeat, cuda)
+    for direction, ours, base in (("offload", off, contig_d2h), ("onboard", on, contig_h2d)):
+        rows.append(
+            {
+                "bench": "layer_major",
+                "device": "cuda" if cuda else "emulated",
+                "chunk_KiB": chunk / 1024,
+                "chunks": blocks * chunks,
+                "direction": direction,
+                "path": path,
+                "engine_GBps": nbytes / ours / 1e9,
+                "contiguous_GBps": nbytes / base / 1e9,
+                "vs_contiguous": base / ours,
+                "py_loop_GBps": nbytes / loop_d2h / 1e9 if direction == "offload" else float("nan"),
+                "cxx_loop_GBps": nbytes / cxx_loop / 1e9 if direction == "offload" else float("nan"),
+                "vs_py_loop": loop_d2h / ours if direction == "offload" else float("nan"),
+                "target": ">=0.9x contig, >=5x loop" if chunk >= 65536 else ">=0.8x contig",
+            }
+        )
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ sweep
+
+
+async def _sweep(device: str, sizes: Sequence[int], total: int, repeat: int) -> list[dict[str, Any]]:
+    cuda = device.startswith("cuda")
+    rows = []
+    for chunk in sizes:
+        layers = 4
+        layout = _layout_for_chunk(chunk, layers)
+        blocks = max(2, total // layout.bytes_per_block)
+        pool = LayerMajorPool.allocate(layout, blocks, device if cuda else "cpu", split_kv=True)
+        _fill(pool, not cuda)
+        rng = np.random.default_rng(chunk)
+        s, d = rng.permutation(blocks), rng.permutation(blocks)  # scattered on both sides
+        result: dict[str, float] = {}
+        chosen = ""
+        for mode in ("dma", "kernel", "auto"):
+            cfg = EngineConfig.from_env(copy_path=mode)
+            async with TransferEngine(layout, gpu_pool=pool, host_blocks=blocks, device=device, config=cfg) as engine:
+                result[mode] = await _engine_seconds(engine, Tier.GPU, s, Tier.HOST, d, repeat)
+                if mode == "auto":
+                    chosen = next(iter(engine.copier.statistics().calls))
+        nbytes = blocks * layout.bytes_per_block
+        best = min(result["dma"], result["kernel"])
+        rows.append(
+            {
+                "bench": "sweep",
+                "device": "cuda" if cuda else "emulated",
+                "chunk_KiB": chunk / 1024,
+                "MiB": nbytes / 2**20,
+                "dma_GBps": nbytes / result["dma"] / 1e9,
+                "kernel_GBps": nbytes / result["kernel"] / 1e9,
+                "choice_GBps": nbytes / result["auto"] / 1e9,
+                "choice": chosen,
+                "choice_vs_best": best / result["auto"],
+                "target": ">=0.95",
+            }
+        )
+        del pool
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ partial
+
+
+async def _partial(device: str, blocks: int, repeat: int) -> list[dict[str, Any]]:
+    cuda = device.startswith("cuda")
+    layout = KVLayout(num_layers=32 if cuda else 2, num_kv_heads=8, head_dim=128, tokens_per_block=16, dtype=torch.bfloat16)
+    rows = []
+    idx = np.arange(blocks)
+    half = blocks // 2
+    async with TransferEngine(layout, gpu_blocks=blocks, host_blocks=half, device=device) as engine:
+        gpu = _block_pool(engine, Tier.GPU).tensor
+        host = _block_pool(engine, Tier.HOST).tensor
+        for frac in (0.25, 0.5, 0.75):
+            n = int(layout.tokens_per_block * frac)
+            nbytes = half * layout.partial_bytes(n)
+            d2d = await _engine_seconds(engine, Tier.GPU, idx[:half], Tier.GPU, idx[half:], repeat, n)
+            h2d = await _engine_seconds(engine, Tier.HOST, idx[:half], Tier.GPU, idx[:half], repeat, n)
+            path = engine.copier.plan(engine.pool(Tier.GPU), idx[:half], engine.pool(Tier.GPU), idx[half:], n).path
+            a = gpu.view(-1).view(torch.uint8)[:nbytes]
+            b = gpu.view(-1).view(torch.uint8)[nbytes : 2 * nbytes]
+            h = host.view(-1).view(torch.uint8)[:nbytes]
+            base_d2d = _median_seconds(functools.partial(b.copy_, a, non_blocking=True), repeat, cuda)
+            base_h2d = _median_seconds(functools.partial(a.copy_, h, non_blocking=True), repeat, cuda)
+            for direction, ours, base, target in (("gpu->gpu", d2d, base_d2d, 0.8), ("host->gpu", h2d, base_h2d, 0.85)):
+                rows.append(
+                    {
+                        "bench": "partial",
+                        "device": "cuda" if cuda else "emulated",
+                        "tokens": f"{n}/{layout.tokens_per_block}",
+                        "direction": direction,
+                        "path": path,
+                        "MiB_moved": nbytes / 2**20,
+                        "engine_GBps": nbytes / ours / 1e9,
+                        "contiguous_GBps": nbytes / base / 1e9,
+                        "fraction": base / ours,
+                        "target": target,
+                    }
+                )
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ gather
+
+
+def _gather(device: str, seqs: int, pools: int, max_blocks: int, repeat: int) -> list[dict[str, Any]]:
+    cuda = device.startswith("cuda")
+    dev = torch.device(device if cuda else "cpu")
+    kv = 2
+    rows_total = seqs * 2
+    src = torch.randint(-1, 1 << 20, (pools, rows_total, kv, max_blocks), dtype=torch.int32, pin_memory=cuda)
+    idx = torch.randperm(rows_total, dtype=torch.int64)[:seqs].to(torch.int32)
+    idx = idx.pin_memory() if cuda else idx
+    scale = torch.full((pools,), 2, dtype=torch.int32, pin_memory=cuda)
+    v_off = torch.ones(pools, dtype=torch.int32, pin_memory=cuda)
+    scale_dev, v_dev = scale.to(dev), v_off.to(dev)
+    dst = torch.empty(pools, seqs, kv, max_blocks, dtype=torch.int32, device=dev)
+    dst_ref = torch.empty_like(dst)
+
+    def ours() -> None:
+        ops.gather_block_offsets(dst, src, idx, scale=scale, v_offset=v_off, max_blocks=max_blocks, sentinel=-1)
+
+    def plain() -> None:
+        rows = src.index_select(1, idx.long())  # CPU gather
+        staged = rows.pin_memory() if cuda else rows
+        on_dev = staged.to(dev, non_blocking=True)
+        out = on_dev * scale_dev.view(-1, 1, 1, 1)
+        out[:, :, 1] += v_dev.view(-1, 1, 1)
+        dst_ref.copy_(torch.where(on_dev == -1, on_dev, out))
+
+    result = []
+    for name, fn in (("tiered_kv.gather_block_offsets", ours), ("index_select + non_blocking copy", plain)):
+        host_times, dev_times = [], []
+        end_to_end = _median_seconds(fn, repeat, cuda)
+        for _ in range(repeat):
+            _sync(cuda)
+            if cuda:
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+            t0 = time.perf_counter()
+            fn()
+            host_times.append(time.perf_counter() - t0)
+            if cuda:
+                e1.record()
+                e1.synchronize()
+                dev_times.append(e0.elapsed_time(e1) / 1e3)
+        result.append(
+            (name, statistics.median(host_times), statistics.median(dev_times) if dev_times else float("nan"), end_to_end)
+        )
+    _sync(cuda)
+    assert torch.equal(dst.cpu(), dst_ref.cpu()), "gather result differs from the plain torch path"
+    base_e2e = result[1][3]
+    return [
+        {
+            "bench": "gather",
+            "device": "cuda" if cuda else "emulated",
+            "shape": f"{pools}x{seqs}x{kv}x{max_blocks}",
+            "path": name,
+            "host_us": h * 1e6,
+            "device_us": d * 1e6,
+            "end_to_end_us": e * 1e6,
+            "speedup": base_e2e / e,
+            "target": ">=3x" if name.startswith("tiered") else "",
+        }
+        for name, h, d, e in result
+    ]
+
+
+# ------------------------------------------------------------------------------------------ entry
+
+
+def run(quick: bool = False, device: str = "auto") -> dict[str, Any]:
+    """Run every row; return ``{"name", "machine", "rows", "notes"}``."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    cuda = device.startswith("cuda")
+    kernels = _ext.load() if cuda else False
+    rows: list[dict[str, Any]] = []
+    loop = asyncio.new_event_loop()
+    errors: list[str] = []
+
+    def section(name: str, make: Callable[[], Any]) -> None:
+        # one failing section (say, out of memory) must not lose the others' rows in an unattended run
+        try:
+            result = make()
+            rows.extend(loop.run_until_complete(result) if asyncio.iscoroutine(result) else result)
+        except Exception as exc:
+            errors.append(f"{name} failed: {type(exc).__name__}: {exc}")
+
+    try:
+        if cuda:
+            for chunk in (64 << 10, 8 << 10):
+                make = functools.partial(_layer_major, device, chunk, 32, 256, 3 if quick else 10, 1 if quick else 3)
+                section(f"layer_major {chunk}", make)
+            sizes = [4 << 10 << k for k in range(0, 11, 2 if quick else 1)]
+            section("sweep", lambda: _sweep(device, sizes, (64 if quick else 256) << 20, 3 if quick else 10))
+            section("partial", lambda: _partial(device, 256, 3 if quick else 10))
+            section("gather", lambda: _gather(device, 512, 2, 256, 20 if quick else 100))
+        else:
+            section("layer_major", lambda: _layer_major(device, 4096, 4, 8, 5, 1))
+            section("sweep", lambda: _sweep(device, [4 << 10, 64 << 10, 1 << 20], 2 << 20, 3))
+            section("partial", lambda: _partial(device, 8, 2))
+            section("gather", lambda: _gather(device, 64, 2, 32, 5))
+    finally:
+        loop.close()
+    notes = [
+        "layer_major: engine = copy() to awaiting coroutine resumed; contiguous = one copy_ of the same bytes; "
+        "py_loop = one torch copy_ per chunk; cxx_loop = one cudaMemcpyAsync per chunk issued from C++",
+        "sweep: GPU->host of a layer-major (split K/V) pool, scattered block indices on both sides; "
+        "the path is forced per column, 'choice' is EngineConfig.dma_min_chunk_bytes at work",
+        "partial: block-major pools, tokens [0, n) of every (layer, kv, head); fraction = contiguous time / engine time",
+        "gather: host_us = CPU time to issue one call; device_us = CUDA events around it; end_to_end = issue to synchronize",
+    ]
+    notes += errors
+    if not cuda:
+        notes.append("emulated: CPU reference ops on the emulated device with small sizes; not GPU figures")
+    elif not kernels:
+        notes.append(f"CUDA kernels unavailable ({_ext.status()['error']}); rows show the pure-torch fallback")
+    return {"name": "kernels", "machine": machine_info(device), "rows": rows, "notes": notes}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return bench_main("kernels", run, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

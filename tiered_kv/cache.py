@@ -1,0 +1,494 @@
+"""``TieredKVCache``: what a server calls -- prefix reuse across GPU, host and file tiers.
+
+Primitives:
+
+* :class:`TieredKVCache` -- async context manager over a :class:`~tiered_kv.TransferEngine` and a
+  :class:`~tiered_kv.blocks.BlockManager`: ``await add_sequences(requests)``, ``await append_tokens(...)``,
+  ``free(...)``, ``page_table(...)``, ``statistics()``.
+* :class:`CacheStatistics` -- hits per tier, evictions, bytes moved per direction.
+
+The block manager decides synchronously (so a decision and the copies it implies are issued in one step of
+the event loop, with no await in between: many tasks on one loop never interleave inside a decision); this
+layer issues the planned copies in plan order through ``engine.copy`` (the engine's per-block fences order
+a copy that overwrites a slot after every pending read of it) and then awaits, for every GPU slot it hands
+out, the pending copies of that slot. A copy that failed poisons the blocks whose data it produced: they
+leave the lookup and whoever was about to use them gets :class:`~tiered_kv.TransferError`.
+
+The file tier (third tier) is behind one seam, :meth:`TieredKVCache._copy_file`: it is used for every
+copy that has a file slot on one side, and calls ``engine.copy(..., Tier.FILE, ...)``. See its docstring.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import inspect
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from .blocks import (
+    DEFAULT_PRIORITY,
+    Admission,
+    Block,
+    BlockManager,
+    BlockStatistics,
+    CacheFullError,
+    Move,
+    PageTableListener,
+    Plan,
+    Request,
+)
+from .engine import EngineStatistics, Transfer, TransferEngine
+from .errors import EngineClosedError, TransferError
+from .keys import KeyHasher
+from .layout import KVLayout
+from .pools import Tier
+from .staging import BlockOffsetTable
+
+__all__ = ["DEFAULT_PRIORITY", "Admission", "CacheFullError", "CacheStatistics", "Request", "TieredKVCache"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CacheStatistics:
+    """A snapshot of a :class:`TieredKVCache`.
+
+    Attributes:
+        requests: requests admitted.
+        tokens_requested, tokens_reused: prompt tokens admitted and reused from the cache.
+        hit_rate: ``tokens_reused / tokens_requested``.
+        hits: reused full blocks per tier they were found in (``"gpu"``, ``"host"``, ``"file"``).
+        partial_hits: partial reuses (first tokens of one block by a partial copy).
+        evictions: ``"gpu->host"``, ``"host->file"``, ``"gpu->dropped"``, ... -> blocks.
+        bytes_moved: engine bytes per direction (``"host->gpu"`` ...), completed copies only.
+        poisoned: blocks dropped because a copy producing them failed.
+        blocks: the block manager's snapshot (occupancy per tier, ...).
+        engine: the transfer engine's snapshot.
+    """
+
+    requests: int
+    tokens_requested: int
+    tokens_reused: int
+    hit_rate: float
+    hits: dict[str, int]
+    partial_hits: int
+    evictions: dict[str, int]
+    bytes_moved: dict[str, int]
+    poisoned: int
+    blocks: BlockStatistics
+    engine: EngineStatistics
+
+
+class TieredKVCache:
+    """A KV cache over GPU, pinned host and (optionally) file tiers, with prefix reuse.
+
+    Args:
+        layout: block geometry.
+        gpu_blocks: GPU pool size (blocks).
+        host_blocks: host pool size; 0 for a GPU-only cache.
+        file_blocks: file tier size; 0 for none. Needs an engine with a file pool (see ``file_dir``).
+        file_dir: directory of the file tier's slab files (used when the engine is built here).
+        device: ``"auto"``, ``"cpu"`` (emulated) or ``"cuda[:N]"``.
+        model_id: identity of the model; part of every content key.
+        max_seqs: live sequences at most; each gets a page-table row ``slot`` in ``[0, max_seqs)``.
+        max_blocks_per_seq: blocks a sequence may hold (default: the GPU pool).
+        drop_below_priority: GPU victims with a lower priority are dropped instead of offloaded.
+        compute_last_token: reuse at most ``len(prompt) - 1`` tokens (default ``True``).
+        on_page_table: ``callback(slot, page_table | None)`` when a sequence's page table changes or it
+            is freed (``None``); e.g. to fill a block-offset table.
+        engine: use this engine (its pools must match the sizes) instead of building one; it is then not
+            closed by :meth:`close`.
+        block_offsets: also keep a :class:`~tiered_kv.staging.BlockOffsetTable` (one pool, the cache's
+            ``max_seqs`` and ``max_blocks_per_seq``) filled from every page-table change, as
+            ``cache.block_offsets``; row ``adm.slot`` is a sequence's page table.
+
+    Example::
+
+        async with TieredKVCache(layout, gpu_blocks=1024, host_blocks=8192, device="cuda") as cache:
+            [adm] = await cache.add_sequences([prompt_ids])
+            run_prefill(adm.page_table, start=adm.tokens_reused)
+            await cache.append_tokens(adm.seq_id, [next_id])
+            cache.free(adm.seq_id)
+
+    Notes:
+        All calls must come from one event loop. Any number of tasks on it may call concurrently: each
+        decision is made and its copies issued without an await in between.
+        The caller's compute must not touch a block before ``add_sequences``/``append_tokens`` returned
+        it, and must order its writes before later copies of it (``engine.sync_with_compute``) when
+        running on CUDA streams of its own.
+    """
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        *,
+        gpu_blocks: int,
+        host_blocks: int = 0,
+        file_blocks: int = 0,
+        file_dir: str | os.PathLike[str] | None = None,
+        device: str | None = None,
+        model_id: str = "default",
+        max_seqs: int = 256,
+        max_blocks_per_seq: int | None = None,
+        drop_below_priority: int = 0,
+        compute_last_token: bool = True,
+        on_page_table: PageTableListener | None = None,
+        engine: TransferEngine | None = None,
+        block_offsets: bool = False,
+    ) -> None:
+        for name, value in (("gpu_blocks", gpu_blocks), ("host_blocks", host_blocks), ("file_blocks", file_blocks)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        if gpu_blocks < 1:
+            raise ValueError("gpu_blocks must be at least 1")
+        self.layout = layout
+        self.hasher = KeyHasher(layout, model_id)
+        self._owns_engine = engine is None
+        if engine is None:
+            engine = self._make_engine(layout, gpu_blocks, host_blocks, file_blocks, file_dir, device)
+        else:
+            for tier, n in ((Tier.GPU, gpu_blocks), (Tier.HOST, host_blocks), (Tier.FILE, file_blocks)):
+                if n and engine.pool(tier).num_blocks != n:
+                    raise ValueError(f"the engine's {tier.value} pool has {engine.pool(tier).num_blocks} blocks, not {n}")
+        self.engine = engine
+        # FILE TIER SEAM: the file tier's copy() takes the blocks' content keys (slot headers + index)
+        self._copy_takes_keys = "keys" in inspect.signature(engine.copy).parameters
+        self.blocks = BlockManager(
+            self.hasher,
+            {Tier.GPU: gpu_blocks, Tier.HOST: host_blocks, Tier.FILE: file_blocks},
+            max_seqs=max_seqs,
+            max_blocks_per_seq=max_blocks_per_seq,
+            drop_below_priority=drop_below_priority,
+            compute_last_token=compute_last_token,
+            on_page_table=on_page_table,
+        )
+        self.block_offsets: BlockOffsetTable | None = None
+        if block_offsets:
+            table = BlockOffsetTable(1, max_seqs, self.blocks.max_blocks_per_seq, kv_factor=layout.kv_factor, device=engine.device)
+            self.block_offsets = table
+            user_hook = on_page_table
+
+            def both(slot: int, page_table: tuple[int, ...] | None) -> None:
+                table.on_page_table(slot, page_table)
+                if user_hook is not None:
+                    user_hook(slot, page_table)
+
+            self.blocks.on_page_table = both
+        self._unchecked: list[tuple[Transfer, Block]] = []  # issued copies not yet seen complete
+        self._poisoned = 0
+        self._closed = False
+
+    @staticmethod
+    def _make_engine(
+        layout: KVLayout, gpu: int, host: int, file: int, file_dir: str | os.PathLike[str] | None, device: str | None
+    ) -> TransferEngine:
+        if file:
+            # FILE TIER SEAM (issue 4): build the engine with its file pool here once TransferEngine takes
+            # one (file_dir, file_blocks); until then a file tier needs an engine passed in.
+            if file_dir is None:
+                raise ValueError("file_blocks needs file_dir (or an engine with a file pool)")
+            try:
+                return TransferEngine(layout, gpu_blocks=gpu, host_blocks=host, device=device,
+                                      file_dir=file_dir, file_blocks=file)  # type: ignore[call-arg]
+            except TypeError as exc:
+                raise ValueError("this TransferEngine has no file tier; pass engine= with a file pool") from exc
+        return TransferEngine(layout, gpu_blocks=gpu, host_blocks=host, device=device)
+
+    # ------------------------------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> TieredKVCache:
+        if self._owns_engine:
+            await self.engine.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Wait for every copy in flight; close the engine if this cache built it. Idempotent.
+
+        Cancellation: the copies still complete; a later ``close()`` finishes the job.
+        """
+        self._closed = True
+        if self._owns_engine:
+            await self.engine.close()
+        else:
+            await self.engine.drain()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError("the TieredKVCache is closed")
+        if self.engine.closed or getattr(self.engine, "_closing", False):
+            # checked before any bookkeeping: a decision whose copies cannot be issued must not be made
+            raise EngineClosedError("the TieredKVCache's TransferEngine is closed")
+
+    # ------------------------------------------------------------------------------------ sequences
+
+    async def add_sequences(
+        self, requests: Iterable[Request | Sequence[int] | np.ndarray], *, _one_phase: bool = False
+    ) -> list[Admission]:
+        """Admit a batch of prompts: reuse their longest cached prefixes, allocate the rest on the GPU.
+
+        Two-phase (seed 001): every reusable block of every request is claimed before any block is
+        onboarded or allocated, so onboarding for one request cannot evict blocks another request of the
+        same batch was counted on: each request's ``tokens_reused`` equals what :meth:`match` said.
+
+        Args:
+            requests: :class:`Request` objects or plain token-id sequences (default priority).
+
+        Returns:
+            One :class:`Admission` per request, in order: its sequence id and slot, tokens reused,
+            blocks found per tier, blocks allocated, page table. Each is that request's own (equal to
+            admitting it alone on the same cache state). The blocks are on the GPU when this returns.
+
+        Raises:
+            ValueError, TypeError: bad requests (empty batch or prompt, too long, bad tokens/priority).
+            CacheFullError: the batch does not fit after every possible eviction. Nothing changed.
+            TransferError: a copy bringing a block failed; the batch's sequences were freed and the bad
+                blocks dropped.
+
+        Notes:
+            Cancellation: the sequences of the batch are freed (the copies already enqueued still complete
+            and keep their fences) and the cancellation propagates.
+        """
+        self._check_open()
+        self._sweep()
+        admissions, plan = self.blocks.admit(requests, one_phase=_one_phase)
+        self._issue(plan)
+        seq_ids = [a.seq_id for a in admissions]
+        try:
+            await self._settle(seq_ids, [a.page_table for a in admissions])
+        except BaseException:
+            for s in seq_ids:
+                if s in self.blocks.live_sequences:
+                    self.blocks.free(s)
+            raise
+        return admissions
+
+    async def append_tokens(self, seq_id: int, tokens: Sequence[int] | np.ndarray) -> tuple[int, ...]:
+        """Append generated tokens; a new GPU block is allocated each time one fills.
+
+        Returns:
+            The sequence's page table.
+
+        Raises:
+            ValueError: unknown or freed sequence, too many blocks for one sequence.
+            CacheFullError: no GPU block can be made free. Nothing changed.
+
+        Notes:
+            Cancellation: the tokens stay appended (the blocks are the sequence's); the copies that made
+            room still complete.
+        """
+        self._check_open()
+        self._sweep()
+        before = len(self.blocks.page_table(seq_id))
+        page_table, plan = self.blocks.append(seq_id, tokens)
+        self._issue(plan)
+        await self._settle_slots(page_table[before:])
+        return page_table
+
+    def commit(self, seq_id: int, num_tokens: int | None = None) -> int:
+        """Declare the KV of the first ``num_tokens`` tokens (default: all) written: they become reusable.
+
+        Call it once the compute that writes them has been issued (after prefill, after decode steps).
+        Until then a sequence's new blocks are never matched by other requests, so nobody can read KV
+        that is not there yet. Returns the committed token count.
+
+        Raises:
+            ValueError: unknown sequence, ``num_tokens`` beyond its tokens.
+        """
+        return self.blocks.commit(seq_id, num_tokens)
+
+    def free(self, seq_id: int) -> None:
+        """Release a sequence; its committed blocks become reusable cache, the rest free slots.
+
+        Cached blocks are evicted down the tiers when room is needed; a partly committed last block is
+        cached as a partial block (reused later through a partial copy).
+
+        Raises:
+            ValueError: unknown sequence id, or it was already freed.
+        """
+        self.blocks.free(seq_id)
+
+    def set_priority(self, seq_id: int, priority: int) -> None:
+        """Retention priority (0..100) of a live sequence's blocks once released."""
+        self.blocks.set_priority(seq_id, priority)
+
+    def match(self, tokens: Sequence[int] | np.ndarray) -> tuple[int, dict[str, int]]:
+        """How many tokens of ``tokens`` the cache would reuse now, and the blocks per tier (claims nothing)."""
+        m = self.blocks.match(tokens)
+        return m.tokens_reused, dict(m.by_tier)
+
+    async def evict(self, tier: Tier | str, count: int) -> int:
+        """Evict up to ``count`` unused cached blocks of ``tier`` down the cascade; returns how many.
+
+        Cancellation: the copies still complete.
+        """
+        self._check_open()
+        t_ = Tier.coerce(tier)
+        before = self.blocks.free_blocks(t_)
+        plan = self.blocks.evict(t_, count)
+        transfers = self._issue(plan)
+        for t in transfers:
+            try:
+                await t
+            except TransferError:
+                pass  # the poisoned block was dropped by the sweep below
+        self._sweep()
+        return self.blocks.free_blocks(t_) - before
+
+    # ------------------------------------------------------------------------------------ inspection
+
+    def page_table(self, seq_id: int) -> tuple[int, ...]:
+        """GPU block indices of a live sequence."""
+        return self.blocks.page_table(seq_id)
+
+    def page_tables(self) -> dict[int, tuple[int, ...]]:
+        """``seq_id -> page table`` of every live sequence."""
+        return {s: self.blocks.page_table(s) for s in self.blocks.live_sequences}
+
+    def sequence_slot(self, seq_id: int) -> int:
+        """The page-table row of a live sequence, in ``[0, max_seqs)``."""
+        return self.blocks.sequence_slot(seq_id)
+
+    def statistics(self) -> CacheStatistics:
+        b = self.blocks.statistics()
+        e = self.engine.statistics()
+        return CacheStatistics(
+            requests=b.requests,
+            tokens_requested=b.tokens_requested,
+            tokens_reused=b.tokens_reused,
+            hit_rate=b.tokens_reused / b.tokens_requested if b.tokens_requested else 0.0,
+            hits=b.hits,
+            partial_hits=b.partial_hits,
+            evictions=b.evictions,
+            bytes_moved=e.bytes_by_direction,
+            poisoned=self._poisoned,
+            blocks=b,
+            engine=e,
+        )
+
+    def __repr__(self) -> str:
+        b = self.blocks.statistics()
+        used = ", ".join(f"{t}:{b.capacity[t] - b.free[t]}/{b.capacity[t]}" for t in b.capacity if b.capacity[t])
+        state = "closed" if self._closed else "open"
+        return f"<TieredKVCache [{state}, seqs:{b.live_sequences}, in_flight:{len(self._unchecked)}] used({used})>"
+
+    # ------------------------------------------------------------------------------------ internals
+
+    def _issue(self, plan: Plan) -> list[Transfer]:
+        """Enqueue the plan's copies as few batched ``engine.copy`` calls, without an await in between.
+
+        A move joins the first group of its direction (and token count) that comes after every group it
+        conflicts with -- one that writes its source, or reads or writes its destination -- so every pair of
+        moves touching a common slot (other than two reads) keeps its plan order, and the engine's fences
+        order them on the device. Plans alternate offloads and onboards (each onboard frees the host slot
+        the next offload fills), so this turns thousands of single-block copies into a handful of calls.
+        """
+        groups: list[list[Move]] = []
+        by_kind: dict[tuple[Tier, Tier, int | None], list[int]] = {}  # direction -> its group indices, ascending
+        last_read: dict[tuple[Tier, int], int] = {}  # slot -> last group reading it
+        last_write: dict[tuple[Tier, int], int] = {}  # slot -> last group writing it
+        placed: list[int] = []  # move -> its group
+        for move in plan.moves:
+            src, dst = (move.src_tier, move.src_slot), (move.dst_tier, move.dst_slot)
+            after = max(last_write.get(src, -1), last_write.get(dst, -1), last_read.get(dst, -1))
+            kind = (move.src_tier, move.dst_tier, move.num_tokens)
+            candidates = by_kind.setdefault(kind, [])
+            i = bisect.bisect_right(candidates, after)
+            if i < len(candidates):
+                g = candidates[i]
+            else:
+                g = len(groups)
+                groups.append([])
+                candidates.append(g)
+            groups[g].append(move)
+            placed.append(g)
+            last_read[src] = max(last_read.get(src, -1), g)
+            last_write[dst] = max(last_write.get(dst, -1), g)
+        transfers = [self._issue_group(group) for group in groups]
+        # Lineage in plan order: a block moved twice in one plan ends with both copies in its sources.
+        for move, g in zip(plan.moves, placed, strict=True):
+            t = transfers[g]
+            block = move.block
+            if move.source is not None:
+                # The new block's first tokens come from the source block's data: inherit its lineage.
+                block.sources = [*(s for s in move.source.sources if not _succeeded(s)), t]
+            else:
+                block.sources = [s for s in block.sources if not _succeeded(s)]
+                block.sources.append(t)
+            self._unchecked.append((t, block))
+        return transfers
+
+    def _issue_group(self, group: list[Move]) -> Transfer:
+        head = group[0]
+        src = [m.src_slot for m in group]
+        dst = [m.dst_slot for m in group]
+        if Tier.FILE in (head.src_tier, head.dst_tier):
+            return self._copy_file(head.src_tier, src, head.dst_tier, dst, [m.block for m in group], head.num_tokens)
+        return self.engine.copy(head.src_tier, src, head.dst_tier, dst, num_tokens=head.num_tokens)
+
+    def _copy_file(
+        self, src_tier: Tier, src: list[int], dst_tier: Tier, dst: list[int], blocks: list[Block], num_tokens: int | None
+    ) -> Transfer:
+        """FILE TIER SEAM (issue 4): one batched copy with file slots on one side.
+
+        Spill (``Tier.HOST`` -> ``Tier.FILE``) when host victims are evicted, and read back (``Tier.FILE``
+        -> ``Tier.GPU``) when reused blocks are onboarded from the file tier. The content key of each block
+        is ``blocks[i].key``: when the file tier's ``copy`` takes keys for its slot headers (and verifies
+        them on read), pass them here. Until the file branch is merged this works with any engine that
+        routes ``Tier.FILE`` (the tests install an in-memory one); with the file branch's engine (whose
+        ``copy`` takes ``keys=``) the keys are passed, written into slot headers and checked on read.
+        """
+        if self._copy_takes_keys:
+            keys = [b.key for b in blocks]  # cached blocks (the only ones that spill or come back) have keys
+            return self.engine.copy(src_tier, src, dst_tier, dst, num_tokens=num_tokens, keys=keys)  # type: ignore[call-arg]
+        return self.engine.copy(src_tier, src, dst_tier, dst, num_tokens=num_tokens)
+
+    def _sweep(self) -> None:
+        """Drop blocks produced by copies that have failed since the last look (no await)."""
+        if not self._unchecked:
+            return
+        keep: list[tuple[Transfer, Block]] = []
+        for t, block in self._unchecked:
+            if not t.done():
+                keep.append((t, block))
+            elif t.exception() is not None:
+                self._poison(block)
+        self._unchecked = keep
+
+    def _poison(self, block: Block) -> None:
+        if block.cached:
+            self._poisoned += 1
+        self.blocks.invalidate(block)
+
+    async def _settle(self, seq_ids: list[int], page_tables: list[tuple[int, ...]]) -> None:
+        slots = sorted({s for pt in page_tables for s in pt})
+        await self._settle_slots(slots)
+        bad = [b for sid in seq_ids for b in self.blocks.sequence_blocks(sid) if _failed(b.sources)]
+        if bad:
+            for b in bad:
+                self._poison(b)
+            raise TransferError(f"{len(bad)} blocks of this batch could not be brought to the GPU (a copy failed)")
+        self._sweep()
+
+    async def _settle_slots(self, slots: Iterable[int]) -> None:
+        """Wait for every pending copy touching these GPU slots (the data is in place and no older read remains)."""
+        fences = self.engine.fences
+        pool = Tier.GPU.value
+        for slot in slots:
+            write, reads = fences.pending(pool, slot)
+            if write is not None:
+                await write.wait()
+            for r in reads:
+                await r.wait()
+
+
+def _succeeded(t: Any) -> bool:
+    return isinstance(t, Transfer) and t.done() and t.exception() is None
+
+
+def _failed(sources: list[object]) -> bool:
+    return any(isinstance(t, Transfer) and t.done() and t.exception() is not None for t in sources)

@@ -1,0 +1,247 @@
+"""Copy ops for the engine: the path choice (DMA or kernel) and the op that moves a batch of blocks.
+
+Primitives:
+
+* :class:`Copier` -- ``build(src_pool, s, dst_pool, d, num_tokens) -> op``: a callable the engine submits to a
+  stream (or host thread) that copies every block pair in one batch; ``plan(...)`` says which path it takes.
+* :class:`CopyPlan` -- the chosen path and the contiguous piece size it was chosen by.
+* :class:`CopierStatistics` -- calls and bytes per path.
+
+Paths:
+
+* ``"kernel"`` -- CUDA, extension loaded: one launch of the ``copy_blocks`` kernel (any layout, partial or
+  full, pinned host memory read/written through unified addressing).
+* ``"dma"`` -- CUDA, extension loaded: ``cudaMemcpyAsync`` / ``cudaMemcpy2DAsync`` per run of blocks
+  contiguous on both sides (and per layer group), issued in C++.
+* ``"reference"`` -- the emulated device and host-to-host copies: the vectorized CPU reference op.
+* ``"torch"`` -- CUDA without the extension (no toolkit, build failed): ``copy_`` per run and per group, with
+  a GPU scratch buffer where a host side would otherwise be strided. Correct, not fast; logged once.
+
+The choice: a copy whose contiguous pieces (one (layer, kv) chunk for layer-major pools, a run of whole
+blocks for block-major ones, ``num_tokens * head_dim`` elements for partial copies) are at least
+``EngineConfig.dma_min_chunk_bytes`` (2 MiB) goes to DMA, smaller ones to the kernel (BASELINES.md: the kernel
+is up to 36x faster than one DMA call per chunk for small chunks and still ahead at 1 MiB; at 4 MiB DMA
+matches it and leaves the SMs to compute). ``EngineConfig.copy_path`` forces one path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import threading
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from . import ops
+from .config import EngineConfig
+from .device import Device
+from .layer_major import LayerMajorPool
+from .pools import BlockPool, merge_runs
+
+__all__ = ["Copier", "CopierStatistics", "CopyPlan", "choose_path", "pool_tensors"]
+
+log = logging.getLogger(__name__)
+
+Op = Callable[[], None]
+Pool = BlockPool | LayerMajorPool
+
+
+def pool_tensors(pool: Pool) -> list[torch.Tensor]:
+    """The tensors of a pool as :func:`tiered_kv.ops.copy_blocks` takes them."""
+    return list(pool.tensors) if isinstance(pool, LayerMajorPool) else [pool.tensor]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CopyPlan:
+    """How one batch is copied.
+
+    Attributes:
+        path: ``"kernel"``, ``"dma"``, ``"reference"`` or ``"torch"``.
+        piece_bytes: the contiguous piece size the choice was made by.
+        groups: layer groups per block (1 for block-major on both sides).
+        runs: runs of blocks contiguous on both sides.
+    """
+
+    path: str
+    piece_bytes: int
+    groups: int
+    runs: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _PairInfo:
+    src_pool: Pool  # kept so that a recycled id() is detected
+    dst_pool: Pool
+    src_t: list[torch.Tensor]
+    dst_t: list[torch.Tensor]
+    groups: int
+    rows: int
+    width_bytes: int
+    dense: bool
+    on_cuda: bool
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CopierStatistics:
+    """Calls and bytes per path since the copier was made (``path -> count``)."""
+
+    calls: dict[str, int]
+    bytes: dict[str, int]
+
+
+class Copier:
+    """Builds the copy op of one engine call and picks its path.
+
+    Args:
+        device: the engine's device.
+        config: thresholds (``dma_min_chunk_bytes``, ``copy_path``).
+
+    Notes:
+        On CUDA the extension is loaded (built on first use, possibly tens of seconds) when the copier is
+        made, not inside a copy; ``tiered-kv build-ext`` builds it ahead of time.
+    """
+
+    def __init__(self, device: Device, config: EngineConfig) -> None:
+        self.device = device
+        self.config = config
+        self.kernels = False
+        if device.is_cuda:
+            from . import _ext  # lazy: keeps `python -m tiered_kv._ext` from importing itself twice
+
+            self.kernels = _ext.load()
+        self._lock = threading.Lock()
+        self._calls: dict[str, int] = {}
+        self._bytes: dict[str, int] = {}
+        self._pairs: dict[tuple[int, int, int], _PairInfo] = {}  # (id(src pool), id(dst pool), n) -> geometry
+
+    def _pair(self, src_pool: Pool, dst_pool: Pool, n: int) -> _PairInfo:
+        """What does not change between calls for one (source pool, destination pool, num_tokens)."""
+        key = (id(src_pool), id(dst_pool), n)
+        info = self._pairs.get(key)
+        if info is None or info.src_pool is not src_pool or info.dst_pool is not dst_pool:
+            src_t, dst_t = pool_tensors(src_pool), pool_tensors(dst_pool)
+            groups, rows, _row, width = ops._block_geometry(dst_t, src_t, n)
+            dense = all(t.stride(0) == math.prod(t.shape[1:]) for t in (src_t[0], dst_t[0]))
+            on_cuda = src_t[0].is_cuda or dst_t[0].is_cuda
+            info = _PairInfo(src_pool, dst_pool, src_t, dst_t, groups, rows, width * src_pool.layout.itemsize, dense, on_cuda)
+            self._pairs[key] = info
+        return info
+
+    def plan(self, src_pool: Pool, s: np.ndarray, dst_pool: Pool, d: np.ndarray, num_tokens: int | None) -> CopyPlan:
+        """The path :meth:`build` takes for these arguments."""
+        return self._plan(
+            self._pair(src_pool, dst_pool, src_pool.layout.tokens_per_block if num_tokens is None else num_tokens), s, d
+        )
+
+    def _plan(self, info: _PairInfo, s: np.ndarray, d: np.ndarray) -> CopyPlan:
+        runs = int(s.size) if s.size <= 1 else int(np.count_nonzero((np.diff(s) != 1) | (np.diff(d) != 1))) + 1
+        piece = info.width_bytes
+        if info.rows == 1 and info.groups == 1 and info.dense and runs:
+            piece *= max(1, s.size // runs)  # a run of whole blocks is one contiguous piece
+        path = choose_path(piece, self.config, on_cuda=info.on_cuda, kernels=self.kernels)
+        return CopyPlan(path, piece, info.groups, runs)
+
+    def build(self, src_pool: Pool, s: np.ndarray, dst_pool: Pool, d: np.ndarray, num_tokens: int | None) -> Op:
+        """One op copying blocks ``s`` of ``src_pool`` to blocks ``d`` of ``dst_pool`` (validated by the caller).
+
+        The op enqueues work on the current CUDA stream (the engine runs it under its copy stream), or runs
+        the CPU reference when it is called (emulated device, host threads). Never a per-chunk Python loop.
+        """
+        layout = src_pool.layout
+        n = layout.tokens_per_block if num_tokens is None else num_tokens
+        info = self._pair(src_pool, dst_pool, n)
+        plan = self._plan(info, s, d)
+        nbytes = int(s.size) * (layout.bytes_per_block if num_tokens is None else layout.partial_bytes(num_tokens))
+        with self._lock:
+            self._calls[plan.path] = self._calls.get(plan.path, 0) + 1
+            self._bytes[plan.path] = self._bytes.get(plan.path, 0) + nbytes
+        src_t, dst_t = info.src_t, info.dst_t
+        # from_numpy shares memory and warns on read-only arrays; the engine never changes them afterwards
+        s_t = torch.from_numpy(s if s.flags.writeable else s.copy())
+        d_t = torch.from_numpy(d if d.flags.writeable else d.copy())
+        if plan.path in ("kernel", "dma", "reference"):
+            method = ops.METHOD_DMA if plan.path == "dma" else ops.METHOD_KERNEL
+            op = torch.ops.tiered_kv.copy_blocks
+
+            def run() -> None:
+                op(dst_t, src_t, s_t, d_t, n, method)
+
+            return run
+        return _torch_op(src_t, s, dst_t, d, n)
+
+    def statistics(self) -> CopierStatistics:
+        with self._lock:
+            return CopierStatistics(dict(self._calls), dict(self._bytes))
+
+    def __repr__(self) -> str:
+        kernels = "kernels" if self.kernels else ("no kernels" if self.device.is_cuda else "emulated")
+        return f"<Copier {kernels} dma>={self.config.dma_min_chunk_bytes}B path={self.config.copy_path} calls={self._calls}>"
+
+
+def choose_path(piece_bytes: int, config: EngineConfig, *, on_cuda: bool, kernels: bool) -> str:
+    """The path for a copy whose contiguous pieces are ``piece_bytes`` (see the module docstring)."""
+    if not on_cuda:
+        return "reference"
+    if not kernels:
+        return "torch"
+    if config.copy_path != "auto":
+        return config.copy_path
+    return "dma" if piece_bytes >= config.dma_min_chunk_bytes else "kernel"
+
+
+def _torch_op(src_t: list[torch.Tensor], s: np.ndarray, dst_t: list[torch.Tensor], d: np.ndarray, n: int) -> Op:
+    """CUDA without the extension: ``copy_`` per run and per group, all enqueued on the current stream.
+
+    A strided host read would run on the CPU at enqueue time (torch makes it contiguous first), racing
+    pending writes; so a host side is always moved as whole contiguous blocks and sliced on the GPU (host
+    pools are block-major; only GPU pools are layer-major).
+    """
+    tokens = src_t[0].shape[-2]
+    groups, rows, _row, width = ops._block_geometry(dst_t, src_t, n)
+    runs = merge_runs(s, d)
+    src0, dst0 = src_t[0], dst_t[0]
+    whole = n == tokens and groups == 1 and src0.is_contiguous() and dst0.is_contiguous()
+
+    def groups_of(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return ops.normalize_groups(tensors, groups, rows)
+
+    if whole or src0.device == dst0.device:
+
+        def same_or_whole() -> None:
+            if whole:
+                for a, b, k in runs:
+                    dst0[b : b + k].copy_(src0[a : a + k], non_blocking=True)
+                return
+            sg, dg = groups_of(src_t), groups_of(dst_t)
+            for a, b, k in runs:
+                for x, y in zip(sg, dg, strict=True):
+                    y[b : b + k, :, :width].copy_(x[a : a + k, :, :width], non_blocking=True)
+
+        return same_or_whole
+    if dst0.is_cuda:
+
+        def h2d() -> None:
+            dg = groups_of(dst_t)
+            for a, b, k in runs:
+                scratch = src0[a : a + k].to(dst0.device, non_blocking=True)
+                for x, y in zip(groups_of([scratch]), dg, strict=True):
+                    y[b : b + k, :, :width].copy_(x[:, :, :width])
+
+        return h2d
+
+    def d2h() -> None:
+        # read-modify-write through GPU scratch, so tokens [n, T) of the host block are written back unchanged
+        sg = groups_of(src_t)
+        for a, b, k in runs:
+            if n == tokens:
+                scratch = torch.empty(dst0[b : b + k].shape, dtype=dst0.dtype, device=src0.device)
+            else:
+                scratch = dst0[b : b + k].to(src0.device, non_blocking=True)
+            for x, y in zip(sg, groups_of([scratch]), strict=True):
+                y[:, :, :width].copy_(x[a : a + k, :, :width])
+            dst0[b : b + k].copy_(scratch, non_blocking=True)
+
+    return d2h
