@@ -20,7 +20,7 @@ import torch
 __all__ = ["main"]
 
 # Benchmarks run by `tiered-kv bench`, in order (modules under tiered_kv.bench).
-BENCHMARKS = ["engine"]
+BENCHMARKS = ["engine", "kernels", "pagetables", "cache"]
 
 
 def _run_loop(coro: Any) -> Any:
@@ -129,6 +129,18 @@ def _doctor_checks(directory: str) -> list[tuple[str, bool, str, str]]:
         checks.append(("kvikio", True, getattr(kvikio, "__version__", "installed"), ""))
     except Exception as exc:
         checks.append(("kvikio", False, f"not usable ({type(exc).__name__})", "pip install 'tiered-kv[gds]' for GPUDirect Storage"))
+    from . import _ext
+
+    ext = _ext.status()
+    if ext["built"] or ext["loaded"]:
+        checks.append(("CUDA extension", True, f"built in {ext['cache_dir']}", ""))
+    elif ext["torch_cuda"] and ext["nvcc"]:
+        checks.append(("CUDA extension", False, f"not built yet (nvcc {ext['nvcc_version']}, arch {ext['arch']})",
+                       "it builds on first use; `tiered-kv build-ext` builds it now"))
+    else:
+        missing = "a CUDA build of torch" if not ext["torch_cuda"] else "nvcc (the CUDA toolkit; set CUDA_HOME)"
+        checks.append(("CUDA extension", False, f"cannot build: no {missing}; the CPU reference ops are used",
+                       f"install {missing} for the batched-copy, partial-copy and gather kernels"))
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     fmt = lambda v: "unlimited" if v == resource.RLIM_INFINITY else f"{v / 2**20:.0f} MiB"  # noqa: E731
     checks.append(("pinned memory (ulimit -l)", True, f"soft {fmt(soft)}, hard {fmt(hard)}",
@@ -173,6 +185,21 @@ async def _soak(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------------------ build-ext
+
+
+def _build_ext(args: argparse.Namespace) -> int:
+    from . import _ext
+
+    try:
+        path = _ext.build(verbose=args.verbose)
+    except Exception as exc:  # noqa: BLE001 - a build error is reported, not raised
+        print(f"error: the CUDA extension did not build: {exc}", file=sys.stderr)
+        return 1
+    print(f"built {path}")
+    return 0
+
+
 # ------------------------------------------------------------------------------------------ main
 
 
@@ -212,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     soak.add_argument("--quiet", action="store_true", help="no progress bar")
     soak.set_defaults(func=lambda a: _run_loop(_soak(a)))
+
+    build = sub.add_parser("build-ext", help="build the CUDA extension now (ahead of first use)")
+    build.set_defaults(func=_build_ext)
 
     doctor = sub.add_parser("doctor", help="report CUDA, kvikio/GDS, pinned-memory limits, uvloop; what to do if missing")
     doctor.add_argument("--dir", default=os.getcwd(), help="directory to check for the file tier (default: cwd)")
