@@ -24,7 +24,8 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -34,10 +35,11 @@ from tiered_kv import CacheFullError, KVLayout, Request, TieredKVCache
 from tiered_kv.workload import verify_expected, write_expected
 
 log = logging.getLogger("tiered_kv.examples.server")
+T = TypeVar("T")
 
 CACHE: web.AppKey[TieredKVCache] = web.AppKey("cache", TieredKVCache)
 CONFIG: web.AppKey[ServerConfig] = web.AppKey("config", object)  # type: ignore[arg-type]
-FREED: web.AppKey[asyncio.Condition] = web.AppKey("freed", asyncio.Condition)
+ROOM: web.AppKey[_Room] = web.AppKey("room", object)  # type: ignore[arg-type]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -59,6 +61,38 @@ def _reply_tokens(prompt: np.ndarray, n: int) -> list[int]:
 
 def _bad_request(message: str) -> web.HTTPBadRequest:
     return web.HTTPBadRequest(text=message + "\n")
+
+
+class _Room:
+    """Back-pressure: a request that finds the cache full waits until a running request frees its blocks.
+
+    If every other live request is itself waiting for room, nobody would ever free anything: the request
+    that finds this is aborted with 503 (its blocks are freed, so the others proceed): a stand-in for the
+    preemption a real server would do.
+    """
+
+    def __init__(self) -> None:
+        self.freed = asyncio.Condition()
+        self.waiting = 0
+
+    async def run(self, cache: TieredKVCache, call: Callable[[], Awaitable[T]], *, live_self: int) -> T:
+        while True:
+            try:
+                return await call()
+            except CacheFullError as exc:
+                running_others = len(cache.blocks.live_sequences) - live_self - self.waiting
+                if running_others <= 0:
+                    raise web.HTTPServiceUnavailable(text=f"cache full and nothing running can free it: {exc}\n") from None
+                self.waiting += 1
+                try:
+                    async with self.freed:
+                        await self.freed.wait()
+                finally:
+                    self.waiting -= 1
+
+    async def notify(self) -> None:
+        async with self.freed:
+            self.freed.notify_all()
 
 
 async def generate(request: web.Request) -> web.Response:
@@ -84,20 +118,11 @@ async def generate(request: web.Request) -> web.Response:
 
     t0 = time.perf_counter()
     tokens = np.asarray(prompt, dtype=np.int64)
-    freed = request.app[FREED]
-    while True:
-        try:
-            [adm] = await cache.add_sequences([Request(tokens, priority)])
-            break
-        except CacheFullError as exc:
-            # Back-pressure: wait for a running request to free its blocks, then try again. If nothing
-            # is running, the prompt can never fit.
-            if not cache.blocks.live_sequences:
-                raise web.HTTPServiceUnavailable(text=f"prompt does not fit in the cache: {exc}\n") from None
-            async with freed:
-                await freed.wait()
-        except (ValueError, TypeError) as exc:
-            raise _bad_request(str(exc)) from None
+    room = request.app[ROOM]
+    try:
+        [adm] = await room.run(cache, lambda: cache.add_sequences([Request(tokens, priority)]), live_self=0)
+    except (ValueError, TypeError) as exc:
+        raise _bad_request(str(exc)) from None
     try:
         mismatched = len(verify_expected(cache, adm.seq_id, 0, adm.tokens_reused)) if config.verify else 0
         # prefill: only the tokens the cache could not give back cost compute
@@ -107,14 +132,13 @@ async def generate(request: web.Request) -> web.Response:
         output = _reply_tokens(tokens, max_new)
         for token in output:  # decode, one token per step
             await asyncio.sleep(config.decode_ms_per_token / 1e3)
-            await cache.append_tokens(adm.seq_id, [token])
+            await room.run(cache, lambda t=token: cache.append_tokens(adm.seq_id, [t]), live_self=1)
         if output:
             write_expected(cache, adm.seq_id, len(prompt), len(prompt) + len(output) - 1)
             cache.commit(adm.seq_id, len(prompt) + len(output) - 1)
     finally:
         cache.free(adm.seq_id)
-        async with freed:
-            freed.notify_all()
+        await room.notify()
     return web.json_response(
         {
             "seq_id": adm.seq_id,
@@ -142,7 +166,7 @@ def make_app(cache: TieredKVCache, config: ServerConfig | None = None) -> web.Ap
     app = web.Application(client_max_size=8 * 2**20)
     app[CACHE] = cache
     app[CONFIG] = config or ServerConfig()
-    app[FREED] = asyncio.Condition()
+    app[ROOM] = _Room()
     app.add_routes([web.post("/generate", generate), web.get("/stats", stats), web.get("/healthz", healthz)])
     return app
 

@@ -21,8 +21,7 @@ from tiered_kv import KVLayout, TieredKVCache  # noqa: E402
 
 async def test_server_answers_real_http_requests_and_reuses_prefixes():
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, tokens_per_block=16, dtype=torch.float16)
-    # A GPU pool smaller than the load's working set: requests wait for room (back-pressure), none fail.
-    async with TieredKVCache(layout, gpu_blocks=256, host_blocks=1024, device="cpu", max_seqs=64) as cache:
+    async with TieredKVCache(layout, gpu_blocks=1024, host_blocks=2048, device="cpu", max_seqs=64) as cache:
         runner = web.AppRunner(make_app(cache, ServerConfig(prefill_us_per_token=1, decode_ms_per_token=0.1)))
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)  # a free loopback port
@@ -55,3 +54,32 @@ async def test_server_answers_real_http_requests_and_reuses_prefixes():
         finally:
             await runner.cleanup()
         assert cache.statistics() is not None
+
+
+async def test_server_back_pressure_waits_for_room_instead_of_failing():
+    import asyncio
+    import time
+
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=16, tokens_per_block=16, dtype=torch.float16)
+    # room for one 100-token prompt (7 blocks) at a time, not two
+    async with TieredKVCache(layout, gpu_blocks=10, device="cpu", max_seqs=4) as cache:
+        runner = web.AppRunner(make_app(cache, ServerConfig(prefill_us_per_token=2000, decode_ms_per_token=0)))
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        try:
+            async with aiohttp.ClientSession() as session:
+
+                async def post(prompt):
+                    t0 = time.perf_counter()
+                    async with session.post(f"{url}/generate", json={"prompt": prompt, "max_new_tokens": 0}) as r:
+                        return r.status, time.perf_counter() - t0
+
+                (s1, t1), (s2, t2) = await asyncio.gather(post(list(range(1, 101))), post(list(range(1001, 1101))))
+                assert (s1, s2) == (200, 200)
+                assert max(t1, t2) >= 0.38  # the second waited for the first's ~0.2 s prefill, then ran its own
+                async with session.post(f"{url}/generate", json={"prompt": list(range(200)), "max_new_tokens": 0}) as r:
+                    assert r.status == 400  # longer than a sequence may ever be: bad request, not a wait
+        finally:
+            await runner.cleanup()

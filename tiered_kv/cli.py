@@ -20,7 +20,7 @@ import torch
 __all__ = ["main"]
 
 # Benchmarks run by `tiered-kv bench`, in order (modules under tiered_kv.bench).
-BENCHMARKS = ["engine", "filetier"]
+BENCHMARKS = ["engine", "kernels", "pagetables", "filetier", "cache"]
 
 
 def _run_loop(coro: Any) -> Any:
@@ -36,39 +36,98 @@ def _run_loop(coro: Any) -> Any:
 
 
 async def _demo(args: argparse.Namespace) -> int:
-    from . import KVLayout, Tier, TransferEngine
-    from .bench.common import percentile, print_table
-    from .testing import fill_random
+    """Replay the seeded multi-turn chat workload through a three-tier TieredKVCache; verify every reused token."""
+    import tempfile
 
-    layout = KVLayout(num_layers=8, num_kv_heads=4, head_dim=128, tokens_per_block=16, dtype=torch.float16)
-    n = args.blocks
-    async with TransferEngine(layout, gpu_blocks=2 * n, host_blocks=n, device=args.device) as engine:
-        gpu = engine.pool(Tier.GPU).tensor
-        fill_random(gpu[:n], torch.Generator().manual_seed(args.seed))
-        expected = gpu[:n].detach().cpu().clone()
-        latencies: list[float] = []
-        results = []
-        for step in range(args.rounds):
-            order = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed + step)).tolist()
-            off = await engine.copy(Tier.GPU, list(range(n)), Tier.HOST, order)
-            on = await engine.copy(Tier.HOST, order, Tier.GPU, list(range(n, 2 * n)))
-            results += [off, on]
-            latencies += [off.seconds, on.seconds]
-            got = gpu[n : 2 * n].detach().cpu()
-            if not torch.equal(got.view(torch.uint8), expected.view(torch.uint8)):
-                print(f"error: round {step}: blocks came back different", file=sys.stderr)
-                return 1
-        rows = []
-        for direction in ("gpu->host", "host->gpu"):
-            rs = [r for r in results if f"{r.src_tier.value}->{r.dst_tier.value}" == direction]
-            nbytes = sum(r.nbytes for r in rs)
-            seconds = sum(r.seconds for r in rs)
-            rows.append({"direction": direction, "copies": len(rs), "MiB": nbytes / 2**20, "GB/s": nbytes / seconds / 1e9})
-        print_table(rows, f"round trips on {engine.device.kind} ({engine.device.torch_device}): {n} blocks x {args.rounds}, "
-                    f"{layout.bytes_per_block / 2**20:.2f} MiB per block, every byte verified")
-        print(f"await latency: p50 {percentile(latencies, 50) * 1e3:.2f} ms, p99 {percentile(latencies, 99) * 1e3:.2f} ms")
-        print(engine)
+    from tqdm import tqdm
+
+    from . import KVLayout, TieredKVCache
+    from .bench.common import percentile, print_table
+    from .workload import ChatWorkload, replay
+
+    if args.dir and not (os.path.isdir(args.dir) and os.access(args.dir, os.W_OK | os.X_OK)):
+        print(f"error: --dir {args.dir} is not a writable directory", file=sys.stderr)
+        return 2
+    layout = KVLayout(num_layers=8, num_kv_heads=4, head_dim=64, tokens_per_block=16, dtype=torch.float16)
+    workload = ChatWorkload(seed=args.seed, conversations=args.conversations)
+    turns = list(workload)
+    with tempfile.TemporaryDirectory(prefix="tiered-kv-demo-") as tmp:
+        directory = args.dir or tmp
+        async with TieredKVCache(
+            layout,
+            gpu_blocks=args.gpu_blocks,
+            host_blocks=args.host_blocks,
+            file_blocks=args.file_blocks,
+            file_dir=directory if args.file_blocks else None,
+            device=args.device,
+        ) as cache:
+            engine = cache.engine
+            latencies: list[float] = []
+            samples: list[dict[str, Any]] = []
+            t_start = time.perf_counter()
+
+            def observe(turn: Any, admission: Any, seconds: float) -> None:
+                latencies.append(seconds)
+                s = cache.statistics()
+                samples.append({"t": time.perf_counter() - t_start, "in_use": dict(s.blocks.in_use), "cached": dict(s.blocks.cached),
+                                "bytes": dict(s.engine.bytes_by_direction)})
+
+            title = f"replaying {len(turns)} turns on {engine.device.kind} ({engine.device.torch_device})"
+            with tqdm(turns, desc=title, unit="turn", disable=args.quiet) as bar:
+                report = await replay(cache, bar, observe=observe)
+            wall = time.perf_counter() - t_start
+            stats = cache.statistics()
+
+        tiers = [t for t in ("gpu", "host", "file") if stats.blocks.capacity.get(t)]
+        print_table(
+            [{"tier": t, "capacity_blocks": stats.blocks.capacity[t], "block_hits": stats.hits.get(t, 0),
+              "evicted_from": sum(v for k, v in stats.evictions.items() if k.startswith(t + "->"))} for t in tiers],
+            f"\n{report.turns} turns, {report.prompt_tokens} prompt tokens, {report.reused_tokens} reused "
+            f"(hit rate {report.hit_rate:.0%}), {report.verified_tokens} reused tokens verified, {report.mismatched_tokens} wrong",
+        )
+        seconds = stats.engine.seconds_by_direction
+        print_table(
+            [{"direction": d, "blocks": stats.engine.blocks_by_direction.get(d, 0), "MiB": b / 2**20,
+              "GB/s": b / seconds[d] / 1e9 if seconds.get(d) else float("nan")}
+             for d, b in sorted(stats.engine.bytes_by_direction.items())],
+            "\nbytes moved (GB/s: bytes over the summed duration of the copies of that direction)",
+        )
+        print(f"\nadd_sequences await latency: p50 {percentile(latencies, 50) * 1e3:.2f} ms, "
+              f"p99 {percentile(latencies, 99) * 1e3:.2f} ms, max {max(latencies) * 1e3:.2f} ms; wall {wall:.1f} s")
+        if args.plot:
+            _plot(samples, tiers, args.plot)
+            print(f"wrote {args.plot}")
+    if report.mismatched_tokens:
+        print(f"error: {report.mismatched_tokens} reused tokens held the wrong bytes", file=sys.stderr)
+        return 1
     return 0
+
+
+def _plot(samples: list[dict[str, Any]], tiers: list[str], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install 'tiered-kv[examples]'") from None
+    t = [s["t"] for s in samples]
+    fig, (occ, thr) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    for tier in tiers:
+        occ.plot(t, [s["in_use"].get(tier, 0) + s["cached"].get(tier, 0) for s in samples], label=f"{tier} occupied")
+    occ.set_ylabel("blocks")
+    occ.legend()
+    directions = sorted({d for s in samples for d in s["bytes"]})
+    for d in directions:
+        moved = [s["bytes"].get(d, 0) for s in samples]
+        rate = [0.0] + [(moved[i] - moved[i - 1]) / max(t[i] - t[i - 1], 1e-9) / 1e9 for i in range(1, len(t))]
+        thr.plot(t, rate, label=d)
+    thr.set_ylabel("GB/s")
+    thr.set_xlabel("seconds")
+    thr.legend()
+    fig.suptitle("tiered-kv demo: tier occupancy and throughput")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 # ------------------------------------------------------------------------------------------ bench
@@ -129,6 +188,18 @@ def _doctor_checks(directory: str) -> list[tuple[str, bool, str, str]]:
         checks.append(("kvikio", True, getattr(kvikio, "__version__", "installed"), ""))
     except Exception as exc:
         checks.append(("kvikio", False, f"not usable ({type(exc).__name__})", "pip install 'tiered-kv[gds]' for GPUDirect Storage"))
+    from . import _ext
+
+    ext = _ext.status()
+    if ext["built"] or ext["loaded"]:
+        checks.append(("CUDA extension", True, f"built in {ext['cache_dir']}", ""))
+    elif ext["torch_cuda"] and ext["nvcc"]:
+        checks.append(("CUDA extension", False, f"not built yet (nvcc {ext['nvcc_version']}, arch {ext['arch']})",
+                       "it builds on first use; `tiered-kv build-ext` builds it now"))
+    else:
+        missing = "a CUDA build of torch" if not ext["torch_cuda"] else "nvcc (the CUDA toolkit; set CUDA_HOME)"
+        checks.append(("CUDA extension", False, f"cannot build: no {missing}; the CPU reference ops are used",
+                       f"install {missing} for the batched-copy, partial-copy and gather kernels"))
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     fmt = lambda v: "unlimited" if v == resource.RLIM_INFINITY else f"{v / 2**20:.0f} MiB"  # noqa: E731
     checks.append(("pinned memory (ulimit -l)", True, f"soft {fmt(soft)}, hard {fmt(hard)}",
@@ -185,6 +256,21 @@ async def _soak(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------------------ build-ext
+
+
+def _build_ext(args: argparse.Namespace) -> int:
+    from . import _ext
+
+    try:
+        path = _ext.build(verbose=args.verbose)
+    except Exception as exc:  # noqa: BLE001 - a build error is reported, not raised
+        print(f"error: the CUDA extension did not build: {exc}", file=sys.stderr)
+        return 1
+    print(f"built {path}")
+    return 0
+
+
 # ------------------------------------------------------------------------------------------ main
 
 
@@ -203,11 +289,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="run the main job on the default device and verify every byte")
+    demo = sub.add_parser("demo", help="replay a seeded multi-turn chat workload through GPU, host and file tiers; verify every reused token")
     demo.add_argument("--device", default="auto", help="auto (CUDA if present, else emulated) | cpu | cuda[:N]")
-    demo.add_argument("--blocks", type=_positive, default=64, help="blocks per round trip (default: %(default)s)")
-    demo.add_argument("--rounds", type=_positive, default=8, help="round trips (default: %(default)s)")
-    demo.add_argument("--seed", type=int, default=0, help="seed of the block contents (default: %(default)s)")
+    demo.add_argument("--dir", help="directory of the file tier (default: a temporary directory, removed afterwards)")
+    demo.add_argument("--conversations", type=_positive, default=48, help="conversations to replay (default: %(default)s)")
+    demo.add_argument("--seed", type=int, default=0, help="workload seed (default: %(default)s)")
+    demo.add_argument("--gpu-blocks", type=_positive, default=192, help="GPU tier blocks (default: %(default)s)")
+    demo.add_argument("--host-blocks", type=_positive, default=512, help="host tier blocks (default: %(default)s)")
+    demo.add_argument("--file-blocks", type=int, default=4096, help="file tier blocks; 0 for none (default: %(default)s)")
+    demo.add_argument("--plot", metavar="FILE.png", help="draw tier occupancy and throughput over time (needs matplotlib)")
+    demo.add_argument("--quiet", action="store_true", help="no progress bar")
     demo.set_defaults(func=lambda a: _run_loop(_demo(a)))
 
     bench = sub.add_parser("bench", help="run every benchmark next to its same-run baseline; one table, one JSON")
@@ -224,6 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     soak.add_argument("--quiet", action="store_true", help="no progress bar")
     soak.set_defaults(func=lambda a: _run_loop(_soak(a)))
+
+    build = sub.add_parser("build-ext", help="build the CUDA extension now (ahead of first use)")
+    build.set_defaults(func=_build_ext)
 
     doctor = sub.add_parser("doctor", help="report CUDA, kvikio/GDS, pinned-memory limits, uvloop; what to do if missing")
     doctor.add_argument("--dir", default=os.getcwd(), help="directory to check for the file tier (default: cwd)")

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -36,6 +36,7 @@ from .layout import KVLayout
 from .pools import Tier
 
 if TYPE_CHECKING:
+    from .blocks import Admission
     from .cache import TieredKVCache
 
 __all__ = [
@@ -242,7 +243,14 @@ class ReplayReport:
         return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-async def replay(cache: TieredKVCache, turns: Iterable[ChatTurn], *, verify: bool = True, write: bool = True) -> ReplayReport:
+async def replay(
+    cache: TieredKVCache,
+    turns: Iterable[ChatTurn],
+    *,
+    verify: bool = True,
+    write: bool = True,
+    observe: Callable[[ChatTurn, Admission, float], None] | None = None,
+) -> ReplayReport:
     """Replay turns one at a time: admit, check reused content, write computed content, append the reply, free.
 
     Args:
@@ -250,6 +258,7 @@ async def replay(cache: TieredKVCache, turns: Iterable[ChatTurn], *, verify: boo
         turns: e.g. a :class:`ChatWorkload`.
         verify: compare every reused token's content with what was written for its prefix.
         write: write content for computed tokens (needed for ``verify`` to mean anything).
+        observe: called after each turn with the turn, its admission and the seconds ``add_sequences`` took.
 
     Cancellation: the sequence in progress is freed and the cancellation propagates.
     """
@@ -259,7 +268,8 @@ async def replay(cache: TieredKVCache, turns: Iterable[ChatTurn], *, verify: boo
     for turn in turns:
         t0 = time.perf_counter()
         [adm] = await cache.add_sequences([turn.prompt])
-        add_seconds += time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        add_seconds += took
         try:
             if verify:
                 bad = verify_expected(cache, adm.seq_id, 0, adm.tokens_reused)
@@ -282,4 +292,6 @@ async def replay(cache: TieredKVCache, turns: Iterable[ChatTurn], *, verify: boo
         reused += adm.tokens_reused
         for tier, count in adm.blocks_from.items():
             hits[tier] += count
+        if observe is not None:
+            observe(turn, adm, took)
     return ReplayReport(n, prompt, reused, hits, verified, mismatched, add_seconds, generated)
