@@ -32,7 +32,6 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import aiofiles.os
 import numpy as np
 import torch
 
@@ -131,6 +130,8 @@ async def make_dir(path: str | os.PathLike[str]) -> None:
 
     Cancellation: the directory may or may not have been created.
     """
+    import aiofiles.os  # lazy: only these coroutines need it
+
     await aiofiles.os.makedirs(path, mode=0o700, exist_ok=True)
 
 
@@ -139,6 +140,8 @@ async def file_size(path: str | os.PathLike[str]) -> int | None:
 
     Cancellation: nothing to undo.
     """
+    import aiofiles.os
+
     try:
         return (await aiofiles.os.stat(path)).st_size
     except FileNotFoundError:
@@ -150,6 +153,8 @@ async def remove_file(path: str | os.PathLike[str]) -> bool:
 
     Cancellation: the file may or may not have been removed.
     """
+    import aiofiles.os
+
     try:
         await aiofiles.os.remove(path)
     except FileNotFoundError:
