@@ -23,6 +23,13 @@ __all__ = ["main"]
 BENCHMARKS = ["engine", "kernels", "pagetables", "filetier", "cache"]
 
 
+def _writable_dir(path: str) -> str:
+    """argparse type: an existing directory this process may create files in."""
+    if not (os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)):
+        raise argparse.ArgumentTypeError(f"{path} is not a writable directory")
+    return path
+
+
 def _run_loop(coro: Any) -> Any:
     try:
         import uvloop
@@ -45,9 +52,6 @@ async def _demo(args: argparse.Namespace) -> int:
     from .bench.common import percentile, print_table
     from .workload import ChatWorkload, replay
 
-    if args.dir and not (os.path.isdir(args.dir) and os.access(args.dir, os.W_OK | os.X_OK)):
-        print(f"error: --dir {args.dir} is not a writable directory", file=sys.stderr)
-        return 2
     layout = KVLayout(num_layers=8, num_kv_heads=4, head_dim=64, tokens_per_block=16, dtype=torch.float16)
     workload = ChatWorkload(seed=args.seed, conversations=args.conversations)
     turns = list(workload)
@@ -86,11 +90,12 @@ async def _demo(args: argparse.Namespace) -> int:
             f"(hit rate {report.hit_rate:.0%}), {report.verified_tokens} reused tokens verified, {report.mismatched_tokens} wrong",
         )
         seconds = stats.engine.seconds_by_direction
+        blocks = stats.engine.blocks_by_direction
         print_table(
-            [{"direction": d, "blocks": stats.engine.blocks_by_direction.get(d, 0), "MiB": b / 2**20,
-              "GB/s": b / seconds[d] / 1e9 if seconds.get(d) else float("nan")}
+            [{"direction": d, "blocks": blocks.get(d, 0), "MiB": b / 2**20, "avg GB/s over the run": b / wall / 1e9,
+              "mean ms per copy": seconds.get(d, 0.0) / max(1, sum(stats.engine.latency_counts.get(d, ()))) * 1e3}
              for d, b in sorted(stats.engine.bytes_by_direction.items())],
-            "\nbytes moved (GB/s: bytes over the summed duration of the copies of that direction)",
+            "\nbytes moved per direction",
         )
         print(f"\nadd_sequences await latency: p50 {percentile(latencies, 50) * 1e3:.2f} ms, "
               f"p99 {percentile(latencies, 99) * 1e3:.2f} ms, max {max(latencies) * 1e3:.2f} ms; wall {wall:.1f} s")
@@ -264,7 +269,7 @@ def _build_ext(args: argparse.Namespace) -> int:
 
     try:
         path = _ext.build(verbose=args.verbose)
-    except Exception as exc:  # noqa: BLE001 - a build error is reported, not raised
+    except Exception as exc:  # a build error is reported, not raised
         print(f"error: the CUDA extension did not build: {exc}", file=sys.stderr)
         return 1
     print(f"built {path}")
@@ -291,11 +296,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="replay a seeded multi-turn chat workload through GPU, host and file tiers; verify every reused token")
     demo.add_argument("--device", default="auto", help="auto (CUDA if present, else emulated) | cpu | cuda[:N]")
-    demo.add_argument("--dir", help="directory of the file tier (default: a temporary directory, removed afterwards)")
+    demo.add_argument("--dir", type=_writable_dir, help="directory of the file tier (default: a temporary directory, removed afterwards)")
     demo.add_argument("--conversations", type=_positive, default=48, help="conversations to replay (default: %(default)s)")
     demo.add_argument("--seed", type=int, default=0, help="workload seed (default: %(default)s)")
-    demo.add_argument("--gpu-blocks", type=_positive, default=192, help="GPU tier blocks (default: %(default)s)")
-    demo.add_argument("--host-blocks", type=_positive, default=512, help="host tier blocks (default: %(default)s)")
+    demo.add_argument("--gpu-blocks", type=_positive, default=128, help="GPU tier blocks (default: %(default)s)")
+    demo.add_argument("--host-blocks", type=_positive, default=256, help="host tier blocks (default: %(default)s)")
     demo.add_argument("--file-blocks", type=int, default=4096, help="file tier blocks; 0 for none (default: %(default)s)")
     demo.add_argument("--plot", metavar="FILE.png", help="draw tier occupancy and throughput over time (needs matplotlib)")
     demo.add_argument("--quiet", action="store_true", help="no progress bar")

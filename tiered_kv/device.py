@@ -132,7 +132,11 @@ class EmulatedStream:
             raise TypeError(f"an emulated stream can only wait on an EmulatedEvent, got {type(event).__name__}")
         if not event.query():
             flag = event._flag
-            self.submit(lambda: None if flag.wait() else None)
+
+            def wait_flag() -> None:
+                flag.wait()
+
+            self.submit(wait_flag)
 
     def notify(self, callback: Callback) -> EmulatedEvent:
         event = EmulatedEvent()

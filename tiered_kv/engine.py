@@ -17,6 +17,7 @@ Completion reaches the loop through a waiter thread per stream and ``call_soon_t
 from __future__ import annotations
 
 import asyncio
+import bisect
 import concurrent.futures
 import dataclasses
 import logging
@@ -38,7 +39,7 @@ from .layer_major import LayerMajorPool
 from .layout import KVLayout
 from .pools import BlockPool, Tier, as_indices
 
-__all__ = ["EngineStatistics", "Transfer", "TransferEngine", "TransferResult"]
+__all__ = ["LATENCY_BUCKETS", "EngineStatistics", "Transfer", "TransferEngine", "TransferResult"]
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +163,10 @@ class Transfer:
         return f"<Transfer {self.src_tier.value}->{self.dst_tier.value} blocks={self.num_blocks} bytes={self.nbytes} [{state}]>"
 
 
+#: Upper bounds (seconds) of the per-direction transfer latency histogram (Prometheus-style buckets).
+LATENCY_BUCKETS: tuple[float, ...] = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class EngineStatistics:
     """A snapshot of a :class:`TransferEngine`.
@@ -175,6 +180,8 @@ class EngineStatistics:
         deferred: in flight and not yet enqueued (waiting on the loop for an off-stream dependency).
         bytes_by_direction: ``"gpu->host"`` etc. -> bytes completed.
         blocks_by_direction: ``"gpu->host"`` etc. -> blocks completed.
+        seconds_by_direction: direction -> summed durations (``copy()`` to device completion) of its copies.
+        latency_counts: direction -> copies per latency bucket: ``<= LATENCY_BUCKETS[i]`` seconds, then overflow.
         fences: the fence table.
     """
 
@@ -186,6 +193,8 @@ class EngineStatistics:
     deferred: int
     bytes_by_direction: dict[str, int]
     blocks_by_direction: dict[str, int]
+    seconds_by_direction: dict[str, float]
+    latency_counts: dict[str, tuple[int, ...]]
     fences: FenceStatistics
 
 
@@ -271,14 +280,16 @@ class TransferEngine:
         self._host_threads = concurrent.futures.ThreadPoolExecutor(self.config.host_threads, thread_name_prefix="tiered_kv-host")
         self._fences = FenceTable()
         self._inflight: set[Marker] = set()
-        self._meta: dict[Marker, tuple[str, int, int]] = {}  # in-flight marker -> (direction, bytes, blocks)
+        self._meta: dict[Marker, tuple[str, int, int, float]] = {}  # in-flight marker -> (direction, bytes, blocks, submitted at)
         self._deferred: set[asyncio.Task[None]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
         self._closed = False
         self._submitted = self._completed = self._failed = 0
-        self._bytes: dict[str, int] = {}
-        self._blocks: dict[str, int] = {}
+        self._bytes: dict[str, int] = {}  # direction -> bytes completed
+        self._blocks: dict[str, int] = {}  # direction -> blocks completed
+        self._seconds: dict[str, float] = {}  # direction -> summed copy durations
+        self._latency: dict[str, list[int]] = {}  # direction -> counts per LATENCY_BUCKETS bucket (+ overflow)
 
     # ------------------------------------------------------------------------------------ lifecycle
 
@@ -392,6 +403,8 @@ class TransferEngine:
             deferred=len(self._deferred),
             bytes_by_direction=dict(self._bytes),
             blocks_by_direction=dict(self._blocks),
+            seconds_by_direction=dict(self._seconds),
+            latency_counts={d: tuple(c) for d, c in self._latency.items()},
             fences=self._fences.statistics(),
         )
 
@@ -504,7 +517,7 @@ class TransferEngine:
             self._enqueue(marker, op, stream_deps)
         self._fences.register(marker, reads, writes)
         self._inflight.add(marker)
-        self._meta[marker] = (f"{src_t.value}->{dst_t.value}", transfer.nbytes, transfer.num_blocks)
+        self._meta[marker] = (f"{src_t.value}->{dst_t.value}", transfer.nbytes, transfer.num_blocks, transfer.submitted_at)
         return transfer
 
     def _check_tokens(self, num_tokens: int | None) -> int | None:
@@ -589,13 +602,19 @@ class TransferEngine:
         self._fences.release(marker)
         self._inflight.discard(marker)
         self._completed += 1
-        direction, nbytes, nblocks = self._meta.pop(marker)
+        direction, nbytes, nblocks, submitted = self._meta.pop(marker)
         if marker.error is not None:
             self._failed += 1
             log.warning("%s transfer of %d blocks failed: %r", direction, nblocks, marker.error)
         else:
+            seconds = (marker.done_at or time.perf_counter()) - submitted
             self._bytes[direction] = self._bytes.get(direction, 0) + nbytes
             self._blocks[direction] = self._blocks.get(direction, 0) + nblocks
+            self._seconds[direction] = self._seconds.get(direction, 0.0) + seconds
+            counts = self._latency.get(direction)
+            if counts is None:
+                counts = self._latency[direction] = [0] * (len(LATENCY_BUCKETS) + 1)
+            counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
         marker.complete()
 
     def _block_copy_op(self, src_pool: BlockPool | LayerMajorPool, s: np.ndarray, dst_pool: BlockPool | LayerMajorPool,

@@ -1,0 +1,73 @@
+"""The command line: demo, bench --quick, soak and doctor run on the emulated device; errors are one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ENV = {**os.environ, "TIERED_KV_DEVICE": "cpu"}
+
+
+def tkv(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tiered_kv", *args], capture_output=True, text=True, timeout=timeout, env=ENV)
+
+
+def test_demo_replays_and_verifies(tmp_path):
+    r = tkv("demo", "--device", "cpu", "--quiet", "--conversations", "12", "--dir", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert " 0 wrong" in r.stdout and "hit rate" in r.stdout
+    for tier in ("gpu", "host", "file"):
+        assert f"\n{tier:>4} " in r.stdout or f" {tier} " in r.stdout
+    assert "add_sequences await latency: p50" in r.stdout
+    assert os.listdir(tmp_path)  # the file tier lived in --dir
+
+
+def test_bench_quick_writes_one_json_with_every_benchmark(tmp_path):
+    out = tmp_path / "bench.json"
+    r = tkv("bench", "--quick", "--device", "cpu", "--json", str(out), timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    payload = json.loads(out.read_text())
+    names = [b["name"] for b in payload["benchmarks"]]
+    assert names == ["engine", "kernels", "pagetables", "filetier", "cache"]
+    assert all(b["rows"] for b in payload["benchmarks"])
+    assert payload["machine"]["device"] == "emulated (CPU)"
+
+
+def test_soak_command():
+    r = tkv("soak", "--ops", "500", "--seed", "3", "--quiet", "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("ok: 500 ops")
+
+
+def test_doctor_reports_every_check(tmp_path):
+    r = tkv("doctor", "--dir", str(tmp_path), "--json", str(tmp_path / "d.json"))
+    assert r.returncode == 0, r.stderr
+    checks = {c["check"] for c in json.loads((tmp_path / "d.json").read_text())}
+    assert {"python", "torch", "CUDA device", "uvloop", "kvikio", "CUDA extension", "pinned memory (ulimit -l)"} <= checks
+    assert "CUDA device" in r.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["demo", "--dir", "/nonexistent/dir"], "is not a writable directory"),
+        (["demo", "--conversations", "0"], "expected a positive integer"),
+        (["bench", "--only", "nope"], "unknown benchmark"),
+        (["frobnicate"], "invalid choice"),
+        (["demo", "--no-such-flag"], "unrecognized arguments"),
+    ],
+)
+def test_bad_flags_are_one_line_errors(args, message):
+    r = tkv(*args)
+    assert r.returncode == 2
+    assert message in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_help():
+    r = tkv("--help")
+    assert r.returncode == 0 and "demo" in r.stdout and "bench" in r.stdout and "doctor" in r.stdout
