@@ -1,5 +1,14 @@
 """tiered_kv: awaitable, fenced transfers of LLM KV-cache blocks between GPU, pinned host DRAM and NVMe files."""
 
+import os as _os
+
+# `backends/` sits beside this package in the repository and is installed as tiered_kv.backends. When the
+# package is imported straight from a checkout (PYTHONPATH=., or `python -m tiered_kv` in the repo root)
+# nothing maps it, so let the package path reach the repository root for that one subpackage.
+_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if not _os.path.isdir(_os.path.join(__path__[0], "backends")) and _os.path.isfile(_os.path.join(_root, "backends", "__init__.py")):
+    __path__.append(_root)
+
 from .blocks import Admission, BlockManager, CacheFullError, Request
 from .cache import CacheStatistics, TieredKVCache
 from .config import EngineConfig
