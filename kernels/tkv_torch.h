@@ -18,7 +18,15 @@ inline void* device_view(const at::Tensor& t, const char* what) {
   if (t.is_cuda() || p == nullptr) return p;
   TORCH_CHECK(t.device().is_cpu(), what, " must be on a CUDA device or in pinned host memory");
   // cudaPointerGetAttributes resolves any address inside a pinned allocation (a view's offset included);
-  // pageable memory reports cudaMemoryTypeUnregistered and has no device address.
+  // pageable memory reports cudaMemoryTypeUnregistered and has no device address. On a thread that has
+  // made no CUDA call yet (the engine's stream waiters, the file tier's I/O threads) no context is current
+  // and the lookup reports pinned memory as unregistered: make the device's primary context current first.
+  thread_local bool context_current = false;
+  if (!context_current) {
+    int dev = 0;
+    if (cudaGetDevice(&dev) == cudaSuccess && cudaSetDevice(dev) == cudaSuccess) context_current = true;
+    cudaGetLastError();
+  }
   cudaPointerAttributes attr{};
   const cudaError_t err = cudaPointerGetAttributes(&attr, p);
   if (err != cudaSuccess) cudaGetLastError();  // clear it so later launches do not report it
