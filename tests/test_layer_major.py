@@ -274,3 +274,39 @@ async def test_layer_major_copies_keep_fence_order_under_a_stall(device, layout)
         want = gpu0.clone()
         want[..., :3, :] = host2[..., :3, :]
         assert_blocks_equal(pool.block(0), want, "partial onboard landed after the offload read")
+
+
+@pytest.mark.gpu
+def test_kernel_copy_from_a_fresh_thread_reaches_pinned_memory():
+    """Regression (found on the H200): on a thread that had made no CUDA call, the pinned staging buffer was
+    reported as pageable memory and the layer-major GPU -> file copy failed."""
+    import threading
+
+    import numpy as np
+
+    from tiered_kv.config import EngineConfig
+    from tiered_kv.copyops import Copier
+    from tiered_kv.device import resolve_device
+    from tiered_kv.pools import BlockPool, Tier
+
+    layout = KVLayout(2, 2, 16, 8, torch.float16)
+    dev = resolve_device("cuda")
+    host = dev.empty_host((4, layout.bytes_per_block), torch.uint8)
+    pool = BlockPool(Tier.HOST, layout, host.view(layout.dtype).view(4, *layout.block_shape))
+    lm = LayerMajorPool.allocate(layout, 6, "cuda", split_kv=False)
+    copier = Copier(dev, EngineConfig(copy_path="kernel"))
+    op = copier.build(lm, np.array([0, 2]), pool, np.array([1, 3]), None)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            op()
+            torch.cuda.synchronize()
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert not errors, errors
+    assert torch.equal(pool.tensor[1].view(torch.uint8).cpu(), lm.block(0).contiguous().view(torch.uint8).cpu())
