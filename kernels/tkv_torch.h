@@ -19,8 +19,10 @@ inline void* device_view(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.device().is_cpu(), what, " must be on a CUDA device or in pinned host memory");
   // cudaPointerGetAttributes resolves any address inside a pinned allocation (a view's offset included);
   // pageable memory reports cudaMemoryTypeUnregistered and has no device address. On a thread that has
-  // made no CUDA call yet (the engine's stream waiters, the file tier's I/O threads) no context is current
-  // and the lookup reports pinned memory as unregistered: make the device's primary context current first.
+  // made no CUDA call yet (the engine's stream waiters, the file tier's I/O threads) the lookup was seen
+  // (H200, CUDA 13) to report pinned memory without a device pointer: make the device's primary context
+  // current first, and fall back to the host address itself, which under unified virtual addressing (every
+  // 64-bit platform CUDA 13 supports) is also the device address of page-locked host memory.
   thread_local bool context_current = false;
   if (!context_current) {
     int dev = 0;
@@ -30,9 +32,10 @@ inline void* device_view(const at::Tensor& t, const char* what) {
   cudaPointerAttributes attr{};
   const cudaError_t err = cudaPointerGetAttributes(&attr, p);
   if (err != cudaSuccess) cudaGetLastError();  // clear it so later launches do not report it
-  TORCH_CHECK(err == cudaSuccess && attr.type == cudaMemoryTypeHost && attr.devicePointer != nullptr, what,
-              " is in pageable host memory; a kernel can only reach pinned host memory");
-  return attr.devicePointer;
+  TORCH_CHECK(err == cudaSuccess && attr.type == cudaMemoryTypeHost, what,
+              " is in pageable host memory; a kernel can only reach pinned host memory (cudaPointerGetAttributes: ",
+              cudaGetErrorString(err), ", type ", static_cast<int>(attr.type), ")");
+  return attr.devicePointer != nullptr ? attr.devicePointer : p;
 }
 
 // Ship `values` to `device` through a fresh pinned buffer. The caching host allocator records the copy's

@@ -187,6 +187,12 @@ def _check_host_readable(t: torch.Tensor, device: torch.device, what: str) -> No
         raise ValueError(f"{what} must be on {device} or in pinned host memory, got {where}")
 
 
+def _check_index_device(t: torch.Tensor, device: torch.device, what: str) -> None:
+    """Block indices may be on the CPU (any memory: the op ships them) or on the device the op runs on."""
+    if t.device.type != "cpu" and t.device != device:
+        raise ValueError(f"{what} is on {t.device}, but the operation runs on {device}")
+
+
 def _run_device(tensors: Sequence[torch.Tensor]) -> torch.device:
     """Where an op runs: the first CUDA device among its tensors, else the CPU."""
     for t in tensors:
@@ -382,8 +388,10 @@ def copy_blocks(
     if src_blocks.shape != dst_blocks.shape:
         raise ValueError(f"copy_blocks: {src_blocks.numel()} source blocks and {dst_blocks.numel()} destination blocks")
     device = _run_device([src[0], dst[0]])
-    for name, t in (("src", src[0]), ("dst", dst[0]), ("src_blocks", src_blocks), ("dst_blocks", dst_blocks)):
+    for name, t in (("src", src[0]), ("dst", dst[0])):
         _check_host_readable(t, device, name)
+    for name, b in (("src_blocks", src_blocks), ("dst_blocks", dst_blocks)):
+        _check_index_device(b, device, name)  # CPU indices (pageable too) are shipped by the op itself
     for name, b, limit in (("src_blocks", src_blocks, ns), ("dst_blocks", dst_blocks, nd)):
         if b.device.type == "cpu" and b.numel():
             lo, hi = int(b.min()), int(b.max())
