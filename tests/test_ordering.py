@@ -197,3 +197,16 @@ async def test_many_blocks_scattered_and_contiguous(device, layout):
         assert result.num_blocks == len(src) and result.nbytes == len(src) * layout.bytes_per_block
         for si, di in zip(src, dst, strict=True):
             assert_blocks_equal(snapshot(engine, "host", di), g[si], f"host {di}")
+
+
+async def test_done_respects_fence_order(device, layout):
+    """A transfer is never reported done before one it waited for (their completion callbacks come from
+    different streams' waiter threads, in any order)."""
+    async with TransferEngine(layout, gpu_blocks=4, host_blocks=4, device=device) as engine:
+        fill_pool(engine, "gpu", 20)
+        for _ in range(20):
+            stall(engine.stream("offload"), 0.01)
+            first = engine.copy(Tier.GPU, [0], Tier.HOST, [0])
+            second = engine.copy(Tier.HOST, [0], Tier.GPU, [1])
+            await second
+            assert first.done()

@@ -575,6 +575,7 @@ class TransferEngine:
         for dep in stream_deps:
             assert dep.event is not None
             lane.wait(dep.event)
+        marker.after = stream_deps
         self._fences.stream_waits += len(stream_deps)
         lane.submit(run)
         marker.event = lane.notify(finished)
@@ -599,6 +600,15 @@ class TransferEngine:
     def _complete(self, marker: Marker) -> None:
         if marker.completed:
             return
+        # Ops this one waited for stream-side finished on the device before it did; their own completion
+        # callbacks come from other waiter threads and may arrive later. Complete them first, so that
+        # done() respects the order the fences imposed (a transfer is never done before one it waited for).
+        for dep in marker.after:
+            if not dep.completed:
+                if dep.done_at is None:
+                    dep.done_at = marker.done_at
+                self._complete(dep)
+        marker.after = []
         self._fences.release(marker)
         self._inflight.discard(marker)
         self._completed += 1

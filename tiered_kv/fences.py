@@ -40,7 +40,7 @@ class Marker:
         future, never the completion that the fence table (and other awaiters) rely on.
     """
 
-    __slots__ = ("_callbacks", "_waiters", "completed", "done_at", "error", "event", "lane", "reads", "writes")
+    __slots__ = ("_callbacks", "_waiters", "after", "completed", "done_at", "error", "event", "lane", "reads", "writes")
 
     def __init__(self, lane: Stream | None) -> None:
         self.lane = lane
@@ -50,6 +50,7 @@ class Marker:
         self.done_at: float | None = None
         self.reads: list[tuple[str, list[int]]] = []  # (pool, block indices) this op reads
         self.writes: list[tuple[str, list[int]]] = []  # (pool, block indices) this op writes
+        self.after: list[Marker] = []  # ops this one waited for stream-side: done on the device before it
         self._waiters: list[asyncio.Future[None]] = []
         self._callbacks: list[Callable[[], None]] = []
 
