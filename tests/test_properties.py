@@ -173,3 +173,77 @@ def test_engine_constructor_fuzz(gpu, host, device):
     except (ValueError, TypeError):
         pass
     assert isinstance(EngineClosedError("x"), RuntimeError)
+
+
+# ------------------------------------------------------------------------------------------ cache + file fuzzing
+
+paths = st.one_of(
+    st.sampled_from(["", "/", "/proc/nonexistent/x", "/dev/null", "relative/dir", "\x00bad", "/etc/passwd"]),
+    st.text(min_size=1, max_size=8).map(lambda s: "/tmp/" + s),
+    junk,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(directory=paths, blocks=st.one_of(st.integers(-2, 4), junk), name=st.one_of(st.sampled_from(["kv", "", ".x", "a/b"]), junk))
+def test_file_tier_config_fuzz(directory, blocks, name):
+    from tiered_kv.filetier import FileTierConfig
+
+    try:
+        FileTierConfig(directory, blocks, name=name)
+    except (ValueError, TypeError):
+        pass
+
+
+@settings(max_examples=25, deadline=None)
+@given(directory=paths)
+def test_engine_with_a_bad_file_dir_fails_cleanly(directory):
+    import threading
+
+    before = {t.ident for t in threading.enumerate()}
+    try:
+        engine = TransferEngine(LAYOUT, gpu_blocks=2, host_blocks=2, device="cpu", file_dir=directory, file_blocks=2)
+    except (ValueError, TypeError, OSError):
+        leaked = [t.name for t in threading.enumerate() if t.ident not in before and t.name.startswith("tiered_kv")]
+        assert not leaked, leaked  # a failed constructor leaves no thread behind
+        return
+    asyncio.run(engine.close())
+
+
+requests = st.one_of(
+    junk,
+    st.lists(st.one_of(junk, st.lists(st.integers(-5, 2**40), max_size=40)), max_size=3),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(batch=requests, seq=st.one_of(st.integers(-3, 5), junk), tokens=st.one_of(st.lists(st.integers(-3, 2**33), max_size=5), junk))
+def test_cache_fuzz_only_documented_errors_and_no_state_change(batch, seq, tokens):
+    from tiered_kv import CacheFullError, TieredKVCache
+
+    async def go():
+        async with TieredKVCache(LAYOUT, gpu_blocks=8, host_blocks=8, device="cpu", max_seqs=4) as cache:
+            [adm] = await cache.add_sequences([list(range(9))])
+            cache.commit(adm.seq_id)
+            before = cache.statistics()
+            table = cache.page_table(adm.seq_id)
+            for call in (
+                lambda: cache.add_sequences(batch),
+                lambda: cache.append_tokens(seq, tokens),
+            ):
+                try:
+                    await call()
+                except (ValueError, TypeError, CacheFullError):
+                    after = cache.statistics()
+                    assert after.blocks.live_sequences == before.blocks.live_sequences
+                    assert after.blocks.free == before.blocks.free
+                    assert cache.page_table(adm.seq_id) == table
+                    continue
+                return  # accepted input: a valid call; state changed legitimately
+            for bad in (lambda: cache.free(seq), lambda: cache.set_priority(seq, tokens)):
+                try:
+                    bad()
+                except (ValueError, TypeError):
+                    pass
+
+    asyncio.run(go())
