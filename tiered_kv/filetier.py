@@ -52,7 +52,7 @@ from .device import Device, Stream
 from .errors import IntegrityError, LayoutMismatchError, SlabInUseError, TransferError
 from .layer_major import LayerMajorPool
 from .layout import KVLayout
-from .pools import BlockPool, Tier
+from .pools import BlockPool, Tier, check_indices
 from .slab import (
     HEADER_SIZE,
     Key,
@@ -578,13 +578,7 @@ class FileTier:
 
     def check(self, indices: np.ndarray, what: str) -> None:
         """Raise ``ValueError`` unless every index is in ``[0, num_blocks)``."""
-        if indices.size == 0:
-            return
-        lo, hi = int(indices.min()), int(indices.max())
-        if lo < 0:
-            raise ValueError(f"{what} contain a negative block index ({lo})")
-        if hi >= self.num_blocks:
-            raise ValueError(f"{what} contain block index {hi}, out of range for the file tier of {self.num_blocks} slots")
+        check_indices(indices, self.num_blocks, what, f"the file tier of {self.num_blocks} slots")
 
     def block(self, index: int) -> torch.Tensor:
         raise TypeError("file slots have no in-memory view; copy the block to the host tier to inspect it")

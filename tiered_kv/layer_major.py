@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from .layout import KVLayout
-from .pools import Tier
+from .pools import Tier, check_indices
 
 __all__ = ["LayerMajorPool"]
 
@@ -106,15 +106,7 @@ class LayerMajorPool:
 
     def check(self, indices: np.ndarray, what: str) -> None:
         """Raise ``ValueError`` unless every index is in ``[0, num_blocks)``."""
-        if indices.size == 0:
-            return
-        lo, hi = int(indices.min()), int(indices.max())
-        if lo < 0:
-            raise ValueError(f"{what} contain a negative block index ({lo})")
-        if hi >= self.num_blocks:
-            raise ValueError(
-                f"{what} contain block index {hi}, out of range for the {self.name} pool of {self.num_blocks} blocks"
-            )
+        check_indices(indices, self.num_blocks, what, f"the {self.name} pool of {self.num_blocks} blocks")
 
     def __repr__(self) -> str:
         kind = "layer+kv" if self.split_kv else "layer"

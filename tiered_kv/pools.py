@@ -14,7 +14,7 @@ import torch
 
 from .layout import KVLayout
 
-__all__ = ["BlockPool", "Tier", "as_indices"]
+__all__ = ["BlockPool", "Tier", "as_indices", "check_indices", "merge_runs"]
 
 
 class Tier(enum.Enum):
@@ -70,16 +70,21 @@ class BlockPool:
 
     def check(self, indices: np.ndarray, what: str) -> None:
         """Raise ``ValueError`` unless every index is in ``[0, num_blocks)``."""
-        if indices.size == 0:
-            return
-        lo, hi = int(indices.min()), int(indices.max())
-        if lo < 0:
-            raise ValueError(f"{what} contain a negative block index ({lo})")
-        if hi >= self.num_blocks:
-            raise ValueError(f"{what} contain block index {hi}, out of range for the {self.name} pool of {self.num_blocks} blocks")
+        check_indices(indices, self.num_blocks, what, f"the {self.name} pool of {self.num_blocks} blocks")
 
     def __repr__(self) -> str:
         return f"<BlockPool {self.name} blocks={self.num_blocks} device={self.tensor.device}>"
+
+
+def check_indices(indices: np.ndarray, num_blocks: int, what: str, pool: str) -> None:
+    """Raise ``ValueError`` unless every index is in ``[0, num_blocks)`` (``pool`` names the pool in the message)."""
+    if indices.size == 0:
+        return
+    lo, hi = int(indices.min()), int(indices.max())
+    if lo < 0:
+        raise ValueError(f"{what} contain a negative block index ({lo})")
+    if hi >= num_blocks:
+        raise ValueError(f"{what} contain block index {hi}, out of range for {pool}")
 
 
 def as_indices(value: Iterable[int] | np.ndarray | torch.Tensor, what: str) -> np.ndarray:
