@@ -89,5 +89,5 @@ async def test_offload_to_nvme_example_round_trips(tmp_path):
     from offload_to_nvme import run
 
     rows = await run(str(tmp_path), blocks=8, device="cpu", chunk=3, quiet=True)
-    assert [r["stage"] for r in rows][0] == "gpu->host (offload)" and len(rows) == 6
+    assert rows[0]["stage"] == "gpu->host (offload)" and len(rows) == 6
     assert all(r["GB/s"] > 0 for r in rows)
