@@ -302,7 +302,7 @@ def test_kernel_copy_from_a_fresh_thread_reaches_pinned_memory():
         try:
             op()
             torch.cuda.synchronize()
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             errors.append(exc)
 
     thread = threading.Thread(target=run)
