@@ -467,13 +467,14 @@ class TransferEngine:
             raise ValueError(f"got {s.size} source indices and {d.size} destination indices; they must pair up")
         src_pool.check(s, "source indices")
         dst_pool.check(d, "destination indices")
-        if d.size > 1 and np.unique(d).size != d.size:
+        s_list, d_list = s.tolist(), d.tolist()
+        if len(set(d_list)) != len(d_list):
             values, counts = np.unique(d, return_counts=True)
             raise ValueError(f"destination indices contain duplicates: {values[counts > 1][:8].tolist()}")
         if src_pool is dst_pool and s.size:
-            both = np.intersect1d(s, d)
-            if both.size:
-                raise ValueError(f"blocks {both[:8].tolist()} are both a source and a destination of one copy")
+            both = sorted(set(s_list).intersection(d_list))
+            if both:
+                raise ValueError(f"blocks {both[:8]} are both a source and a destination of one copy")
         n = self._check_tokens(num_tokens)
         file_keys = None
         if Tier.FILE in (src_t, dst_t):
@@ -493,8 +494,8 @@ class TransferEngine:
             self._completed += 1
             return transfer
 
-        reads = [(src_pool.name, s.tolist())]
-        writes = [(dst_pool.name, d.tolist())]
+        reads = [(src_pool.name, s_list)]
+        writes = [(dst_pool.name, d_list)]
         deps = self._fences.dependencies(reads, writes)
         if Tier.FILE in (src_t, dst_t):
             assert self._file is not None

@@ -73,7 +73,7 @@ class KVLayout:
     @property
     def itemsize(self) -> int:
         """Bytes per element."""
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def elements_per_block(self) -> int:
