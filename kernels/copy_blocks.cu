@@ -1,6 +1,8 @@
 // Copy kernels (torch-free): structured block copies (block-major / layer-major, full or partial) and
 // batched byte segments. Work is split into pieces of at most kSegmentBytes, one warp per piece, so a
 // launch keeps thousands of 16-byte loads in flight -- what a PCIe read through unified addressing needs.
+#include <cstdlib>
+
 #include "tkv_kernels.cuh"
 
 namespace tiered_kv {
@@ -8,7 +10,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarpsPerBlock = kThreads / 32;
-constexpr int kUnroll = 8;  // 16-byte loads a lane keeps in flight in the aligned path
 
 // One warp copies len bytes. 16-byte accesses when source and destination share their alignment modulo
 // 16 (after a byte head), 4-byte ones when they share it modulo 4, bytes otherwise: correct for any
@@ -54,12 +55,12 @@ __device__ __forceinline__ void warp_copy(char* dst, const char* src, int64_t le
 
 // Rows per item: enough rows of a short partial row to make one kSegmentBytes item; one row (split into
 // pieces) otherwise. vec16 needs 16-byte alignment of bases, strides, group and row offsets, and width.
-CopyWork plan_copy_work(const BlockCopyGeometry& g, bool bases_aligned16) {
+CopyWork plan_copy_work(const BlockCopyGeometry& g, bool bases_aligned16, int64_t batch_bytes = kSegmentBytes) {
   CopyWork w{};
   w.pieces = (g.width + kSegmentBytes - 1) / kSegmentBytes;
   w.batch = 1;
   if (w.pieces == 1 && g.rows > 1) {
-    w.batch = kSegmentBytes / (g.width > 0 ? g.width : 1);
+    w.batch = batch_bytes / (g.width > 0 ? g.width : 1);
     if (w.batch < 1) w.batch = 1;
     if (w.batch > g.rows) w.batch = g.rows;
   }
@@ -77,7 +78,7 @@ CopyWork plan_copy_work(const BlockCopyGeometry& g, bool bases_aligned16) {
 // loads per KiB) or one piece of at most kSegmentBytes of one row (full copies). When every row start and
 // the width are 16-byte aligned on both sides (w.vec16, checked by the launcher) a lane issues kUnroll
 // independent 16-byte loads across the batch's rows before its stores: up to 4 KiB in flight per warp.
-template <typename Index>
+template <typename Index, int kUnroll = 8>
 __global__ void copy_blocks_kernel(BlockCopyGeometry g, const int64_t* __restrict__ bases,
                                    const int64_t* __restrict__ src_blocks, const int64_t* __restrict__ dst_blocks,
                                    CopyWork w) {
@@ -151,8 +152,19 @@ unsigned grid_for(int64_t items, int64_t max_blocks = 132 * 16) {
 }  // namespace
 
 #ifndef TKV_HOST_EMULATION  // tests/kernel_emulation.cpp runs the kernels above on the CPU, lane by lane
+// Tuning knobs, read once (defaults chosen on an H200; see notes/issue-3-perf.md):
+// TIERED_KV_COPY_CTAS_PER_SM (grid cap per SM, 16), TIERED_KV_COPY_BATCH_BYTES (bytes of short rows per
+// work item, 16384), TIERED_KV_COPY_UNROLL (16-byte loads in flight per lane, 8 or 4).
+int64_t env_knob(const char* name, int64_t fallback, int64_t lo, int64_t hi) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == 0) return fallback;
+  const long long x = std::atoll(v);
+  return x < lo || x > hi ? fallback : static_cast<int64_t>(x);
+}
+
 int max_ctas() {
-  // 16 CTAs per SM of the current device (looked up once per device; H100/H200: 132 SMs)
+  // CTAs per SM (TIERED_KV_COPY_CTAS_PER_SM, 16) x the current device's SM count (looked up once per device)
+  static const int64_t per_sm = env_knob("TIERED_KV_COPY_CTAS_PER_SM", 16, 1, 64);
   static int cached[64] = {0};
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
@@ -165,7 +177,7 @@ int max_ctas() {
       cudaGetLastError();
       sms = 132;
     }
-    cached[dev] = sms * 16;
+    cached[dev] = sms * static_cast<int>(per_sm);
   }
   return cached[dev];
 }
@@ -173,11 +185,17 @@ int max_ctas() {
 cudaError_t launch_copy_blocks(const BlockCopyGeometry& g, const int64_t* bases, const int64_t* src_blocks,
                                const int64_t* dst_blocks, bool bases_aligned16, cudaStream_t stream) {
   if (g.num_pairs == 0 || g.width == 0) return cudaSuccess;
-  const CopyWork w = plan_copy_work(g, bases_aligned16);
+  static const int64_t batch_bytes = env_knob("TIERED_KV_COPY_BATCH_BYTES", kSegmentBytes, 16, 1 << 20);
+  static const bool unroll4 = env_knob("TIERED_KV_COPY_UNROLL", 8, 4, 8) == 4;
+  const CopyWork w = plan_copy_work(g, bases_aligned16, batch_bytes);
   const unsigned grid = grid_for(w.items, max_ctas());
   // the 32-bit variant needs every item index (up to items + one grid of warps) to fit
   if (w.items + static_cast<int64_t>(grid) * kWarpsPerBlock < (int64_t{1} << 32)) {
-    copy_blocks_kernel<uint32_t><<<grid, kThreads, 0, stream>>>(g, bases, src_blocks, dst_blocks, w);
+    if (unroll4) {
+      copy_blocks_kernel<uint32_t, 4><<<grid, kThreads, 0, stream>>>(g, bases, src_blocks, dst_blocks, w);
+    } else {
+      copy_blocks_kernel<uint32_t, 8><<<grid, kThreads, 0, stream>>>(g, bases, src_blocks, dst_blocks, w);
+    }
   } else {
     copy_blocks_kernel<int64_t><<<grid, kThreads, 0, stream>>>(g, bases, src_blocks, dst_blocks, w);
   }
