@@ -1,3 +1,4 @@
+# ruff: noqa: B023 -- every lambda below runs before its loop variables change
 """Probe for notes/issue-3-perf.md: device time of the copy_blocks op per kernel knob setting, and where an
 engine partial copy's wall time goes. Run on a GPU after the extension is built:
 

@@ -250,10 +250,10 @@ async def _partial(device: str, blocks: int, repeat: int) -> list[dict[str, Any]
                 g_t, h_t = [gpu], [host]
                 method = ops.METHOD_DMA if path == "dma" else ops.METHOD_KERNEL
                 op_dev["gpu->gpu"] = _device_seconds(
-                    lambda: ops.copy_blocks(g_t, g_t, src_i, dst_i, num_tokens=n, method=method), repeat
+                    functools.partial(ops.copy_blocks, g_t, g_t, src_i, dst_i, num_tokens=n, method=method), repeat
                 )
                 op_dev["host->gpu"] = _device_seconds(
-                    lambda: ops.copy_blocks(g_t, h_t, src_i, src_i, num_tokens=n, method=method), repeat
+                    functools.partial(ops.copy_blocks, g_t, h_t, src_i, src_i, num_tokens=n, method=method), repeat
                 )
                 base_dev["gpu->gpu"] = _device_seconds(functools.partial(b.copy_, a, non_blocking=True), repeat)
                 base_dev["host->gpu"] = _device_seconds(functools.partial(a.copy_, h, non_blocking=True), repeat)
