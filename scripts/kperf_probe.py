@@ -7,7 +7,6 @@ engine partial copy's wall time goes. Run on a GPU after the extension is built:
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import statistics
@@ -22,7 +21,6 @@ VARIANTS = [
     {},
     {"TIERED_KV_COPY_CTAS_PER_SM": "4"},
     {"TIERED_KV_COPY_CTAS_PER_SM": "2"},
-    {"TIERED_KV_COPY_UNROLL": "4"},
     {"TIERED_KV_COPY_BATCH_BYTES": "32768"},
     {"TIERED_KV_COPY_BATCH_BYTES": "8192"},
 ]
@@ -66,7 +64,7 @@ def child() -> dict:
         base_on = dev_seconds(lambda: flat.copy_(hb, non_blocking=True))
         out[f"lm{chunk >> 10}K_offload"] = base_off / off
         out[f"lm{chunk >> 10}K_onboard"] = base_on / on
-        del pool, host, flat
+        pool = host = flat = None  # free before the next size
     layout = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, tokens_per_block=16, dtype=torch.bfloat16)
     gpu = torch.empty((256, *layout.block_shape), dtype=layout.dtype, device="cuda")
     host = torch.empty((128, *layout.block_shape), dtype=layout.dtype, pin_memory=True)
@@ -84,7 +82,7 @@ def child() -> dict:
 
 
 async def engine_breakdown() -> dict:
-    from tiered_kv import TransferEngine, Tier
+    from tiered_kv import Tier, TransferEngine
     from tiered_kv.layout import KVLayout
 
     layout = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, tokens_per_block=16, dtype=torch.bfloat16)
