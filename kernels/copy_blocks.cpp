@@ -139,7 +139,10 @@ void copy_blocks_cuda(at::TensorList dst, at::TensorList src, const at::Tensor& 
     sb_ptr = sb_dev.data_ptr<int64_t>();
     db_ptr = db_dev.data_ptr<int64_t>();
   }
-  check_launch(launch_copy_blocks(g, meta.data_ptr<int64_t>(), sb_ptr, db_ptr, stream), "copy_blocks kernel launch");
+  bool aligned16 = true;
+  for (int64_t i = 0; i < ks + kd; ++i) aligned16 = aligned16 && (bases[static_cast<size_t>(i)] & 15) == 0;
+  check_launch(launch_copy_blocks(g, meta.data_ptr<int64_t>(), sb_ptr, db_ptr, aligned16, stream),
+               "copy_blocks kernel launch");
 }
 
 }  // namespace

@@ -1,6 +1,8 @@
 // Copy kernels (torch-free): structured block copies (block-major / layer-major, full or partial) and
 // batched byte segments. Work is split into pieces of at most kSegmentBytes, one warp per piece, so a
 // launch keeps thousands of 16-byte loads in flight -- what a PCIe read through unified addressing needs.
+#include <cstdlib>
+
 #include "tkv_kernels.cuh"
 
 namespace tiered_kv {
@@ -51,35 +53,82 @@ __device__ __forceinline__ void warp_copy(char* dst, const char* src, int64_t le
   }
 }
 
+// Rows per item: enough rows of a short partial row to make one kSegmentBytes item; one row (split into
+// pieces) otherwise. vec16 needs 16-byte alignment of bases, strides, group and row offsets, and width.
+CopyWork plan_copy_work(const BlockCopyGeometry& g, bool bases_aligned16, int64_t batch_bytes = kSegmentBytes) {
+  CopyWork w{};
+  w.pieces = (g.width + kSegmentBytes - 1) / kSegmentBytes;
+  w.batch = 1;
+  if (w.pieces == 1 && g.rows > 1) {
+    w.batch = batch_bytes / (g.width > 0 ? g.width : 1);
+    if (w.batch < 1) w.batch = 1;
+    if (w.batch > g.rows) w.batch = g.rows;
+  }
+  w.row_batches = (g.rows + w.batch - 1) / w.batch;
+  w.items = g.num_pairs * g.groups * w.row_batches * w.pieces;
+  w.vec16 = bases_aligned16 && ((g.src_block_stride | g.dst_block_stride | g.group_bytes | g.row_pitch | g.width) & 15) == 0;
+  return w;
+}
+
 // Index is the type of the work-item arithmetic: uint32_t whenever the item count fits (64-bit division is
 // emulated on the GPU and costs more than copying a short row), int64_t otherwise. Addresses are 64-bit.
-template <typename Index>
+//
+// A work item is (pair, group, row batch, piece): `w.batch` consecutive rows of one group (partial copies of
+// short rows: a 1 KiB row alone would leave a warp with two 16-byte loads per lane and a chain of index
+// loads per KiB) or one piece of at most kSegmentBytes of one row (full copies). When every row start and
+// the width are 16-byte aligned on both sides (w.vec16, checked by the launcher) a lane issues kUnroll
+// independent 16-byte loads across the batch's rows before its stores: up to 4 KiB in flight per warp.
+template <typename Index, int kUnroll = 8>
 __global__ void copy_blocks_kernel(BlockCopyGeometry g, const int64_t* __restrict__ bases,
                                    const int64_t* __restrict__ src_blocks, const int64_t* __restrict__ dst_blocks,
-                                   int64_t pieces_per_row, int64_t total_items) {
+                                   CopyWork w) {
   const int lane = threadIdx.x & 31;
   const Index warps = static_cast<Index>(gridDim.x) * kWarpsPerBlock;
-  const Index total = static_cast<Index>(total_items), pieces = static_cast<Index>(pieces_per_row);
-  const Index rows = static_cast<Index>(g.rows), groups = static_cast<Index>(g.groups);
+  const Index total = static_cast<Index>(w.items), pieces = static_cast<Index>(w.pieces);
+  const Index batches = static_cast<Index>(w.row_batches), groups = static_cast<Index>(g.groups);
   const Index src_per = static_cast<Index>(g.groups / g.src_tensors), dst_per = static_cast<Index>(g.groups / g.dst_tensors);
   for (Index item = static_cast<Index>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5); item < total; item += warps) {
-    // item -> (pair, group, row, piece); pair is the slowest so one warp's neighbours touch one block
+    // item -> (pair, group, row batch, piece); pair is the slowest so one warp's neighbours touch one block
     Index rest = item;
     const Index piece = rest % pieces;
     rest /= pieces;
-    const Index row = rest % rows;
-    rest /= rows;
+    const Index rb = rest % batches;
+    rest /= batches;
     const Index group = rest % groups;
     const Index pair = rest / groups;
     const int64_t off = static_cast<int64_t>(piece) * kSegmentBytes;
     int64_t len = g.width - off;
     if (len > kSegmentBytes) len = kSegmentBytes;
-    const int64_t within = static_cast<int64_t>(row) * g.row_pitch + off;
+    const int64_t row0 = static_cast<int64_t>(rb) * w.batch;
+    int64_t nrows = g.rows - row0;
+    if (nrows > w.batch) nrows = w.batch;
+    const int64_t within = row0 * g.row_pitch + off;
     const char* s = reinterpret_cast<const char*>(bases[group / src_per]) + src_blocks[pair] * g.src_block_stride +
                     static_cast<int64_t>(group % src_per) * g.group_bytes + within;
     char* d = reinterpret_cast<char*>(bases[g.src_tensors + group / dst_per]) + dst_blocks[pair] * g.dst_block_stride +
               static_cast<int64_t>(group % dst_per) * g.group_bytes + within;
-    warp_copy(d, s, len, lane);
+    if (w.vec16) {
+      const uint32_t nvec = static_cast<uint32_t>(len >> 4);
+      const uint32_t count = nvec * static_cast<uint32_t>(nrows);
+      const int64_t pitch = g.row_pitch;
+      for (uint32_t base = 0; base < count; base += 32 * kUnroll) {
+        uint4 v[kUnroll];  // offsets are recomputed for the stores: an array of them costs 16 more registers
+#pragma unroll
+        for (int k = 0; k < kUnroll; ++k) {
+          const uint32_t f = base + static_cast<uint32_t>(lane + 32 * k);
+          const uint32_t r = nrows == 1 ? 0u : f / nvec;
+          if (f < count) v[k] = *reinterpret_cast<const uint4*>(s + static_cast<int64_t>(r) * pitch + (f - r * nvec) * 16ull);
+        }
+#pragma unroll
+        for (int k = 0; k < kUnroll; ++k) {
+          const uint32_t f = base + static_cast<uint32_t>(lane + 32 * k);
+          const uint32_t r = nrows == 1 ? 0u : f / nvec;
+          if (f < count) *reinterpret_cast<uint4*>(d + static_cast<int64_t>(r) * pitch + (f - r * nvec) * 16ull) = v[k];
+        }
+      }
+    } else {
+      for (int64_t r = 0; r < nrows; ++r) warp_copy(d + r * g.row_pitch, s + r * g.row_pitch, len, lane);
+    }
   }
 }
 
@@ -93,34 +142,65 @@ __global__ void copy_segments_kernel(const int64_t* __restrict__ segments, int64
   }
 }
 
-unsigned grid_for(int64_t items) {
-  // Enough warps to cover the work, capped: each warp loops, and more CTAs than ~16 per SM only add
-  // scheduling cost.
+unsigned grid_for(int64_t items, int64_t max_blocks = 132 * 16) {
+  // Enough warps to cover the work, capped (each warp loops): more CTAs than ~16 per SM only add
+  // scheduling cost. The launcher passes 16 x the device's SM count.
   int64_t blocks = (items + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  constexpr int64_t kMaxBlocks = 132 * 16;
-  return static_cast<unsigned>(blocks < kMaxBlocks ? blocks : kMaxBlocks);
+  return static_cast<unsigned>(blocks < max_blocks ? blocks : max_blocks);
 }
 
 }  // namespace
 
 #ifndef TKV_HOST_EMULATION  // tests/kernel_emulation.cpp runs the kernels above on the CPU, lane by lane
+// Tuning knobs, read once (defaults chosen on an H200; see notes/issue-3-perf.md):
+// TIERED_KV_COPY_CTAS_PER_SM (grid cap per SM, 16) and TIERED_KV_COPY_BATCH_BYTES (bytes of short rows per
+// work item, 16384). On the H200 no other setting tried (2/4 CTAs per SM, 8/32 KiB items, 4 loads in flight
+// per lane instead of 8) was better on every row: 4-token partial rows gained ~10%, 12-token ones lost ~4%.
+int64_t env_knob(const char* name, int64_t fallback, int64_t lo, int64_t hi) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == 0) return fallback;
+  const long long x = std::atoll(v);
+  return x < lo || x > hi ? fallback : static_cast<int64_t>(x);
+}
+
+int max_ctas() {
+  // CTAs per SM (TIERED_KV_COPY_CTAS_PER_SM, 16) x the current device's SM count (looked up once per device)
+  static const int64_t per_sm = env_knob("TIERED_KV_COPY_CTAS_PER_SM", 16, 1, 64);
+  static int cached[64] = {0};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
+    cudaGetLastError();
+    return 132 * 16;
+  }
+  if (cached[dev] == 0) {
+    int sms = 0;
+    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms <= 0) {
+      cudaGetLastError();
+      sms = 132;
+    }
+    cached[dev] = sms * static_cast<int>(per_sm);
+  }
+  return cached[dev];
+}
+
 cudaError_t launch_copy_blocks(const BlockCopyGeometry& g, const int64_t* bases, const int64_t* src_blocks,
-                               const int64_t* dst_blocks, cudaStream_t stream) {
+                               const int64_t* dst_blocks, bool bases_aligned16, cudaStream_t stream) {
   if (g.num_pairs == 0 || g.width == 0) return cudaSuccess;
-  const int64_t pieces = (g.width + kSegmentBytes - 1) / kSegmentBytes;
-  const int64_t total = g.num_pairs * g.groups * g.rows * pieces;
-  // the 32-bit variant needs every item index (up to total + one grid of warps) to fit
-  if (total + static_cast<int64_t>(grid_for(total)) * kWarpsPerBlock < (int64_t{1} << 32)) {
-    copy_blocks_kernel<uint32_t><<<grid_for(total), kThreads, 0, stream>>>(g, bases, src_blocks, dst_blocks, pieces, total);
+  static const int64_t batch_bytes = env_knob("TIERED_KV_COPY_BATCH_BYTES", kSegmentBytes, 16, 1 << 20);
+  const CopyWork w = plan_copy_work(g, bases_aligned16, batch_bytes);
+  const unsigned grid = grid_for(w.items, max_ctas());
+  // the 32-bit variant needs every item index (up to items + one grid of warps) to fit
+  if (w.items + static_cast<int64_t>(grid) * kWarpsPerBlock < (int64_t{1} << 32)) {
+    copy_blocks_kernel<uint32_t><<<grid, kThreads, 0, stream>>>(g, bases, src_blocks, dst_blocks, w);
   } else {
-    copy_blocks_kernel<int64_t><<<grid_for(total), kThreads, 0, stream>>>(g, bases, src_blocks, dst_blocks, pieces, total);
+    copy_blocks_kernel<int64_t><<<grid, kThreads, 0, stream>>>(g, bases, src_blocks, dst_blocks, w);
   }
   return cudaGetLastError();
 }
 
 cudaError_t launch_copy_segments(const int64_t* segments, int64_t count, cudaStream_t stream) {
   if (count == 0) return cudaSuccess;
-  copy_segments_kernel<<<grid_for(count), kThreads, 0, stream>>>(segments, count);
+  copy_segments_kernel<<<grid_for(count, max_ctas()), kThreads, 0, stream>>>(segments, count);
   return cudaGetLastError();
 }
 

@@ -33,10 +33,20 @@ struct BlockCopyGeometry {
   int64_t src_block_stride, dst_block_stride;
 };
 
+// How a launch splits a BlockCopyGeometry into warp work items (plan_copy_work in copy_blocks.cu).
+struct CopyWork {
+  int64_t pieces;       // pieces of at most kSegmentBytes per row
+  int64_t batch;        // rows per item (> 1 only when a row is one piece)
+  int64_t row_batches;  // ceil(rows / batch)
+  int64_t items;        // num_pairs * groups * row_batches * pieces
+  bool vec16;           // every row start and piece 16-byte aligned on both sides: the unrolled 16-byte path
+};
+
 // bases: src_tensors source base pointers then dst_tensors destination base pointers (device-readable).
-// src_blocks / dst_blocks: num_pairs block indices each (device-readable int64).
+// src_blocks / dst_blocks: num_pairs block indices each (device-readable int64). bases_aligned16: every
+// base pointer is a multiple of 16 (the caller knows them on the host; the kernel reads them on the device).
 cudaError_t launch_copy_blocks(const BlockCopyGeometry& g, const int64_t* bases, const int64_t* src_blocks,
-                               const int64_t* dst_blocks, cudaStream_t stream);
+                               const int64_t* dst_blocks, bool bases_aligned16, cudaStream_t stream);
 
 // segments: [count, 3] int64 rows (src address, dst address, nbytes), device-readable; any alignment.
 cudaError_t launch_copy_segments(const int64_t* segments, int64_t count, cudaStream_t stream);

@@ -35,17 +35,18 @@ extern "C" {
 // geometry: num_pairs, groups, rows, row_pitch, width, group_bytes, src_tensors, dst_tensors,
 // src_block_stride, dst_block_stride (the BlockCopyGeometry fields, in order)
 void emu_copy_blocks(const int64_t* geometry, const int64_t* bases, const int64_t* src_blocks, const int64_t* dst_blocks,
-                     int max_grid, int index64) {
+                     int max_grid, int index64, int force_unaligned) {
   tiered_kv::BlockCopyGeometry g{geometry[0], geometry[1], geometry[2], geometry[3], geometry[4],
                                  geometry[5], geometry[6], geometry[7], geometry[8], geometry[9]};
   if (g.num_pairs == 0 || g.width == 0) return;
-  const int64_t pieces = (g.width + tiered_kv::kSegmentBytes - 1) / tiered_kv::kSegmentBytes;
-  const int64_t total = g.num_pairs * g.groups * g.rows * pieces;
-  run_grid(capped(tiered_kv::grid_for(total), max_grid), tiered_kv::kThreads, [&] {
+  bool aligned16 = true;  // what kernels/copy_blocks.cpp computes from the host view of the bases
+  for (int64_t i = 0; i < g.src_tensors + g.dst_tensors; ++i) aligned16 = aligned16 && (bases[i] & 15) == 0;
+  const tiered_kv::CopyWork w = tiered_kv::plan_copy_work(g, aligned16 && !force_unaligned);
+  run_grid(capped(tiered_kv::grid_for(w.items), max_grid), tiered_kv::kThreads, [&] {
     if (index64) {
-      tiered_kv::copy_blocks_kernel<int64_t>(g, bases, src_blocks, dst_blocks, pieces, total);
+      tiered_kv::copy_blocks_kernel<int64_t>(g, bases, src_blocks, dst_blocks, w);
     } else {
-      tiered_kv::copy_blocks_kernel<uint32_t>(g, bases, src_blocks, dst_blocks, pieces, total);
+      tiered_kv::copy_blocks_kernel<uint32_t>(g, bases, src_blocks, dst_blocks, w);
     }
   });
 }
@@ -59,6 +60,7 @@ void emu_copy_segments(const int64_t* segments, int64_t count, int max_grid) {
 void emu_gather(int32_t* dst, const int32_t* src, const void* idx, int idx_is_64, const int32_t* scale,
                 const int32_t* v_offset, int64_t pools, int64_t seqs, int64_t kv, int64_t dst_cols, int64_t src_rows,
                 int64_t src_cols, int64_t max_blocks, int32_t sentinel, int grid_x, int threads) {
+  const bool vec4 = tiered_kv::gather_vec4(dst, src, dst_cols, src_cols, max_blocks);  // as the launcher decides
   for (unsigned p = 0; p < pools; ++p) {
     gridDim = dim3(grid_x, pools);
     blockDim = dim3(threads);
@@ -69,10 +71,10 @@ void emu_gather(int32_t* dst, const int32_t* src, const void* idx, int idx_is_64
         threadIdx.x = t;
         if (idx_is_64) {
           tiered_kv::gather_block_offsets_kernel<int64_t>(dst, src, static_cast<const int64_t*>(idx), scale, v_offset, seqs,
-                                                          kv, dst_cols, src_rows, src_cols, max_blocks, sentinel);
+                                                          kv, dst_cols, src_rows, src_cols, max_blocks, sentinel, vec4);
         } else {
           tiered_kv::gather_block_offsets_kernel<int32_t>(dst, src, static_cast<const int32_t*>(idx), scale, v_offset, seqs,
-                                                          kv, dst_cols, src_rows, src_cols, max_blocks, sentinel);
+                                                          kv, dst_cols, src_rows, src_cols, max_blocks, sentinel, vec4);
         }
       }
     }

@@ -59,11 +59,12 @@ def _geometry(dst: list[torch.Tensor], src: list[torch.Tensor], n: int, pairs: i
     return [pairs, groups, rows, pitch, width, group_bytes, len(src), len(dst), s0.stride(0) * isz, d0.stride(0) * isz]
 
 
-def _emu_copy_blocks(emu, dst, src, s, d, n, max_grid=0, index64=False) -> None:
+def _emu_copy_blocks(emu, dst, src, s, d, n, max_grid=0, index64=False, force_unaligned=False) -> None:
     geom = _i64(_geometry(dst, src, n, len(s)))
     bases = _i64([t.data_ptr() for t in src] + [t.data_ptr() for t in dst])
     s_t, d_t = _i64(s), _i64(d)  # named: a temporary would be freed before the call reads it
-    emu.emu_copy_blocks(_ptr(geom), _ptr(bases), _ptr(s_t), _ptr(d_t), ctypes.c_int(max_grid), ctypes.c_int(index64))
+    emu.emu_copy_blocks(_ptr(geom), _ptr(bases), _ptr(s_t), _ptr(d_t), ctypes.c_int(max_grid), ctypes.c_int(index64),
+                        ctypes.c_int(force_unaligned))
 
 
 @pytest.mark.parametrize("src_kind", KINDS)
@@ -80,6 +81,24 @@ def test_copy_blocks_kernel_matches_reference(emu, src_kind, dst_kind, num_token
     ops.copy_blocks(want, src, _i64(s), _i64(d), num_tokens=num_tokens)
     _emu_copy_blocks(emu, dst, src, s, d, n, max_grid=2, index64=index64)  # two CTAs: every warp loops over many items
     assert_blocks_equal(_logical(dst_kind, dst), _logical(dst_kind, want), f"{src_kind}->{dst_kind} n={num_tokens} pad={pad}")
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 4, 13, 16])
+@pytest.mark.parametrize("max_grid", [0, 1, 3])
+@pytest.mark.parametrize("index64", [False, True])
+@pytest.mark.parametrize("force_unaligned", [False, True])
+def test_copy_blocks_kernel_batches_short_rows(emu, num_tokens, max_grid, index64, force_unaligned) -> None:
+    # fp16, 16 tokens x 32 dims: 1 KiB rows, width 64 B..1 KiB -> 16..256 rows per item, the last batch short
+    # (rows = 3 x 2 x 7 = 42 per block); 16-byte aligned, so the unrolled vector path runs unless forced off
+    L, kv, H, T, D = 3, 2, 7, 16, 32
+    src = [fill_random(torch.empty(5, L, kv, H, T, D, dtype=torch.float16))]
+    dst = [fill_random(torch.empty(L * kv, 6, H, T, D, dtype=torch.float16)[i]) for i in range(L * kv)]
+    want = [t.clone() for t in dst]
+    s, d = [4, 0, 2, 1], [5, 1, 0, 3]
+    ops.copy_blocks(want, src, _i64(s), _i64(d), num_tokens=num_tokens)
+    _emu_copy_blocks(emu, dst, src, s, d, num_tokens, max_grid, index64, force_unaligned)
+    for got, ref in zip(dst, want, strict=True):
+        assert_blocks_equal(got, ref, f"n={num_tokens}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.uint8])
@@ -150,3 +169,28 @@ def test_gather_kernel_matches_reference(emu, idx_dtype, grid_x, threads) -> Non
         ctypes.c_int32(-1), ctypes.c_int(grid_x), ctypes.c_int(threads),
     )  # fmt: skip
     torch.testing.assert_close(dst2, want2, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize(("grid_x", "threads"), [(1, 64), (5, 128)])
+@pytest.mark.parametrize(("src_cols", "dst_cols", "max_blocks"), [(132, 128, 128), (64, 72, 8), (256, 256, 256)])
+def test_gather_kernel_vector_path(emu, idx_dtype, grid_x, threads, src_cols, dst_cols, max_blocks) -> None:
+    # every row a multiple of 4 columns and the tables 16-byte aligned: the 4-column (int4) path; sentinels
+    # and the V offset land in every lane of a vector
+    g = torch.Generator().manual_seed(src_cols + grid_x)
+    pools, rows, seqs, kv = 2, 11, 9, 2
+    src = torch.randint(-1, 3, (pools, rows, kv, src_cols), dtype=torch.int32, generator=g)
+    src[src == 2] = 1 << 30  # overflows when scaled: wraps like the reference
+    idx = torch.randint(0, rows, (seqs,), generator=g).to(idx_dtype)
+    scale = torch.tensor([3, -2], dtype=torch.int32)
+    v_off = torch.tensor([7, 100], dtype=torch.int32)
+    dst = torch.randint(-(2**31), 2**31 - 1, (pools, seqs, kv, dst_cols), dtype=torch.int32, generator=g)
+    assert dst.data_ptr() % 16 == 0 and src.data_ptr() % 16 == 0
+    want = dst.clone()
+    ops.gather_block_offsets(want, src, idx, scale=scale, v_offset=v_off, max_blocks=max_blocks, sentinel=-1)
+    emu.emu_gather(
+        _ptr(dst), _ptr(src), _ptr(idx), ctypes.c_int(idx_dtype == torch.int64), _ptr(scale), _ptr(v_off),
+        *(ctypes.c_int64(v) for v in (pools, seqs, kv, dst_cols, rows, src_cols, max_blocks)),
+        ctypes.c_int32(-1), ctypes.c_int(grid_x), ctypes.c_int(threads),
+    )  # fmt: skip
+    torch.testing.assert_close(dst, want, rtol=0, atol=0)

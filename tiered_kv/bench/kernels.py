@@ -69,6 +69,26 @@ def _median_seconds(fn: Callable[[], object], repeat: int, cuda: bool) -> float:
     return statistics.median(times)
 
 
+def _device_seconds(fn: Callable[[], object], repeat: int) -> float:
+    """Median device seconds of ``fn``'s work on the current stream (CUDA events), host issue time excluded.
+
+    A sleep kernel queued first keeps the stream busy while ``fn`` is issued, so the events bracket the
+    GPU's execution only (with an idle stream they would also time the host's launch path).
+    """
+    times = []
+    for i in range(repeat + 1):
+        torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(2_000_000)  # ~1 ms at H100/H200 clocks: longer than any issue path below
+        e0.record()
+        fn()
+        e1.record()
+        e1.synchronize()
+        if i:
+            times.append(e0.elapsed_time(e1) / 1e3)
+    return statistics.median(times)
+
+
 async def _engine_seconds(
     engine: TransferEngine, src: Tier, s: np.ndarray, dst: Tier, d: np.ndarray, repeat: int, n: int | None = None
 ) -> float:
@@ -220,6 +240,23 @@ async def _partial(device: str, blocks: int, repeat: int) -> list[dict[str, Any]
             h = host.view(-1).view(torch.uint8)[:nbytes]
             base_d2d = _median_seconds(functools.partial(b.copy_, a, non_blocking=True), repeat, cuda)
             base_h2d = _median_seconds(functools.partial(a.copy_, h, non_blocking=True), repeat, cuda)
+            # the op alone (no engine: no fences, waiter thread or loop wake-up), device time next to the
+            # baseline's device time: what the kernel itself achieves
+            op_dev = {"gpu->gpu": float("nan"), "host->gpu": float("nan")}
+            base_dev = dict(op_dev)
+            if cuda:
+                src_i = torch.from_numpy(idx[:half].copy())
+                dst_i = torch.from_numpy(idx[half:].copy())
+                g_t, h_t = [gpu], [host]
+                method = ops.METHOD_DMA if path == "dma" else ops.METHOD_KERNEL
+                op_dev["gpu->gpu"] = _device_seconds(
+                    functools.partial(ops.copy_blocks, g_t, g_t, src_i, dst_i, num_tokens=n, method=method), repeat
+                )
+                op_dev["host->gpu"] = _device_seconds(
+                    functools.partial(ops.copy_blocks, g_t, h_t, src_i, src_i, num_tokens=n, method=method), repeat
+                )
+                base_dev["gpu->gpu"] = _device_seconds(functools.partial(b.copy_, a, non_blocking=True), repeat)
+                base_dev["host->gpu"] = _device_seconds(functools.partial(a.copy_, h, non_blocking=True), repeat)
             for direction, ours, base, target in (("gpu->gpu", d2d, base_d2d, 0.8), ("host->gpu", h2d, base_h2d, 0.85)):
                 rows.append(
                     {
@@ -232,6 +269,9 @@ async def _partial(device: str, blocks: int, repeat: int) -> list[dict[str, Any]
                         "engine_GBps": nbytes / ours / 1e9,
                         "contiguous_GBps": nbytes / base / 1e9,
                         "fraction": base / ours,
+                        "op_dev_GBps": nbytes / op_dev[direction] / 1e9,
+                        "base_dev_GBps": nbytes / base_dev[direction] / 1e9,
+                        "op_dev_fraction": base_dev[direction] / op_dev[direction],
                         "target": target,
                     }
                 )
@@ -346,7 +386,9 @@ def run(quick: bool = False, device: str = "auto") -> dict[str, Any]:
         "py_loop = one torch copy_ per chunk; cxx_loop = one cudaMemcpyAsync per chunk issued from C++",
         "sweep: GPU->host of a layer-major (split K/V) pool, scattered block indices on both sides; "
         "the path is forced per column, 'choice' is EngineConfig.dma_min_chunk_bytes at work",
-        "partial: block-major pools, tokens [0, n) of every (layer, kv, head); fraction = contiguous time / engine time",
+        "partial: block-major pools, tokens [0, n) of every (layer, kv, head); fraction = contiguous time / engine time; "
+        "op_dev = the copy_blocks op alone, device time (CUDA events behind a sleep kernel, host issue excluded), "
+        "base_dev = the contiguous copy's device time measured the same way",
         "gather: host_us = CPU time to issue one call; device_us = CUDA events around it; end_to_end = issue to synchronize",
     ]
     notes += errors

@@ -32,6 +32,8 @@ __all__ = ["main", "run"]
 
 NAME = "pagetables"
 
+_SLEEP_CYCLES = 4_000_000  # ~2 ms at H100/H200 clocks: longer than one call's host path (~0.1-0.4 ms)
+
 
 def void(_: object) -> None:
     """Stream ops return nothing."""
@@ -47,6 +49,10 @@ def _device_time(dev: Device, stream: Stream, fn: Callable[[], object]) -> Calla
     if dev.is_cuda:
         assert isinstance(stream, CudaStream)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        # A sleep kernel first keeps the stream busy while fn() runs on the host: otherwise the idle stream
+        # reaches `start` at once and the events time the host's snapshot and launch path, not the device.
+        with torch.cuda.stream(stream.torch_stream):
+            torch.cuda._sleep(_SLEEP_CYCLES)
         start.record(stream.torch_stream)
         fn()
         end.record(stream.torch_stream)
@@ -183,7 +189,7 @@ def run(quick: bool, device: str) -> dict[str, Any]:
         "notes": [
             f"pools={pools} kv={kv} max_blocks_per_seq={max_blocks}, int32; medians of {iters} calls; "
             "host time = copy_batch_block_offsets returning (snapshot + enqueue), device time = the stream's time "
-            "on the op; one call in flight at a time",
+            "on the op (CUDA events behind a sleep kernel, so host issue time is excluded); one call in flight at a time",
             "racy = the seed's in-place path (persistent host buffer / index buffer reused every call), same run",
             f"gather implementation: {gather_impl}",
             "targets: host_x_racy <= 1.2; gather dev_x_d2d <= 2 (d2d = a bare device-to-device copy of the same bytes)",
