@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import tempfile
 
 import hypothesis.strategies as st
 import numpy as np
@@ -177,11 +180,24 @@ def test_engine_constructor_fuzz(gpu, host, device):
 
 # ------------------------------------------------------------------------------------------ cache + file fuzzing
 
+# Directory arguments: relative ones are resolved inside a fresh temporary directory (the test chdirs
+# there), absolute ones name places that must fail (never "/": this may run as root).
 paths = st.one_of(
-    st.sampled_from(["", "/", "/proc/nonexistent/x", "/dev/null", "relative/dir", "\x00bad", "/etc/passwd"]),
-    st.text(min_size=1, max_size=8).map(lambda s: "/tmp/" + s),
+    st.sampled_from(["", "/proc/nonexistent/x", "/dev/null", "/etc/passwd", "relative/dir", "\x00bad", "a\x00b"]),
+    st.text(alphabet="abcXYZ._-/ ", min_size=1, max_size=8).filter(lambda p: not p.startswith("/")),
     junk,
 )
+
+
+@contextlib.contextmanager
+def _in_temp_dir():
+    old = os.getcwd()
+    with tempfile.TemporaryDirectory() as tmp:
+        os.chdir(tmp)
+        try:
+            yield tmp
+        finally:
+            os.chdir(old)
 
 
 @settings(max_examples=60, deadline=None)
@@ -189,10 +205,11 @@ paths = st.one_of(
 def test_file_tier_config_fuzz(directory, blocks, name):
     from tiered_kv.filetier import FileTierConfig
 
-    try:
-        FileTierConfig(directory, blocks, name=name)
-    except (ValueError, TypeError):
-        pass
+    with _in_temp_dir():
+        try:
+            FileTierConfig(directory, blocks, name=name)
+        except (ValueError, TypeError):
+            pass
 
 
 @settings(max_examples=25, deadline=None)
@@ -201,13 +218,14 @@ def test_engine_with_a_bad_file_dir_fails_cleanly(directory):
     import threading
 
     before = {t.ident for t in threading.enumerate()}
-    try:
-        engine = TransferEngine(LAYOUT, gpu_blocks=2, host_blocks=2, device="cpu", file_dir=directory, file_blocks=2)
-    except (ValueError, TypeError, OSError):
-        leaked = [t.name for t in threading.enumerate() if t.ident not in before and t.name.startswith("tiered_kv")]
-        assert not leaked, leaked  # a failed constructor leaves no thread behind
-        return
-    asyncio.run(engine.close())
+    with _in_temp_dir():
+        try:
+            engine = TransferEngine(LAYOUT, gpu_blocks=2, host_blocks=2, device="cpu", file_dir=directory, file_blocks=2)
+        except (ValueError, TypeError, OSError):
+            leaked = [t.name for t in threading.enumerate() if t.ident not in before and t.name.startswith("tiered_kv")]
+            assert not leaked, leaked  # a failed constructor leaves no thread behind
+            return
+        asyncio.run(engine.close())
 
 
 requests = st.one_of(
