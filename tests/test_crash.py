@@ -55,3 +55,21 @@ def test_block_content_is_a_function_of_the_key():
 def test_bad_arguments():
     with pytest.raises(ValueError):
         run_crash_test("/nonexistent-never-used", [0], durabilities=())
+
+
+def test_slab_whose_creation_was_killed_before_the_superblock_opens_as_new(tmp_path):
+    # A kill between preallocating the slab and writing its superblock leaves a file of zeros. It used to be
+    # refused as "not a tiered_kv slab" (LayoutMismatchError) until discarded by hand.
+    from tiered_kv.filetier import FileTier, FileTierConfig
+
+    (tmp_path / "kv.slab").write_bytes(bytes(4096 * 12))
+    tier = FileTier(CRASH_LAYOUT, FileTierConfig(tmp_path, 4))
+    try:
+        assert tier.open_report.created and tier.open_report.recovered == 0
+    finally:
+        tier.close()
+    tier = FileTier(CRASH_LAYOUT, FileTierConfig(tmp_path, 4))  # and it is a slab now
+    try:
+        assert not tier.open_report.created
+    finally:
+        tier.close()

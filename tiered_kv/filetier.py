@@ -388,7 +388,12 @@ class FileTier:
                 raw = f.read(HEADER_SIZE)
             sb = Superblock.unpack(raw)
             problem = None
-            if isinstance(sb, str):
+            if not any(raw):
+                # A creation that crashed between preallocating and writing the superblock: the superblock is
+                # synced before any slot is written, so nothing is lost by starting over.
+                log.warning("%s has no superblock (its creation was interrupted); creating it again", self.path)
+                existing = False
+            elif isinstance(sb, str):
                 problem = f"{self.path} is not a tiered_kv slab: {sb}"
             elif sb.fingerprint != self._fingerprint or sb.slot_size != self.slot_size or sb.payload_length != self.payload_bytes:
                 problem = (
