@@ -39,11 +39,12 @@ def test_harness_fails_when_reads_are_not_verified(tmp_path, monkeypatch):
 
 def test_log_promises_only_the_last_completed_spill_of_a_slot():
     log = _Log()
-    for line in ("BEGIN 0 1:a 2:b", "DONE 0", "BEGIN 0 1:c", "BEGIN 1 3:d", "DONE 1"):
+    for line in ("BEGIN 0 1:a 2:b", "DONE 0", "BEGIN 0 1:c", "BEGIN 1 3:d 4:b", "DONE 1"):
         log.feed(line)
     assert log.begun == {"a", "b", "c", "d"}
-    assert log.completed == {"a", "b", "d"}
-    assert log.promised() == {"b", "d"}  # a's slot was claimed by c (in flight at the kill)
+    assert log.completed_keys == {"a", "b", "d"}
+    assert log.promised_slots() == {2: "b", 3: "d", 4: "b"}  # a's slot was claimed by c (in flight at the kill)
+    assert log.promised() == {"b", "d"} and log.in_flight_slots() == [1]
 
 
 def test_block_content_is_a_function_of_the_key():
@@ -73,3 +74,40 @@ def test_slab_whose_creation_was_killed_before_the_superblock_opens_as_new(tmp_p
         assert not tier.open_report.created
     finally:
         tier.close()
+
+
+def _overwrite(path, offset, data):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+@pytest.mark.parametrize("verify_on_open", ["header", "full"])
+async def test_torn_newer_copy_of_a_key_does_not_shadow_the_intact_older_one(tmp_path, verify_on_open):
+    # A key spilled twice (slot 0, then slot 1); a crash tears the newer write's payload. Reopening must index
+    # the intact older copy. With header-only scanning it used to pick the newest header, whose read then
+    # failed verification: a completed spill was lost (found by run_crash_test, seeds 1 and 7).
+    import numpy as np
+    import torch
+
+    from tiered_kv import Tier, TransferEngine
+    from tiered_kv.filetier import FileTierConfig
+    from tiered_kv.slab import HEADER_SIZE, slot_payload_size
+
+    content = torch.from_numpy(block_content(CRASH_LAYOUT, "K"))
+    async with TransferEngine(CRASH_LAYOUT, host_blocks=1, device="cpu",
+                              file_config=FileTierConfig(tmp_path, 4)) as eng:
+        eng.block(Tier.HOST, 0).reshape(-1).view(torch.uint8).copy_(content)
+        await eng.copy(Tier.HOST, [0], Tier.FILE, [0], keys=["K"])
+        await eng.copy(Tier.HOST, [0], Tier.FILE, [1], keys=["K"])
+        assert eng.file_tier.lookup("K") == 1
+    slot_size = HEADER_SIZE + slot_payload_size(CRASH_LAYOUT)
+    # tear the payload of slot 1 (its header stays valid)
+    _overwrite(tmp_path / "kv.slab", HEADER_SIZE + slot_size + HEADER_SIZE + 100, bytes(64) if content[100:164].any() else b"\xff" * 64)
+    async with TransferEngine(CRASH_LAYOUT, host_blocks=1, device="cpu",
+                              file_config=FileTierConfig(tmp_path, 4, verify_on_open=verify_on_open)) as eng:
+        r = eng.file_tier.open_report
+        assert eng.file_tier.lookup("K") == 0 and r.recovered == 1 and r.bad == 1
+        eng.block(Tier.HOST, 0).zero_()
+        await eng.copy(Tier.FILE, [0], Tier.HOST, [0], keys=["K"])
+        assert np.array_equal(eng.block(Tier.HOST, 0).reshape(-1).view(torch.uint8).numpy(), content.numpy())

@@ -66,8 +66,9 @@ class CrashRun:
         seed, durability, verify_on_open: the run's parameters.
         kill_after: ``DONE`` lines the parent waited for before killing (the child may have done more).
         begun / completed: spills (blocks) the child started / finished before it died.
-        promised: completed blocks whose slot no later spill claimed and that were not torn: must be recovered.
-        torn: slots the parent tore after the kill (each held a promised block).
+        promised: keys held by a slot whose last spill completed and that was not torn: must be recovered.
+        torn: promised slots the parent tore after the kill (it also tears as many slots whose write was in
+            flight at the kill; those are not counted here, an unwritten one reads as empty).
         indexed: blocks the reopened tier indexed. bad_at_open: slots the open scan refused.
         bad_on_read: indexed blocks whose read failed verification (dropped, not served).
         served: blocks read back and equal to their key's content.
@@ -140,6 +141,8 @@ async def _child(directory: str, seed: int, durability: str, file_blocks: int, m
     cfg = FileTierConfig(directory, file_blocks, durability=durability, io_threads=2, staging_blocks=2)
     out = sys.stdout
     counter = 0
+    written: list[str] = []  # keys spilled so far, in order
+    written_set: set[str] = set()
     async with TransferEngine(layout, gpu_blocks=8, host_blocks=8, device="cpu", file_config=cfg) as engine:
         out.write("READY\n")
         out.flush()
@@ -149,14 +152,24 @@ async def _child(directory: str, seed: int, durability: str, file_blocks: int, m
             slots = rng.sample(range(file_blocks), sum(sizes))
             free = {Tier.GPU: list(range(8)), Tier.HOST: list(range(8))}
             pending: list[tuple[int, asyncio.Task[object]]] = []
+            step_keys: set[str] = set()
             for tid, n in enumerate(sizes):
                 src = rng.choice((Tier.GPU, Tier.HOST))
                 blocks = [free[src].pop(rng.randrange(len(free[src]))) for _ in range(n)]
                 mine, slots = slots[:n], slots[n:]
                 keys = []
                 for b in blocks:
-                    key = f"k{seed}-{counter}"
-                    counter += 1
+                    if written and rng.random() < 0.25:
+                        # a key spilled before, again into another slot (what a cache does when a block it
+                        # read back is evicted again): the file then holds two generations of one key
+                        key = rng.choice(written)
+                        if key in step_keys:
+                            key = f"k{seed}-{counter}"
+                            counter += 1
+                    else:
+                        key = f"k{seed}-{counter}"
+                        counter += 1
+                    step_keys.add(key)
                     keys.append(key)
                     engine.block(src, b).reshape(-1).view(torch.uint8).copy_(torch.from_numpy(block_content(layout, key)))
                 # BEGIN is on the pipe before the copy can touch the file
@@ -164,6 +177,8 @@ async def _child(directory: str, seed: int, durability: str, file_blocks: int, m
                 out.flush()
                 t = engine.copy(src, blocks, Tier.FILE, mine, keys=keys)
                 pending.append((tid, asyncio.ensure_future(_awaited(t))))
+            written.extend(k for k in step_keys if k not in written_set)
+            written_set.update(step_keys)
             for tid, task in pending:
                 await task
                 out.write(f"DONE {tid}\n")
@@ -178,37 +193,53 @@ async def _awaited(t: object) -> object:
 
 
 class _Log:
-    """The child's reports: which slot each key was spilled to, which spills completed."""
+    """The child's reports: which spill (key -> slot) began and completed, in order.
+
+    A key may be spilled more than once (to another slot): its content is the same every time.
+    """
 
     def __init__(self) -> None:
-        self.begun: set[str] = set()
-        self.completed: set[str] = set()
-        self.slot_of: dict[str, int] = {}
-        self.owner: dict[int, str] = {}  # slot -> key of the last spill that claimed it
-        self._open: dict[int, list[str]] = {}  # transfer id (within a step) -> keys
+        self.spills: list[tuple[str, int]] = []  # spill id -> (key, slot)
+        self.completed: set[int] = set()  # spill ids
+        self.last: dict[int, int] = {}  # slot -> id of the last spill that claimed it
+        self._open: dict[int, list[int]] = {}  # transfer id (within a step) -> spill ids
         self.done_lines = 0
+
+    @property
+    def begun(self) -> set[str]:
+        return {k for k, _ in self.spills}
+
+    @property
+    def completed_keys(self) -> set[str]:
+        return {self.spills[i][0] for i in self.completed}
 
     def feed(self, line: str) -> None:
         parts = line.split()
         if not parts:
             return
         if parts[0] == "BEGIN":
-            keys = []
+            ids = []
             for item in parts[2:]:
                 slot_text, key = item.split(":", 1)
                 slot = int(slot_text)
-                self.begun.add(key)
-                self.slot_of[key] = slot
-                self.owner[slot] = key
-                keys.append(key)
-            self._open[int(parts[1])] = keys
+                self.last[slot] = len(self.spills)
+                ids.append(len(self.spills))
+                self.spills.append((key, slot))
+            self._open[int(parts[1])] = ids
         elif parts[0] == "DONE":
             self.completed.update(self._open.pop(int(parts[1])))
             self.done_lines += 1
 
+    def promised_slots(self) -> dict[int, str]:
+        """Slot -> key, for every slot whose last spill completed: those blocks must be recovered."""
+        return {slot: self.spills[i][0] for slot, i in self.last.items() if i in self.completed}
+
+    def in_flight_slots(self) -> list[int]:
+        """Slots whose last spill had begun but not completed at the kill."""
+        return sorted(slot for slot, i in self.last.items() if i not in self.completed)
+
     def promised(self) -> set[str]:
-        """Completed spills whose slot no later spill claimed."""
-        return {k for k in self.completed if self.owner.get(self.slot_of[k]) == k}
+        return set(self.promised_slots().values())
 
 
 def _tear(path: str, slot_size: int, slots: Iterable[int], rng: random.Random) -> None:
@@ -334,19 +365,22 @@ def crash_once(directory: str | os.PathLike[str], seed: int, *, durability: str 
             if f is not None:
                 f.close()
 
-    promised = log.promised()
+    owned = log.promised_slots()
     torn_slots: list[int] = []
     if tear:
-        from .filetier import FileTier  # noqa: F401  (slot geometry below matches FileTier's)
         from .slab import HEADER_SIZE, slot_payload_size
 
-        candidates = sorted(promised)
-        victims = rng.sample(candidates, min(tear, len(candidates)))
-        torn_slots = [log.slot_of[k] for k in victims]
-        _tear(os.path.join(directory, "kv.slab"), HEADER_SIZE + slot_payload_size(CRASH_LAYOUT), torn_slots, rng)
-        promised -= set(victims)
+        torn_slots = rng.sample(sorted(owned), min(tear, len(owned)))
+        # and the writes in flight at the kill: a torn one may carry a new header over an old payload
+        in_flight = log.in_flight_slots()
+        torn_in_flight = rng.sample(in_flight, min(tear, len(in_flight)))
+        _tear(os.path.join(directory, "kv.slab"), HEADER_SIZE + slot_payload_size(CRASH_LAYOUT),
+              torn_slots + torn_in_flight, rng)
+        for slot in torn_slots:
+            del owned[slot]
+    promised = set(owned.values())  # a key spilled twice stays promised while one intact slot holds it
     counts = asyncio.run(verify_reopen(directory, file_blocks, log.begun, promised, verify_on_open=verify_on_open))
-    return CrashRun(seed, durability, verify_on_open, kill_after, len(log.begun), len(log.completed), len(promised),
+    return CrashRun(seed, durability, verify_on_open, kill_after, len(log.spills), len(log.completed), len(promised),
                     len(torn_slots), counts["indexed"], counts["bad_at_open"], counts["bad_on_read"], counts["served"],
                     counts["mismatched"], counts["unknown"], counts["missing"], time.perf_counter() - t0)
 
