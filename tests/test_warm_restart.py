@@ -88,3 +88,37 @@ async def test_adopted_block_is_served_from_its_slot_and_verified(small, tmp_pat
             assert (cache.engine.block(Tier.GPU, b.slot) == float(i * TPB)).all()
         cache.free(adm.seq_id)
         cache.blocks.check()
+
+
+def _overwrite(path, offset, data):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+async def test_corrupt_adopted_block_is_never_served(small, tmp_path):
+    from tiered_kv.errors import TransferError
+    from tiered_kv.slab import HEADER_SIZE
+
+    prompt = np.arange(3 * TPB + 1, dtype=np.int64)
+    async with TieredKVCache(small, gpu_blocks=4, host_blocks=4, file_blocks=8, file_dir=tmp_path, device="cpu") as cache:
+        [adm] = await cache.add_sequences([prompt])
+        for b in cache.blocks.sequence_blocks(adm.seq_id):
+            cache.engine.block(Tier.GPU, b.slot).fill_(float(b.tokens[0]) + 1)
+        cache.commit(adm.seq_id)
+        cache.free(adm.seq_id)
+        for tier in (Tier.GPU, Tier.HOST):
+            await cache.evict(tier, 4)
+        second = cache.blocks.lookup(cache.hasher.chain(prompt)[1]).slot
+        slot_size = cache.engine.file_tier.slot_size
+    _overwrite(tmp_path / "kv.slab", HEADER_SIZE + second * slot_size + HEADER_SIZE + 8, b"\x00" * 16)  # tear its payload
+    async with TieredKVCache(small, gpu_blocks=4, host_blocks=4, file_blocks=8, file_dir=tmp_path, device="cpu") as cache:
+        with pytest.raises(TransferError):  # the read of the torn block fails verification: the batch fails
+            await cache.add_sequences([prompt])
+        assert cache.statistics().poisoned >= 1
+        [adm] = await cache.add_sequences([prompt])  # retried: only the intact first block is reused
+        assert adm.tokens_reused == TPB and adm.blocks_from["file"] == 1
+        first = cache.blocks.sequence_blocks(adm.seq_id)[0]
+        assert (cache.engine.block(Tier.GPU, first.slot) == 1.0).all()
+        cache.free(adm.seq_id)
+        cache.blocks.check()
