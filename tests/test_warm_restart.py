@@ -24,9 +24,15 @@ def workload() -> ChatWorkload:
                         user_tokens=(4, 12), output_tokens=(4, 12), vocab=500)
 
 
-async def run(layout, directory, *, model_id="m", warm_restart=True, file=96):
+def _order_writes(cache):
+    """On CUDA, the offloads of blocks written on the current stream must wait for those writes."""
+    if cache.engine.device.is_cuda:
+        cache.engine.sync_with_compute(torch.cuda.current_stream())
+
+
+async def run(layout, directory, *, model_id="m", warm_restart=True, file=96, device="cpu"):
     async with TieredKVCache(layout, gpu_blocks=32, host_blocks=8, file_blocks=file, file_dir=directory,
-                             device="cpu", model_id=model_id, warm_restart=warm_restart) as cache:
+                             device=device, model_id=model_id, warm_restart=warm_restart) as cache:
         report = await replay(cache, workload())
         cache.blocks.check()
         stats = cache.statistics()
@@ -34,10 +40,10 @@ async def run(layout, directory, *, model_id="m", warm_restart=True, file=96):
     return report, stats, indexed
 
 
-async def test_reopened_cache_finds_prefixes_in_the_file_tier(small, tmp_path):
-    first, stats1, indexed = await run(small, tmp_path)
+async def test_reopened_cache_finds_prefixes_in_the_file_tier(small, tmp_path, device):
+    first, stats1, indexed = await run(small, tmp_path, device=device)
     assert stats1.blocks.adopted == 0 and indexed > 0  # the first run spilled blocks and found none to adopt
-    second, stats2, _ = await run(small, tmp_path)
+    second, stats2, _ = await run(small, tmp_path, device=device)
     assert second.mismatched_tokens == 0 and second.verified_tokens == second.reused_tokens
     assert stats2.blocks.adopted > 0
     assert second.hits["file"] > first.hits["file"]
@@ -66,18 +72,19 @@ async def test_another_layout_is_refused(small, tmp_path):
         TieredKVCache(wider, gpu_blocks=16, host_blocks=8, file_blocks=96, file_dir=tmp_path, device="cpu", model_id="m")
 
 
-async def test_adopted_block_is_served_from_its_slot_and_verified(small, tmp_path):
+async def test_adopted_block_is_served_from_its_slot_and_verified(small, tmp_path, device):
     prompt = np.arange(3 * TPB + 1, dtype=np.int64)
-    async with TieredKVCache(small, gpu_blocks=4, host_blocks=4, file_blocks=8, file_dir=tmp_path, device="cpu") as cache:
+    async with TieredKVCache(small, gpu_blocks=4, host_blocks=4, file_blocks=8, file_dir=tmp_path, device=device) as cache:
         [adm] = await cache.add_sequences([prompt])
         for b in cache.blocks.sequence_blocks(adm.seq_id):
             cache.engine.block(Tier.GPU, b.slot).fill_(float(b.tokens[0]))
+        _order_writes(cache)
         cache.commit(adm.seq_id)
         cache.free(adm.seq_id)
         for tier in (Tier.GPU, Tier.HOST):
             await cache.evict(tier, 4)
         assert len(cache.engine.file_tier.entries()) == 4  # 3 full blocks + the 1-token tail (partial key)
-    async with TieredKVCache(small, gpu_blocks=4, host_blocks=4, file_blocks=8, file_dir=tmp_path, device="cpu") as cache:
+    async with TieredKVCache(small, gpu_blocks=4, host_blocks=4, file_blocks=8, file_dir=tmp_path, device=device) as cache:
         reused, by_tier = cache.match(prompt)
         assert reused == 3 * TPB and by_tier["file"] == 3
         assert cache.blocks.statistics().adopted == 3
