@@ -231,6 +231,7 @@ class BlockStatistics:
         evictions: ``"gpu->host"``, ``"host->file"`` (moves) and ``"gpu->dropped"``, ``"host->dropped"``,
             ``"file->dropped"`` (victims dropped without a copy) -> blocks.
         unreachable_dropped: cached descendants dropped because their parent left the lookup.
+        adopted: file-tier blocks of an earlier run adopted into the lookup (warm restart, ``file_index``).
     """
 
     capacity: dict[str, int]
@@ -247,6 +248,7 @@ class BlockStatistics:
     blocks_allocated: int
     evictions: dict[str, int]
     unreachable_dropped: int
+    adopted: int = 0
 
 
 class _Sequence:
@@ -284,11 +286,15 @@ class BlockManager:
             logits from (what servers need); ``False`` reuses whole prompts.
         on_page_table: called ``(slot, page_table)`` whenever a live sequence's page table changes and
             ``(slot, None)`` when it is freed (for a block-offset table).
+        file_index: ``content key -> file slot or None`` (the file tier's ``lookup``): warm restart. A prefix
+            walk that misses in memory asks it for the next block's key and adopts a hit as a cached
+            FILE-tier block (child of the block before it), if the manager is not using that slot.
 
     Notes:
         Not thread-safe and never awaits: call it from one thread (the event loop). Every public method
         validates all its arguments and capacity before changing anything, so a raised error leaves the
-        state untouched.
+        state untouched -- except that blocks adopted from ``file_index`` while matching stay cached (they
+        were in the file tier all along; the manager only learned of them).
     """
 
     def __init__(
@@ -301,6 +307,7 @@ class BlockManager:
         drop_below_priority: int = MIN_PRIORITY,
         compute_last_token: bool = True,
         on_page_table: PageTableListener | None = None,
+        file_index: Callable[[ContentKey], int | None] | None = None,
     ) -> None:
         caps: dict[Tier, int] = {t: 0 for t in TIER_ORDER}
         for tier, n in capacities.items():
@@ -324,6 +331,7 @@ class BlockManager:
         self.drop_below_priority = _check_priority(drop_below_priority)
         self.compute_last_token = bool(compute_last_token)
         self.on_page_table = on_page_table
+        self.file_index = file_index if caps[Tier.FILE] else None
 
         # tier -> free slots (a stack, lowest index on top so fresh pools fill from 0)
         self._free: dict[Tier, list[int]] = {t: list(range(caps[t] - 1, -1, -1)) for t in TIER_ORDER}
@@ -340,7 +348,7 @@ class BlockManager:
 
         self._requests = self._tokens_requested = self._tokens_reused = 0
         self._hits = {t.value: 0 for t in TIER_ORDER}
-        self._partial_hits = self._partial_tokens = self._allocated = self._unreachable = 0
+        self._partial_hits = self._partial_tokens = self._allocated = self._unreachable = self._adopted = 0
         self._evictions: dict[str, int] = {}
 
     # ------------------------------------------------------------------------------------ lookup
@@ -366,7 +374,11 @@ class BlockManager:
                 break
             block = self._lookup.get(key)
             if block is None:
-                break
+                if self.file_index is None:
+                    break
+                block = self._adopt(key, keys[i - 1] if i else self.hasher.root, tokens[i * tpb : (i + 1) * tpb])
+                if block is None:
+                    break
             blocks.append(block)
             by_tier[block.tier.value] += 1  # type: ignore[union-attr]
         m = len(blocks)
@@ -391,6 +403,29 @@ class BlockManager:
             if best is not None:
                 partial = (best, best_n)
         return Match(tuple(blocks), partial, tuple(keys), m * tpb + (partial[1] if partial else 0), by_tier)
+
+    def _adopt(self, key: ContentKey, parent_key: ContentKey, tokens: np.ndarray) -> Block | None:
+        """Warm restart: a block of an earlier run that the file tier's index holds under ``key``, now cached.
+
+        The parent (``parent_key``) is cached: the walk matched it one step before. The key is the hash chain
+        of every token before and in the block, salted with the layout and model, so a hit is this prefix's
+        block; its bytes are verified against the key and checksum when it is read.
+        """
+        assert self.file_index is not None
+        slot = self.file_index(key)
+        if slot is None or not 0 <= slot < self.capacity[Tier.FILE]:
+            return None
+        free = self._free[Tier.FILE]
+        try:
+            free.remove(slot)  # O(file slots), once per adopted block
+        except ValueError:
+            return None  # the manager uses that slot for another block (its copy is about to overwrite it)
+        block = Block(next(self._ids), Tier.FILE, slot, parent_key, tokens.copy(), DEFAULT_PRIORITY)
+        block.refcount = 0
+        self._register(block, key)
+        assert block.cached, "the parent of an adopted block is cached"
+        self._adopted += 1
+        return block
 
     def lookup(self, key: ContentKey) -> Block | None:
         """The cached block with content key ``key``, if any."""
@@ -717,6 +752,7 @@ class BlockManager:
             blocks_allocated=self._allocated,
             evictions=dict(self._evictions),
             unreachable_dropped=self._unreachable,
+            adopted=self._adopted,
         )
 
     def __repr__(self) -> str:

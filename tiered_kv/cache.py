@@ -24,7 +24,7 @@ import bisect
 import dataclasses
 import inspect
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -103,6 +103,9 @@ class TieredKVCache:
         block_offsets: also keep a :class:`~tiered_kv.staging.BlockOffsetTable` (one pool, the cache's
             ``max_seqs`` and ``max_blocks_per_seq``) filled from every page-table change, as
             ``cache.block_offsets``; row ``adm.slot`` is a sequence's page table.
+        warm_restart: find prefixes whose blocks an earlier run left in the file tier (same directory, layout
+            and ``model_id``): a prefix walk that misses in memory asks the file tier's index for the next
+            block's content key and adopts the slot as a cached FILE-tier block (read back verified).
 
     Example::
 
@@ -137,6 +140,7 @@ class TieredKVCache:
         on_page_table: PageTableListener | None = None,
         engine: TransferEngine | None = None,
         block_offsets: bool = False,
+        warm_restart: bool = True,
     ) -> None:
         for name, value in (("gpu_blocks", gpu_blocks), ("host_blocks", host_blocks), ("file_blocks", file_blocks)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -163,6 +167,7 @@ class TieredKVCache:
             drop_below_priority=drop_below_priority,
             compute_last_token=compute_last_token,
             on_page_table=on_page_table,
+            file_index=self._file_index(engine) if file_blocks and warm_restart else None,
         )
         self.block_offsets: BlockOffsetTable | None = None
         if block_offsets:
@@ -179,6 +184,13 @@ class TieredKVCache:
         self._unchecked: list[tuple[Transfer, Block]] = []  # issued copies not yet seen complete
         self._poisoned = 0
         self._closed = False
+
+    @staticmethod
+    def _file_index(engine: TransferEngine) -> Callable[[bytes], int | None] | None:
+        """The file tier's ``key -> slot`` index (warm restart), if the engine has a real file tier."""
+        tier = getattr(engine, "_file", None)  # engines without a file tier (or test doubles) have none
+        lookup = getattr(tier, "lookup", None)
+        return lookup if callable(lookup) else None
 
     @staticmethod
     def _make_engine(

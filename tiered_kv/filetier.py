@@ -388,7 +388,12 @@ class FileTier:
                 raw = f.read(HEADER_SIZE)
             sb = Superblock.unpack(raw)
             problem = None
-            if isinstance(sb, str):
+            if not any(raw):
+                # A creation that crashed between preallocating and writing the superblock: the superblock is
+                # synced before any slot is written, so nothing is lost by starting over.
+                log.warning("%s has no superblock (its creation was interrupted); creating it again", self.path)
+                existing = False
+            elif isinstance(sb, str):
                 problem = f"{self.path} is not a tiered_kv slab: {sb}"
             elif sb.fingerprint != self._fingerprint or sb.slot_size != self.slot_size or sb.payload_length != self.payload_bytes:
                 problem = (
@@ -496,27 +501,38 @@ class FileTier:
                         headers[i] = outcome
         empty, bad, foreign, stale = counts["empty"], counts["bad"], counts["foreign"], 0
 
-        # Newest generation wins for a key seen twice (a crash between writing the new slot and reusing the old).
-        best: dict[Key, int] = {}
+        # Newest generation wins for a key seen twice (a crash between writing the new slot and reusing the old)
+        # -- the newest whose payload verifies: a write torn by the crash may have left a new header over a bad
+        # payload, and must not shadow the intact older copy (crash test, seeds 1 and 7).
+        max_gen = max((h.generation for h in headers.values()), default=0)  # torn ones included: never reused
+        by_key: dict[Key, list[int]] = {}
         for i, h in headers.items():
-            prev = best.get(h.key)
-            if prev is None or headers[prev].generation < h.generation:
-                if prev is not None:
-                    stale += 1
-                best[h.key] = i
-            else:
-                stale += 1
-        max_gen = 0
+            by_key.setdefault(h.key, []).append(i)
+        best: dict[Key, int] = {}
+        for key, slots in by_key.items():
+            if len(slots) == 1:
+                best[key] = slots[0]
+                continue
+            slots.sort(key=lambda i: headers[i].generation, reverse=True)
+            for n, i in enumerate(slots):
+                if full or self._payload_verifies(fd, i, headers[i]):
+                    best[key] = i
+                    stale += len(slots) - n - 1
+                    break
+                bad += 1
+                del headers[i]
         for key, i in best.items():
             h = headers[i]
             self._state[i] = _VALID
             self._keys[i] = key
             self._gens[i] = h.generation
             self._by_key[key] = i
-        for h in headers.values():
-            max_gen = max(max_gen, h.generation)
         self._next_gen = max_gen + 1
         return nslots, len(best), empty, bad, foreign, stale
+
+    def _payload_verifies(self, fd: int, slot: int, h: SlotHeader) -> bool:
+        data = os.pread(fd, self.payload_bytes, self.offset(slot) + HEADER_SIZE)
+        return len(data) == self.payload_bytes and payload_checksum(data) == h.checksum
 
     # ------------------------------------------------------------------------------------ index
 
