@@ -43,6 +43,12 @@ def test_soak_command():
     assert r.stdout.startswith("ok: 500 ops")
 
 
+def test_crash_command(tmp_path):
+    r = tkv("crash", "--seeds", "2", "--dir", str(tmp_path), timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "runs, OK" in r.stdout and "mismatched 0" in r.stdout and "torn served 0" in r.stdout
+
+
 def test_doctor_reports_every_check(tmp_path):
     r = tkv("doctor", "--dir", str(tmp_path), "--json", str(tmp_path / "d.json"))
     assert r.returncode == 0, r.stderr

@@ -261,6 +261,20 @@ async def _soak(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------------------ crash
+
+
+def _crash(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from .crash import run_crash_test
+
+    with tempfile.TemporaryDirectory(prefix="tiered-kv-crash-", dir=args.dir) as directory:
+        report = run_crash_test(directory, args.seeds, tear=args.tear)
+    print(report)
+    return 0 if report.ok else 1
+
+
 # ------------------------------------------------------------------------------------------ build-ext
 
 
@@ -320,6 +334,12 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     soak.add_argument("--quiet", action="store_true", help="no progress bar")
     soak.set_defaults(func=lambda a: _run_loop(_soak(a)))
+
+    crash = sub.add_parser("crash", help="SIGKILL a process spilling to the file tier at random points; reopen and verify every block")
+    crash.add_argument("--seeds", type=_positive, default=6, help="kills (one child process each; default: %(default)s)")
+    crash.add_argument("--tear", type=int, default=2, help="slots damaged after each kill, as a power cut might (default: %(default)s)")
+    crash.add_argument("--dir", type=_writable_dir, help="where the slabs go (default: a temporary directory)")
+    crash.set_defaults(func=_crash)
 
     build = sub.add_parser("build-ext", help="build the CUDA extension now (ahead of first use)")
     build.set_defaults(func=_build_ext)
