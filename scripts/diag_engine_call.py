@@ -84,5 +84,10 @@ async def engine_phases():
         print(e.copier.statistics())
 
 
+import os
+
 micro()
-uvloop.run(engine_phases())
+for mode in ("hostfunc", "event"):
+    os.environ["TIERED_KV_COMPLETION"] = mode
+    print(f"--- completion={mode}")
+    uvloop.run(engine_phases())

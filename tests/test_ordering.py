@@ -210,3 +210,26 @@ async def test_done_respects_fence_order(device, layout):
             second = engine.copy(Tier.HOST, [0], Tier.GPU, [1])
             await second
             assert first.done()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["hostfunc", "event"])
+async def test_both_cuda_completion_signals_keep_order(layout, mode, monkeypatch):
+    """The waiter learns of completions from a CUDA host function (default) or by event synchronize."""
+    monkeypatch.setenv("TIERED_KV_COMPLETION", mode)
+    async with TransferEngine(layout, gpu_blocks=4, host_blocks=4, device="cuda") as engine:
+        for _ in range(3):
+            assert await raw_scenario(engine)
+        assert engine.stream("offload").completion == mode
+        war_old, war_new = await war_scenario(engine)
+        assert war_old and war_new
+
+
+def test_completion_mode_is_validated(monkeypatch):
+    from tiered_kv.device import _completion_mode
+
+    monkeypatch.setenv("TIERED_KV_COMPLETION", "spin")
+    with pytest.raises(ValueError, match="TIERED_KV_COMPLETION"):
+        _completion_mode()
+    monkeypatch.setenv("TIERED_KV_COMPLETION", "Event")
+    assert _completion_mode() == "event"

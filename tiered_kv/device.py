@@ -18,11 +18,12 @@ the races of the seeds reproducible on a CPU: a host buffer read by a queued op 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -168,11 +169,79 @@ class EmulatedStream:
 # --------------------------------------------------------------------------------------------- CUDA
 
 
+class _HostFuncSignal:
+    """A POSIX semaphore that a CUDA host function posts when its stream reaches it.
+
+    ``cudaLaunchHostFunc(stream, sem_post, &sem)`` enqueues a plain C call (libc's ``sem_post``: no Python,
+    no GIL) that CUDA's callback thread runs once everything before it on the stream has executed; the
+    stream's waiter thread blocks in ``sem_wait`` (ctypes releases the GIL) and wakes within microseconds.
+    Measured on an H200: a waiter blocked in ``cudaEventSynchronize`` on a blocking-sync event woke ~210 us
+    after the work completed; spinning instead costs a CPU core per stream.
+    """
+
+    def __init__(self) -> None:
+        api = _host_func_api()
+        self._launch, self._post_fn, self._sem_init, self._sem_wait, self._sem_destroy, ctypes = api
+        self._sem = ctypes.create_string_buffer(64)  # sem_t: 32 bytes on 64-bit glibc; room to spare
+        self._address = ctypes.addressof(self._sem)
+        if self._sem_init(self._address, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "sem_init failed")
+
+    def enqueue(self, stream: torch.cuda.Stream) -> None:
+        """Post the semaphore once the stream reaches this point."""
+        rc = self._launch(stream.cuda_stream, self._post_fn, self._address)
+        if rc != 0:
+            raise RuntimeError(f"cudaLaunchHostFunc failed with CUDA error {rc}")
+
+    def wait(self) -> None:
+        """Block (GIL released) until the next post."""
+        while self._sem_wait(self._address) != 0:  # EINTR: a signal arrived; wait again
+            pass
+
+    def destroy(self) -> None:
+        self._sem_destroy(self._address)
+
+
+_HOST_FUNC_API: tuple[Any, ...] | None = None
+
+
+def _host_func_api() -> tuple[Any, ...]:
+    """ctypes handles of ``cudaLaunchHostFunc`` and libc's semaphore calls, looked up once per process."""
+    global _HOST_FUNC_API
+    if _HOST_FUNC_API is None:
+        import ctypes
+        import ctypes.util
+
+        major = (torch.version.cuda or "").split(".")[0]
+        cudart = ctypes.CDLL(f"libcudart.so.{major}")  # the runtime torch already loaded (same soname)
+        launch = cudart.cudaLaunchHostFunc
+        launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        launch.restype = ctypes.c_int
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        post_fn = ctypes.cast(libc.sem_post, ctypes.c_void_p).value
+        sem_init, sem_wait, sem_destroy = libc.sem_init, libc.sem_wait, libc.sem_destroy
+        sem_init.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint]
+        sem_wait.argtypes = [ctypes.c_void_p]
+        sem_destroy.argtypes = [ctypes.c_void_p]
+        _HOST_FUNC_API = (launch, post_fn, sem_init, sem_wait, sem_destroy, ctypes)
+    return _HOST_FUNC_API
+
+
+def _completion_mode() -> str:
+    mode = os.environ.get("TIERED_KV_COMPLETION", "hostfunc").strip().lower()
+    if mode not in ("hostfunc", "event"):
+        raise ValueError(f"TIERED_KV_COMPLETION must be 'hostfunc' or 'event', got {mode!r}")
+    return mode
+
+
 class CudaStream:
     """A torch CUDA stream plus a waiter thread that turns completions into callbacks (no polling).
 
-    The waiter blocks in ``cudaEventSynchronize`` on events created with ``blocking=True`` (the CPU sleeps
-    instead of spinning) and calls each callback in FIFO order: work on one stream completes in order.
+    Completion signal (``TIERED_KV_COMPLETION``): ``hostfunc`` (default) enqueues a CUDA host function
+    that posts a semaphore the waiter thread blocks on (:class:`_HostFuncSignal`); ``event`` (also the
+    fallback when the CUDA runtime cannot be reached through ctypes) blocks in ``cudaEventSynchronize`` on
+    events created with ``blocking=True``. Either way the CPU sleeps while copies run, and callbacks run in
+    FIFO order: work on one stream completes in order.
     """
 
     def __init__(self, name: str, stream: torch.cuda.Stream | None = None, device: torch.device | None = None):
@@ -183,6 +252,13 @@ class CudaStream:
         self._waiter: threading.Thread | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self._signal: _HostFuncSignal | None = None  # made with the waiter, at the first notify()
+
+    @property
+    def completion(self) -> str:
+        """``"hostfunc"`` or ``"event"``: how this stream's waiter learns that work completed (after the
+        first ``notify``)."""
+        return "hostfunc" if self._signal is not None else "event"
 
     def submit(self, fn: Callback) -> None:
         if self._closed:
@@ -205,20 +281,30 @@ class CudaStream:
         if self._waiter is None:
             with self._lock:
                 if self._waiter is None:
+                    if _completion_mode() == "hostfunc":
+                        try:
+                            self._signal = _HostFuncSignal()
+                        except (OSError, AttributeError, RuntimeError) as exc:
+                            log.info("CUDA host-function completion unavailable (%s); waiting on events instead", exc)
                     self._waiter = threading.Thread(target=self._wait_loop, name=f"tiered_kv-cuda-{self.name}", daemon=True)
                     self._waiter.start()
-        event = self.record()
+        event = self.record()  # other streams wait on it stream-side
         self._waits.put((event, callback))
+        if self._signal is not None:
+            self._signal.enqueue(self.torch_stream)
         return event
 
     def _wait_loop(self) -> None:
         while True:
+            if self._signal is not None:
+                self._signal.wait()  # one post per notify (or close), in stream order
             item = self._waits.get()
             if item is _STOP:
                 return
             event: torch.cuda.Event = item[0]  # type: ignore[index]
             callback: Callback = item[1]  # type: ignore[index]
-            event.synchronize()
+            if self._signal is None or not event.query():
+                event.synchronize()  # event mode; or a guard that cannot wait long in host-function mode
             try:
                 callback()
             except BaseException:
@@ -232,8 +318,13 @@ class CudaStream:
             return
         self._closed = True
         self._waits.put(_STOP)
-        if self._waiter is not None and threading.current_thread() is not self._waiter:
-            self._waiter.join()
+        if self._waiter is not None:
+            if self._signal is not None:
+                self._signal.enqueue(self.torch_stream)  # the stop is posted in stream order too
+            if threading.current_thread() is not self._waiter:
+                self._waiter.join()
+        if self._signal is not None:
+            self._signal.destroy()
 
     def __repr__(self) -> str:
         return f"<CudaStream {self.name} [{'closed' if self._closed else 'open'}] {self.torch_stream}>"
