@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import random
 import tempfile
 import threading
@@ -13,16 +12,14 @@ from collections.abc import AsyncIterator
 import numpy as np
 import pytest
 import torch
-from memfile import memory_file_tier
 
-from tiered_kv import KVLayout, Tier, TransferEngine
+from tiered_kv import KVLayout, Tier
 from tiered_kv.blocks import CacheFullError, Request
 from tiered_kv.cache import TieredKVCache
 from tiered_kv.keys import KeyHasher
 from tiered_kv.workload import ChatWorkload, replay, verify_expected, write_expected
 
 TPB = 4
-HAS_FILE_TIER = "file_dir" in inspect.signature(TransferEngine.__init__).parameters
 
 
 @pytest.fixture
@@ -39,22 +36,11 @@ async def open_cache(
             yield cache
             cache.blocks.check()
         return
-    if HAS_FILE_TIER:  # the real file tier (issue 4), once merged
-        with tempfile.TemporaryDirectory(prefix="tiered_kv-test-") as tmp:
-            async with TieredKVCache(layout, gpu_blocks=gpu, host_blocks=host, file_blocks=file, file_dir=tmp,
-                                     device=device, **kw) as cache:
-                yield cache
-                cache.blocks.check()
-        return
-    if device != "cpu":
-        # the double copies on host threads with no stream ordering: sound only on the emulated device
-        pytest.skip("the in-memory file tier double is for the emulated device; the real file tier is not merged")
-    engine = TransferEngine(layout, gpu_blocks=gpu, host_blocks=host, device=device)
-    with memory_file_tier(engine, file):
-        async with TieredKVCache(layout, gpu_blocks=gpu, host_blocks=host, file_blocks=file, engine=engine, **kw) as cache:
+    with tempfile.TemporaryDirectory(prefix="tiered_kv-test-") as tmp:
+        async with TieredKVCache(layout, gpu_blocks=gpu, host_blocks=host, file_blocks=file, file_dir=tmp,
+                                 device=device, **kw) as cache:
             yield cache
             cache.blocks.check()
-        await engine.close()
 
 
 async def compute(cache: TieredKVCache, seq_id: int, reused: int) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import tempfile
 
 import hypothesis.strategies as st
@@ -19,7 +18,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from memfile import memory_file_tier
 
 from tiered_kv import KVLayout, Tier, TransferEngine
 from tiered_kv.blocks import CacheFullError, Request
@@ -27,7 +25,6 @@ from tiered_kv.cache import TieredKVCache
 from tiered_kv.workload import verify_expected, write_expected
 
 TPB = 2
-HAS_FILE_TIER = "file_dir" in inspect.signature(TransferEngine.__init__).parameters
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, tokens_per_block=TPB, dtype=torch.float16)
 
 # a tiny alphabet, so prompts share prefixes and partial matches often
@@ -49,14 +46,11 @@ class CacheMachine(RuleBasedStateMachine):
     @initialize(gpu=st.integers(6, 12), host=st.integers(0, 6), file=st.integers(0, 4), drop=st.sampled_from([0, 30]))
     def open(self, gpu: int, host: int, file: int, drop: int) -> None:
         async def make() -> tuple[TransferEngine, TieredKVCache]:
-            if file and HAS_FILE_TIER:  # the real file tier (issue 4), once merged
+            if file:
                 tmp = self.stack.enter_context(tempfile.TemporaryDirectory(prefix="tiered_kv-prop-"))
-                engine = TransferEngine(LAYOUT, gpu_blocks=gpu, host_blocks=host, device="cpu",
-                                        file_dir=tmp, file_blocks=file)  # type: ignore[call-arg]
+                engine = TransferEngine(LAYOUT, gpu_blocks=gpu, host_blocks=host, device="cpu", file_dir=tmp, file_blocks=file)
             else:
                 engine = TransferEngine(LAYOUT, gpu_blocks=gpu, host_blocks=host, device="cpu")
-                if file:
-                    self.stack.enter_context(memory_file_tier(engine, file))
             cache = TieredKVCache(LAYOUT, gpu_blocks=gpu, host_blocks=host, file_blocks=file, engine=engine,
                                   max_seqs=6, drop_below_priority=drop)
             return engine, cache

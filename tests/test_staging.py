@@ -27,7 +27,6 @@ from tiered_kv.staging import (
     NO_BLOCK,
     BlockOffsetTable,
     StagingPool,
-    _torch_gather_block_offsets,
     copy_batch_block_offsets,
     gather_block_offsets,
 )
@@ -590,15 +589,14 @@ def test_staging_pool_grows_without_exceeding_depth() -> None:
 
 
 @pytest.mark.parametrize("kv", [1, 2])
-def test_torch_gather_matches_elementwise_rule(kv: int) -> None:
+def test_gather_adapter_matches_elementwise_rule(kv: int) -> None:
     gen = torch.Generator().manual_seed(0)
     src = torch.randint(-1, 50, (3, 7, kv, 6), dtype=torch.int32, generator=gen)
     idx = torch.tensor([6, 0, 3, 3], dtype=torch.int32)
     scale = torch.tensor([2, 3, -1], dtype=torch.int32)
     v_offset = torch.tensor([5, 7, 9], dtype=torch.int32)
-    for fn in (_torch_gather_block_offsets, gather_block_offsets):
-        dst = torch.full((3, 4, kv, 8), -7, dtype=torch.int32)
-        fn(dst, src, idx, scale, v_offset, 4, -1)
+    for dst in (torch.full((3, 4, kv, 8), -7, dtype=torch.int32), torch.full((3, 6, kv, 8), -7, dtype=torch.int32)[:, :4]):
+        gather_block_offsets(dst, src, idx, scale, v_offset, 4, -1)  # contiguous, then a strided view
         for p in range(3):
             for s in range(4):
                 for k in range(kv):

@@ -26,16 +26,15 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
-import importlib
 import logging
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Final, Literal
 
 import numpy as np
 import torch
 
+from . import ops
 from .device import CudaStream, Device, EmulatedStream, Event, Stream, resolve_device
 
 __all__ = [
@@ -253,11 +252,9 @@ def gather_block_offsets(
 ) -> None:
     """``dst[p, s, k, j] = scale[p] * src[p, idx[s], k, j] + (k == 1 ? v_offset[p] : 0)`` for ``j < max_blocks``.
 
-    The one adapter between staging and the block-offset gather op: it calls the extension op
-    ``tiered_kv.ops.gather_block_offsets`` (issue 3; on CUDA a kernel that reads ``src``, ``idx``, ``scale``
-    and ``v_offset`` from pinned host memory) when that module is importable, and otherwise a vectorized
-    torch implementation with the same semantics. Call it from inside a stream op: either way it reads
-    its host inputs when the stream *executes* it (the torch path through async H2D copies on CUDA).
+    The one adapter between staging and :func:`tiered_kv.ops.gather_block_offsets` (on CUDA a kernel that
+    reads ``src``, ``idx``, ``scale`` and ``v_offset`` from pinned host memory when it *executes*; the CPU
+    reference on the emulated device, inside the stream op). Call it from inside a stream op.
 
     Args:
         dst: ``[pools, seqs, kv, >= max_blocks]`` int32 on the device (may be a view of a larger table).
@@ -268,57 +265,13 @@ def gather_block_offsets(
         max_blocks: columns to write; the rest of ``dst`` is untouched.
         sentinel: the "no block" value, written unchanged (not scaled or offset).
     """
-    kernel = _kernel_gather()
-    if kernel is None:
-        _torch_gather_block_offsets(dst, src, idx, scale, v_offset, max_blocks, sentinel)
-    elif dst.is_contiguous():
-        kernel(dst, src, idx, scale=scale, v_offset=v_offset, max_blocks=max_blocks, sentinel=sentinel)
+    if dst.is_contiguous():
+        ops.gather_block_offsets(dst, src, idx, scale=scale, v_offset=v_offset, max_blocks=max_blocks, sentinel=sentinel)
     else:
         # The op wants a contiguous dst; a batch smaller than the device table is a strided view of it.
         tmp = torch.empty((*dst.shape[:3], max_blocks), dtype=dst.dtype, device=dst.device)
-        kernel(tmp, src, idx, scale=scale, v_offset=v_offset, max_blocks=max_blocks, sentinel=sentinel)
+        ops.gather_block_offsets(tmp, src, idx, scale=scale, v_offset=v_offset, max_blocks=max_blocks, sentinel=sentinel)
         dst[..., :max_blocks].copy_(tmp)
-
-
-@functools.cache
-def _kernel_gather() -> Callable[..., object] | None:
-    """``tiered_kv.ops.gather_block_offsets`` (issue 3) when it exists, else None; looked up once, logged once."""
-    try:
-        ops = importlib.import_module(f"{__package__}.ops")
-    except ImportError as exc:
-        log.info("block-offset gather: tiered_kv.ops not importable (%s); using the torch implementation", exc)
-        return None
-    kernel = getattr(ops, "gather_block_offsets", None)
-    log.info("block-offset gather: %s", "tiered_kv.ops.gather_block_offsets" if kernel else "torch implementation")
-    return kernel
-
-
-def _torch_gather_block_offsets(
-    dst: torch.Tensor,
-    src: torch.Tensor,
-    idx: torch.Tensor,
-    scale: torch.Tensor | None,
-    v_offset: torch.Tensor | None,
-    max_blocks: int,
-    sentinel: int,
-) -> None:
-    pools, seqs, kv, _ = dst.shape
-    if seqs == 0 or max_blocks == 0:
-        return
-    target = dst.device
-    # On CUDA these are async H2D copies on the current stream: the host inputs are read at execution time,
-    # exactly as the kernel reads them (so a racy caller stays racy, and a snapshot caller is safe).
-    rows = src[..., :max_blocks]
-    if rows.device != target:
-        # Whole rows when the column slice is strided: a strided pinned source would be copied on the host now.
-        rows = rows.to(target, non_blocking=True) if rows.is_contiguous() else src.to(target, non_blocking=True)[..., :max_blocks]
-    picked = rows.index_select(1, idx.to(target, non_blocking=True).long())
-    out = picked.clone()
-    if scale is not None:
-        out *= scale.to(target, non_blocking=True).view(pools, 1, 1, 1)
-    if v_offset is not None and kv > 1:
-        out[:, :, 1] += v_offset.to(target, non_blocking=True).view(pools, 1, 1)
-    dst[..., :max_blocks] = torch.where(picked == sentinel, picked, out)
 
 
 # --------------------------------------------------------------------------------------------- block-offset table

@@ -24,8 +24,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import _ext
 from ..device import CudaStream, Device, Stream, resolve_device
-from ..staging import BlockOffsetTable, Mode, _kernel_gather
+from ..staging import BlockOffsetTable, Mode
 from .common import bench_main, machine_info
 
 __all__ = ["main", "run"]
@@ -132,7 +133,7 @@ def run(quick: bool, device: str) -> dict[str, Any]:
         for p in range(pools):
             table.set_row(slot, p, full[p, slot])
     scale, v_offset = [2, 2], [1, 1]
-    gather_impl = "tiered_kv.ops kernel" if _kernel_gather() is not None else "torch fallback (no tiered_kv.ops)"
+    gather_impl = "tiered_kv.ops CUDA kernel" if _ext.cuda_kernels_registered().get("gather_block_offsets") else "tiered_kv.ops reference (no CUDA kernel)"
 
     def refill() -> None:  # the scheduler refilling one slot per step, as the block manager does
         slot = int(rng.integers(0, max(sizes)))
