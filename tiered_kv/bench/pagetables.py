@@ -133,6 +133,8 @@ def run(quick: bool, device: str) -> dict[str, Any]:
         for p in range(pools):
             table.set_row(slot, p, full[p, slot])
     scale, v_offset = [2, 2], [1, 1]
+    if dev.is_cuda:
+        _ext.load()  # the extension loads on first use; load it before asking what is registered
     gather_impl = "tiered_kv.ops CUDA kernel" if _ext.cuda_kernels_registered().get("gather_block_offsets") else "tiered_kv.ops reference (no CUDA kernel)"
 
     def refill() -> None:  # the scheduler refilling one slot per step, as the block manager does
