@@ -5,7 +5,16 @@ from __future__ import annotations
 import dataclasses
 import os
 
-__all__ = ["EngineConfig"]
+__all__ = ["EngineConfig", "env_int"]
+
+
+def env_int(name: str, unit: str = "") -> int:
+    """The integer value of environment variable ``name``; ``ValueError`` with a sentence if it is not one."""
+    raw = os.environ[name]
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be an int{unit}, got {raw!r}") from None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -46,17 +55,9 @@ class EngineConfig:
         if "TIERED_KV_DEVICE" in os.environ:
             values["device"] = os.environ["TIERED_KV_DEVICE"]
         if "TIERED_KV_HOST_THREADS" in os.environ:
-            raw = os.environ["TIERED_KV_HOST_THREADS"]
-            try:
-                values["host_threads"] = int(raw)
-            except ValueError as exc:
-                raise ValueError(f"TIERED_KV_HOST_THREADS must be an int, got {raw!r}") from exc
+            values["host_threads"] = env_int("TIERED_KV_HOST_THREADS")
         if "TIERED_KV_DMA_MIN_CHUNK" in os.environ:
-            raw = os.environ["TIERED_KV_DMA_MIN_CHUNK"]
-            try:
-                values["dma_min_chunk_bytes"] = int(raw)
-            except ValueError as exc:
-                raise ValueError(f"TIERED_KV_DMA_MIN_CHUNK must be an int (bytes), got {raw!r}") from exc
+            values["dma_min_chunk_bytes"] = env_int("TIERED_KV_DMA_MIN_CHUNK", " (bytes)")
         if "TIERED_KV_COPY_PATH" in os.environ:
             values["copy_path"] = os.environ["TIERED_KV_COPY_PATH"]
         values.update(overrides)

@@ -47,6 +47,7 @@ import torch
 
 from .backends import Completion, FileBackend
 from .backends.posix import aligned_empty, create_file, make_dir, preallocate, remove_file
+from .config import env_int
 from .copyops import Copier
 from .device import Device, Stream
 from .errors import IntegrityError, LayoutMismatchError, SlabInUseError, TransferError
@@ -162,11 +163,7 @@ class FileTierConfig:
         if "TIERED_KV_FILE_DURABILITY" in os.environ:
             values["durability"] = os.environ["TIERED_KV_FILE_DURABILITY"]
         if "TIERED_KV_FILE_THREADS" in os.environ:
-            raw = os.environ["TIERED_KV_FILE_THREADS"]
-            try:
-                values["io_threads"] = int(raw)
-            except ValueError:
-                raise ValueError(f"TIERED_KV_FILE_THREADS must be an int, got {raw!r}") from None
+            values["io_threads"] = env_int("TIERED_KV_FILE_THREADS")
         if os.environ.get("TIERED_KV_FILE_DISCARD", "").lower() in ("1", "true", "yes"):
             values["discard_mismatch"] = True
         values.update(overrides)
