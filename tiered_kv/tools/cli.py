@@ -1,4 +1,7 @@
-"""``tiered-kv`` / ``python -m tiered_kv``: demo, bench, doctor."""
+"""``tiered-kv`` / ``python -m tiered_kv``: demo, bench, soak, crash, doctor, build-ext.
+
+torch is imported only by the subcommands that need it, so ``tiered-kv --help`` answers at once.
+"""
 
 from __future__ import annotations
 
@@ -14,8 +17,6 @@ import sys
 import time
 from collections.abc import Sequence
 from typing import Any
-
-import torch
 
 __all__ = ["main"]
 
@@ -46,6 +47,7 @@ async def _demo(args: argparse.Namespace) -> int:
     """Replay the seeded multi-turn chat workload through a three-tier TieredKVCache; verify every reused token."""
     import tempfile
 
+    import torch
     from tqdm import tqdm
 
     from .. import KVLayout, TieredKVCache
@@ -167,6 +169,8 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _doctor_checks(directory: str) -> list[tuple[str, bool, str, str]]:
     """(check, ok, what was found, what to do if not ok)."""
+    import torch
+
     checks: list[tuple[str, bool, str, str]] = []
     checks.append(("python", sys.version_info >= (3, 11), platform.python_version(), "use Python 3.11 or newer"))
     checks.append(("torch", True, f"{torch.__version__} (CUDA build: {torch.version.cuda or 'no'})", ""))
@@ -242,6 +246,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 async def _soak(args: argparse.Namespace) -> int:
+    import torch
     from tqdm import tqdm
 
     from .soak import SoakConfig, SoakFailure, soak
