@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from . import ops as _ops  # the op schemas must exist before the library registers CUDA kernels
+from . import opdefs as _opdefs  # the op schemas must exist before the library registers CUDA kernels
 
 __all__ = ["OPS", "ExtensionBuildError", "build", "cuda_kernels_registered", "find_cuda_home", "load", "status"]
 
@@ -424,7 +424,7 @@ def status() -> dict[str, Any]:
     }
 
 
-_ = _ops  # imported for its side effect (op definitions)
+_ = _opdefs  # imported for its side effect (op definitions)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,7 @@ dropped without a copy when its priority is below ``drop_below_priority``, or wh
 had), a host victim is spilled to a file slot, a file victim is dropped. Only cached blocks with a
 reference count of zero are ever victims: claimed blocks never move.
 
-Two-phase admission (seed 001): :meth:`BlockManager.admit` first matches and *claims* every reusable
+Two-phase admission: :meth:`BlockManager.admit` first matches and *claims* every reusable
 block of every request of the batch (claimed blocks leave the LRUs), then onboards and allocates. A
 one-phase order (claim, onboard, allocate, request by request) lets onboarding for one request evict host
 blocks that a later request of the same batch was counted on.
@@ -439,7 +439,7 @@ class BlockManager:
         Args:
             requests: :class:`Request` objects or plain token-id sequences.
             one_phase: private switch for tests: claim, onboard and allocate request by request, the
-                order that seed 001 shows to lose planned reuse.
+                order that loses planned reuse (a later request's host blocks evicted by an earlier one's onboarding).
 
         Returns:
             One :class:`Admission` per request (its own figures) and the plan of copies to issue.

@@ -226,7 +226,7 @@ class TieredKVCache:
     ) -> list[Admission]:
         """Admit a batch of prompts: reuse their longest cached prefixes, allocate the rest on the GPU.
 
-        Two-phase (seed 001): every reusable block of every request is claimed before any block is
+        Two-phase: every reusable block of every request is claimed before any block is
         onboarded or allocated, so onboarding for one request cannot evict blocks another request of the
         same batch was counted on: each request's ``tokens_reused`` equals what :meth:`match` said.
 

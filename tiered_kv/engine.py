@@ -158,6 +158,8 @@ class TransferEngine:
         self._fences = FenceTable()
         self._inflight: set[Marker] = set()
         self._meta: dict[Marker, tuple[str, int, int, float]] = {}  # in-flight marker -> (direction, bytes, blocks, submitted at)
+        # The engine owns its deferred enqueues (copies waiting on the loop for an off-lane dependency): each
+        # task leaves this set when it ends, and close() waits for the set to empty before stopping anything.
         self._deferred: set[asyncio.Task[None]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
@@ -197,6 +199,8 @@ class TransferEngine:
             return
         self._closing = True
         await self.drain()
+        if self._deferred:  # ended once their markers completed; wait for their last step too
+            await asyncio.wait(set(self._deferred))
         for stream in self._streams.values():
             stream.close()
         for handler in self._routes.handlers:

@@ -1,4 +1,4 @@
-"""Staging: ship block-offset tables (page tables) to the device without races (seed 000).
+"""Staging: ship block-offset tables (page tables) to the device without races.
 
 An asynchronous copy, or a kernel that reads pinned host memory, reads its host inputs when the stream
 *executes* it, not when it is enqueued. A scheduler that runs an iteration ahead and refills a host table
