@@ -1,29 +1,18 @@
 # ruff: noqa: B023 -- every lambda below runs before its loop variables change
-"""Probe for notes/issue-3-perf.md: device time of the copy_blocks op per kernel knob setting, and where an
-engine partial copy's wall time goes. Run on a GPU after the extension is built:
+"""Kernel probe (CUDA): device time of the copy_blocks op against a plain copy of the same bytes (op alone,
+host issue excluded), and where an engine partial copy's wall time goes. Run on a GPU after the extension
+is built (``tiered-kv build-ext``)::
 
-    python -m tiered_kv.tools.bench.kperf_probe         # parent: one child process per knob setting (knobs are read once)
+    python -m tiered_kv.tools.bench.kperf_probe
 """
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 
 import numpy as np
 import torch
-
-VARIANTS = [
-    {},
-    {"TIERED_KV_COPY_CTAS_PER_SM": "4"},
-    {"TIERED_KV_COPY_CTAS_PER_SM": "2"},
-    {"TIERED_KV_COPY_BATCH_BYTES": "32768"},
-    {"TIERED_KV_COPY_BATCH_BYTES": "8192"},
-]
 
 
 def dev_seconds(fn, repeat=10):
@@ -108,16 +97,7 @@ async def engine_breakdown() -> dict:
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        print(json.dumps(child()))
-        return
-    rows = []
-    for v in VARIANTS:
-        env = dict(os.environ, **v)
-        p = subprocess.run([sys.executable, __file__, "--child"], env=env, capture_output=True, text=True, timeout=120)
-        line = p.stdout.strip().splitlines()[-1] if p.returncode == 0 else f"error: {p.stderr[-500:]}"
-        rows.append((v or {"default": ""}, line))
-        print(v or "default", {k: round(x, 3) for k, x in json.loads(line).items()} if line.startswith("{") else line, flush=True)
+    print("op alone, plain copy / op device time:", {k: round(x, 3) for k, x in child().items()}, flush=True)
     import uvloop
 
     print("engine partial 4/16 gpu->gpu (uvloop):", uvloop.run(engine_breakdown()), flush=True)
