@@ -126,6 +126,7 @@ class Block:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens of the request."""
         return len(self.tokens)
 
     def __repr__(self) -> str:
@@ -212,6 +213,7 @@ class Admission:
 
     @property
     def tokens_to_compute(self) -> int:
+        """Tokens that were not reused: the model computes them."""
         return self.num_tokens - self.tokens_reused
 
 
@@ -714,25 +716,32 @@ class BlockManager:
         return np.asarray(self._live(seq_id).tokens, dtype="<i8")
 
     def sequence_blocks(self, seq_id: int) -> tuple[Block, ...]:
+        """The blocks of a live sequence, in order."""
         return tuple(self._live(seq_id).blocks)
 
     def sequence_slot(self, seq_id: int) -> int:
+        """The page-table slot of a live sequence."""
         return self._live(seq_id).slot
 
     @property
     def live_sequences(self) -> tuple[int, ...]:
+        """Ids of the live sequences."""
         return tuple(self._seqs)
 
     def free_blocks(self, tier: Tier | str) -> int:
+        """Blocks of ``tier`` that hold nothing."""
         return len(self._free[Tier.coerce(tier)])
 
     def evictable_blocks(self, tier: Tier | str) -> int:
+        """Blocks of ``tier`` that may be evicted (cached, reference count zero)."""
         return sum(len(d) for d in self._lru[Tier.coerce(tier)].values())
 
     def cached_blocks(self) -> Iterable[Block]:
+        """Every block in the prefix lookup."""
         return self._lookup.values()
 
     def statistics(self) -> BlockStatistics:
+        """A snapshot: capacity, free, cached and evictable blocks per tier, and counters."""
         cap = {t.value: self.capacity[t] for t in TIER_ORDER}
         free = {t.value: len(self._free[t]) for t in TIER_ORDER}
         cached = {t.value: self.evictable_blocks(t) for t in TIER_ORDER}

@@ -349,6 +349,7 @@ class TieredKVCache:
         return self.blocks.sequence_slot(seq_id)
 
     def statistics(self) -> CacheStatistics:
+        """A snapshot: hits per tier, evictions, bytes moved per direction, engine and blocks."""
         b = self.blocks.statistics()
         e = self.engine.statistics()
         return CacheStatistics(

@@ -173,6 +173,7 @@ class Copier:
         return _torch_op(src_t, s, dst_t, d, n)
 
     def statistics(self) -> CopierStatistics:
+        """Calls and bytes per path so far."""
         with self._lock:
             return CopierStatistics(dict(self._calls), dict(self._bytes))
 

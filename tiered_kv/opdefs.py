@@ -19,6 +19,7 @@ import math
 from collections.abc import Sequence
 
 import torch
+from torch import Tensor
 
 __all__ = [
     "METHOD_DMA",
@@ -59,6 +60,7 @@ def gather_block_offsets_ref(
     max_blocks: int,
     sentinel: int,
 ) -> None:
+    """CPU reference of ``gather_block_offsets`` (see :func:`tiered_kv.ops.gather_block_offsets`)."""
     if idx.numel() == 0 or max_blocks == 0:
         return
     rows = src.index_select(1, idx.to(device=src.device, dtype=torch.int64))[..., :max_blocks]  # [pools, seqs, kv, max_blocks]
@@ -106,6 +108,7 @@ def copy_blocks_ref(
     num_tokens: int,
     method: int,
 ) -> None:
+    """CPU reference of ``copy_blocks`` (see :func:`tiered_kv.ops.copy_blocks`)."""
     if src_blocks.numel() == 0:
         return
     groups, rows, _row, width = block_geometry(dst, src, num_tokens)
@@ -121,6 +124,7 @@ def _byte_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def copy_chunks_ref(dst: list[torch.Tensor], src: list[torch.Tensor], chunks: torch.Tensor, method: int) -> None:
+    """CPU reference of ``copy_chunks`` (see :func:`tiered_kv.ops.copy_chunks`)."""
     if chunks.numel() == 0:
         return
     table = chunks.to(torch.int64).cpu()
@@ -144,19 +148,24 @@ _lib.impl("copy_blocks", copy_blocks_ref, "CPU")
 _lib.impl("copy_chunks", copy_chunks_ref, "CPU")
 
 
-@torch.library.register_fake("tiered_kv::gather_block_offsets", lib=_lib)
-def _gather_fake(dst, src, idx, scale, v_offset, max_blocks, sentinel) -> None:
+def _gather_fake(dst: Tensor, src: Tensor, idx: Tensor, scale: Tensor | None, v_offset: Tensor | None,
+                 max_blocks: int, sentinel: int) -> None:
     return None
 
 
-@torch.library.register_fake("tiered_kv::copy_blocks", lib=_lib)
-def _copy_blocks_fake(dst, src, src_blocks, dst_blocks, num_tokens, method) -> None:
+def _copy_blocks_fake(dst: list[Tensor], src: list[Tensor], src_blocks: Tensor, dst_blocks: Tensor, num_tokens: int,
+                      method: int) -> None:
     return None
 
 
-@torch.library.register_fake("tiered_kv::copy_chunks", lib=_lib)
-def _copy_chunks_fake(dst, src, chunks, method) -> None:
+def _copy_chunks_fake(dst: list[Tensor], src: list[Tensor], chunks: Tensor, method: int) -> None:
     return None
+
+
+# fake (meta) kernels: the ops mutate their destinations in place and return nothing
+torch.library.register_fake("tiered_kv::gather_block_offsets", _gather_fake, lib=_lib)
+torch.library.register_fake("tiered_kv::copy_blocks", _copy_blocks_fake, lib=_lib)
+torch.library.register_fake("tiered_kv::copy_chunks", _copy_chunks_fake, lib=_lib)
 
 
 # --------------------------------------------------------------------------------------------- validation

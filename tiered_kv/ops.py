@@ -288,8 +288,10 @@ def copy_blocks(
 def copy_chunks(
     dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], chunks: torch.Tensor, *, method: int = METHOD_KERNEL
 ) -> None:
-    """Copy many byte ranges in one call: row ``(si, so, di, do, nbytes)`` copies ``src[si]`` bytes
-    ``[so, so + nbytes)`` to ``dst[di]`` bytes ``[do, do + nbytes)``.
+    """Copy many byte ranges in one call.
+
+    Row ``(si, so, di, do, nbytes)`` copies ``src[si]`` bytes ``[so, so + nbytes)`` to ``dst[di]`` bytes
+    ``[do, do + nbytes)``.
 
     Args:
         dst: destination tensors (contiguous; written in place).

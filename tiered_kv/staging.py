@@ -186,6 +186,7 @@ class StagingPool:
             self._free.clear()
 
     def statistics(self) -> StagingStatistics:
+        """A snapshot: buffers in flight and free, bytes held."""
         with self._lock:
             buffers = [entry[0] for entry in self._in_flight] + self._free
             return StagingStatistics(
@@ -622,6 +623,7 @@ class BlockOffsetTable:
         self.staging.drain()
 
     def statistics(self) -> BlockOffsetStatistics:
+        """A snapshot: calls per mode, sequences and bytes shipped, the snapshot pool."""
         return BlockOffsetStatistics(dict(self._calls), self._sequences, self._bytes, self.staging.statistics())
 
     def __repr__(self) -> str:

@@ -25,7 +25,7 @@ BENCHMARKS = ["engine", "kernels", "pagetables", "filetier", "cache"]
 
 
 def _writable_dir(path: str) -> str:
-    """argparse type: an existing directory this process may create files in."""
+    """Argparse type: an existing directory this process may create files in."""
     if not (os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)):
         raise argparse.ArgumentTypeError(f"{path} is not a writable directory")
     return path
@@ -188,7 +188,7 @@ def _doctor_checks(directory: str) -> list[tuple[str, bool, str, str]]:
     try:
         import uvloop
 
-        checks.append(("uvloop", True, uvloop.__version__, ""))
+        checks.append(("uvloop", True, str(getattr(uvloop, "__version__", "?")), ""))
     except ImportError:
         checks.append(("uvloop", False, "missing", "pip install uvloop (faster event loop)"))
     try:
@@ -210,7 +210,9 @@ def _doctor_checks(directory: str) -> list[tuple[str, bool, str, str]]:
         checks.append(("CUDA extension", False, f"cannot build: no {missing}; the CPU reference ops are used",
                        f"install {missing} for the batched-copy, partial-copy and gather kernels"))
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    fmt = lambda v: "unlimited" if v == resource.RLIM_INFINITY else f"{v / 2**20:.0f} MiB"  # noqa: E731
+    def fmt(v: int) -> str:
+        return "unlimited" if v == resource.RLIM_INFINITY else f"{v / 2**20:.0f} MiB"
+
     checks.append(("pinned memory (ulimit -l)", True, f"soft {fmt(soft)}, hard {fmt(hard)}",
                    "raise `ulimit -l` if pinning the host pool fails"))
     writable = os.path.isdir(directory) and os.access(directory, os.W_OK)
@@ -357,6 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``tiered-kv`` with ``argv``; the exit status (2 for bad input, one line on stderr)."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:

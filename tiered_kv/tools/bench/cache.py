@@ -231,6 +231,7 @@ def bench_chat(quick: bool, device: str) -> list[dict[str, Any]]:
 
 
 def run(quick: bool, device: str) -> dict[str, Any]:
+    """Run the prefix-cache benchmarks; the JSON payload."""
     dev = "cpu" if device == "cpu" or not torch.cuda.is_available() else device
     if dev == "auto":
         dev = "cuda"
@@ -248,6 +249,7 @@ def run(quick: bool, device: str) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Command line entry point."""
     return bench_main("cache", run, argv)
 
 

@@ -1,7 +1,8 @@
 # ruff: noqa: B023 -- every lambda below runs before its loop variables change
-"""Kernel probe (CUDA): device time of the copy_blocks op against a plain copy of the same bytes (op alone,
-host issue excluded), and where an engine partial copy's wall time goes. Run on a GPU after the extension
-is built (``tiered-kv build-ext``)::
+"""Kernel probe (CUDA): the copy_blocks op alone against a plain copy, and an engine copy's time split.
+
+Device time of the op against a plain copy of the same bytes (host issue excluded), and where an engine
+partial copy's wall time goes. Run on a GPU after the extension is built (``tiered-kv build-ext``)::
 
     python -m tiered_kv.tools.bench.kperf_probe
 """
@@ -10,13 +11,15 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 
-def dev_seconds(fn, repeat=10):
-    times = []
+def dev_seconds(fn: Callable[[], object], repeat: int = 10) -> float:
+    """Median device seconds of ``fn``'s launches, each behind a sleep kernel (host issue excluded)."""
+    times: list[float] = []
     for i in range(repeat + 1):
         torch.cuda.synchronize()
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -27,18 +30,20 @@ def dev_seconds(fn, repeat=10):
         e1.synchronize()
         if i:
             times.append(e0.elapsed_time(e1) / 1e3)
-    return statistics.median(times)
+    return float(statistics.median(times))
 
 
-def child() -> dict:
+def child() -> dict[str, float]:
+    """Plain copy / op device time, per layer-major chunk size and partial-copy token count."""
     from tiered_kv import _ext, ops
     from tiered_kv.layer_major import LayerMajorPool
     from tiered_kv.layout import KVLayout
 
     assert _ext.load()
-    out = {}
+    out: dict[str, float] = {}
     blocks = 256
-    for chunk in (8 << 10, 64 << 10):
+
+    def layer_major(chunk: int) -> None:  # a function, so its pools are freed before the next size
         layout = KVLayout(num_layers=32, num_kv_heads=chunk // 4096, head_dim=128, tokens_per_block=16, dtype=torch.bfloat16)
         pool = LayerMajorPool.allocate(layout, blocks, "cuda", split_kv=True)
         host = torch.empty((blocks, *layout.block_shape), dtype=layout.dtype, pin_memory=True)
@@ -53,7 +58,9 @@ def child() -> dict:
         base_on = dev_seconds(lambda: flat.copy_(hb, non_blocking=True))
         out[f"lm{chunk >> 10}K_offload"] = base_off / off
         out[f"lm{chunk >> 10}K_onboard"] = base_on / on
-        pool = host = flat = None  # free before the next size
+
+    for chunk in (8 << 10, 64 << 10):
+        layer_major(chunk)
     layout = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, tokens_per_block=16, dtype=torch.bfloat16)
     gpu = torch.empty((256, *layout.block_shape), dtype=layout.dtype, device="cuda")
     host = torch.empty((128, *layout.block_shape), dtype=layout.dtype, pin_memory=True)
@@ -70,33 +77,40 @@ def child() -> dict:
     return out
 
 
-async def engine_breakdown() -> dict:
+async def engine_breakdown() -> dict[str, dict[str, float]]:
+    """Where an awaited partial GPU->GPU copy's wall time goes (median microseconds)."""
     from tiered_kv import Tier, TransferEngine
     from tiered_kv.layout import KVLayout
 
     layout = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, tokens_per_block=16, dtype=torch.bfloat16)
-    res = {}
+    res: dict[str, dict[str, float]] = {}
     async with TransferEngine(layout, gpu_blocks=256, host_blocks=128, device="cuda") as engine:
         s, d = np.arange(128), np.arange(128, 256)
         for label, blocks in (("128blk", 128), ("1blk", 1)):
-            sub, dev_done, resumed = [], [], []
+            sub: list[float] = []
+            dev_done: list[float] = []
+            resumed: list[float] = []
             for i in range(21):
                 t0 = time.perf_counter()
                 tr = engine.copy(Tier.GPU, s[:blocks], Tier.GPU, d[:blocks], num_tokens=4)
                 t1 = time.perf_counter()
                 await tr
                 t2 = time.perf_counter()
-                done_at = tr._marker.done_at
+                done_at = tr.completed_at or t2
                 if i:
                     sub.append(t1 - t0)
                     dev_done.append(done_at - t0)
                     resumed.append(t2 - t0)
-            med = lambda x: round(statistics.median(x) * 1e6, 1)  # noqa: E731
+
+            def med(x: list[float]) -> float:
+                return round(statistics.median(x) * 1e6, 1)
+
             res[label] = {"copy()_returns_us": med(sub), "waiter_fired_us": med(dev_done), "resumed_us": med(resumed)}
     return res
 
 
 def main() -> None:
+    """Print both measurements."""
     print("op alone, plain copy / op device time:", {k: round(x, 3) for k, x in child().items()}, flush=True)
     import uvloop
 
