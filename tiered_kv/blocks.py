@@ -21,6 +21,10 @@ dropped without a copy when its priority is below ``drop_below_priority``, or wh
 had), a host victim is spilled to a file slot, a file victim is dropped. Only cached blocks with a
 reference count of zero are ever victims: claimed blocks never move.
 
+Size: one module of about a thousand lines, on purpose: the lookup tree, the LRUs, slot allocation and the
+eviction cascade share one set of invariants (:meth:`BlockManager.check`), and keeping them in one class
+keeps every decision synchronous and every invariant in view.
+
 Two-phase admission: :meth:`BlockManager.admit` first matches and *claims* every reusable
 block of every request of the batch (claimed blocks leave the LRUs), then onboards and allocates. A
 one-phase order (claim, onboard, allocate, request by request) lets onboarding for one request evict host
