@@ -439,13 +439,11 @@ class BlockManager:
 
     # ------------------------------------------------------------------------------------ admission
 
-    def admit(self, requests: Iterable[object], *, one_phase: bool = False) -> tuple[list[Admission], Plan]:
+    def admit(self, requests: Iterable[object]) -> tuple[list[Admission], Plan]:
         """Admit a batch: claim every reusable block of every request, then onboard and allocate.
 
         Args:
             requests: :class:`Request` objects or plain token-id sequences.
-            one_phase: private switch for tests: claim, onboard and allocate request by request, the
-                order that loses planned reuse (a later request's host blocks evicted by an earlier one's onboarding).
 
         Returns:
             One :class:`Admission` per request (its own figures) and the plan of copies to issue.
@@ -458,8 +456,6 @@ class BlockManager:
                 or there are not enough free sequence slots. Nothing was changed.
         """
         reqs = self._validate(requests)
-        if one_phase:
-            return self._admit_one_phase(reqs)
         matches = [self._match(tokens) for tokens, _ in reqs]
         self._check_fits(reqs, matches)
         # Phase 1: claim every matched block of every request before anything can evict.
@@ -470,7 +466,13 @@ class BlockManager:
         admissions = [self._realize(tokens, prio, match, plan) for (tokens, prio), match in zip(reqs, matches, strict=True)]
         return admissions, plan
 
-    def _admit_one_phase(self, reqs: list[tuple[np.ndarray, int]]) -> tuple[list[Admission], Plan]:
+    def _admit_one_phase(self, requests: Iterable[object]) -> tuple[list[Admission], Plan]:
+        """Claim, onboard and allocate request by request: the order that loses planned reuse.
+
+        A later request's host blocks may be evicted by an earlier one's onboarding. Only the naive baseline
+        of :mod:`tiered_kv.tools.baselines` uses it.
+        """
+        reqs = self._validate(requests)
         plan = Plan()
         admissions: list[Admission] = []
         try:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -221,9 +221,7 @@ class TieredKVCache:
 
     # ------------------------------------------------------------------------------------ sequences
 
-    async def add_sequences(
-        self, requests: Iterable[Request | Sequence[int] | np.ndarray], *, _one_phase: bool = False
-    ) -> list[Admission]:
+    async def add_sequences(self, requests: Iterable[Request | Sequence[int] | np.ndarray]) -> list[Admission]:
         """Admit a batch of prompts: reuse their longest cached prefixes, allocate the rest on the GPU.
 
         Two-phase: every reusable block of every request is claimed before any block is
@@ -248,9 +246,16 @@ class TieredKVCache:
             Cancellation: the sequences of the batch are freed (the copies already enqueued still complete
             and keep their fences) and the cancellation propagates.
         """
+        return await self._add_sequences(requests, self.blocks.admit)
+
+    async def _add_sequences(
+        self, requests: Iterable[Request | Sequence[int] | np.ndarray],
+        admit: Callable[[Iterable[object]], tuple[list[Admission], Plan]],
+    ) -> list[Admission]:
+        """``add_sequences`` with the admission order ``admit`` (the naive baseline passes its own)."""
         self._check_open()
         self._sweep()
-        admissions, plan = self.blocks.admit(requests, one_phase=_one_phase)
+        admissions, plan = admit(requests)
         self._issue(plan)
         seq_ids = [a.seq_id for a in admissions]
         try:
