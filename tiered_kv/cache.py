@@ -43,9 +43,11 @@ from .blocks import (
 )
 from .engine import EngineStatistics, Transfer, TransferEngine
 from .errors import EngineClosedError, TransferError
+from .fences import Marker
 from .keys import KeyHasher
 from .layout import KVLayout
 from .pools import Tier
+from .slotstate import SlotEvent
 from .staging import BlockOffsetTable
 
 __all__ = ["DEFAULT_PRIORITY", "Admission", "CacheFullError", "CacheStatistics", "Request", "TieredKVCache"]
@@ -184,6 +186,11 @@ class TieredKVCache:
         self._unchecked: list[tuple[Transfer, Block]] = []  # issued copies not yet seen complete
         self._poisoned = 0
         self._closed = False
+        # The file tier's slot-state changes (a failed spill, a slot that failed verification) reach the block
+        # manager here, on the loop, in order, before any later plan (tiered_kv.slotstate).
+        self._slot_events = getattr(getattr(engine, "_file", None), "events", None) if file_blocks else None
+        if self._slot_events is not None:
+            self._slot_events.subscribe(self._on_file_slot_dropped)
 
     @staticmethod
     def _file_index(engine: TransferEngine) -> Callable[[bytes], int | None] | None:
@@ -224,6 +231,8 @@ class TieredKVCache:
         Cancellation: the copies still complete; a later ``close()`` finishes the job.
         """
         self._closed = True
+        if self._slot_events is not None:
+            self._slot_events.unsubscribe(self._on_file_slot_dropped)
         if self._owns_engine:
             await self.engine.close()
         else:
@@ -420,7 +429,7 @@ class TieredKVCache:
             placed.append(g)
             last_read[src] = max(last_read.get(src, -1), g)
             last_write[dst] = max(last_write.get(dst, -1), g)
-        transfers = [self._issue_group(group) for group in groups]
+        transfers = self._issue_groups(groups)
         # Lineage in plan order: a block moved twice in one plan ends with both copies in its sources.
         for move, g in zip(plan.moves, placed, strict=True):
             t = transfers[g]
@@ -433,6 +442,49 @@ class TieredKVCache:
                 block.sources.append(t)
             self._unchecked.append((t, block))
         return transfers
+
+    def _issue_groups(self, groups: list[list[Move]]) -> list[Transfer]:
+        """Issue a plan's groups whole, or not at all (issue 11, finding 1).
+
+        Every group that reads file slots is checked against the file tier first (the slot must still hold
+        its block); if one fails, no group is issued. Should a copy still raise while the plan is being
+        issued, the groups after it are not issued (they come after everything they depend on). A group
+        not issued gets a failed :class:`Transfer`: the blocks whose data it was to produce are poisoned
+        like the products of any failed copy -- dropped from the lookup, the batch failing with
+        :class:`TransferError` -- so no slot is ever recorded as holding a block it does not hold.
+        """
+        failure: BaseException | None = None
+        file_tier = getattr(self.engine, "_file", None)
+        if file_tier is not None:
+            for group in groups:
+                head = group[0]
+                if head.src_tier is Tier.FILE:
+                    src = np.array([m.src_slot for m in group], dtype=np.int64)
+                    dst = np.array([m.dst_slot for m in group], dtype=np.int64)
+                    keys = [m.block.key for m in group] if self._copy_takes_keys else None
+                    try:
+                        file_tier.validate(head.src_tier, src, head.dst_tier, dst, None, keys)
+                    except (ValueError, TypeError) as exc:
+                        failure = exc
+                        break
+        transfers: list[Transfer] = []
+        for group in groups:
+            if failure is None:
+                try:
+                    transfers.append(self._issue_group(group))
+                    continue
+                except EngineClosedError:
+                    if not transfers:
+                        raise
+                    failure = TransferError("the engine closed while a plan was being issued")
+                except (ValueError, TypeError, TransferError) as exc:
+                    failure = exc
+            transfers.append(_failed_transfer(group, failure))
+        return transfers
+
+    def _on_file_slot_dropped(self, event: SlotEvent) -> None:
+        if self.blocks.file_slot_dropped(event.slot, event.key) is not None:
+            self._poisoned += 1
 
     def _issue_group(self, group: list[Move]) -> Transfer:
         head = group[0]
@@ -496,6 +548,18 @@ class TieredKVCache:
                 await write.wait()
             for r in reads:
                 await r.wait()
+
+
+def _failed_transfer(group: list[Move], cause: BaseException) -> Transfer:
+    """A transfer that failed without being issued: its group of moves could not be issued whole."""
+    head = group[0]
+    marker = Marker(None)
+    error = TransferError(f"a {head.src_tier.value}->{head.dst_tier.value} copy of {len(group)} blocks was not issued: "
+                          f"its plan could not be issued whole ({cause})")
+    error.__cause__ = cause
+    marker.error = error
+    marker.complete()
+    return Transfer(marker, head.src_tier, head.dst_tier, len(group), 0)
 
 
 def _succeeded(t: Any) -> bool:

@@ -339,6 +339,8 @@ class TransferEngine:
             raise RuntimeError("TransferEngine must be used from a coroutine running on an event loop") from None
         if self._loop is None:
             self._loop = loop
+            if self._file is not None:
+                self._file.events.bind(loop)  # SLOT STATE HOOK: the tier's index changes on this loop, in order
         elif self._loop is not loop:
             raise RuntimeError("TransferEngine is bound to another event loop; use one engine per loop")
         return loop

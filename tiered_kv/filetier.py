@@ -66,6 +66,7 @@ from .slab import (
     slot_payload_size,
     unpack_header,
 )
+from .slotstate import SlotEvent, SlotEvents
 
 __all__ = ["Durability", "FileTier", "FileTierConfig", "FileTierStatistics", "OpenReport"]
 
@@ -294,6 +295,9 @@ class FileTier:
         self._next_gen = 1
         self._counts = {"bw": 0, "br": 0, "nw": 0, "nr": 0, "wf": 0, "rf": 0, "if": 0}
         self._closed = False
+        # SLOT STATE HOOK (issue 11): index changes decided on I/O threads reach the loop (and the block
+        # manager listening there) in order, between two loop steps: see tiered_kv.slotstate.
+        self.events = SlotEvents()
 
         # Pick the backend before touching the file: GDS mode ON without GDS fails fast and leaves nothing.
         self._kind = "factory"
@@ -572,7 +576,10 @@ class FileTier:
         with self._lock:
             if self._state[slot] == _PENDING:
                 raise ValueError(f"file slot {slot} has a write in flight; await it before discarding the slot")
+            key, gen = self._keys[slot], self._gens[slot]
             self._drop_locked(slot)
+        if key is not None:
+            self.events.emit(SlotEvent(slot, key, gen, "discarded"))
 
     def _drop_locked(self, slot: int) -> None:
         key = self._keys[slot]
@@ -671,20 +678,28 @@ class FileTier:
             return self._staging
 
     def _finish_write(self, slots: list[int], gens: list[int], ok: bool) -> None:
+        """A write transfer ended (I/O thread): tombstones now, the index change on the loop (:attr:`events`)."""
         with self._lock:
             for slot, gen in zip(slots, gens, strict=True):
                 if ok:
-                    self._failed_gen.pop(slot, None)
+                    if self._failed_gen.get(slot, gen) < gen:
+                        del self._failed_gen[slot]  # an older failed write of the slot is overwritten
                 else:
                     # Reads enqueued behind this write (they expect ``gen``) must fail even if this slot's own
                     # block made it to disk: the transfer failed, so its slots hold nothing. A later write of
                     # the slot starts only after those reads, so one tombstone per slot is enough.
                     self._failed_gen[slot] = gen
+        self.events.post(functools.partial(self._apply_write, slots, gens, ok))
+
+    def _apply_write(self, slots: list[int], gens: list[int], ok: bool) -> list[SlotEvent]:
+        dropped: list[SlotEvent] = []
+        with self._lock:
+            for slot, gen in zip(slots, gens, strict=True):
                 if self._state[slot] != _PENDING or self._gens[slot] != gen:
                     continue  # a later copy has claimed the slot since
+                key = self._keys[slot]
+                assert key is not None
                 if ok:
-                    key = self._keys[slot]
-                    assert key is not None
                     other = self._by_key.get(key)
                     if other is not None and other != slot:
                         self._drop_locked(other)  # the newest copy of a key wins
@@ -692,11 +707,20 @@ class FileTier:
                     self._by_key[key] = slot
                 else:
                     self._drop_locked(slot)
+                    dropped.append(SlotEvent(slot, key, gen, "write failed"))
+        return dropped
 
     def _drop_if(self, slot: int, gen: int) -> None:
+        """A read of ``slot`` failed verification (I/O thread): drop it, on the loop (:attr:`events`)."""
+        self.events.post(functools.partial(self._apply_drop, slot, gen))
+
+    def _apply_drop(self, slot: int, gen: int) -> list[SlotEvent]:
         with self._lock:
-            if self._state[slot] != _EMPTY and self._gens[slot] == gen:
-                self._drop_locked(slot)
+            if self._state[slot] == _EMPTY or self._gens[slot] != gen:
+                return []
+            key = self._keys[slot]
+            self._drop_locked(slot)
+        return [SlotEvent(slot, key, gen, "verification failed")] if key is not None else []
 
     def _count(self, **inc: int) -> None:
         with self._lock:
@@ -716,6 +740,7 @@ class FileTier:
         self._closed = True
         self._workers.shutdown(wait=True)
         self.backend.close()
+        self.events.deliver()  # changes still queued for a loop that will not run them
         os.close(self._lock_fd)
 
     @property
