@@ -76,8 +76,8 @@ async def test_failed_spill_dropped_before_the_loop_heard_is_never_planned_from(
         await serve(cache, toks(500, 2 * TPB + 1))  # C fills the rest of the GPU
         # B evicts A down the tiers: GPU -> host -> file; the spill of A1 (the 2nd write) stalls, then fails.
         other = asyncio.create_task(serve(cache, toks(1000, 2 * TPB + 1)))
-        while be[0].writes < 2:  # B's plan is issued; the spill of A1 has started (it stalls, then fails)
-            await asyncio.sleep(0.005)  # noqa: ASYNC110 (a counter on I/O threads, no event to wait on)
+        while be[0].writes < 2:  # noqa: ASYNC110 -- B's plan is issued; A1's spill started (it stalls, then fails)
+            await asyncio.sleep(0.005)
         # Block the loop (no callback runs) until the failing write is over on the I/O threads: the tier
         # has given the slot up, the loop has not heard of it yet.
         time.sleep(0.6)  # noqa: ASYNC251 (the point: the loop must not run)
