@@ -150,3 +150,38 @@ async def test_the_manager_hears_of_a_dropped_slot_before_the_failed_spill_compl
         assert be[0].faults == 1
         assert seen == [False], "the failed spill completed while its block was still in the lookup"
         assert cache.statistics().poisoned == 1
+
+
+# ---------------------------------------------------------------------------------------- finding 3
+
+
+async def test_a_raising_done_callback_breaks_nothing(small: KVLayout) -> None:
+    """Finding 3: every callback runs, the exception reaches the loop's exception handler, dependent copies
+    and close() complete -- in either completion order of two streams (repeated to meet both)."""
+    loop = asyncio.get_running_loop()
+    reported: list[dict[str, object]] = []
+    loop.set_exception_handler(lambda _loop, ctx: reported.append(ctx))
+    engine = TransferEngine(small, gpu_blocks=4, host_blocks=4, device="cpu")
+    rounds = 20
+    async with engine:
+        for i in range(rounds):
+            ran: list[str] = []
+
+            def bad(_t: object) -> None:
+                ran.append("bad")
+                raise RuntimeError("callback bug")
+
+            t1 = engine.copy(Tier.GPU, [0], Tier.HOST, [1])  # offload stream
+            t1.add_done_callback(bad)
+            t1.add_done_callback(lambda _t: ran.append("second"))
+            t2 = engine.copy(Tier.HOST, [1], Tier.GPU, [2])  # onboard stream, waits for t1 stream-side
+            await asyncio.wait_for(t2, 5)
+            await asyncio.wait_for(t1, 5)
+            assert ran == ["bad", "second"], ran
+        await asyncio.wait_for(engine.drain(), 5)
+    assert engine.closed
+    assert len(reported) == rounds
+    assert all(isinstance(c.get("exception"), RuntimeError) for c in reported)
+    # a callback added after completion that raises is reported too, and does not raise into the caller
+    t1.add_done_callback(bad)
+    assert len(reported) == rounds + 1

@@ -20,6 +20,7 @@ import asyncio
 import bisect
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -125,9 +126,10 @@ class Transfer:
     def add_done_callback(self, callback: Callable[[Transfer], None]) -> None:
         """Call ``callback(transfer)`` on the event loop once the copy has completed (at once if it has).
 
-        Unlike awaiting, this needs no task: fire-and-forget copies can still be observed.
+        Unlike awaiting, this needs no task: fire-and-forget copies can still be observed. A callback that
+        raises is reported through the loop's exception handler; the other callbacks still run.
         """
-        self._marker.add_done_callback(lambda: callback(self))
+        self._marker.add_done_callback(functools.partial(callback, self))
 
     def exception(self) -> BaseException | None:
         """The error the copy failed with, or ``None``.
