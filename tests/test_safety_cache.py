@@ -164,16 +164,16 @@ async def test_a_raising_done_callback_breaks_nothing(small: KVLayout) -> None:
     engine = TransferEngine(small, gpu_blocks=4, host_blocks=4, device="cpu")
     rounds = 20
     async with engine:
-        for i in range(rounds):
+        for _ in range(rounds):
             ran: list[str] = []
 
-            def bad(_t: object) -> None:
+            def bad(_t: object, ran: list[str] = ran) -> None:
                 ran.append("bad")
                 raise RuntimeError("callback bug")
 
             t1 = engine.copy(Tier.GPU, [0], Tier.HOST, [1])  # offload stream
             t1.add_done_callback(bad)
-            t1.add_done_callback(lambda _t: ran.append("second"))
+            t1.add_done_callback(lambda _t, ran=ran: ran.append("second"))
             t2 = engine.copy(Tier.HOST, [1], Tier.GPU, [2])  # onboard stream, waits for t1 stream-side
             await asyncio.wait_for(t2, 5)
             await asyncio.wait_for(t1, 5)
