@@ -185,3 +185,42 @@ async def test_a_raising_done_callback_breaks_nothing(small: KVLayout) -> None:
     # a callback added after completion that raises is reported too, and does not raise into the caller
     t1.add_done_callback(bad)
     assert len(reported) == rounds + 1
+
+
+# ---------------------------------------------------------------------------------------- finding 8
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [[1, 2, 2**63], [2**63 + 5], [2**64 + 1, 3], [-1, 4, 5], [4, 2**63, -1],
+     np.array([7, 2**63 + 7], dtype=np.uint64), np.array([-7, 1], dtype=np.int32)],
+    ids=["2**63", "2**63+5", "beyond-uint64", "negative", "mixed", "uint64-array", "negative-int32"],
+)
+async def test_out_of_range_token_ids_are_refused_before_anything_changes(small: KVLayout, bad: object) -> None:
+    """Finding 8: an id >= 2**63 wrapped to a negative int64 and aliased another prompt's KV (2**63 + 7 is
+    -2**63 + 7 as int64); negative ids were accepted. Both raise ValueError; nothing changes."""
+    async with TieredKVCache(small, gpu_blocks=8, device="cpu") as cache:
+        [adm] = await cache.add_sequences([[-2**63 + 7 + 2**63, *range(1, 2 * TPB + 1)]])
+        write_expected(cache, adm.seq_id, 0)
+        cache.commit(adm.seq_id)
+        before = cache.statistics().blocks
+        with pytest.raises(ValueError, match="0..2"):
+            await cache.add_sequences([bad])  # type: ignore[list-item]
+        with pytest.raises(ValueError, match="0..2"):
+            cache.match(bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="0..2"):
+            await cache.append_tokens(adm.seq_id, bad)  # type: ignore[arg-type]
+        assert cache.statistics().blocks == before
+        assert len(cache.blocks.sequence_tokens(adm.seq_id)) == 2 * TPB + 1
+        cache.free(adm.seq_id)
+        cache.blocks.check()
+
+
+def test_ids_near_the_int64_edge_do_not_alias(small: KVLayout) -> None:
+    from tiered_kv.keys import KeyHasher, as_token_array
+
+    h = KeyHasher(small, "m")
+    top = as_token_array([2**63 - 1] * TPB)
+    assert h.chain(top) != h.chain(as_token_array([0] * TPB))
+    with pytest.raises(ValueError):
+        as_token_array([2**63] * TPB)
