@@ -224,3 +224,34 @@ def test_ids_near_the_int64_edge_do_not_alias(small: KVLayout) -> None:
     assert h.chain(top) != h.chain(as_token_array([0] * TPB))
     with pytest.raises(ValueError):
         as_token_array([2**63] * TPB)
+
+
+# ---------------------------------------------------------------------------------------- finding 2
+
+
+async def test_the_engine_under_a_cache_refuses_copies(small: KVLayout) -> None:
+    """Finding 2: README's ``cache.engine.copy(Tier.GPU, [0, 1], Tier.HOST, [5, 6], num_tokens=8)`` into host
+    slots the cache owns served wrong tokens later. The engine refuses every copy while the cache owns it."""
+    from tiered_kv import OwnedEngineError
+
+    async with TieredKVCache(small, gpu_blocks=4, host_blocks=8, device="cpu") as cache:
+        a = toks(0, 2 * TPB + 1)
+        await serve(cache, a)
+        await cache.evict(Tier.GPU, 4)  # A's blocks are in host slots now
+        submitted = cache.engine.statistics().submitted
+        with pytest.raises(OwnedEngineError, match="belong to TieredKVCache"):
+            cache.engine.copy(Tier.GPU, [0, 1], Tier.HOST, [0, 1], num_tokens=TPB)
+        with pytest.raises(ValueError):  # OwnedEngineError is a ValueError: bad use, nothing enqueued
+            cache.engine.copy(Tier.HOST, [0], Tier.GPU, [3])
+        assert cache.engine.statistics().submitted == submitted
+        assert await serve(cache, [*a[: 2 * TPB], 9]) == 2 * TPB  # served, and right (serve verifies)
+        assert cache.engine.statistics().in_flight == 0  # inspection stays open
+    # closed: the engine is the user's again (a user-supplied engine outlives the cache)
+    engine = TransferEngine(small, gpu_blocks=4, host_blocks=8, device="cpu")
+    async with engine:
+        async with TieredKVCache(small, gpu_blocks=4, host_blocks=8, engine=engine) as cache:
+            with pytest.raises(OwnedEngineError):
+                engine.copy(Tier.GPU, [0], Tier.HOST, [0])
+            with pytest.raises(ValueError, match="already belongs"):
+                TieredKVCache(small, gpu_blocks=4, host_blocks=8, engine=engine)
+        await engine.copy(Tier.GPU, [0], Tier.HOST, [0])

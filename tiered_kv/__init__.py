@@ -14,7 +14,7 @@ from .cache import CacheStatistics, TieredKVCache
 from .config import EngineConfig
 from .device import Device, resolve_device
 from .engine import EngineStatistics, Transfer, TransferEngine, TransferResult
-from .errors import BackendUnavailable, EngineClosedError, IntegrityError, LayoutMismatchError, SlabInUseError, TieredKVError, TransferError
+from .errors import BackendUnavailable, EngineClosedError, IntegrityError, LayoutMismatchError, OwnedEngineError, SlabInUseError, TieredKVError, TransferError
 from .fences import FenceStatistics, FenceTable
 from .filetier import Durability, FileTier, FileTierConfig, FileTierStatistics, OpenReport
 from .keys import KeyHasher
@@ -49,6 +49,7 @@ __all__ = [
     "LayerMajorPool",
     "LayoutMismatchError",
     "OpenReport",
+    "OwnedEngineError",
     "Request",
     "SlabInUseError",
     "StagingPool",

@@ -47,7 +47,7 @@ from .fences import Marker
 from .keys import KeyHasher
 from .layout import KVLayout
 from .pools import Tier
-from .slotstate import SlotEvent
+from .slotstate import SlotEvent, SlotEvents
 from .staging import BlockOffsetTable
 
 __all__ = ["DEFAULT_PRIORITY", "Admission", "CacheFullError", "CacheStatistics", "Request", "TieredKVCache"]
@@ -101,7 +101,9 @@ class TieredKVCache:
         on_page_table: ``callback(slot, page_table | None)`` when a sequence's page table changes or it
             is freed (``None``); e.g. to fill a block-offset table.
         engine: use this engine (its pools must match the sizes) instead of building one; it is then not
-            closed by :meth:`close`.
+            closed by :meth:`close`. Either way, while the cache is open every block of its engine is the
+            cache's: ``engine.copy()`` raises :class:`~tiered_kv.errors.OwnedEngineError` (a copy into a slot
+            the cache owns would change KV it serves); inspection (``statistics``, ``pool``, ``block``) stays open.
         block_offsets: also keep a :class:`~tiered_kv.staging.BlockOffsetTable` (one pool, the cache's
             ``max_seqs`` and ``max_blocks_per_seq``) filled from every page-table change, as
             ``cache.block_offsets``; row ``adm.slot`` is a sequence's page table.
@@ -151,16 +153,7 @@ class TieredKVCache:
             raise ValueError("gpu_blocks must be at least 1")
         self.layout = layout
         self.hasher = KeyHasher(layout, model_id)
-        self._owns_engine = engine is None
-        if engine is None:
-            engine = self._make_engine(layout, gpu_blocks, host_blocks, file_blocks, file_dir, device)
-        else:
-            for tier, n in ((Tier.GPU, gpu_blocks), (Tier.HOST, host_blocks), (Tier.FILE, file_blocks)):
-                if n and engine.pool(tier).num_blocks != n:
-                    raise ValueError(f"the engine's {tier.value} pool has {engine.pool(tier).num_blocks} blocks, not {n}")
-        self.engine = engine
-        # FILE TIER SEAM: the file tier's copy() takes the blocks' content keys (slot headers + index)
-        self._copy_takes_keys = "keys" in inspect.signature(engine.copy).parameters
+        # Every argument is checked before anything is built (the block manager validates its own).
         self.blocks = BlockManager(
             self.hasher,
             {Tier.GPU: gpu_blocks, Tier.HOST: host_blocks, Tier.FILE: file_blocks},
@@ -169,11 +162,41 @@ class TieredKVCache:
             drop_below_priority=drop_below_priority,
             compute_last_token=compute_last_token,
             on_page_table=on_page_table,
-            file_index=self._file_index(engine) if file_blocks and warm_restart else None,
         )
+        self._owns_engine = engine is None
+        if engine is None:
+            engine = self._make_engine(layout, gpu_blocks, host_blocks, file_blocks, file_dir, device)
+        else:
+            for tier, n in ((Tier.GPU, gpu_blocks), (Tier.HOST, host_blocks), (Tier.FILE, file_blocks)):
+                if n and engine.pool(tier).num_blocks != n:
+                    raise ValueError(f"the engine's {tier.value} pool has {engine.pool(tier).num_blocks} blocks, not {n}")
+        self.engine = engine
+        self._closed = False
+        self._owner_name = f"TieredKVCache@{id(self):x}"
+        self._slot_events: SlotEvents | None = None
+        try:
+            self._attach(engine, file_blocks, warm_restart, block_offsets, max_seqs, on_page_table)
+        except BaseException:
+            # A failed constructor leaves nothing behind: no claim, no listener, and an engine built here is
+            # released (threads, fds, the slab lock), so a corrected retry on the same directory works.
+            self._detach()
+            if self._owns_engine:
+                engine._release_resources()
+            raise
+
+    def _attach(self, engine: TransferEngine, file_blocks: int, warm_restart: bool, block_offsets: bool, max_seqs: int,
+                on_page_table: PageTableListener | None) -> None:
+        # Ownership (issue 11, finding 2): every block of the engine is this cache's; engine.copy() now refuses,
+        # the cache copies through the function the claim returns.
+        self._copy = engine.claim(self._owner_name)
+        # FILE TIER SEAM: the file tier's copy() takes the blocks' content keys (slot headers + index)
+        self._copy_takes_keys = "keys" in inspect.signature(engine.copy).parameters
+        if file_blocks and warm_restart:
+            self.blocks.file_index = self._file_index(engine)
         self.block_offsets: BlockOffsetTable | None = None
         if block_offsets:
-            table = BlockOffsetTable(1, max_seqs, self.blocks.max_blocks_per_seq, kv_factor=layout.kv_factor, device=engine.device)
+            table = BlockOffsetTable(1, max_seqs, self.blocks.max_blocks_per_seq, kv_factor=self.layout.kv_factor,
+                                     device=engine.device)
             self.block_offsets = table
             user_hook = on_page_table
 
@@ -185,12 +208,17 @@ class TieredKVCache:
             self.blocks.on_page_table = both
         self._unchecked: list[tuple[Transfer, Block]] = []  # issued copies not yet seen complete
         self._poisoned = 0
-        self._closed = False
         # The file tier's slot-state changes (a failed spill, a slot that failed verification) reach the block
         # manager here, on the loop, in order, before any later plan (tiered_kv.slotstate).
         self._slot_events = getattr(getattr(engine, "_file", None), "events", None) if file_blocks else None
         if self._slot_events is not None:
             self._slot_events.subscribe(self._on_file_slot_dropped)
+
+    def _detach(self) -> None:
+        """Give the engine back: end the claim, stop listening to the file tier (idempotent)."""
+        self.engine.release(self._owner_name)
+        if self._slot_events is not None:
+            self._slot_events.unsubscribe(self._on_file_slot_dropped)
 
     @staticmethod
     def _file_index(engine: TransferEngine) -> Callable[[bytes], int | None] | None:
@@ -231,12 +259,13 @@ class TieredKVCache:
         Cancellation: the copies still complete; a later ``close()`` finishes the job.
         """
         self._closed = True
-        if self._slot_events is not None:
-            self._slot_events.unsubscribe(self._on_file_slot_dropped)
-        if self._owns_engine:
-            await self.engine.close()
-        else:
-            await self.engine.drain()
+        try:
+            if self._owns_engine:
+                await self.engine.close()
+            else:
+                await self.engine.drain()
+        finally:
+            self._detach()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -492,7 +521,7 @@ class TieredKVCache:
         dst = [m.dst_slot for m in group]
         if Tier.FILE in (head.src_tier, head.dst_tier):
             return self._copy_file(head.src_tier, src, head.dst_tier, dst, [m.block for m in group], head.num_tokens)
-        return self.engine.copy(head.src_tier, src, head.dst_tier, dst, num_tokens=head.num_tokens)
+        return self._copy(head.src_tier, src, head.dst_tier, dst, num_tokens=head.num_tokens)
 
     def _copy_file(
         self, src_tier: Tier, src: list[int], dst_tier: Tier, dst: list[int], blocks: list[Block], num_tokens: int | None
@@ -508,8 +537,8 @@ class TieredKVCache:
         """
         if self._copy_takes_keys:
             keys = [b.key for b in blocks]  # cached blocks (the only ones that spill or come back) have keys
-            return self.engine.copy(src_tier, src, dst_tier, dst, num_tokens=num_tokens, keys=keys)  # type: ignore[call-arg]
-        return self.engine.copy(src_tier, src, dst_tier, dst, num_tokens=num_tokens)
+            return self._copy(src_tier, src, dst_tier, dst, num_tokens=num_tokens, keys=keys)
+        return self._copy(src_tier, src, dst_tier, dst, num_tokens=num_tokens)
 
     def _sweep(self) -> None:
         """Drop blocks produced by copies that have failed since the last look (no await)."""

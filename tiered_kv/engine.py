@@ -24,6 +24,7 @@ import functools
 import logging
 import os
 import time
+import warnings
 from collections.abc import Callable, Generator, Iterable
 from typing import Any
 
@@ -33,7 +34,7 @@ import torch
 from .config import EngineConfig
 from .copyops import Copier
 from .device import Device, Stream, resolve_device
-from .errors import EngineClosedError, TransferError
+from .errors import EngineClosedError, OwnedEngineError, TransferError
 from .fences import FenceStatistics, FenceTable, Marker
 from .filetier import FileTier, FileTierConfig
 from .layer_major import LayerMajorPool
@@ -165,6 +166,9 @@ class Transfer:
         return f"<Transfer {self.src_tier.value}->{self.dst_tier.value} blocks={self.num_blocks} bytes={self.nbytes} [{state}]>"
 
 
+#: Seconds ``close()`` from a new event loop waits for copies the engine's ended loop left in flight.
+ORPHAN_TIMEOUT = 30.0
+
 #: Upper bounds (seconds) of the per-direction transfer latency histogram (Prometheus-style buckets).
 LATENCY_BUCKETS: tuple[float, ...] = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0)
 
@@ -277,8 +281,15 @@ class TransferEngine:
             self._file = FileTier(layout, file_config, device=self.device)
             self._pools[Tier.FILE] = self._file  # type: ignore[assignment]  # pool look-alike: name, num_blocks, check
 
-        self.copier = Copier(self.device, self.config)  # DMA-or-kernel choice per call (tiered_kv.copyops)
-        self._streams: dict[str, Stream] = {name: self.device.new_stream(name) for name in ("offload", "onboard", "local")}
+        self._streams: dict[str, Stream] = {}
+        self._closed = False
+        try:
+            self.copier = Copier(self.device, self.config)  # DMA-or-kernel choice per call (tiered_kv.copyops)
+            for name in ("offload", "onboard", "local"):
+                self._streams[name] = self.device.new_stream(name)
+        except BaseException:
+            self._release_resources()  # a failed constructor leaves no thread, fd or slab lock behind
+            raise
         self._host_threads = concurrent.futures.ThreadPoolExecutor(self.config.host_threads, thread_name_prefix="tiered_kv-host")
         self._fences = FenceTable()
         self._inflight: set[Marker] = set()
@@ -287,6 +298,7 @@ class TransferEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
         self._closed = False
+        self._owner: str | None = None  # who the blocks belong to (claim): copy() is theirs alone
         self._submitted = self._completed = self._failed = 0
         self._bytes: dict[str, int] = {}  # direction -> bytes completed
         self._blocks: dict[str, int] = {}  # direction -> blocks completed
@@ -321,14 +333,63 @@ class TransferEngine:
         if self._closed:
             return
         self._closing = True
-        await self.drain()
-        for stream in self._streams.values():
-            stream.close()
-        self._host_threads.shutdown(wait=True)
-        if self._file is not None:
-            self._file.close()
-        self._closed = True
+        loop = asyncio.get_running_loop()
+        if self._loop is not None and self._loop is not loop:
+            if self._loop.is_running():
+                raise RuntimeError("this TransferEngine is bound to an event loop that is still running in another "
+                                   "thread; close it from that loop (run_coroutine_threadsafe(engine.close(), loop))")
+            await self._take_over_completions()  # its loop ended: nobody else will hear of these copies
+        else:
+            await self.drain()
+        self._release_resources()
         assert not self._fences, "fences left after every op completed"
+
+    async def _take_over_completions(self) -> None:
+        """close() from a new loop after the engine's loop ended with copies in flight (issue 11, finding 5).
+
+        A copy that finished on its thread posted its completion to the dead loop, where it never ran: complete
+        it here (dependencies first, as always). A copy that never finished within ``ORPHAN_TIMEOUT`` seconds
+        (deferred on the dead loop, never enqueued) is completed with :class:`EngineClosedError`.
+        """
+        deadline = time.monotonic() + ORPHAN_TIMEOUT
+        while self._inflight:
+            for marker in [m for m in self._inflight if m.done_at is not None]:
+                self._complete(marker)
+            if not self._inflight:
+                break
+            if time.monotonic() > deadline:
+                for marker in list(self._inflight):
+                    if not marker.completed:
+                        marker.error = EngineClosedError("the copy's event loop ended before it could be enqueued")
+                        self._complete(marker)
+                break
+            await asyncio.sleep(0.005)
+
+    def _release_resources(self) -> None:
+        """Stop the streams' and host threads, close the file tier (its fds and slab lock). Idempotent, synchronous.
+
+        Only for an engine with nothing in flight: :meth:`close` after draining, a constructor that failed, or
+        an engine that was never closed being collected (:meth:`__del__`).
+        """
+        self._closing = self._closed = True
+        for stream in getattr(self, "_streams", {}).values():
+            stream.close()
+        host_threads = getattr(self, "_host_threads", None)
+        if host_threads is not None:
+            host_threads.shutdown(wait=True)
+        file = getattr(self, "_file", None)
+        if file is not None:
+            file.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_closed", True):
+            return
+        warnings.warn(f"unclosed {self!r}: use 'async with' or await close(); releasing its threads and slab lock",
+                      ResourceWarning, stacklevel=2)
+        try:
+            self._release_resources()
+        except Exception:  # interpreter shutdown: nothing more can be done
+            pass
 
     @property
     def closed(self) -> bool:
@@ -455,11 +516,51 @@ class TransferEngine:
                 ``num_tokens`` outside ``1..tokens_per_block``. Nothing is enqueued.
             TypeError: indices that are not integers, ``num_tokens`` that is not an int.
             EngineClosedError: the engine is closed.
+            OwnedEngineError: the engine's blocks belong to a :class:`~tiered_kv.TieredKVCache` (see :meth:`claim`).
 
         Notes:
             Cancellation: cancelling the task awaiting the returned transfer does not cancel the copy;
             its fences are released when it completes.
         """
+        if self._owner is not None:
+            raise OwnedEngineError(
+                f"this TransferEngine's blocks belong to {self._owner}: a copy through it would change KV the cache "
+                "serves behind its back. Use the cache's API (add_sequences, append_tokens, evict), or an engine of "
+                "your own for copies of your own."
+            )
+        return self._copy(src_tier, src_indices, dst_tier, dst_indices, num_tokens=num_tokens, keys=keys)
+
+    def claim(self, owner: str) -> Callable[..., Transfer]:
+        """Give every block of this engine to ``owner`` (a cache's block manager decides what each holds).
+
+        From now on :meth:`copy` raises :class:`~tiered_kv.errors.OwnedEngineError`; the owner copies through the
+        function returned (same signature as :meth:`copy`). Reading state (``statistics``, ``pool``, ``block``,
+        ``fences``, ``drain``) stays open to everyone.
+
+        Raises:
+            ValueError: the engine already has an owner (one cache per engine).
+        """
+        if self._owner is not None:
+            raise ValueError(f"this TransferEngine already belongs to {self._owner}; give each cache an engine of its own")
+        self._owner = owner
+        return self._copy
+
+    def release(self, owner: str) -> None:
+        """End ``owner``'s claim (:meth:`claim`): :meth:`copy` is open again. A no-op for anyone else."""
+        if self._owner == owner:
+            self._owner = None
+
+    def _copy(
+        self,
+        src_tier: Tier | str,
+        src_indices: Indices,
+        dst_tier: Tier | str,
+        dst_indices: Indices,
+        *,
+        num_tokens: int | None = None,
+        keys: Iterable[object] | None = None,
+    ) -> Transfer:
+        """The copy itself (see :meth:`copy`): validate, fence, enqueue."""
         loop = self._check_open()
         src_t, dst_t = Tier.coerce(src_tier), Tier.coerce(dst_tier)
         src_pool, dst_pool = self.pool(src_t), self.pool(dst_t)

@@ -92,7 +92,10 @@ class Marker:
         waiters, self._waiters = self._waiters, []
         for waiter in waiters:
             if not waiter.done():
-                waiter.set_result(None)
+                try:
+                    waiter.set_result(None)
+                except RuntimeError:  # its loop is closed (completion taken over by close() on a new loop)
+                    pass
         callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:
             _run_callback(callback)

@@ -39,6 +39,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -742,6 +743,16 @@ class FileTier:
         self.backend.close()
         self.events.deliver()  # changes still queued for a loop that will not run them
         os.close(self._lock_fd)
+
+    def __del__(self) -> None:
+        if getattr(self, "_closed", True) or not hasattr(self, "_workers"):
+            return
+        warnings.warn(f"unclosed file tier {getattr(self, 'path', '?')}: close() it; releasing its threads and slab lock",
+                      ResourceWarning, stacklevel=2)
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: nothing more can be done
+            pass
 
     @property
     def closed(self) -> bool:
