@@ -17,9 +17,9 @@ from tiered_kv import KVLayout, Tier, TransferEngine
 from tiered_kv.blocks import Request
 from tiered_kv.cache import TieredKVCache
 from tiered_kv.errors import TransferError
-from tiered_kv.filetier import FileTierConfig
+from tiered_kv.file import FileTierConfig
 from tiered_kv.testing import FaultyBackend
-from tiered_kv.workload import verify_expected, write_expected
+from tiered_kv.tools.workload import verify_expected, write_expected
 
 TPB = 4
 
@@ -111,8 +111,8 @@ async def test_a_plan_that_cannot_be_issued_whole_issues_nothing(small: KVLayout
         tier = cache.engine.file_tier
         a1 = cache.blocks.lookup(cache.hasher.chain(np.asarray(a, dtype=np.int64))[1])
         assert a1 is not None and a1.tier is Tier.FILE
-        with tier._lock:
-            tier._drop_locked(a1.slot)  # the tier forgets the slot and tells nobody
+        with tier.index._lock:
+            tier.index._drop_locked(a1.slot)  # the tier forgets the slot and tells nobody
         submitted = cache.engine.statistics().submitted
         with pytest.raises(TransferError, match="could not be brought"):
             await cache.add_sequences([[*a[: 2 * TPB], 77]])
