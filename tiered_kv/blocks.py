@@ -987,6 +987,18 @@ class BlockManager:
         else:
             self._uncache(block, Plan())
 
+    def file_slot_dropped(self, slot: int, key: ContentKey) -> Block | None:
+        """The file tier gave up ``slot`` (which held ``key``): take the block recorded there out of the lookup.
+
+        Called in order, on the loop, before any later plan (:mod:`tiered_kv.slotstate`), so the manager never
+        plans a read of a slot the tier no longer holds. Returns the block dropped, if the manager had one there.
+        """
+        block = self._lookup.get(key)
+        if block is None or block.tier is not Tier.FILE or block.slot != slot:
+            return None
+        self.invalidate(block)
+        return block
+
     def _count(self, what: str) -> None:
         self._evictions[what] = self._evictions.get(what, 0) + 1
 

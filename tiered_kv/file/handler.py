@@ -10,6 +10,7 @@ Primitives:
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable, Mapping, Sequence
 
 from ..copyops import Copier, Pool
@@ -95,6 +96,10 @@ class FileHandler:
                                          stream, self._copier)
         stream = self._streams["onboard"] if batch.dst_tier is Tier.GPU else None
         return self.tier.read_batch(self._pools[batch.dst_tier], batch.dst.tolist(), batch.src.tolist(), stream, self._copier)
+
+    def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """SLOT STATE HOOK: the tier's index applies I/O-thread transitions on the engine's loop, in order."""
+        self.tier.index.events.bind(loop)
 
     def close(self) -> None:
         """Close the file tier. Idempotent."""

@@ -31,6 +31,7 @@ import dataclasses
 import logging
 import os
 import threading
+import warnings
 
 import numpy as np
 import torch
@@ -271,7 +272,18 @@ class FileTier:
         self._closed = True
         self._workers.shutdown(wait=True)
         self.backend.close()
+        self.index.events.deliver()  # transitions still queued for a loop that will not run them
         os.close(self._lock_fd)
+
+    def __del__(self) -> None:
+        if getattr(self, "_closed", True) or not hasattr(self, "_workers"):
+            return
+        warnings.warn(f"unclosed file tier {getattr(self, 'path', '?')}: close() it; releasing its threads and slab lock",
+                      ResourceWarning, stacklevel=2)
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: nothing more can be done
+            pass
 
     @property
     def closed(self) -> bool:
