@@ -18,8 +18,9 @@ first waits for its fences: stream-side (``wait_event``, no CPU block, no GPU bu
 is a stream op already enqueued, otherwise on the loop. Completion reaches the loop through a waiter
 thread per stream (or the handler's callback) and ``call_soon_threadsafe`` (no polling).
 
-Size: a little over 500 lines, most of them the public API's documentation; the copy path itself (validate,
-route, fence, start, complete) is kept in one class so the fence and marker life cycle reads in one place.
+Size: about 670 lines, much of it the public API's documentation and the lifecycle rules (ownership by a
+cache, close from another loop, release on failed construction); the copy path itself (validate, route,
+fence, start, complete) is kept in one class so the fence and marker life cycle reads in one place.
 """
 
 from __future__ import annotations
