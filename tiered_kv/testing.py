@@ -27,10 +27,15 @@ re-exported here on first use::
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .device import Device, Stream, stall_op
 from .faults import FaultyBackend
+
+if TYPE_CHECKING:
+    from .tools.cache_soak import CacheSoakConfig, CacheSoakFailure, CacheSoakReport, cache_soak
 
 __all__ = [
     "CacheSoakConfig",
