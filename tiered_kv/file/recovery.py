@@ -170,7 +170,8 @@ class _Opener:
             os.close(fd)
         scanned, recovered, empty, bad, foreign, stale = counts
         empty += max(0, self.num_blocks - old_slots)
-        return OpenReport(self.path, False, False, "existing", scanned, recovered, empty, bad, foreign, stale, time.perf_counter() - t0)
+        created = rewrite and recovered == 0  # a zeroed superblock over nothing: an interrupted creation
+        return OpenReport(self.path, created, False, "existing", scanned, recovered, empty, bad, foreign, stale, time.perf_counter() - t0)
 
     def _scan(self, fd: int, nslots: int) -> tuple[int, int, int, int, int, int]:
         """Rebuild the index from slot headers (and payloads with ``verify_on_open="full"``)."""
