@@ -36,6 +36,7 @@ from .errors import EngineClosedError, TransferError
 from .fences import FenceStatistics, FenceTable, Marker
 from .filetier import FileTier, FileTierConfig
 from .layer_major import LayerMajorPool
+from .pool_kinds import as_gpu_pool
 from .layout import KVLayout
 from .pools import BlockPool, Tier, as_indices
 
@@ -206,7 +207,8 @@ class TransferEngine:
         gpu_blocks: blocks in the GPU pool (ignored if ``gpu_pool`` is given).
         host_blocks: blocks in the host pool (pinned on CUDA).
         gpu_pool: an existing GPU pool to use in place: a block-major tensor ``[blocks, *layout.block_shape]``,
-            a :class:`~tiered_kv.LayerMajorPool`, or a list of per-layer tensors (see ``LayerMajorPool``).
+            a :class:`~tiered_kv.LayerMajorPool` (or a :mod:`~tiered_kv.pool_kinds` pool), or a list of per-layer
+            tensors as engines keep them (see :func:`tiered_kv.pool_kinds.as_gpu_pool`).
         device: ``"auto"``, ``"cpu"`` (emulated), ``"cuda[:N]"``; overrides ``config.device``.
         config: engine knobs; default :meth:`EngineConfig.from_env`.
         file_dir: directory of the file tier's slab (with ``file_blocks``; knobs from the environment).
@@ -250,7 +252,7 @@ class TransferEngine:
         self._pools: dict[Tier, BlockPool | LayerMajorPool] = {}
         if gpu_pool is not None:
             if isinstance(gpu_pool, (list, tuple)):
-                gpu_pool = LayerMajorPool(layout, gpu_pool)
+                gpu_pool = as_gpu_pool(layout, gpu_pool)  # classic layer-major, or an engine's layout kind
             if not isinstance(gpu_pool, (torch.Tensor, LayerMajorPool)):
                 raise TypeError(f"gpu_pool must be a torch.Tensor, a LayerMajorPool or a list of tensors, got {type(gpu_pool).__name__}")
             if gpu_pool.device.type != self.device.torch_device.type:
