@@ -211,6 +211,8 @@ class TransferEngine:
             tensors as engines keep them (see :func:`tiered_kv.pool_kinds.as_gpu_pool`).
         device: ``"auto"``, ``"cpu"`` (emulated), ``"cuda[:N]"``; overrides ``config.device``.
         config: engine knobs; default :meth:`EngineConfig.from_env`.
+        host_pool: an existing host pool tensor ``[blocks, *layout.block_shape]`` to use in place of
+            ``host_blocks`` (e.g. a shared-memory mapping; it must be pinned when the device is CUDA).
         file_dir: directory of the file tier's slab (with ``file_blocks``; knobs from the environment).
         file_blocks: slots in the file tier.
         file_config: the file tier's full configuration (instead of ``file_dir``/``file_blocks``).
@@ -237,6 +239,7 @@ class TransferEngine:
         file_dir: str | os.PathLike[str] | None = None,
         file_blocks: int = 0,
         file_config: FileTierConfig | None = None,
+        host_pool: torch.Tensor | None = None,
     ) -> None:
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
@@ -265,7 +268,9 @@ class TransferEngine:
                 self._pools[Tier.GPU] = BlockPool(Tier.GPU, layout, gpu_pool)
         elif gpu_blocks:
             self._pools[Tier.GPU] = BlockPool(Tier.GPU, layout, _allocate(self.device.empty, "GPU", gpu_blocks, layout))
-        if host_blocks:
+        if host_pool is not None:  # caller's memory (e.g. shared with another process); pinned on CUDA
+            self._pools[Tier.HOST] = BlockPool(Tier.HOST, layout, host_pool)
+        elif host_blocks:
             self._pools[Tier.HOST] = BlockPool(Tier.HOST, layout, _allocate(self.device.empty_host, "host", host_blocks, layout))
 
         self._file: FileTier | None = None
