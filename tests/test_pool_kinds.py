@@ -176,3 +176,12 @@ def test_chunk_table_shape() -> None:
     table = pk.chunk_table(pool, np.array([1, 4]), pool, np.array([0, 2]))
     assert table.shape == (2 * L, 5)
     assert (table[:, 4] == lay.bytes_per_block // L).all()
+
+
+async def test_bench_layout_rows_round_trip_every_kind(device) -> None:
+    from tiered_kv.bench import layouts
+
+    rows = await layouts.rows(device, 4096, 2, 4, 1)
+    assert {r["kind"] for r in rows} == set(layouts.KINDS) and len(rows) == 2 * len(layouts.KINDS)
+    assert all(r["bit_exact"] for r in rows), [r["kind"] for r in rows if not r["bit_exact"]]
+    assert all(r["piece_KiB"] == 4.0 for r in rows)
