@@ -179,7 +179,7 @@ def test_chunk_table_shape() -> None:
 
 
 async def test_bench_layout_rows_round_trip_every_kind(device) -> None:
-    from tiered_kv.bench import layouts
+    from tiered_kv.tools.bench import layouts
 
     rows = await layouts.rows(device, 4096, 2, 4, 1)
     assert {r["kind"] for r in rows} == set(layouts.KINDS) and len(rows) == 2 * len(layouts.KINDS)

@@ -43,6 +43,14 @@ def _finish(tier: Any) -> list[Any]:
     return list(tier.get_finished_jobs())
 
 
+def test_short_tier_type_from_the_plugin() -> None:
+    from tiered_kv.integrations import vllm_plugin
+
+    vllm_plugin.register()
+    vllm_plugin.register()  # idempotent
+    assert SecondaryTierFactory.get_tier_class({"type": "TieredKVFile"}) is TieredKVFileTier
+
+
 def test_store_promote_and_corruption_through_vllms_factory(tmp_path: Path) -> None:
     primary = np.random.RandomState(0).randint(0, 256, size=(CHUNKS, CHUNK), dtype=np.uint8)
     tier = SecondaryTierFactory.create_secondary_tier(

@@ -12,7 +12,7 @@ Rows, each next to a baseline measured in the same run:
 * ``partial``: ``num_tokens`` = 1/4, 1/2, 3/4 of a block, GPU->GPU (fraction of a contiguous device copy of
   the same bytes; target >= 0.8) and host->GPU (fraction of a contiguous pinned H2D; target >= 0.85).
 * ``layouts``: every GPU pool kind of :mod:`tiered_kv.pool_kinds` (engine layouts) at 64 KiB pieces, offload
-  and onboard, next to one contiguous copy; bit-exact round trip per row (:mod:`tiered_kv.bench.layouts`).
+  and onboard, next to one contiguous copy; bit-exact round trip per row (:mod:`tiered_kv.tools.bench.layouts`).
   Target: >= 0.85x contiguous.
 * ``gather``: block-offset gather for 512 sequences x 2 pools x 256 blocks from a pinned table: host time
   per call, device time, end to end, next to index_select + non_blocking copy + torch arithmetic.
@@ -21,7 +21,7 @@ Rows, each next to a baseline measured in the same run:
 With ``--quick`` on a machine without CUDA every row runs the CPU reference on the emulated device, with
 small sizes, and is labelled ``emulated``: it proves the program runs, not how fast a GPU is.
 
-Run: ``python -m tiered_kv.bench.kernels [--quick] [--device cpu|cuda] [--json F]``.
+Run: ``python -m tiered_kv.tools.bench.kernels [--quick] [--device cpu|cuda] [--json F]``.
 """
 
 from __future__ import annotations
@@ -36,13 +36,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import _ext, ops
-from ..config import EngineConfig
-from ..engine import TransferEngine
-from ..layer_major import LayerMajorPool
-from ..layout import KVLayout
-from ..pools import BlockPool, Tier
-from ..testing import fill_random
+from ... import _ext, ops
+from ...config import EngineConfig
+from ...engine import TransferEngine
+from ...layer_major import LayerMajorPool
+from ...layout import KVLayout
+from ...pools import BlockPool, Tier
+from ...testing import fill_random
 from . import layouts
 from .common import bench_main, machine_info
 

@@ -20,10 +20,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import pool_kinds as pk
-from ..engine import TransferEngine
-from ..layout import KVLayout
-from ..pools import BlockPool, Tier
+from ... import pool_kinds as pk
+from ...engine import TransferEngine
+from ...layout import KVLayout
+from ...pools import BlockPool, Tier
 
 __all__ = ["KINDS", "kind_pool", "rows"]
 
