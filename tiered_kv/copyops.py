@@ -35,10 +35,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from . import ops
+from . import ops, pool_kinds
 from .config import EngineConfig
 from .device import Device
-from . import pool_kinds
 from .layer_major import LayerMajorPool
 from .pools import BlockPool, merge_runs
 

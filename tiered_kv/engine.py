@@ -36,8 +36,8 @@ from .errors import EngineClosedError, TransferError
 from .fences import FenceStatistics, FenceTable, Marker
 from .filetier import FileTier, FileTierConfig
 from .layer_major import LayerMajorPool
-from .pool_kinds import as_gpu_pool
 from .layout import KVLayout
+from .pool_kinds import as_gpu_pool
 from .pools import BlockPool, Tier, as_indices
 
 __all__ = ["LATENCY_BUCKETS", "EngineStatistics", "Transfer", "TransferEngine", "TransferResult"]

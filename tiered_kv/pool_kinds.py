@@ -29,6 +29,7 @@ its dimensions), so a block written by one kind reads back bit-exact into a pool
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -76,7 +77,7 @@ def _dense_runs(view: torch.Tensor) -> tuple[int, list[int]]:
         return 1, [0]
     if dims[-1][0] != 1:
         raise ValueError("a chunked pool needs each block's innermost dimension to be contiguous (stride 1)")
-    for (outer_st, _), (inner_st, inner_sz) in zip(dims, dims[1:], strict=False):
+    for (outer_st, _), (inner_st, inner_sz) in itertools.pairwise(dims):
         if outer_st < inner_st * inner_sz:
             raise ValueError("a block of a chunked pool must not overlap itself (strides interleave)")
     run = 1
@@ -280,7 +281,7 @@ def from_views(
             buffers.append(torch.empty(0, dtype=torch.uint8, device=device).set_(v.untyped_storage()))
         e = v.element_size()
         run, starts = _dense_runs(v)
-        base = v.storage_offset() * e
+        base = int(v.storage_offset()) * e
         for st in starts:
             cb.append(where[key])
             co.append(base + st * e)

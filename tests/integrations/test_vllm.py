@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from engine_import import require
 from tiny_llama import BLOCK, probes, prompt, write_model
 

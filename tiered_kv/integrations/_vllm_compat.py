@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
-from typing import Any
+from typing import Any, cast
 
-from vllm.v1.kv_offload import base  # noqa: F401  (re-exported)
+from vllm.v1.kv_offload import base
 
 __all__ = ["SUPPORTED", "ConfigFields", "base", "config_fields", "make_event", "vllm_version"]
 
@@ -57,7 +57,7 @@ def make_event(keys: list[bytes], medium: str, removed: bool) -> Any:
     med: Any = enum[medium] if enum is not None else medium
     fields = {f.name for f in dataclasses.fields(base.OffloadingEvent)}
     if "keys" in fields:
-        return base.OffloadingEvent(keys=keys, medium=med, removed=removed)
+        return base.OffloadingEvent(keys=cast(Any, keys), medium=med, removed=removed)
     return base.OffloadingEvent(block_hashes=keys, block_size=0, medium=med, removed=removed)  # type: ignore[call-arg]
 
 

@@ -82,7 +82,7 @@ class TieredKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """SGLang hands its host pool; its page size fixes the file tier's slot size."""
         self.mem_pool_host = mem_pool_host
-        ptrs, sizes = mem_pool_host.get_page_buffer_meta(torch.arange(mem_pool_host.page_size))
+        _ptrs, sizes = mem_pool_host.get_page_buffer_meta(torch.arange(mem_pool_host.page_size))
         self._open(int(sum(sizes)))
 
     def _open(self, page_bytes: int) -> TransferEngine:
@@ -157,13 +157,13 @@ class TieredKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 self._index.pop(k, None)  # not visible until its write is done
                 slots.append(slot)
 
-            async def go() -> list[BaseException | None]:
+            async def go(rows: list[int], slots: list[int | None], batch: list[str]) -> list[BaseException | None]:
                 ts = [engine.copy(Tier.HOST, [r], Tier.FILE, [s], keys=[self._content(k)])
                       for r, s, k in zip(rows, slots, batch, strict=True) if s is not None]
                 return [None if not isinstance(x, BaseException) else x
                         for x in await asyncio.gather(*ts, return_exceptions=True)]
 
-            results = iter(self._loop.run(go()))
+            results = iter(self._loop.run(go(rows, slots, batch)))
             for k, s in zip(batch, slots, strict=True):
                 ok = s is not None and next(results) is None
                 if ok:
@@ -185,13 +185,13 @@ class TieredKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             batch = keys[start:start + self.staging_blocks]
             slots = [self._index.get(k) for k in batch]
 
-            async def go() -> list[bool]:
+            async def go(slots: list[int | None], batch: list[str]) -> list[bool]:
                 ts = [engine.copy(Tier.FILE, [s], Tier.HOST, [r], keys=[self._content(k)])
                       for r, (s, k) in enumerate(zip(slots, batch, strict=True)) if s is not None]
                 res = await asyncio.gather(*ts, return_exceptions=True)
                 return [not isinstance(x, BaseException) for x in res]
 
-            got = iter(self._loop.run(go()))
+            got = iter(self._loop.run(go(slots, batch)))
             ok_rows = []
             for i, (k, s) in enumerate(zip(batch, slots, strict=True)):
                 ok = s is not None and next(got)

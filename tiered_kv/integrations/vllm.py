@@ -36,7 +36,7 @@ import threading
 import time
 from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -71,7 +71,7 @@ def _tiering_base() -> Any:
 MANAGERS: list[TieredKVOffloadingManager] = []
 
 
-class TieredKVLoadStoreSpec(base.BlockIDsLoadStoreSpec):  # type: ignore[misc]
+class TieredKVLoadStoreSpec(base.BlockIDsLoadStoreSpec):
     """Host block indices (the same index in every rank's shared host region)."""
 
     @staticmethod
@@ -182,7 +182,7 @@ class _Entry:
     spilling: bool = False
 
 
-class TieredKVOffloadingManager(base.OffloadingManager):  # type: ignore[misc]
+class TieredKVOffloadingManager(base.OffloadingManager):
     """The scheduler side (see the module docstring). Single-threaded, like every vLLM manager.
 
     Args:
@@ -278,8 +278,9 @@ class TieredKVOffloadingManager(base.OffloadingManager):  # type: ignore[misc]
         todo = todo[: len(blocks)]
         for k, b in zip(todo, blocks, strict=True):
             self._host[k] = _Entry(b, "storing")
-        return base.PrepareStoreOutput(keys_to_store=todo, store_spec=TieredKVLoadStoreSpec(blocks),
-                                       evicted_keys=evicted)
+        out: Any = base.PrepareStoreOutput(keys_to_store=cast(Any, todo), store_spec=TieredKVLoadStoreSpec(blocks),
+                                           evicted_keys=cast(Any, evicted))
+        return out
 
     def complete_store(self, keys: Collection[bytes], req_context: Any = None, success: bool = True) -> None:
         """Stored blocks become loadable (and are written through to the file tier); with ``success=False``
@@ -443,13 +444,13 @@ async def _all(transfers: list[Any]) -> None:
     for t in transfers:
         try:
             await t
-        except Exception as exc:  # noqa: BLE001 - the first failure is re-raised after every copy finished
+        except Exception as exc:
             error = error or exc
     if error is not None:
         raise error
 
 
-class TieredKVOffloadingWorker(base.OffloadingWorker):  # type: ignore[misc]
+class TieredKVOffloadingWorker(base.OffloadingWorker):
     """The worker side: GPU <-> shared host region copies of whole jobs, one engine copy per job.
 
     Args:
@@ -467,7 +468,7 @@ class TieredKVOffloadingWorker(base.OffloadingWorker):  # type: ignore[misc]
         host = _map_host(_host_path(settings, fields, fields.rank), settings.host_blocks, self.layout)
         device = "cuda" if tensors[0].is_cuda else "cpu"
         if device == "cuda":
-            torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel(), 0)
+            torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel(), 0)  # type: ignore[no-untyped-call]
         self.engine = TransferEngine(self.layout, gpu_pool=self.pool, host_pool=host, device=device)
         self._loop = LoopThread("tiered_kv-vllm-worker")
         self._jobs: dict[int, tuple[concurrent.futures.Future[Any], float]] = {}
@@ -518,7 +519,7 @@ class TieredKVOffloadingWorker(base.OffloadingWorker):  # type: ignore[misc]
         self._loop.close()
 
 
-class TieredKVOffloadingSpec(base.OffloadingSpec):  # type: ignore[misc]
+class TieredKVOffloadingSpec(base.OffloadingSpec):
     """The spec vLLM instantiates in the scheduler and in each worker (see the module docstring).
 
     Raises:
