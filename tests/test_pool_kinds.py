@@ -185,3 +185,16 @@ async def test_bench_layout_rows_round_trip_every_kind(device) -> None:
     assert {r["kind"] for r in rows} == set(layouts.KINDS) and len(rows) == 2 * len(layouts.KINDS)
     assert all(r["bit_exact"] for r in rows), [r["kind"] for r in rows if not r["bit_exact"]]
     assert all(r["piece_KiB"] == 4.0 for r in rows)
+
+
+async def test_readme_layouts_snippet_runs() -> None:
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = re.search(r"<!-- layouts-snippet -->\s*```python\n(.*?)```", text, re.S)
+    assert block, "README's layouts snippet is missing"
+    code = "async def _snippet():\n" + "".join(f"    {line}\n" for line in block.group(1).splitlines())
+    scope: dict[str, object] = {}
+    exec(compile(code, "README-layouts", "exec"), scope)  # noqa: S102 - README's own snippet
+    await scope["_snippet"]()  # type: ignore[operator]
