@@ -7,14 +7,18 @@ same bytes between the same memories in the same run (``vs_contiguous`` = contig
 target >= 0.85 at 64 KiB pieces on CUDA). Every row also round-trips the pool through the host tier with
 random contents and reports whether it came back bit-exact.
 
-Primitives: :func:`kind_pool` (a pool of one kind with a given piece size), :func:`rows` (the rows).
+Primitives: :func:`kind_pool` (a pool of one kind with a given piece size), :func:`rows` (the rows), :func:`run`.
+
+Run alone: ``python -m tiered_kv.tools.bench.layouts [--quick] [--device cpu|cuda] [--json F]`` (the kernels
+benchmark includes the same rows).
 """
 
 from __future__ import annotations
 
+import asyncio
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -24,8 +28,9 @@ from ... import pool_kinds as pk
 from ...engine import TransferEngine
 from ...layout import KVLayout
 from ...pools import BlockPool, Tier
+from .common import bench_main, machine_info
 
-__all__ = ["KINDS", "kind_pool", "rows"]
+__all__ = ["KINDS", "kind_pool", "main", "rows", "run"]
 
 KINDS = ("flash_attn", "flashinfer", "split_kv", "vllm_nhd", "vllm_cross_layer", "sglang", "mla", "pages")
 
@@ -152,3 +157,24 @@ async def rows(device: str, piece: int, layers: int, blocks: int, repeat: int) -
     for kind in KINDS:
         out.extend(await _one(kind, device, piece, layers, blocks, repeat))
     return out
+
+
+def run(quick: bool = False, device: str = "auto") -> dict[str, Any]:
+    """Every kind at 64 KiB pieces on CUDA (4 KiB, tiny, when emulated); ``{"name", "machine", "rows", "notes"}``."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        result = asyncio.run(rows(device, 64 << 10, 8 if quick else 32, 64 if quick else 128, 3 if quick else 10))
+        notes = ["vs_contiguous = one contiguous copy of the same bytes / engine time, same run; target >= 0.85"]
+    else:
+        result = asyncio.run(rows(device, 4 << 10, 2, 4, 2))
+        notes = ["emulated: CPU reference ops on the emulated device with small sizes; not GPU figures"]
+    return {"name": "layouts", "machine": machine_info(device), "rows": result, "notes": notes}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return bench_main("layouts", run, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
