@@ -254,7 +254,7 @@ def _cache_classes() -> tuple[type[Any], type[Any]]:
         """A ``DynamicLayer`` whose ``update`` also writes the new KV into the sequences' blocks."""
 
         def __init__(self, views: tuple[torch.Tensor, torch.Tensor], rows: _Rows) -> None:
-            super().__init__()
+            super().__init__()  # type: ignore[no-untyped-call]
             self._views = views
             self._rows = rows
 
@@ -267,7 +267,7 @@ def _cache_classes() -> tuple[type[Any], type[Any]]:
             self.lazy_initialization(keys, values)
             self.keys, self.values = keys, values
 
-    class WriteThroughCache(DynamicCache):  # type: ignore[no-untyped-call]
+    class WriteThroughCache(DynamicCache):
         """A ``DynamicCache`` of :class:`WriteThroughLayer` s (one per model layer)."""
 
         def __init__(self, layers: list[Any]) -> None:  # not DynamicCache's init: it would build its own layers
@@ -342,7 +342,8 @@ class CachedGenerator:
             raise ValueError(
                 f"the cache's layout (layers={have[0]}, kv_heads={have[1]}, head_dim={have[2]}, dtype={have[3]}, "
                 f"kv_factor={have[4]}) does not fit the model (layers={layers}, kv_heads={kv_heads}, "
-                f"head_dim={head_dim}, dtype={dtype}); build it with tiered_kv.integrations.transformers.layout_for(model)"
+                f"head_dim={head_dim}, dtype={dtype}); build it with "
+                "tiered_kv.integrations.transformers.layout_for(model)"
             )
         device = next(model.parameters()).device
         engine_device = cache.engine.device.torch_device
