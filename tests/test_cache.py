@@ -17,7 +17,7 @@ from tiered_kv import KVLayout, Tier
 from tiered_kv.blocks import CacheFullError, Request
 from tiered_kv.cache import TieredKVCache
 from tiered_kv.keys import KeyHasher
-from tiered_kv.workload import ChatWorkload, replay, verify_expected, write_expected
+from tiered_kv.tools.workload import ChatWorkload, replay, verify_expected, write_expected
 
 TPB = 4
 
@@ -413,7 +413,8 @@ async def test_failed_onboard_poisons_block_and_frees_batch(small: KVLayout, mon
     async with open_cache(small, gpu=4, host=8) as cache:
         await run(cache, toks(0, 2 * TPB + 1))
         await cache.evict(Tier.GPU, 4)
-        real = cache.engine._block_copy_op
+        copier = cache.engine.route(Tier.HOST, Tier.GPU)
+        real = copier.build_op
 
         def failing(src_pool, s, dst_pool, d, n):  # type: ignore[no-untyped-def]
             if src_pool.tier is Tier.HOST and dst_pool.tier is Tier.GPU:
@@ -422,10 +423,10 @@ async def test_failed_onboard_poisons_block_and_frees_batch(small: KVLayout, mon
                 return boom
             return real(src_pool, s, dst_pool, d, n)
 
-        monkeypatch.setattr(cache.engine, "_block_copy_op", failing)
+        monkeypatch.setattr(copier, "build_op", failing)
         with pytest.raises(Exception, match=r"could not be brought|failed"):
             await cache.add_sequences([[*toks(0, 2 * TPB), 4]])
-        monkeypatch.setattr(cache.engine, "_block_copy_op", real)
+        monkeypatch.setattr(copier, "build_op", real)
         assert cache.statistics().blocks.live_sequences == 0
         assert cache.statistics().poisoned >= 1
         reuse, _ = cache.match([*toks(0, 2 * TPB), 4])
@@ -480,7 +481,7 @@ def test_keys_are_salted_by_layout_and_model(small: KVLayout) -> None:
 def test_benchmark_quick_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
     import json
 
-    from tiered_kv.bench import cache as bench
+    from tiered_kv.tools.bench import cache as bench
 
     assert bench.main(["--quick", "--device", "cpu", "--json", str(tmp_path / "b.json")]) == 0
     rows = json.loads((tmp_path / "b.json").read_text())["rows"]
