@@ -308,6 +308,9 @@ class CachedGenerator:
         offload_compute: run model forwards on a worker thread (the event loop keeps serving meanwhile).
         on_prefill: ``callback(tokens, seconds)`` after every prompt forward (e.g. a cost model's
             ``observe_prefill``).
+        on_reuse: ``callback(seq_ids, kv)`` on the model thread, before a prompt forward that reuses tokens:
+            ``kv`` is, per layer, the ``(keys, values)`` ``[rows, kv_heads, tokens_reused, head_dim]`` the model
+            is about to attend to (read it, do not keep or change it; e.g. to verify it against a recompute).
 
     Raises:
         TypeError: not a transformers model, or the cache is not a ``TieredKVCache``.
@@ -329,6 +332,7 @@ class CachedGenerator:
         *,
         offload_compute: bool = True,
         on_prefill: Callable[[int, float], None] | None = None,
+        on_reuse: Callable[[list[int], list[tuple[torch.Tensor, torch.Tensor]]], None] | None = None,
     ) -> None:
         from ..cache import TieredKVCache
 
@@ -359,6 +363,7 @@ class CachedGenerator:
         self.cache = cache
         self.device = device
         self.on_prefill = on_prefill
+        self.on_reuse = on_reuse
         self._views = _pool_views(pool, layers)
         self._tpb = layout.tokens_per_block
         self._executor = (
@@ -655,6 +660,8 @@ class CachedGenerator:
             with torch.inference_mode():
                 if reused:
                     self._preload(kv, [a.page_table for a in adms], reused)
+                    if self.on_reuse is not None:
+                        self.on_reuse([a.seq_id for a in adms], [(layer.keys, layer.values) for layer in kv.layers])
                 target.prepare(reused, n - reused, self.device)
                 out = self.model(
                     input_ids=prompt[:, reused:].to(self.device),
