@@ -1,5 +1,12 @@
 """Runtime errors of tiered_kv.
 
+Primitives:
+
+* :class:`TieredKVError` -- the base of every runtime error.
+* :class:`TransferError` -- a copy failed (its destination holds undefined data); :class:`IntegrityError` -- a file slot failed verification.
+* :class:`EngineClosedError`, :class:`OwnedEngineError` -- the engine is closed / belongs to a cache.
+* :class:`LayoutMismatchError`, :class:`SlabInUseError`, :class:`BackendUnavailable` -- opening the file tier.
+
 Bad arguments raise ``ValueError``/``TypeError`` before anything is enqueued; the classes here are for
 failures that happen while work runs (or for using an engine that is closed).
 """

@@ -1,5 +1,9 @@
 """A fault-injecting file backend for tests (re-exported by :mod:`tiered_kv.testing`).
 
+Primitives:
+
+* :class:`FaultyBackend` -- a :class:`~tiered_kv.backends.FileBackend` wrapper injecting ENOSPC, EIO, EINVAL, short transfers and stalls on chosen calls.
+
 :class:`FaultyBackend` wraps a real :class:`~tiered_kv.backends.FileBackend` and, on chosen calls, fails
 with an ``OSError`` (ENOSPC, EIO, EINVAL as O_DIRECT gives it), transfers only part of the bytes, or
 stalls first. Calls are counted from 1 per direction, so a test can say *exactly* which block fails::

@@ -1,5 +1,11 @@
 """Per-block read/write fences, keyed by (pool, memory-pool block index).
 
+Primitives:
+
+* :class:`FenceTable` -- ``dependencies(reads, writes)``, ``register``, ``release``, ``pending``.
+* :class:`Marker` -- the completion of one enqueued op (awaitable, callbacks, lane and event).
+* :class:`FenceStatistics` -- a snapshot.
+
 The hazard rules of the seed transfer manager (TensorRT-LLM ``kvCacheTransferManager``):
 
 * before an op *reads* block b: wait for b's pending write (keep it);

@@ -1,5 +1,9 @@
 """Layer-major GPU pools: one tensor per layer (vLLM / SGLang style), or one per layer and K/V.
 
+Primitives:
+
+* :class:`LayerMajorPool` -- per-layer (or per-layer-and-K/V) GPU tensors seen as one pool of blocks: ``allocate``, ``block``, ``layer``, ``check``.
+
 A block of a layer-major pool is ``layers * kv`` chunks scattered over the per-layer tensors; the host and
 file tiers still store it contiguously (block-major), so offload gathers and onboard scatters. The copies are
 done by :mod:`tiered_kv.copyops` (one kernel launch, or DMA calls issued in C++).

@@ -1,5 +1,10 @@
 """KV-cache block layout: shape, size and a stable fingerprint.
 
+Primitives:
+
+* :class:`KVLayout` -- block shape, bytes per block, partial bytes, fingerprint.
+* :data:`FORMAT_VERSION` -- part of every fingerprint.
+
 A block in a *block-major* pool is one contiguous region ``[layers, kv, heads, tokens, head_dim]``.
 The fingerprint hashes every field plus :data:`FORMAT_VERSION`; anything persisted (file tier, content
 keys) is guarded by it, so a change of dtype, head count or block size is never read as valid data.

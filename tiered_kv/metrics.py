@@ -1,5 +1,10 @@
 """Optional Prometheus export: a collector that reads ``statistics()`` at scrape time.
 
+Primitives:
+
+* :func:`register_prometheus` -- register a collector for a cache or an engine.
+* :class:`PrometheusCollector` -- turns a ``statistics()`` snapshot into metric families.
+
 Nothing is counted twice and nothing runs between scrapes: the engine and the cache already keep their
 counters (bytes, blocks and a latency histogram per direction; hits per tier; evictions); this module only
 turns a snapshot into metric families. Needs ``prometheus-client`` (``pip install 'tiered-kv[metrics]'``)::

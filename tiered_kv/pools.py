@@ -1,5 +1,11 @@
 """Memory pools: tiers and block-major pools of KV blocks.
 
+Primitives:
+
+* :class:`Tier` -- GPU, HOST, FILE (a ``StrEnum``; ``Tier.coerce``).
+* :class:`BlockPool` -- one block-major tensor ``[blocks, *block_shape]``.
+* :func:`as_indices`, :func:`check_indices` -- index validation; :func:`merge_runs` -- runs contiguous on both sides.
+
 A *memory-pool block index* addresses one block slot in one pool. Pools hand out cheap views; bounds and
 index rules are checked here, at the public boundary, before anything is enqueued.
 """

@@ -1,5 +1,10 @@
 """Public test utilities: stall injection and content helpers.
 
+Primitives:
+
+* :func:`stall` -- delay the next work on a stream; :func:`fill_random`, :func:`assert_blocks_equal` -- content.
+* :class:`FaultyBackend` -- file faults; ``cache_soak`` and its config, report and failure (lazy, from the tools wing).
+
 Users write the same ordering tests we do::
 
     from tiered_kv.testing import stall, fill_random, assert_blocks_equal

@@ -1,5 +1,9 @@
 """``tiered-kv`` / ``python -m tiered_kv``: demo, bench, soak, crash, doctor, build-ext.
 
+Primitives:
+
+* :func:`main` -- run ``tiered-kv`` with ``argv``; :func:`build_parser` -- its argument parser.
+
 torch is imported only by the subcommands that need it, so ``tiered-kv --help`` answers at once.
 """
 

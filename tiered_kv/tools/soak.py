@@ -1,5 +1,10 @@
 """A seeded soak of the transfer engine: random copies, stalls, cancellations; a shadow model checks every byte.
 
+Primitives:
+
+* :func:`soak` -- the seeded soak (:class:`SoakConfig` -> :class:`SoakReport`, or :class:`SoakFailure`); :func:`generate_ops`.
+* :func:`load` -- many tasks awaiting copies at once (:class:`LoadReport`).
+
 Many tasks issue random copies among the engine's tiers (full and partial), with random stalls on every
 stream and random cancellation of awaiting tasks. Because the fences order each block's accesses by the
 order ``copy()`` was called, the content every block must hold is the result of applying the copies in

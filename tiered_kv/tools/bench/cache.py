@@ -1,5 +1,9 @@
 """Block manager and TieredKVCache benchmark: lookup + claim cost, batch admission, a replayed chat workload.
 
+Primitives:
+
+* :func:`run` -- ``run(quick, device) -> dict`` (rows next to their same-run baselines); :func:`main` -- the command line.
+
 ``python -m tiered_kv.tools.bench.cache [--quick] [--device auto|cpu|cuda] [--json F]``
 
 Rows:

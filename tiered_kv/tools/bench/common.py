@@ -1,5 +1,10 @@
 """What every benchmark shares: machine facts, timing, a printed table and a JSON file.
 
+Primitives:
+
+* :func:`machine_info`, :func:`timeit`, :func:`percentile` -- measuring.
+* :func:`print_table`, :func:`print_grouped`, :func:`write_json`, :func:`bench_main` -- reporting.
+
 Convention: each benchmark module ``tiered_kv.tools.bench.<name>`` has ``run(quick: bool, device: str) -> dict``
 returning ``{"name", "machine", "rows": [...], "notes": [...]}`` (rows are flat dicts; every row that is a
 measurement of ours carries its same-run baseline and the ratio), and ``main(argv)`` that runs it, prints

@@ -1,5 +1,9 @@
 """Engine benchmark: scheduling overhead, completion wake-up latency, and GPU<->host bandwidth.
 
+Primitives:
+
+* :func:`run` -- ``run(quick, device) -> dict`` (rows next to their same-run baselines); :func:`main` -- the command line.
+
 Rows, each next to a baseline measured in the same run:
 
 * ``schedule``: loop-thread CPU per block for one ``copy()`` of 1, 64 and 4096 blocks (contiguous and

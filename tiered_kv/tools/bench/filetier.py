@@ -1,5 +1,9 @@
 """File-tier benchmark: spill/fill bandwidth next to raw O_DIRECT I/O, GPU<->file end to end, reopen time.
 
+Primitives:
+
+* :func:`run` -- ``run(quick, device) -> dict`` (rows next to their same-run baselines); :func:`main` -- the command line.
+
 Rows, each next to a baseline measured in the same run, on the same directory:
 
 * ``host->file`` / ``file->host``: one ``engine.copy()`` of N blocks (headers, checksums, verification

@@ -1,5 +1,9 @@
 """Kernel benchmark: layer-major offload/onboard, the DMA-vs-kernel choice, partial copies, offset gather.
 
+Primitives:
+
+* :func:`run` -- ``run(quick, device) -> dict`` (rows next to their same-run baselines); :func:`main` -- the command line.
+
 Rows, each next to a baseline measured in the same run:
 
 * ``layer_major``: engine offload and onboard of 256 blocks of a layer-major pool (32 layers x K/V tensors,

@@ -1,6 +1,10 @@
 # ruff: noqa: B023 -- every lambda below runs before its loop variables change
 """Kernel probe (CUDA): the copy_blocks op alone against a plain copy, and an engine copy's time split.
 
+Primitives:
+
+* :func:`child` -- op alone vs plain copy; :func:`engine_breakdown` -- an engine copy's time split; :func:`main`.
+
 Device time of the op against a plain copy of the same bytes (host issue excluded), and where an engine
 partial copy's wall time goes. Run on a GPU after the extension is built (``tiered-kv build-ext``)::
 

@@ -1,5 +1,9 @@
 """Benchmark: shipping block-offset tables to the device, staged (race-free) next to the racy in-place path.
 
+Primitives:
+
+* :func:`run` -- ``run(quick, device) -> dict`` (rows next to their same-run baselines); :func:`main` -- the command line.
+
 For 64, 256 and 1,024 sequences, in copy mode and gather mode, it measures per call:
 
 * host time: how long ``copy_batch_block_offsets`` takes to return (snapshot + enqueue), median;
