@@ -253,6 +253,7 @@ async def test_a_truncated_slab_is_the_same_integrity_error_on_every_backend(sma
     """Finding 10: a slab truncated under the kvikio backend raised TransferError where POSIX raises
     IntegrityError. Both are IntegrityError naming the truncation."""
     from tiered_kv.backends.posix import PosixBackend
+
     from tiered_kv.errors import IntegrityError
 
     (tmp_path / "a").mkdir()
@@ -267,6 +268,7 @@ async def test_a_truncated_slab_is_the_same_integrity_error_on_every_backend(sma
 @pytest.mark.gpu
 async def test_truncated_slab_under_kvikio(small: KVLayout, tmp_path: Path) -> None:
     from tiered_kv.backends.gds import GdsBackend
+
     from tiered_kv.errors import IntegrityError
 
     pytest.importorskip("kvikio")
