@@ -23,7 +23,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -259,12 +259,10 @@ class TieredKVCache:
 
     # ------------------------------------------------------------------------------------ sequences
 
-    async def add_sequences(
-        self, requests: Iterable[Request | Sequence[int] | np.ndarray], *, _one_phase: bool = False
-    ) -> list[Admission]:
+    async def add_sequences(self, requests: Iterable[Request | Sequence[int] | np.ndarray]) -> list[Admission]:
         """Admit a batch of prompts: reuse their longest cached prefixes, allocate the rest on the GPU.
 
-        Two-phase (seed 001): every reusable block of every request is claimed before any block is
+        Two-phase: every reusable block of every request is claimed before any block is
         onboarded or allocated, so onboarding for one request cannot evict blocks another request of the
         same batch was counted on: each request's ``tokens_reused`` equals what :meth:`match` said.
 
@@ -286,9 +284,16 @@ class TieredKVCache:
             Cancellation: the sequences of the batch are freed (the copies already enqueued still complete
             and keep their fences) and the cancellation propagates.
         """
+        return await self._add_sequences(requests, self.blocks.admit)
+
+    async def _add_sequences(
+        self, requests: Iterable[Request | Sequence[int] | np.ndarray],
+        admit: Callable[[Iterable[object]], tuple[list[Admission], Plan]],
+    ) -> list[Admission]:
+        """``add_sequences`` with the admission order ``admit`` (the naive baseline passes its own)."""
         self._check_open()
         self._sweep()
-        admissions, plan = self.blocks.admit(requests, one_phase=_one_phase)
+        admissions, plan = admit(requests)
         self._issue(plan)
         seq_ids = [a.seq_id for a in admissions]
         try:
@@ -387,6 +392,7 @@ class TieredKVCache:
         return self.blocks.sequence_slot(seq_id)
 
     def statistics(self) -> CacheStatistics:
+        """A snapshot: hits per tier, evictions, bytes moved per direction, engine and blocks."""
         b = self.blocks.statistics()
         e = self.engine.statistics()
         return CacheStatistics(

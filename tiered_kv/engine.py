@@ -17,6 +17,9 @@ stream, HOST->GPU on the *onboard* stream, GPU->GPU on the *local* stream, HOST-
 first waits for its fences: stream-side (``wait_event``, no CPU block, no GPU bubble) when the dependency
 is a stream op already enqueued, otherwise on the loop. Completion reaches the loop through a waiter
 thread per stream (or the handler's callback) and ``call_soon_threadsafe`` (no polling).
+
+Size: a little over 500 lines, most of them the public API's documentation; the copy path itself (validate,
+route, fence, start, complete) is kept in one class so the fence and marker life cycle reads in one place.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from .file import FileHandler, FileTier, FileTierConfig
 from .handlers import Batch, Job, Medium, Routes, TransferHandler
 from .layer_major import LayerMajorPool
 from .layout import KVLayout
+from .pool_kinds import as_gpu_pool
 from .pools import BlockPool, Tier, as_indices
 from .stream_copier import StreamCopier
 from .transfer import LATENCY_BUCKETS, EngineStatistics, Transfer, TransferResult
@@ -73,9 +77,12 @@ class TransferEngine:
         gpu_blocks: blocks in the GPU pool (ignored if ``gpu_pool`` is given).
         host_blocks: blocks in the host pool (pinned on CUDA).
         gpu_pool: an existing GPU pool to use in place: a block-major tensor ``[blocks, *layout.block_shape]``,
-            a :class:`~tiered_kv.LayerMajorPool`, or a list of per-layer tensors (see ``LayerMajorPool``).
+            a :class:`~tiered_kv.LayerMajorPool` (or a :mod:`~tiered_kv.pool_kinds` pool), or a list of per-layer
+            tensors as engines keep them (see :func:`tiered_kv.pool_kinds.as_gpu_pool`).
         device: ``"auto"``, ``"cpu"`` (emulated), ``"cuda[:N]"``; overrides ``config.device``.
         config: engine knobs; default :meth:`EngineConfig.from_env`.
+        host_pool: an existing host pool tensor ``[blocks, *layout.block_shape]`` to use in place of
+            ``host_blocks`` (e.g. a shared-memory mapping; it must be pinned when the device is CUDA).
         file_dir: directory of the file tier's slab (with ``file_blocks``; knobs from the environment).
         file_blocks: slots in the file tier.
         file_config: the file tier's full configuration (instead of ``file_dir``/``file_blocks``).
@@ -105,6 +112,7 @@ class TransferEngine:
         file_blocks: int = 0,
         file_config: FileTierConfig | None = None,
         handlers: Sequence[TransferHandler] = (),
+        host_pool: torch.Tensor | None = None,
     ) -> None:
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
@@ -120,7 +128,7 @@ class TransferEngine:
         self._pools: dict[Tier, BlockPool | LayerMajorPool] = {}
         if gpu_pool is not None:
             if isinstance(gpu_pool, (list, tuple)):
-                gpu_pool = LayerMajorPool(layout, gpu_pool)
+                gpu_pool = as_gpu_pool(layout, gpu_pool)  # classic layer-major, or an engine's layout kind
             if not isinstance(gpu_pool, (torch.Tensor, LayerMajorPool)):
                 raise TypeError(f"gpu_pool must be a torch.Tensor, a LayerMajorPool or a list of tensors, got {type(gpu_pool).__name__}")
             if gpu_pool.device.type != self.device.torch_device.type:
@@ -133,7 +141,9 @@ class TransferEngine:
                 self._pools[Tier.GPU] = BlockPool(Tier.GPU, layout, gpu_pool)
         elif gpu_blocks:
             self._pools[Tier.GPU] = BlockPool(Tier.GPU, layout, _allocate(self.device.empty, "GPU", gpu_blocks, layout))
-        if host_blocks:
+        if host_pool is not None:  # caller's memory (e.g. shared with another process); pinned on CUDA
+            self._pools[Tier.HOST] = BlockPool(Tier.HOST, layout, host_pool)
+        elif host_blocks:
             self._pools[Tier.HOST] = BlockPool(Tier.HOST, layout, _allocate(self.device.empty_host, "host", host_blocks, layout))
 
         if file_config is None and file_dir is not None and file_blocks:
@@ -172,6 +182,8 @@ class TransferEngine:
         self._fences = FenceTable()
         self._inflight: set[Marker] = set()
         self._meta: dict[Marker, tuple[str, int, int, float]] = {}  # in-flight marker -> (direction, bytes, blocks, submitted at)
+        # The engine owns its deferred enqueues (copies waiting on the loop for an off-lane dependency): each
+        # task leaves this set when it ends, and close() waits for the set to empty before stopping anything.
         self._deferred: set[asyncio.Task[None]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
@@ -219,6 +231,8 @@ class TransferEngine:
             await self._take_over_completions()  # its loop ended: nobody else will hear of these copies
         else:
             await self.drain()
+            if self._deferred:  # ended once their markers completed; wait for their last step too
+                await asyncio.wait(set(self._deferred))
         self._release_resources()
         assert not self._fences, "fences left after every op completed"
 

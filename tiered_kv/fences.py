@@ -223,6 +223,7 @@ class FenceTable:
         return write, tuple(readers) if isinstance(readers, list) else (readers,)
 
     def statistics(self) -> FenceStatistics:
+        """A snapshot: fenced blocks, pending reads and writes, waits so far."""
         fenced: set[tuple[str, int]] = set()
         reads = writes = 0
         for pool, wt in self._writes.items():

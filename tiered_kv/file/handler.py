@@ -89,8 +89,8 @@ class FileHandler:
     def prepare(self, batch: Batch) -> FileCopy:
         """Writes claim their slots now (pending: lookups stop returning them); the copy starts later."""
         if batch.dst_tier is Tier.FILE:
-            assert batch.keys is not None or not batch.size
-            keys = list(batch.keys or ())  # type: ignore[arg-type]  # normalized by validate()
+            keys: list[Key] = [k for k in batch.keys or () if isinstance(k, (bytes, str, int))]  # normalized by validate()
+            assert len(keys) == batch.size
             stream = self._streams["offload"] if batch.src_tier is Tier.GPU else None
             return self.tier.write_batch(self._pools[batch.src_tier], batch.src.tolist(), batch.dst.tolist(), keys,
                                          stream, self._copier)

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from ..backends import FileBackend
-from ..backends.posix import aligned_empty, make_dir, remove_file
+from ..backends.posix import aligned_empty
 from ..copyops import Copier
 from ..device import Device, Stream, resolve_device
 from ..layer_major import LayerMajorPool
@@ -177,11 +177,10 @@ class FileTier:
 
     @classmethod
     async def open_async(cls, layout: KVLayout, config: FileTierConfig, *, device: Device | None = None) -> FileTier:
-        """Open off the event loop: the directory through aiofiles, the scan on a worker thread.
+        """Open off the event loop: directory, slab and scan on a worker thread.
 
         Cancellation: the open finishes in its thread; the tier it made is closed and dropped.
         """
-        await make_dir(config.directory)
         loop = asyncio.get_running_loop()
         fut = loop.run_in_executor(None, lambda: cls(layout, config, device=device))
         try:
@@ -191,12 +190,13 @@ class FileTier:
             raise
 
     async def remove(self) -> None:
-        """Close the tier and delete its slab file (through aiofiles).
+        """Close the tier and delete its slab file (off the event loop).
 
         Cancellation: the tier is closed; the file may or may not be removed.
         """
         self.close()
-        await remove_file(self.path)
+        with contextlib.suppress(FileNotFoundError):
+            await asyncio.to_thread(os.remove, self.path)
 
     def _make_backend(self) -> FileBackend:
         cfg = self.config
