@@ -154,6 +154,11 @@ def _doctor_checks(directory: str) -> list[tuple[str, bool, str, str]]:
                    "raise `ulimit -l` if pinning the host pool fails"))
     writable = os.path.isdir(directory) and os.access(directory, os.W_OK)
     checks.append(("directory", writable, directory, "pass --dir with a writable directory"))
+    from ..file.place import directory_problem
+
+    problem = directory_problem(directory)  # shared directories: symlinks, other users' files (issue 11)
+    checks.append(("directory safe for a file tier", problem is None, "yes" if problem is None else problem,
+                   "use a directory of your own (0700), or a sticky one (chmod +t) like /tmp"))
     if writable:
         from ..backends.gds import select_backend
         from ..backends.posix import direct_io_supported
