@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from tiered_kv.tools.bench import model  # noqa: E402
+from tiered_kv.tools.bench import model
 
 
 def test_quick_run_measures_every_path_and_marks_emulated_rows():

@@ -45,6 +45,7 @@ def _run_loop(coro: Any) -> Any:
 
 async def _demo(args: argparse.Namespace) -> int:
     """A real model (random weights) answers a seeded multi-turn chat through GPU, host and file tiers."""
+    import torch
     from tqdm import tqdm
 
     from .demo import DemoConfig, check_outputs, plot_report, print_report, run_demo, write_json

@@ -163,6 +163,7 @@ def run(quick: bool = False, device: str = "auto") -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m tiered_kv.tools.bench.model``: run, print the table, write the JSON."""
     return bench_main("model", run, argv)
 
 
