@@ -49,7 +49,7 @@ def test_bench_quick_writes_one_json_with_every_benchmark(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     payload = json.loads(out.read_text())
     names = [b["name"] for b in payload["benchmarks"]]
-    assert names == ["engine", "kernels", "pagetables", "filetier", "cache"]
+    assert names == ["engine", "kernels", "pagetables", "filetier", "cache", "model"]
     assert all(b["rows"] for b in payload["benchmarks"])
     assert payload["machine"]["device"] == "emulated (CPU)"
 

@@ -21,7 +21,7 @@ from typing import Any
 __all__ = ["main"]
 
 # Benchmarks run by `tiered-kv bench`, in order (modules under tiered_kv.tools.bench).
-BENCHMARKS = ["engine", "kernels", "pagetables", "filetier", "cache"]
+BENCHMARKS = ["engine", "kernels", "pagetables", "filetier", "cache", "model"]
 
 
 def _writable_dir(path: str) -> str:
@@ -45,6 +45,7 @@ def _run_loop(coro: Any) -> Any:
 
 async def _demo(args: argparse.Namespace) -> int:
     """A real model (random weights) answers a seeded multi-turn chat through GPU, host and file tiers."""
+    import torch
     from tqdm import tqdm
 
     from .demo import DemoConfig, check_outputs, plot_report, print_report, run_demo, write_json
@@ -86,11 +87,14 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"error: unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)}", file=sys.stderr)
         return 2
     results = []
-    for name in names:
+    for i, name in enumerate(names, 1):
+        print(f"[{i}/{len(names)}] running bench.{name} ...", flush=True)  # each takes seconds to minutes
         module = importlib.import_module(f"tiered_kv.tools.bench.{name}")
         t0 = time.perf_counter()
         result = module.run(args.quick, args.device)
         result["seconds"] = time.perf_counter() - t0
+        if result.get("machine", {}).get("device") == "emulated (CPU)":
+            result.setdefault("notes", []).append("emulated device: CPU figures, not comparable to the GPU targets")
         print_grouped(result)
         for note in result.get("notes", []):
             print(f"  note: {note}")
