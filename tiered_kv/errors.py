@@ -11,6 +11,7 @@ __all__ = [
     "EngineClosedError",
     "IntegrityError",
     "LayoutMismatchError",
+    "RemoteStoreError",
     "SlabInUseError",
     "TieredKVError",
     "TransferError",
@@ -43,3 +44,7 @@ class BackendUnavailable(TieredKVError):
 
 class EngineClosedError(TieredKVError, RuntimeError):
     """The engine was used after ``close()`` (or before it was opened)."""
+
+
+class RemoteStoreError(TransferError):
+    """A remote store (Redis, Mooncake) failed, timed out or cannot be reached; no data was served from it."""
