@@ -46,7 +46,7 @@ def encode_object(out: np.ndarray, fingerprint: bytes, rank: int, name: str, pay
     body = out[HEADER_SIZE:]
     if payload.ctypes.data != body.ctypes.data:
         body[:] = payload
-    pack_header(memoryview(out[:HEADER_SIZE]), fingerprint, rank, 0, name.encode(), len(body), payload_checksum(body))
+    pack_header(out[:HEADER_SIZE].data, fingerprint, rank, 0, name.encode(), len(body), payload_checksum(body))
 
 
 def verify_object(raw: np.ndarray | memoryview | bytes, fingerprint: bytes, rank: int, name: str, length: int) -> np.ndarray | str:
@@ -58,7 +58,7 @@ def verify_object(raw: np.ndarray | memoryview | bytes, fingerprint: bytes, rank
     buf = np.frombuffer(raw, dtype=np.uint8) if not isinstance(raw, np.ndarray) else raw
     if buf.size != HEADER_SIZE + length:
         return f"object is {buf.size} bytes, expected {HEADER_SIZE + length}"
-    header = unpack_header(memoryview(buf[:HEADER_SIZE]))
+    header = unpack_header(buf[:HEADER_SIZE].data)
     if not isinstance(header, SlotHeader):
         return header or "empty header"
     if header.fingerprint != fingerprint:

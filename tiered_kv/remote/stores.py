@@ -158,7 +158,7 @@ class RedisStore:
         client = self._require()
         pipe = client.pipeline(transaction=False)
         for name, obj in zip(names, objects, strict=True):
-            pipe.set(name, memoryview(obj), nx=True, ex=self.url.ttl)
+            pipe.set(name, obj.data, nx=True, ex=self.url.ttl)
         try:
             replies = await _bounded(pipe.execute(raise_on_error=False), self.url.timeout, f"put of {len(names)} objects", self.url)
         except (redis.exceptions.RedisError, OSError) as exc:
