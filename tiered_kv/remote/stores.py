@@ -95,6 +95,14 @@ async def _bounded(awaitable: Any, seconds: float, what: str, url: StoreURL) -> 
         raise StoreTimeout(f"{url}: {what} took longer than {seconds:g} s") from None
 
 
+def _probe(url: StoreURL, what: str) -> None:
+    try:
+        with socket.create_connection((url.host, url.port), timeout=min(url.timeout, 2.0)):
+            pass
+    except OSError as exc:
+        raise RemoteStoreError(f"cannot reach the {what} at {url}: {exc}") from exc
+
+
 class RedisStore:
     """A Redis / Valkey store through ``redis.asyncio`` (one connection pool per store).
 
@@ -135,6 +143,7 @@ class RedisStore:
         """
         import redis.exceptions
 
+        _probe(self.url, "Redis store")  # a refused port fails at once (the client would retry until the timeout)
         if self._client is None:
             self._client = self._make_client()
         try:
@@ -286,11 +295,7 @@ class MooncakeStore:
 
         if self._store is not None:
             return
-        try:
-            with socket.create_connection((self.url.host, self.url.port), timeout=min(self.url.timeout, 2.0)):
-                pass
-        except OSError as exc:
-            raise RemoteStoreError(f"cannot reach the Mooncake master at {self.url}: {exc}") from exc
+        _probe(self.url, "Mooncake master")  # set-up against a dead master retries for 90 s
         store = MooncakeDistributedStore()
         host = _local_hostname(self.url)
         rc = await self._call("set-up", store.setup, host, "P2PHANDSHAKE", self.url.segment, 16 * 2**20,
