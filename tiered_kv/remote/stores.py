@@ -40,8 +40,9 @@ __all__ = ["MISSING", "MooncakeStore", "RedisStore", "RemoteStore", "StoreTimeou
 
 log = logging.getLogger(__name__)
 
-#: ``get`` result of an object the store does not have.
+#: ``get`` result of an object the store does not have (any other negative result is a store error code).
 MISSING = -1
+_MOONCAKE_MISSES = (-704, -707)  # OBJECT_NOT_FOUND, LEASE_EXPIRED
 
 
 class StoreTimeout(RemoteStoreError):
@@ -76,7 +77,7 @@ class RemoteStore(Protocol):
         ...
 
     async def get(self, names: list[str], out: list[np.ndarray]) -> list[int]:
-        """Read each object into ``out[i]``; one round trip. Bytes read, or :data:`MISSING` / another negative code."""
+        """Read each object into ``out[i]``; one round trip. Bytes read, :data:`MISSING`, or another negative: a store error."""
         ...
 
     async def ping(self) -> float:
@@ -340,8 +341,8 @@ class MooncakeStore:
         store = self._require()
         codes = await self._call(f"get of {len(names)} objects", store.batch_get_into, names,
                                  [int(o.ctypes.data) for o in out], [int(o.nbytes) for o in out])
-        # negative: -704 not found, -707 lease expired mid-read, -600 buffer too small, ...: all misses
-        return [int(c) if c >= 0 else MISSING for c in codes]
+        # -704 not found and -707 lease expired mid-read are misses; other negative codes are store errors
+        return [MISSING if c in _MOONCAKE_MISSES else int(c) for c in codes]
 
     async def ping(self) -> float:
         """Seconds of one ``is_exist`` round trip to the master. Cancellation: propagates."""

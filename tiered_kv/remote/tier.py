@@ -512,12 +512,15 @@ class RemoteTier:
             good_staging: list[int] = []
             good_slots: list[int] = []
             length = self.layout.bytes_per_block
+            codes = sorted({size for size in sizes if size < 0 and size != MISSING})
+            if codes:  # a store that answers with error codes is failing: a miss now, and back off
+                self._failed(RemoteStoreError(f"{self.store.url} answered error codes {codes} for a get"))
             for j, (name, size, i) in enumerate(zip(chunk_names, sizes, staging, strict=True)):
-                if size == MISSING:
+                if size < 0:
                     self._blocks["miss"] += 1
                     continue
                 verdict = verify_object(self._staging.array[i][:size] if size <= self.object_size else b"",
-                                        self._fingerprint, self.rank, name, length) if size >= 0 else "store error"
+                                        self._fingerprint, self.rank, name, length)
                 if isinstance(verdict, str):
                     self._blocks["bad"] += 1
                     self._bad[verdict] = self._bad.get(verdict, 0) + 1
