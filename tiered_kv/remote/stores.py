@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 #: ``get`` result of an object the store does not have (any other negative result is a store error code).
 MISSING = -1
 _MOONCAKE_MISSES = (-704, -707)  # OBJECT_NOT_FOUND, LEASE_EXPIRED
+_CLOSE_WAIT = 60  # seconds close() waits for Mooncake calls that outlived their timeout
+_ABANDONED: list[Any] = []  # Mooncake clients left open because a call still ran at close()
 
 
 class StoreTimeout(RemoteStoreError):
@@ -277,9 +279,12 @@ class MooncakeStore:
         self._store: Any = None
         self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="tiered_kv-mooncake")
         self._registered: list[tuple[int, int]] = []
+        self._inflight: set[concurrent.futures.Future[Any]] = set()  # calls running on the worker threads
 
     async def _call(self, what: str, fn: Any, *args: Any) -> Any:
         future = self._pool.submit(fn, *args)
+        self._inflight.add(future)
+        future.add_done_callback(self._inflight.discard)
         try:
             return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), self.url.timeout)
         except TimeoutError:
@@ -362,8 +367,18 @@ class MooncakeStore:
     async def close(self) -> None:
         """Unmount this process's segment and stop the client. Cancellation: propagates."""
         store, self._store = self._store, None
-        if store is not None:
-            await asyncio.get_running_loop().run_in_executor(self._pool, store.close)
+        if store is None:
+            return
+        # a call that outlived its timeout still runs in the client: closing the client under it would crash
+        pending = [asyncio.wrap_future(f) for f in list(self._inflight)]
+        if pending:
+            _, late = await asyncio.wait(pending, timeout=_CLOSE_WAIT)
+            if late:
+                log.warning("Mooncake calls still running after %d s; the client is left open", _CLOSE_WAIT)
+                _ABANDONED.append(store)  # never destroyed while a call may still use it
+                self._pool.shutdown(wait=False)
+                return
+        await asyncio.get_running_loop().run_in_executor(self._pool, store.close)
         self._pool.shutdown(wait=False)
 
     def _require(self) -> Any:
