@@ -17,7 +17,6 @@ from tiered_kv.remote.objects import encode_object, object_size, verify_object
 from tiered_kv.remote.servers import free_port, start_redis
 from tiered_kv.slab import HEADER_SIZE
 
-
 # ---------------------------------------------------------------------------------------------- URLs
 
 
@@ -123,7 +122,7 @@ async def test_redis_password_comes_from_the_environment(monkeypatch):
     with start_redis(password="s3cret-pw") as srv:
         monkeypatch.delenv(PASSWORD_ENV, raising=False)
         store = open_store(srv.url)
-        with pytest.raises(RemoteStoreError, match="(?i)auth"):
+        with pytest.raises(RemoteStoreError, match=r"(?i)auth"):
             await store.connect()
         await store.close()
         monkeypatch.setenv(PASSWORD_ENV, "s3cret-pw")

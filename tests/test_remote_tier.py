@@ -12,7 +12,7 @@ from helpers import fill_pool, same
 from remote_servers import mooncake_server, redis_server, server, store_url  # noqa: F401
 
 from tiered_kv import Tier, TransferEngine
-from tiered_kv.errors import RemoteStoreError
+from tiered_kv.errors import IntegrityError, RemoteStoreError
 from tiered_kv.remote import RemoteTier, object_name, open_store
 from tiered_kv.remote.objects import object_size
 from tiered_kv.remote.servers import start_mooncake_master, start_redis
@@ -99,10 +99,10 @@ async def test_corrupted_foreign_and_other_rank_objects_are_misses_and_leave_the
         else:  # Mooncake objects are immutable: remove (after the read lease) and put the corrupted bytes
             out[0, -1] ^= 0x10
             deadline = time.monotonic() + 15
-            while raw._require().remove(object_name(0, keys[0])) != 0 and time.monotonic() < deadline:
-                await asyncio.sleep(0.5)
+            while raw._require().remove(object_name(0, keys[0])) != 0 and time.monotonic() < deadline:  # noqa: ASYNC110
+                await asyncio.sleep(0.5)  # the read lease (5 s) blocks removal
             assert await raw.put([object_name(0, keys[0])], [out[0]]) == [True]
-        other_rank = RemoteTier(engine, store_url(server))
+        other_rank = RemoteTier(engine, store_url(server), route=False)
         other_rank.rank = 1
         get = tier.get(keys, Tier.HOST, [0, 1, 2])
         await get
@@ -214,3 +214,24 @@ def test_bad_arguments_are_refused_before_anything_runs(layout):
         RemoteTier(object(), "redis://127.0.0.1:1/0")  # type: ignore[arg-type]
     del engine
     _ = torch
+
+
+async def test_engine_route_copies_through_the_handler(layout, device, server):  # noqa: F811
+    async with TransferEngine(layout, gpu_blocks=8, host_blocks=8, device=device) as engine:
+        gpu = fill_pool(engine, "gpu", 12)
+        tier = RemoteTier(engine, store_url(server), staging_blocks=4)
+        await tier.connect()
+        keys = _keys(5, 12)
+        await engine.copy(Tier.GPU, range(5), Tier.REMOTE, range(5), keys=keys)
+        await engine.copy(Tier.REMOTE, range(5), Tier.HOST, [7, 6, 5, 4, 3], keys=keys)
+        for i, h in enumerate([7, 6, 5, 4, 3]):
+            assert same(engine.pool("host").tensor[h].cpu(), gpu[i])
+        with pytest.raises(IntegrityError, match="1 of 2 blocks were not served"):
+            await engine.copy(Tier.REMOTE, [0, 1], Tier.GPU, [6, 7], keys=[keys[0], b"\x02" * 16])
+        with pytest.raises(ValueError, match="need keys"):
+            engine.copy(Tier.HOST, [0], Tier.REMOTE, [0])
+        with pytest.raises(ValueError, match="whole blocks"):
+            engine.copy(Tier.HOST, [0], Tier.REMOTE, [0], num_tokens=1, keys=keys[:1])
+        with pytest.raises(ValueError, match="already routed"):
+            RemoteTier(engine, store_url(server))
+        await tier.close()

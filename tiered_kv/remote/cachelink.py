@@ -247,4 +247,4 @@ class RemoteLink:
 
 
 def _failed(sources: list[object]) -> bool:
-    return any(getattr(t, "done", lambda: False)() and t.exception() is not None for t in sources)  # type: ignore[attr-defined]
+    return any(getattr(t, "done", lambda: False)() and t.exception() is not None for t in sources)  # type: ignore[attr-defined,unused-ignore]

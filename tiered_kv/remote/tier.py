@@ -132,6 +132,8 @@ class RemoteTier:
         rank: the tensor-parallel rank whose KV shard this process holds (part of every object name).
         staging_blocks: objects the staging area holds (two chunks in flight at once).
         backoff: seconds to leave the store alone after an error or timeout.
+        route: add the engine routes ``gpu/host <-> remote`` (:mod:`tiered_kv.remote.handler`), so that
+            ``engine.copy(..., Tier.REMOTE, ..., keys=...)`` works too. One tier per engine can.
 
     Raises:
         TypeError, ValueError: bad arguments (a bad URL, a non-positive ``staging_blocks``).
@@ -144,7 +146,7 @@ class RemoteTier:
     """
 
     def __init__(self, engine: TransferEngine, store: str | StoreURL | RemoteStore, *, rank: int = 0,
-                 staging_blocks: int = 64, backoff: float = 2.0) -> None:
+                 staging_blocks: int = 64, backoff: float = 2.0, route: bool = True) -> None:
         if not isinstance(engine, TransferEngine):
             raise TypeError(f"engine must be a TransferEngine, got {type(engine).__name__}")
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
@@ -175,6 +177,10 @@ class RemoteTier:
         self._latency = {"get": [0] * (len(LATENCY_BUCKETS) + 1), "put": [0] * (len(LATENCY_BUCKETS) + 1)}
         self._bad: dict[str, int] = {}
         self._errors = self._timeouts = 0
+        if route:
+            from .handler import RemoteHandler
+
+            engine.add_handler(RemoteHandler(self))
 
     # ------------------------------------------------------------------------------------ lifecycle
 
@@ -417,12 +423,27 @@ class RemoteTier:
 
     async def _run_put(self, transfer: RemoteTransfer, fence: Marker, deps: set[Marker], tier: Tier, pool: Any,
                        slots: list[int], names: list[str]) -> None:
-        puts: list[asyncio.Task[None]] = []  # one per staged chunk: the store round trip overlaps the next staging
-        staged = 0
-        error: BaseException | None = None
+        failure: BaseException | None = None
         try:
             for dep in deps:
                 await dep.wait()
+            await self._put_blocks(tier, pool, slots, names, transfer.found, lambda: self._release_fence(fence))
+        except BaseException as exc:
+            failure = exc
+        self._release_fence(fence)
+        self._finish(transfer._marker, failure)
+
+    async def _put_blocks(self, tier: Tier, pool: Any, slots: list[int], names: list[str], found: list[bool],
+                          staged_all: Callable[[], None] | None = None) -> None:
+        """Stage ``slots`` chunk by chunk and put each chunk (a round trip overlapping the next chunk's staging).
+
+        ``staged_all()`` is called once every block is staged (or abandoned): the pool blocks are free again.
+        Raises the first chunk's failure after every chunk has finished; ``found`` says what was stored.
+        """
+        puts: list[asyncio.Task[None]] = []
+        staged = 0
+        error: BaseException | None = None
+        try:
             for start in range(0, len(names), self._chunk):
                 chunk = slots[start : start + self._chunk]
                 staging = await self._staging.acquire(len(chunk))
@@ -431,19 +452,21 @@ class RemoteTier:
                 except BaseException:
                     self._staging.release(staging)
                     raise
-                puts.append(self._spawn(self._put_chunk(transfer, names, start, staging)))
+                puts.append(self._spawn(self._put_chunk(found, names, start, staging)))
                 staged += len(chunk)
         except BaseException as exc:
             error = exc
         finally:
-            self._release_fence(fence)  # the blocks are staged (or abandoned): the engine may overwrite them
+            if staged_all is not None:
+                staged_all()
         results = await asyncio.gather(*puts, return_exceptions=True)
         if error is not None:
             self._blocks["put_dropped"] += len(names) - staged
         failure = error or next((r for r in results if isinstance(r, BaseException)), None)
-        self._finish(transfer._marker, failure)
+        if failure is not None:
+            raise failure
 
-    async def _put_chunk(self, transfer: RemoteTransfer, names: list[str], start: int, staging: list[int]) -> None:
+    async def _put_chunk(self, found: list[bool], names: list[str], start: int, staging: list[int]) -> None:
         chunk_names = names[start : start + len(staging)]
         objs = [self._staging.array[i] for i in staging]
         pending = None
@@ -464,31 +487,39 @@ class RemoteTier:
                 raise
             self._count_latency("put", time.perf_counter() - t0)
             for j, good in enumerate(ok):
-                transfer.found[start + j] = good
+                found[start + j] = good
             stored = sum(ok)
             self._blocks["put"] += stored
             self._blocks["put_dropped"] += len(ok) - stored
             self._bytes["put"] += stored * self.object_size
         except BaseException:
-            self._blocks["put_dropped"] += sum(1 for j in range(len(staging)) if not transfer.found[start + j])
+            self._blocks["put_dropped"] += sum(1 for j in range(len(staging)) if not found[start + j])
             raise
         finally:
             self._release_later(staging, pending)
 
     async def _run_get(self, transfer: RemoteTransfer, fence: Marker, deps: set[Marker], tier: Tier, pool: BlockPool,
                        slots: list[int], names: list[str]) -> None:
+        failure: BaseException | None = None
         try:
-            results = await asyncio.gather(*(self._get_chunk(transfer, deps, tier, pool, slots, names, start)
-                                             for start in range(0, len(names), self._chunk)), return_exceptions=True)
-            failure = next((r for r in results if isinstance(r, BaseException)), None)
-        except BaseException as exc:  # cancelled: the loop is shutting down
+            await self._get_blocks(tier, pool, slots, names, transfer.found, deps)
+        except BaseException as exc:
             failure = exc
-        self._release_fence(fence)
-        if failure is not None:
             transfer.found = [False] * len(names)  # a failed transfer serves nothing, even chunks that landed
+        self._release_fence(fence)
         self._finish(transfer._marker, failure)
 
-    async def _get_chunk(self, transfer: RemoteTransfer, deps: set[Marker], tier: Tier, pool: BlockPool, slots: list[int],
+    async def _get_blocks(self, tier: Tier, pool: BlockPool, slots: list[int], names: list[str], found: list[bool],
+                          deps: Iterable[Marker] = ()) -> None:
+        """Read, verify and copy in every chunk concurrently (after ``deps``); raises the first failure."""
+        deps = list(deps)
+        results = await asyncio.gather(*(self._get_chunk(found, deps, tier, pool, slots, names, start)
+                                         for start in range(0, len(names), self._chunk)), return_exceptions=True)
+        failure = next((r for r in results if isinstance(r, BaseException)), None)
+        if failure is not None:
+            raise failure
+
+    async def _get_chunk(self, found: list[bool], deps: list[Marker], tier: Tier, pool: BlockPool, slots: list[int],
                          names: list[str], start: int) -> None:
         chunk_names = names[start : start + self._chunk]
         staging = await self._staging.acquire(len(chunk_names))
@@ -528,7 +559,7 @@ class RemoteTier:
                     continue
                 good_staging.append(i)
                 good_slots.append(slots[start + j])
-                transfer.found[start + j] = True
+                found[start + j] = True
             for dep in deps:
                 await dep.wait()
             if good_slots:
