@@ -29,6 +29,7 @@ from ..blocks import Admission, Block, Request
 from ..errors import TransferError
 from ..keys import ContentKey, as_token_array
 from ..pools import Tier
+from ..transfer import Transfer
 from .tier import RemoteStatistics, RemoteTier
 from .url import StoreURL
 
@@ -222,7 +223,7 @@ class RemoteLink:
                 # only a block that is still the cached one for its key, in memory, with its data there
                 if blocks.lookup(key) is not block or block.tier not in (Tier.GPU, Tier.HOST) or _failed(block.sources):
                     continue
-                slots, keys = by_tier.setdefault(block.tier, ([], []))  # type: ignore[arg-type]
+                slots, keys = by_tier.setdefault(block.tier, ([], []))
                 slots.append(block.slot)
                 keys.append(key)
             transfers: list[Any] = []
@@ -247,4 +248,4 @@ class RemoteLink:
 
 
 def _failed(sources: list[object]) -> bool:
-    return any(getattr(t, "done", lambda: False)() and t.exception() is not None for t in sources)  # type: ignore[attr-defined,unused-ignore]
+    return any(isinstance(t, Transfer) and t.done() and t.exception() is not None for t in sources)

@@ -8,6 +8,9 @@ Primitives:
   or one on ``PATH``), no persistence, bound to 127.0.0.1.
 * :func:`start_mooncake_master` -- the ``mooncake_master`` bundled by the Mooncake wheel, RPC and metrics bound
   to 127.0.0.1, no etcd (clients use ``P2PHANDSHAKE``).
+* :func:`start_mooncake_client` -- the wheel's standalone ``mooncake_client``: a process that lends memory to
+  the store (``global_segment_size``), so objects outlive the engine processes that put them (theirs can then
+  use ``segment=0``).
 * :func:`free_port`.
 """
 
@@ -27,7 +30,7 @@ from pathlib import Path
 
 from ..errors import BackendUnavailable
 
-__all__ = ["LocalServer", "find_mooncake_master", "find_redis_server", "free_port", "start_mooncake_master", "start_redis"]
+__all__ = ["LocalServer", "find_mooncake_master", "find_redis_server", "free_port", "start_mooncake_client", "start_mooncake_master", "start_redis"]
 
 
 def free_port() -> int:
@@ -72,6 +75,9 @@ class LocalServer:
 
     @property
     def url(self) -> str:
+        """The store URL (for a ``mooncake-client``: its master's)."""
+        if self.kind == "mooncake-client":
+            return f"mooncake://{self.argv[1].split('=', 1)[1]}"
         return f"mooncake://127.0.0.1:{self.port}" if self.kind == "mooncake" else f"redis://127.0.0.1:{self.port}/0"
 
     @property
@@ -215,3 +221,21 @@ def start_mooncake_master(port: int | None = None, *, lease_ms: int = 5000, work
             f"-metrics_port={free_port()}", f"-default_kv_lease_ttl={lease_ms}", "-rpc_thread_num=2",
             "-enable_metric_reporting=false", *extra]
     return LocalServer("mooncake", argv, port, wd)
+
+
+def start_mooncake_client(master: LocalServer | str, segment: str = "256MB", port: int | None = None, *,
+                          workdir: str | os.PathLike[str] | None = None) -> LocalServer:
+    """A standalone ``mooncake_client`` lending ``segment`` of its memory to the store of ``master`` (no etcd).
+
+    Args:
+        master: the master (a :class:`LocalServer` or ``"host:port"``).
+        segment: memory it mounts, e.g. ``"256MB"``, ``"4GB"``.
+        port: its service port (a free one by default).
+    """
+    address = f"127.0.0.1:{master.port}" if isinstance(master, LocalServer) else master
+    port = port or free_port()
+    wd = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="tiered_kv-mooncake-client-"))
+    binary = str(Path(find_mooncake_master()).with_name("mooncake_client"))
+    argv = [binary, f"-master_server_address={address}", "-metadata_server=P2PHANDSHAKE", "-host=127.0.0.1",
+            f"-port={port}", f"-global_segment_size={segment}", "-protocol=tcp"]
+    return LocalServer("mooncake-client", argv, port, wd)

@@ -13,7 +13,8 @@ A password never goes in the URL (it would end up in logs and process listings):
 environment variable ``TIERED_KV_REMOTE_PASSWORD`` (Redis ``AUTH``; ``TIERED_KV_REMOTE_USER`` for an ACL
 user). Query parameters: ``timeout`` (seconds per batch, default 5), ``ttl`` (Redis: seconds an object
 lives, default none), ``segment`` (Mooncake: bytes of this process's memory lent to the store, default
-256 MiB), ``protocol`` (Mooncake transfer protocol, default ``tcp``).
+256 MiB; ``0`` lends none: objects then live in the memory of other clients, e.g. a standalone
+``mooncake_client``, and outlive this process), ``protocol`` (Mooncake transfer protocol, default ``tcp``).
 """
 
 from __future__ import annotations

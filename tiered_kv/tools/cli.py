@@ -66,6 +66,7 @@ async def _demo(args: argparse.Namespace) -> int:
             file_blocks=args.file_blocks,
             file_dir=directory if args.file_blocks else None,
             device=args.device,
+            remote=args.remote,
         ) as cache:
             engine = cache.engine
             latencies: list[float] = []
@@ -99,6 +100,8 @@ async def _demo(args: argparse.Namespace) -> int:
              for d, b in sorted(stats.engine.bytes_by_direction.items())],
             "\nbytes moved per direction",
         )
+        if stats.remote is not None:
+            _print_remote(stats.remote, stats.hits.get("remote", 0))
         print(f"\nadd_sequences await latency: p50 {percentile(latencies, 50) * 1e3:.2f} ms, "
               f"p99 {percentile(latencies, 99) * 1e3:.2f} ms, max {max(latencies) * 1e3:.2f} ms; wall {wall:.1f} s")
         if args.plot:
@@ -230,8 +233,24 @@ def _doctor_checks(directory: str) -> list[tuple[str, bool, str, str]]:
     return checks
 
 
+def _print_remote(remote: Any, hits: int) -> None:
+    from .bench.common import print_table
+
+    rows = []
+    for what in ("get", "put"):
+        n = remote.batches[what]
+        rows.append({"op": what, "round trips": n, "objects": remote.blocks[what], "MiB": remote.bytes[what] / 2**20,
+                     "mean ms per batch": remote.seconds[what] / n * 1e3 if n else 0.0})
+    print_table(rows, f"\nremote tier {remote.url} ({'available' if remote.available else 'UNAVAILABLE'}): {hits} block hits, "
+                      f"{remote.blocks['miss']} misses, {remote.blocks['bad']} objects failed verification, {remote.errors} errors")
+
+
 def _doctor(args: argparse.Namespace) -> int:
     checks = _doctor_checks(args.dir)
+    if args.remote:
+        from ..remote.doctor import remote_checks
+
+        checks += _run_loop(remote_checks(args.remote))
     width = max(len(c[0]) for c in checks)
     for name, ok, found, fix in checks:
         mark = "ok " if ok else "-- "
@@ -323,6 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--file-blocks", type=int, default=4096, help="file tier blocks; 0 for none (default: %(default)s)")
     demo.add_argument("--plot", metavar="FILE.png", help="draw tier occupancy and throughput over time (needs matplotlib)")
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
+    demo.add_argument("--remote", metavar="URL", help="share blocks through a store: redis://host:port/0 or mooncake://host:port")
     demo.set_defaults(func=lambda a: _run_loop(_demo(a)))
 
     bench = sub.add_parser("bench", help="run every benchmark next to its same-run baseline; one table, one JSON")
@@ -352,6 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="report CUDA, kvikio/GDS, pinned-memory limits, uvloop; what to do if missing")
     doctor.add_argument("--dir", default=os.getcwd(), help="directory to check for the file tier (default: cwd)")
     doctor.add_argument("--json", help="also write the checks as JSON")
+    doctor.add_argument("--remote", metavar="URL", help="also probe a remote store: reachability, round trip, bandwidth")
     doctor.set_defaults(func=_doctor)
     return parser
 
