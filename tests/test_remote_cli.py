@@ -88,3 +88,14 @@ async def test_prometheus_exports_remote_hits_bytes_and_latency(redis_server):  
     assert 'tiered_kv_remote_bytes_total{op="get"}' in text
     assert 'tiered_kv_remote_batch_seconds_bucket{le="+Inf",op="get"}' in text
     assert "tiered_kv_remote_available 1.0" in text
+
+
+def test_readme_many_nodes_example_runs():
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = re.search(r"<!-- remote-example -->\s*```python\n(.*?)```", text, re.S)
+    assert block, "README's many-nodes section must keep its example after <!-- remote-example -->"
+    p = subprocess.run([sys.executable, "-c", block.group(1)], capture_output=True, text=True, env=ENV, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]

@@ -235,3 +235,30 @@ async def test_engine_route_copies_through_the_handler(layout, device, server): 
         with pytest.raises(ValueError, match="already routed"):
             RemoteTier(engine, store_url(server))
         await tier.close()
+
+
+async def test_a_lease_that_expires_mid_read_is_a_miss_never_wrong_data():
+    """Mooncake: with a 1 ms read lease, objects of a large batch expire while being read (-707): misses only."""
+    from tiered_kv import KVLayout
+
+    big = KVLayout(num_layers=8, num_kv_heads=8, head_dim=128, tokens_per_block=16, dtype=torch.float16)  # 512 KiB
+    with start_mooncake_master(lease_ms=1) as srv:
+        async with TransferEngine(big, gpu_blocks=32, host_blocks=32, device="cpu") as engine:
+            gpu = fill_pool(engine, "gpu", 13)
+            host = fill_pool(engine, "host", 14)
+            tier = RemoteTier(engine, store_url(srv, segment="128MiB"), staging_blocks=64)
+            await tier.connect()
+            keys = _keys(32, 13)
+            await tier.put(Tier.GPU, range(32), keys)
+            misses = 0
+            for _ in range(3):
+                get = tier.get(keys, Tier.HOST, range(32))
+                await get
+                for i, ok in enumerate(get.found):
+                    assert same(engine.pool("host").tensor[i].cpu(), gpu[i] if ok else host[i])
+                    if ok:
+                        host[i] = gpu[i]
+                misses += get.found.count(False)
+            s = tier.statistics()
+            assert misses > 0 and s.blocks["bad"] == 0 and s.errors == 0
+            await tier.close()
