@@ -195,16 +195,20 @@ class RedisStore:
                 values = await _bounded(client.mget(names), self.url.timeout, f"get of {len(names)} objects", self.url)
         except (redis.exceptions.RedisError, OSError) as exc:
             raise RemoteStoreError(f"Redis get of {len(names)} objects at {self.url} failed: {exc}") from exc
-        sizes: list[int] = []
-        for value, dst in zip(values, out, strict=True):
-            if value is None:
-                sizes.append(MISSING)
-            elif len(value) != dst.size:
-                sizes.append(len(value))  # the caller sees the size mismatch and treats it as a bad object
-            else:
-                dst[:] = np.frombuffer(value, dtype=np.uint8)
-                sizes.append(len(value))
-        return sizes
+        def copy_out() -> list[int]:  # a worker thread: large copies stay off the event loop
+            sizes: list[int] = []
+            for value, dst in zip(values, out, strict=True):
+                if value is None:
+                    sizes.append(MISSING)
+                elif len(value) != dst.size:
+                    sizes.append(len(value))  # the caller sees the size mismatch and treats it as a bad object
+                else:
+                    dst[:] = np.frombuffer(value, dtype=np.uint8)
+                    sizes.append(len(value))
+            return sizes
+
+        result: list[int] = await asyncio.get_running_loop().run_in_executor(None, copy_out)
+        return result
 
     async def ping(self) -> float:
         """Seconds of one ``PING`` round trip. Cancellation: propagates."""

@@ -371,8 +371,15 @@ class RemoteTier:
         if error:
             raise error[0]
 
-    async def _stage_out(self, tier: Tier, pool: Any, slots: list[int], staging: list[int]) -> None:
-        """Copy pool blocks into staging payloads (GPU: on the offload stream; host: a worker thread)."""
+    def _encode(self, staging: list[int], names: list[str]) -> None:
+        """Write the headers (payload checksums) of staged objects (a worker thread: off the event loop)."""
+        for i, name in zip(staging, names, strict=True):
+            obj = self._staging.array[i]
+            encode_object(obj, self._fingerprint, self.rank, name, obj[HEADER_SIZE:])
+
+    async def _stage_out(self, tier: Tier, pool: Any, slots: list[int], staging: list[int], names: list[str]) -> None:
+        """Copy pool blocks into staging and write their headers (GPU: copy on the offload stream; host: a worker)."""
+        loop = asyncio.get_running_loop()
         if tier is Tier.GPU:
             def copy() -> None:
                 for src, i in zip(slots, staging, strict=True):
@@ -380,12 +387,14 @@ class RemoteTier:
                     self._payload(i).copy_(block, non_blocking=True)
 
             await self._on_lane("offload", copy)
+            await loop.run_in_executor(None, self._encode, staging, names)
         else:
             def host_copy() -> None:
                 for src, i in zip(slots, staging, strict=True):
                     self._payload(i).copy_(pool.tensor[src])
+                self._encode(staging, names)
 
-            await asyncio.get_running_loop().run_in_executor(None, host_copy)
+            await loop.run_in_executor(None, host_copy)
 
     async def _stage_in(self, tier: Tier, pool: BlockPool, slots: list[int], staging: list[int]) -> None:
         """Copy verified staging payloads into pool blocks (GPU: on the onboard stream)."""
@@ -448,7 +457,7 @@ class RemoteTier:
                 chunk = slots[start : start + self._chunk]
                 staging = await self._staging.acquire(len(chunk))
                 try:
-                    await self._stage_out(tier, pool, chunk, staging)
+                    await self._stage_out(tier, pool, chunk, staging, names[start : start + len(chunk)])
                 except BaseException:
                     self._staging.release(staging)
                     raise
@@ -471,8 +480,6 @@ class RemoteTier:
         objs = [self._staging.array[i] for i in staging]
         pending = None
         try:
-            for name, obj in zip(chunk_names, objs, strict=True):
-                encode_object(obj, self._fingerprint, self.rank, name, obj[HEADER_SIZE:])
             if not self._usable():
                 raise RemoteStoreError(f"the remote store {self.store.url} is unavailable")
             t0 = time.perf_counter()
@@ -540,19 +547,30 @@ class RemoteTier:
                 self._failed(exc)
                 raise
             self._count_latency("get", time.perf_counter() - t0)
-            good_staging: list[int] = []
-            good_slots: list[int] = []
             length = self.layout.bytes_per_block
             codes = sorted({size for size in sizes if size < 0 and size != MISSING})
             if codes:  # a store that answers with error codes is failing: a miss now, and back off
                 self._failed(RemoteStoreError(f"{self.store.url} answered error codes {codes} for a get"))
-            for j, (name, size, i) in enumerate(zip(chunk_names, sizes, staging, strict=True)):
-                if size < 0:
+
+            def verify_all() -> list[str | None]:  # a worker thread: checksums off the event loop
+                out: list[str | None] = []
+                for name, size, i in zip(chunk_names, sizes, staging, strict=True):
+                    if size < 0:
+                        out.append(None)
+                        continue
+                    v = verify_object(self._staging.array[i][:size] if size <= self.object_size else b"",
+                                      self._fingerprint, self.rank, name, length)
+                    out.append(v if isinstance(v, str) else "")
+                return out
+
+            verdicts = await asyncio.get_running_loop().run_in_executor(None, verify_all)
+            good_staging: list[int] = []
+            good_slots: list[int] = []
+            for j, (name, verdict, i) in enumerate(zip(chunk_names, verdicts, staging, strict=True)):
+                if verdict is None:
                     self._blocks["miss"] += 1
                     continue
-                verdict = verify_object(self._staging.array[i][:size] if size <= self.object_size else b"",
-                                        self._fingerprint, self.rank, name, length)
-                if isinstance(verdict, str):
+                if verdict:
                     self._blocks["bad"] += 1
                     self._bad[verdict] = self._bad.get(verdict, 0) + 1
                     log.warning("remote object %s failed verification (%s): treated as a miss", name, verdict)
