@@ -1,11 +1,41 @@
-"""Engine configuration: one dataclass, environment overrides, no hidden globals."""
+"""Engine configuration: one dataclass, environment overrides, no hidden globals.
+
+Primitives:
+
+* :class:`EngineConfig` -- the engine's knobs; :meth:`EngineConfig.from_env`.
+* :func:`env_int` -- the one parser of integer environment variables.
+* :func:`coerce_enum` -- the one coercion of a :class:`enum.StrEnum` member from its value or name.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
+from collections.abc import Mapping
+from typing import TypeVar
 
-__all__ = ["EngineConfig", "env_int"]
+__all__ = ["EngineConfig", "coerce_enum", "env_int"]
+
+E = TypeVar("E", bound=enum.StrEnum)
+
+
+def coerce_enum(cls: type[E], value: object, aliases: Mapping[str, str] | None = None) -> E | None:
+    """``value`` as a member of ``cls``, or ``None`` (the caller raises its own ``ValueError`` sentence).
+
+    Accepts a member, or its value in any case with blanks around it ignored (``aliases`` applied first).
+    """
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if aliases:
+            text = aliases.get(text, text)
+        try:
+            return cls(text)
+        except ValueError:
+            return None
+    return None
 
 
 def env_int(name: str, unit: str = "") -> int:
@@ -27,7 +57,7 @@ class EngineConfig:
         host_threads: threads that run host-only work (host-to-host copies). Env: ``TIERED_KV_HOST_THREADS``.
         dma_min_chunk_bytes: on CUDA, copies whose contiguous pieces are at least this big go to the DMA
             engine (``cudaMemcpy(2D)Async`` per run), smaller ones to the copy kernel. Default 2 MiB: in the
-            H200 measurement (BASELINES.md) one DMA call per chunk trails the kernel at 1 MiB (47 vs 51 GB/s)
+            H200 measurement (``tiered-kv bench``, kernels) one DMA call per chunk trails the kernel at 1 MiB (47 vs 51 GB/s)
             and leads it at 4 MiB (52.5 vs 51); the engine issues one call per chunk, not a batch.
             Env: ``TIERED_KV_DMA_MIN_CHUNK``.
         copy_path: ``"auto"`` (by ``dma_min_chunk_bytes``), ``"dma"`` or ``"kernel"`` (forced).

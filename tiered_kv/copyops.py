@@ -19,7 +19,7 @@ Paths:
 
 The choice: a copy whose contiguous pieces (one (layer, kv) chunk for layer-major pools, a run of whole
 blocks for block-major ones, ``num_tokens * head_dim`` elements for partial copies) are at least
-``EngineConfig.dma_min_chunk_bytes`` (2 MiB) goes to DMA, smaller ones to the kernel (BASELINES.md: the kernel
+``EngineConfig.dma_min_chunk_bytes`` (2 MiB) goes to DMA, smaller ones to the kernel (measured on an H200 by ``tiered-kv bench``: the kernel
 is up to 36x faster than one DMA call per chunk for small chunks and still ahead at 1 MiB; at 4 MiB DMA
 matches it and leaves the SMs to compute). ``EngineConfig.copy_path`` forces one path.
 """
@@ -35,7 +35,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from . import ops
+from . import opdefs, ops, pool_kinds
 from .config import EngineConfig
 from .device import Device
 from .layer_major import LayerMajorPool
@@ -123,7 +123,7 @@ class Copier:
         info = self._pairs.get(key)
         if info is None or info.src_pool is not src_pool or info.dst_pool is not dst_pool:
             src_t, dst_t = pool_tensors(src_pool), pool_tensors(dst_pool)
-            groups, rows, _row, width = ops._block_geometry(dst_t, src_t, n)
+            groups, rows, _row, width = opdefs.block_geometry(dst_t, src_t, n)
             dense = all(t.stride(0) == math.prod(t.shape[1:]) for t in (src_t[0], dst_t[0]))
             on_cuda = src_t[0].is_cuda or dst_t[0].is_cuda
             info = _PairInfo(src_pool, dst_pool, src_t, dst_t, groups, rows, width * src_pool.layout.itemsize, dense, on_cuda)
@@ -132,6 +132,8 @@ class Copier:
 
     def plan(self, src_pool: Pool, s: np.ndarray, dst_pool: Pool, d: np.ndarray, num_tokens: int | None) -> CopyPlan:
         """The path :meth:`build` takes for these arguments."""
+        if isinstance(src_pool, pool_kinds.ChunkedPool) or isinstance(dst_pool, pool_kinds.ChunkedPool):
+            return self._chunked_plan(src_pool, s, dst_pool, d)
         return self._plan(
             self._pair(src_pool, dst_pool, src_pool.layout.tokens_per_block if num_tokens is None else num_tokens), s, d
         )
@@ -150,6 +152,8 @@ class Copier:
         The op enqueues work on the current CUDA stream (the engine runs it under its copy stream), or runs
         the CPU reference when it is called (emulated device, host threads). Never a per-chunk Python loop.
         """
+        if isinstance(src_pool, pool_kinds.ChunkedPool) or isinstance(dst_pool, pool_kinds.ChunkedPool):
+            return self._chunked_op(src_pool, s, dst_pool, d, num_tokens)
         layout = src_pool.layout
         n = layout.tokens_per_block if num_tokens is None else num_tokens
         info = self._pair(src_pool, dst_pool, n)
@@ -172,7 +176,39 @@ class Copier:
             return run
         return _torch_op(src_t, s, dst_t, d, n)
 
+    def _chunked_plan(self, src_pool: Pool, s: np.ndarray, dst_pool: Pool, d: np.ndarray) -> CopyPlan:
+        piece = pool_kinds.piece_bytes(src_pool, dst_pool)
+        on_cuda = any(t.is_cuda for t in (*pool_kinds.chunk_tensors(src_pool), *pool_kinds.chunk_tensors(dst_pool)))
+        ref = src_pool if isinstance(src_pool, pool_kinds.ChunkedPool) else dst_pool
+        assert isinstance(ref, pool_kinds.ChunkedPool)
+        return CopyPlan(choose_path(piece, self.config, on_cuda=on_cuda, kernels=self.kernels), piece, ref.num_chunks, int(s.size))
+
+    def _chunked_op(self, src_pool: Pool, s: np.ndarray, dst_pool: Pool, d: np.ndarray, num_tokens: int | None) -> Op:
+        """A copy involving a :class:`~tiered_kv.pool_kinds.ChunkedPool`: one ``copy_chunks`` call."""
+        if num_tokens is not None and num_tokens != src_pool.layout.tokens_per_block:
+            raise ValueError("partial copies (num_tokens) are not supported for chunked GPU pools; copy whole blocks")
+        pool_kinds.check_compatible(src_pool, dst_pool)
+        plan = self._chunked_plan(src_pool, s, dst_pool, d)
+        with self._lock:
+            self._calls[plan.path] = self._calls.get(plan.path, 0) + 1
+            self._bytes[plan.path] = self._bytes.get(plan.path, 0) + int(s.size) * src_pool.layout.bytes_per_block
+        table = torch.from_numpy(pool_kinds.chunk_table(src_pool, s, dst_pool, d))
+        src_t, dst_t = pool_kinds.chunk_tensors(src_pool), pool_kinds.chunk_tensors(dst_pool)
+        method = ops.METHOD_DMA if plan.path == "dma" else ops.METHOD_KERNEL
+        op = torch.ops.tiered_kv.copy_chunks
+        if plan.path == "torch":  # CUDA without the extension: the reference op runs on CUDA tensors too
+            def run_ref() -> None:
+                opdefs.copy_chunks_ref(dst_t, src_t, table, method)
+
+            return run_ref
+
+        def run() -> None:
+            op(dst_t, src_t, table, method)
+
+        return run
+
     def statistics(self) -> CopierStatistics:
+        """Calls and bytes per path so far."""
         with self._lock:
             return CopierStatistics(dict(self._calls), dict(self._bytes))
 
@@ -200,13 +236,13 @@ def _torch_op(src_t: list[torch.Tensor], s: np.ndarray, dst_t: list[torch.Tensor
     pools are block-major; only GPU pools are layer-major).
     """
     tokens = src_t[0].shape[-2]
-    groups, rows, _row, width = ops._block_geometry(dst_t, src_t, n)
+    groups, rows, _row, width = opdefs.block_geometry(dst_t, src_t, n)
     runs = merge_runs(s, d)
     src0, dst0 = src_t[0], dst_t[0]
     whole = n == tokens and groups == 1 and src0.is_contiguous() and dst0.is_contiguous()
 
     def groups_of(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        return ops.normalize_groups(tensors, groups, rows)
+        return opdefs.normalize_groups(tensors, groups, rows)
 
     if whole or src0.device == dst0.device:
 

@@ -12,12 +12,13 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
+from .config import coerce_enum
 from .layout import KVLayout
 
 __all__ = ["BlockPool", "Tier", "as_indices", "check_indices", "merge_runs"]
 
 
-class Tier(enum.Enum):
+class Tier(enum.StrEnum):
     """Where a block lives."""
 
     GPU = "gpu"
@@ -28,13 +29,11 @@ class Tier(enum.Enum):
     @classmethod
     def coerce(cls, value: object) -> Tier:
         """Accept a :class:`Tier` or its name/value (``"gpu"``, ``"HOST"``)."""
-        if isinstance(value, Tier):
+        if isinstance(value, Tier):  # the common case first: every copy() coerces two tiers
             return value
-        if isinstance(value, str):
-            try:
-                return cls(value.lower())
-            except ValueError:
-                pass
+        tier = coerce_enum(cls, value)
+        if tier is not None:
+            return tier
         raise ValueError(f"unknown tier {value!r}; use one of {', '.join(t.name for t in cls)}")
 
 

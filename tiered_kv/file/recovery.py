@@ -104,16 +104,23 @@ class _Opener:
         size = HEADER_SIZE + self.num_blocks * self.slot_size
         discarded = False
         existing = os.path.exists(self.path) and os.path.getsize(self.path) > 0
+        rewrite = False
         if existing:
             with open(self.path, "rb") as f:
                 raw = f.read(HEADER_SIZE)
             sb = Superblock.unpack(raw)
             problem = None
             if not any(raw):
-                # A creation that crashed between preallocating and writing the superblock: the superblock is
-                # synced before any slot is written, so nothing is lost by starting over.
-                log.warning("%s has no superblock (its creation was interrupted); creating it again", self.path)
-                existing = False
+                # A zeroed superblock: a creation that crashed between preallocating and writing it (then no slot
+                # was ever written), or damage to a slab whose slots are intact. Either way it is treated as
+                # damage, not as an empty slab (issue 11, finding 7): every slot verifies itself (magic,
+                # checksum, this layout's fingerprint, its own slot number), so the scan below keeps exactly the
+                # verified slots of this layout and the superblock is written again.
+                slots_on_disk = max(0, (os.path.getsize(self.path) - HEADER_SIZE) // self.slot_size)
+                log.warning("%s has a zeroed superblock; keeping the slots that verify (%d on disk) and rewriting it",
+                            self.path, slots_on_disk)
+                sb = Superblock(self._fingerprint, slots_on_disk, self.slot_size, self.payload_bytes, want.layout)
+                rewrite = True
             elif isinstance(sb, str):
                 problem = f"{self.path} is not a tiered_kv slab: {sb}"
             elif sb.fingerprint != self._fingerprint or sb.slot_size != self.slot_size or sb.payload_length != self.payload_bytes:
@@ -150,7 +157,7 @@ class _Opener:
         try:
             assert isinstance(sb, Superblock)
             old_slots = sb.num_slots
-            if old_slots != self.num_blocks:
+            if old_slots != self.num_blocks or rewrite:
                 log.info("%s: resizing from %d to %d slots", self.path, old_slots, self.num_blocks)
                 if old_slots < self.num_blocks:
                     preallocate(fd, size)
@@ -163,7 +170,8 @@ class _Opener:
             os.close(fd)
         scanned, recovered, empty, bad, foreign, stale = counts
         empty += max(0, self.num_blocks - old_slots)
-        return OpenReport(self.path, False, False, "existing", scanned, recovered, empty, bad, foreign, stale, time.perf_counter() - t0)
+        created = rewrite and recovered == 0  # a zeroed superblock over nothing: an interrupted creation
+        return OpenReport(self.path, created, False, "existing", scanned, recovered, empty, bad, foreign, stale, time.perf_counter() - t0)
 
     def _scan(self, fd: int, nslots: int) -> tuple[int, int, int, int, int, int]:
         """Rebuild the index from slot headers (and payloads with ``verify_on_open="full"``)."""

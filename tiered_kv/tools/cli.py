@@ -25,7 +25,7 @@ BENCHMARKS = ["engine", "kernels", "pagetables", "filetier", "cache", "remote"]
 
 
 def _writable_dir(path: str) -> str:
-    """argparse type: an existing directory this process may create files in."""
+    """Argparse type: an existing directory this process may create files in."""
     if not (os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)):
         raise argparse.ArgumentTypeError(f"{path} is not a writable directory")
     return path
@@ -44,100 +44,35 @@ def _run_loop(coro: Any) -> Any:
 
 
 async def _demo(args: argparse.Namespace) -> int:
-    """Replay the seeded multi-turn chat workload through a three-tier TieredKVCache; verify every reused token."""
-    import tempfile
-
-    import torch
+    """A real model (random weights) answers a seeded multi-turn chat through GPU, host and file tiers."""
     from tqdm import tqdm
 
-    from .. import KVLayout, TieredKVCache
-    from .bench.common import percentile, print_table
-    from .workload import ChatWorkload, replay
+    from .demo import DemoConfig, check_outputs, plot_report, print_report, run_demo, write_json
 
-    layout = KVLayout(num_layers=8, num_kv_heads=4, head_dim=64, tokens_per_block=16, dtype=torch.float16)
-    workload = ChatWorkload(seed=args.seed, conversations=args.conversations)
-    turns = list(workload)
-    with tempfile.TemporaryDirectory(prefix="tiered-kv-demo-") as tmp:
-        directory = args.dir or tmp
-        async with TieredKVCache(
-            layout,
-            gpu_blocks=args.gpu_blocks,
-            host_blocks=args.host_blocks,
-            file_blocks=args.file_blocks,
-            file_dir=directory if args.file_blocks else None,
-            device=args.device,
-            remote=args.remote,
-        ) as cache:
-            engine = cache.engine
-            latencies: list[float] = []
-            samples: list[dict[str, Any]] = []
-            t_start = time.perf_counter()
+    check_outputs(args.plot, args.json)  # before a minute of work, not after it
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: no CUDA device here (use --device cpu or auto)")
+    config = DemoConfig(device=args.device, seed=args.seed, conversations=args.conversations, max_new_tokens=args.max_new_tokens,
+                        gpu_blocks=args.gpu_blocks, host_blocks=args.host_blocks, file_blocks=args.file_blocks, directory=args.dir,
+                        remote=args.remote)
+    with tqdm(desc="chat turns through a real model", unit="turn", disable=args.quiet) as bar:
 
-            def observe(turn: Any, admission: Any, seconds: float) -> None:
-                latencies.append(seconds)
-                s = cache.statistics()
-                samples.append({"t": time.perf_counter() - t_start, "in_use": dict(s.blocks.in_use), "cached": dict(s.blocks.cached),
-                                "bytes": dict(s.engine.bytes_by_direction)})
+        def progress(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
 
-            title = f"replaying {len(turns)} turns on {engine.device.kind} ({engine.device.torch_device})"
-            with tqdm(turns, desc=title, unit="turn", disable=args.quiet) as bar:
-                report = await replay(cache, bar, observe=observe)
-            wall = time.perf_counter() - t_start
-            stats = cache.statistics()
-
-        tiers = [t for t in ("gpu", "host", "file") if stats.blocks.capacity.get(t)]
-        print_table(
-            [{"tier": t, "capacity_blocks": stats.blocks.capacity[t], "block_hits": stats.hits.get(t, 0),
-              "evicted_from": sum(v for k, v in stats.evictions.items() if k.startswith(t + "->"))} for t in tiers],
-            f"\n{report.turns} turns, {report.prompt_tokens} prompt tokens, {report.reused_tokens} reused "
-            f"(hit rate {report.hit_rate:.0%}), {report.verified_tokens} reused tokens verified, {report.mismatched_tokens} wrong",
-        )
-        seconds = stats.engine.seconds_by_direction
-        blocks = stats.engine.blocks_by_direction
-        print_table(
-            [{"direction": d, "blocks": blocks.get(d, 0), "MiB": b / 2**20, "avg GB/s over the run": b / wall / 1e9,
-              "mean ms per copy": seconds.get(d, 0.0) / max(1, sum(stats.engine.latency_counts.get(d, ()))) * 1e3}
-             for d, b in sorted(stats.engine.bytes_by_direction.items())],
-            "\nbytes moved per direction",
-        )
-        if stats.remote is not None:
-            _print_remote(stats.remote, stats.hits.get("remote", 0))
-        print(f"\nadd_sequences await latency: p50 {percentile(latencies, 50) * 1e3:.2f} ms, "
-              f"p99 {percentile(latencies, 99) * 1e3:.2f} ms, max {max(latencies) * 1e3:.2f} ms; wall {wall:.1f} s")
-        if args.plot:
-            _plot(samples, tiers, args.plot)
-            print(f"wrote {args.plot}")
+        report = await run_demo(config, progress)
+    print_report(report)
+    if args.plot:
+        plot_report(report, args.plot)
+        print(f"wrote {args.plot}")
+    if args.json:
+        write_json(report, args.json)
+        print(f"wrote {args.json}")
     if report.mismatched_tokens:
-        print(f"error: {report.mismatched_tokens} reused tokens held the wrong bytes", file=sys.stderr)
+        print(f"error: {report.mismatched_tokens} reused tokens' KV differ from a recompute", file=sys.stderr)
         return 1
     return 0
-
-
-def _plot(samples: list[dict[str, Any]], tiers: list[str], path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ValueError("--plot needs matplotlib: pip install 'tiered-kv[examples]'") from None
-    t = [s["t"] for s in samples]
-    fig, (occ, thr) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
-    for tier in tiers:
-        occ.plot(t, [s["in_use"].get(tier, 0) + s["cached"].get(tier, 0) for s in samples], label=f"{tier} occupied")
-    occ.set_ylabel("blocks")
-    occ.legend()
-    directions = sorted({d for s in samples for d in s["bytes"]})
-    for d in directions:
-        moved = [s["bytes"].get(d, 0) for s in samples]
-        rate = [0.0] + [(moved[i] - moved[i - 1]) / max(t[i] - t[i - 1], 1e-9) / 1e9 for i in range(1, len(t))]
-        thr.plot(t, rate, label=d)
-    thr.set_ylabel("GB/s")
-    thr.set_xlabel("seconds")
-    thr.legend()
-    fig.suptitle("tiered-kv demo: tier occupancy and throughput")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 # ------------------------------------------------------------------------------------------ bench
@@ -191,7 +126,7 @@ def _doctor_checks(directory: str) -> list[tuple[str, bool, str, str]]:
     try:
         import uvloop
 
-        checks.append(("uvloop", True, uvloop.__version__, ""))
+        checks.append(("uvloop", True, str(getattr(uvloop, "__version__", "?")), ""))
     except ImportError:
         checks.append(("uvloop", False, "missing", "pip install uvloop (faster event loop)"))
     try:
@@ -213,7 +148,9 @@ def _doctor_checks(directory: str) -> list[tuple[str, bool, str, str]]:
         checks.append(("CUDA extension", False, f"cannot build: no {missing}; the CPU reference ops are used",
                        f"install {missing} for the batched-copy, partial-copy and gather kernels"))
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    fmt = lambda v: "unlimited" if v == resource.RLIM_INFINITY else f"{v / 2**20:.0f} MiB"  # noqa: E731
+    def fmt(v: int) -> str:
+        return "unlimited" if v == resource.RLIM_INFINITY else f"{v / 2**20:.0f} MiB"
+
     checks.append(("pinned memory (ulimit -l)", True, f"soft {fmt(soft)}, hard {fmt(hard)}",
                    "raise `ulimit -l` if pinning the host pool fails"))
     writable = os.path.isdir(directory) and os.access(directory, os.W_OK)
@@ -231,18 +168,6 @@ def _doctor_checks(directory: str) -> list[tuple[str, bool, str, str]]:
         except Exception as exc:
             checks.append(("file tier I/O (TIERED_KV_GDS)", False, str(exc), "use TIERED_KV_GDS=auto or off"))
     return checks
-
-
-def _print_remote(remote: Any, hits: int) -> None:
-    from .bench.common import print_table
-
-    rows = []
-    for what in ("get", "put"):
-        n = remote.batches[what]
-        rows.append({"op": what, "round trips": n, "objects": remote.blocks[what], "MiB": remote.bytes[what] / 2**20,
-                     "mean ms per batch": remote.seconds[what] / n * 1e3 if n else 0.0})
-    print_table(rows, f"\nremote tier {remote.url} ({'available' if remote.available else 'UNAVAILABLE'}): {hits} block hits, "
-                      f"{remote.blocks['miss']} misses, {remote.blocks['bad']} objects failed verification, {remote.errors} errors")
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -273,6 +198,8 @@ async def _soak(args: argparse.Namespace) -> int:
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.cache:
+        return await _cache_soak(args, device)
     config = SoakConfig(ops=args.ops, seed=args.seed, tasks=args.tasks, device=device)
     with tqdm(total=args.ops, unit="op", desc=f"soak seed={args.seed} on {device}", disable=args.quiet) as bar:
         try:
@@ -282,6 +209,32 @@ async def _soak(args: argparse.Namespace) -> int:
             return 1
     print(f"ok: {report.ops} ops, {report.checked_blocks} block checks, {report.cancelled} cancelled waits, "
           f"{report.forgotten} unawaited, {report.stalls} stalls in {report.seconds:.1f} s; close() {report.close_seconds * 1e3:.1f} ms")
+    return 0
+
+
+async def _cache_soak(args: argparse.Namespace, device: str) -> int:
+    import logging
+
+    from tqdm import tqdm
+
+    from .cache_soak import CacheSoakConfig, CacheSoakFailure, cache_soak
+
+    logging.getLogger("tiered_kv").setLevel(logging.ERROR)  # injected faults fail copies by the hundred: expected
+    config = CacheSoakConfig(ops=args.ops, seed=args.seed, tasks=args.tasks, device=device,
+                             min_verified_tokens=args.reused_tokens)
+    total = max(args.reused_tokens, 1)
+    desc = f"cache soak seed={args.seed} on {device}"
+    with tqdm(total=total, unit="tok", desc=desc, disable=args.quiet) as bar:
+        try:
+            report = await cache_soak(config, progress=lambda _n, verified: bar.update(min(verified, total) - bar.n))
+        except CacheSoakFailure as failure:
+            print(f"FAILED: {failure}", file=sys.stderr)
+            return 1
+    hits = ", ".join(f"{t} {n}" for t, n in report.hits.items())
+    print(f"ok: {report.admissions} admissions, {report.verified_tokens} reused tokens verified, {report.wrong_tokens} wrong "
+          f"(hits per tier: {hits}); {report.faults} file faults injected, {report.transfer_errors} admissions failed "
+          f"with TransferError, {report.poisoned} blocks poisoned, {report.cancelled} cancelled, {report.cache_full} "
+          f"retried when full, {report.appended} tokens appended, in {report.seconds:.1f} s")
     return 0
 
 
@@ -317,6 +270,16 @@ def _build_ext(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------ main
 
 
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
+    return value
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -332,15 +295,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="replay a seeded multi-turn chat workload through GPU, host and file tiers; verify every reused token")
+    demo = sub.add_parser("demo", help="a real model (random weights) answers a seeded multi-turn chat through GPU, host and file tiers; "
+                                        "every reused token's KV checked against a recompute; TTFT with vs without the cache")
     demo.add_argument("--device", default="auto", help="auto (CUDA if present, else emulated) | cpu | cuda[:N]")
     demo.add_argument("--dir", type=_writable_dir, help="directory of the file tier (default: a temporary directory, removed afterwards)")
-    demo.add_argument("--conversations", type=_positive, default=48, help="conversations to replay (default: %(default)s)")
-    demo.add_argument("--seed", type=int, default=0, help="workload seed (default: %(default)s)")
-    demo.add_argument("--gpu-blocks", type=_positive, default=128, help="GPU tier blocks (default: %(default)s)")
-    demo.add_argument("--host-blocks", type=_positive, default=256, help="host tier blocks (default: %(default)s)")
-    demo.add_argument("--file-blocks", type=int, default=4096, help="file tier blocks; 0 for none (default: %(default)s)")
-    demo.add_argument("--plot", metavar="FILE.png", help="draw tier occupancy and throughput over time (needs matplotlib)")
+    demo.add_argument("--conversations", type=_positive, default=24, help="conversations to replay (default: %(default)s)")
+    demo.add_argument("--max-new-tokens", type=_positive, default=24, help="longest reply (default: %(default)s)")
+    demo.add_argument("--seed", type=int, default=0, help="workload and weights seed (default: %(default)s)")
+    demo.add_argument("--gpu-blocks", type=_positive, default=80, help="GPU tier blocks of 16 tokens (default: %(default)s)")
+    demo.add_argument("--host-blocks", type=_positive, default=64, help="host tier blocks (default: %(default)s)")
+    demo.add_argument("--file-blocks", type=_non_negative, default=1024, help="file tier blocks; 0 for none (default: %(default)s)")
+    demo.add_argument("--plot", metavar="FILE.png", help="draw hit rate and hits per tier, tier occupancy, TTFT with vs without (needs matplotlib)")
+    demo.add_argument("--json", metavar="FILE.json", help="also write the figures as JSON")
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
     demo.add_argument("--remote", metavar="URL", help="share blocks through a store: redis://host:port/0 or mooncake://host:port")
     demo.set_defaults(func=lambda a: _run_loop(_demo(a)))
@@ -358,6 +324,11 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--tasks", type=_positive, default=16, help="concurrent tasks (default: %(default)s)")
     soak.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     soak.add_argument("--quiet", action="store_true", help="no progress bar")
+    soak.add_argument("--cache", action="store_true",
+                      help="soak the prefix cache over GPU, host and file tiers with file faults; every reused token checked "
+                           "(--ops counts admissions)")
+    soak.add_argument("--reused-tokens", type=int, default=0, metavar="N",
+                      help="with --cache: keep going until N reused tokens were verified (default: %(default)s)")
     soak.set_defaults(func=lambda a: _run_loop(_soak(a)))
 
     crash = sub.add_parser("crash", help="SIGKILL a process spilling to the file tier at random points; reopen and verify every block")
@@ -378,6 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``tiered-kv`` with ``argv``; the exit status (2 for bad input, one line on stderr)."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
