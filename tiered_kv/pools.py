@@ -24,6 +24,7 @@ class Tier(enum.StrEnum):
     GPU = "gpu"
     HOST = "host"
     FILE = "file"
+    REMOTE = "remote"  #: a distributed store (tiered_kv.remote): content-keyed objects, no block indices
 
     @classmethod
     def coerce(cls, value: object) -> Tier:

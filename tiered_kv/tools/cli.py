@@ -21,7 +21,7 @@ from typing import Any
 __all__ = ["main"]
 
 # Benchmarks run by `tiered-kv bench`, in order (modules under tiered_kv.tools.bench).
-BENCHMARKS = ["engine", "kernels", "pagetables", "filetier", "cache", "model"]
+BENCHMARKS = ["engine", "kernels", "pagetables", "filetier", "cache", "remote", "model"]
 
 
 def _writable_dir(path: str) -> str:
@@ -54,7 +54,8 @@ async def _demo(args: argparse.Namespace) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: no CUDA device here (use --device cpu or auto)")
     config = DemoConfig(device=args.device, seed=args.seed, conversations=args.conversations, max_new_tokens=args.max_new_tokens,
-                        gpu_blocks=args.gpu_blocks, host_blocks=args.host_blocks, file_blocks=args.file_blocks, directory=args.dir)
+                        gpu_blocks=args.gpu_blocks, host_blocks=args.host_blocks, file_blocks=args.file_blocks, directory=args.dir,
+                        remote=args.remote)
     with tqdm(desc="chat turns through a real model", unit="turn", disable=args.quiet) as bar:
 
         def progress(done: int, total: int) -> None:
@@ -180,6 +181,10 @@ def _doctor_checks(directory: str) -> list[tuple[str, bool, str, str]]:
 
 def _doctor(args: argparse.Namespace) -> int:
     checks = _doctor_checks(args.dir)
+    if args.remote:
+        from ..remote.doctor import remote_checks
+
+        checks += _run_loop(remote_checks(args.remote))
     width = max(len(c[0]) for c in checks)
     for name, ok, found, fix in checks:
         mark = "ok " if ok else "-- "
@@ -312,6 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--plot", metavar="FILE.png", help="draw hit rate and hits per tier, tier occupancy, TTFT with vs without (needs matplotlib)")
     demo.add_argument("--json", metavar="FILE.json", help="also write the figures as JSON")
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
+    demo.add_argument("--remote", metavar="URL", help="share blocks through a store: redis://host:port/0 or mooncake://host:port")
     demo.set_defaults(func=lambda a: _run_loop(_demo(a)))
 
     bench = sub.add_parser("bench", help="run every benchmark next to its same-run baseline; one table, one JSON")
@@ -346,6 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="report CUDA, kvikio/GDS, pinned-memory limits, uvloop; what to do if missing")
     doctor.add_argument("--dir", default=os.getcwd(), help="directory to check for the file tier (default: cwd)")
     doctor.add_argument("--json", help="also write the checks as JSON")
+    doctor.add_argument("--remote", metavar="URL", help="also probe a remote store: reachability, round trip, bandwidth")
     doctor.set_defaults(func=_doctor)
     return parser
 
