@@ -2,7 +2,8 @@
 
 Primitives (one small interface, two implementations):
 
-* :class:`Stream` -- ``submit(fn)`` enqueues work, ``record()`` returns an :class:`Event`, ``wait(event)``
+* :class:`Stream` -- ``submit(fn)`` enqueues work (``explicit=True``: ``fn`` names the stream itself, by its
+  handle, so the CUDA stream need not be made current around it), ``record()`` returns an :class:`Event`, ``wait(event)``
   makes later work wait for it *without blocking the CPU*, ``notify(cb)`` records an event and calls ``cb``
   from another thread once everything submitted before it has executed (no polling), ``synchronize()``,
   ``close()``.
@@ -57,7 +58,7 @@ class Stream(Protocol):
 
     name: str
 
-    def submit(self, fn: Callback) -> None: ...
+    def submit(self, fn: Callback, *, explicit: bool = False) -> None: ...
 
     def record(self) -> Event: ...
 
@@ -118,7 +119,7 @@ class EmulatedStream:
             except BaseException:
                 log.exception("emulated stream %s: submitted work raised", self.name)
 
-    def submit(self, fn: Callback) -> None:
+    def submit(self, fn: Callback, *, explicit: bool = False) -> None:
         if self._closed:
             raise RuntimeError(f"stream {self.name} is closed")
         self._queue.put(fn)
@@ -260,9 +261,12 @@ class CudaStream:
         first ``notify``)."""
         return "hostfunc" if self._signal is not None else "event"
 
-    def submit(self, fn: Callback) -> None:
+    def submit(self, fn: Callback, *, explicit: bool = False) -> None:
         if self._closed:
             raise RuntimeError(f"stream {self.name} is closed")
+        if explicit:  # fn enqueues on this stream by its handle: skip making it the current stream
+            fn()
+            return
         with torch.cuda.stream(self.torch_stream):
             fn()
 

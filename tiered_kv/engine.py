@@ -11,7 +11,8 @@ Routes, by ``(source tier, destination tier)``: GPU->HOST on the *offload* strea
 host threads, anything to or from FILE off-stream through :mod:`tiered_kv.filetier` (its GPU legs on the
 offload/onboard streams). Every op first waits for its fences (:mod:`tiered_kv.fences`): stream-side (``wait_event``,
 no CPU block, no GPU bubble) when the dependency is a stream op already enqueued, otherwise on the loop.
-Completion reaches the loop through a waiter thread per stream and ``call_soon_threadsafe`` (no polling).
+Completion reaches the loop through a waiter thread per stream and ``call_soon_threadsafe`` (no polling),
+batched by :class:`~tiered_kv.completions.CompletionInbox`: completions that arrive together wake the loop once.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .completions import CompletionInbox
 from .config import EngineConfig
 from .copyops import Copier
 from .device import Device, Stream, resolve_device
@@ -37,7 +39,7 @@ from .fences import FenceStatistics, FenceTable, Marker
 from .filetier import FileTier, FileTierConfig
 from .layer_major import LayerMajorPool
 from .layout import KVLayout
-from .pools import BlockPool, Tier, as_indices
+from .pools import BlockPool, Tier, as_indices, small_pairs
 
 __all__ = ["LATENCY_BUCKETS", "EngineStatistics", "Transfer", "TransferEngine", "TransferResult"]
 
@@ -283,6 +285,7 @@ class TransferEngine:
         self._meta: dict[Marker, tuple[str, int, int, float]] = {}  # in-flight marker -> (direction, bytes, blocks, submitted at)
         self._deferred: set[asyncio.Task[None]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._inbox: CompletionInbox[Marker] | None = None
         self._closing = False
         self._closed = False
         self._submitted = self._completed = self._failed = 0
@@ -339,6 +342,7 @@ class TransferEngine:
             raise RuntimeError("TransferEngine must be used from a coroutine running on an event loop") from None
         if self._loop is None:
             self._loop = loop
+            self._inbox = CompletionInbox(loop, self._complete)  # completions arriving together: one wake-up
         elif self._loop is not loop:
             raise RuntimeError("TransferEngine is bound to another event loop; use one engine per loop")
         return loop
@@ -461,23 +465,16 @@ class TransferEngine:
         src_pool, dst_pool = self.pool(src_t), self.pool(dst_t)
         if (src_t, dst_t) not in _ROUTES:
             raise ValueError(f"copies from {src_t.value} to {dst_t.value} are not supported by this engine")
-        s = as_indices(src_indices, "source indices")
-        d = as_indices(dst_indices, "destination indices")
-        if s.size != d.size:
-            raise ValueError(f"got {s.size} source indices and {d.size} destination indices; they must pair up")
-        src_pool.check(s, "source indices")
-        dst_pool.check(d, "destination indices")
-        s_list, d_list = s.tolist(), d.tolist()
-        if len(set(d_list)) != len(d_list):
-            values, counts = np.unique(d, return_counts=True)
-            raise ValueError(f"destination indices contain duplicates: {values[counts > 1][:8].tolist()}")
-        if src_pool is dst_pool and s.size:
-            both = sorted(set(s_list).intersection(d_list))
-            if both:
-                raise ValueError(f"blocks {both[:8]} are both a source and a destination of one copy")
+        to_file = Tier.FILE in (src_t, dst_t)
+        small = None if to_file else small_pairs(src_indices, dst_indices, src_pool.num_blocks, dst_pool.num_blocks, src_pool is dst_pool)
+        if small is not None:  # the per-call fast path: valid small int lists, no numpy
+            s_list, d_list = small
+            s = d = None
+        else:
+            s, d, s_list, d_list = self._check_indices(src_pool, src_indices, dst_pool, dst_indices)
         n = self._check_tokens(num_tokens)
         file_keys = None
-        if Tier.FILE in (src_t, dst_t):
+        if to_file:
             assert self._file is not None
             file_keys = self._file.validate(src_t, s, dst_t, d, num_tokens, keys)  # type: ignore[arg-type]
         elif keys is not None:
@@ -487,9 +484,10 @@ class TransferEngine:
         lane_name = _ROUTES[(src_t, dst_t)]
         lane = self._streams[lane_name] if lane_name is not None else None
         marker = Marker(lane)
-        transfer = Transfer(marker, src_t, dst_t, int(s.size), int(s.size) * per_block)
+        count = len(s_list)
+        transfer = Transfer(marker, src_t, dst_t, count, count * per_block)
         self._submitted += 1
-        if s.size == 0:
+        if count == 0:
             marker.complete()
             self._completed += 1
             return transfer
@@ -497,11 +495,11 @@ class TransferEngine:
         reads = [(src_pool.name, s_list)]
         writes = [(dst_pool.name, d_list)]
         deps = self._fences.dependencies(reads, writes)
-        if Tier.FILE in (src_t, dst_t):
-            assert self._file is not None
+        if to_file:
+            assert self._file is not None and s is not None and d is not None
             op: Op = self._file.copy_op(src_t, src_pool, s, dst_t, dst_pool, d, file_keys, self._streams, self.copier)  # type: ignore
         else:
-            op = self._block_copy_op(src_pool, s, dst_pool, d, n)
+            op = self._block_copy_op(src_pool, s_list if s is None else s, dst_pool, d_list if d is None else d, n)
         stream_deps: list[Marker] = []
         loop_deps: list[Marker] = []
         for dep in deps:
@@ -521,6 +519,27 @@ class TransferEngine:
         self._meta[marker] = (f"{src_t.value}->{dst_t.value}", transfer.nbytes, transfer.num_blocks, transfer.submitted_at)
         return transfer
 
+    @staticmethod
+    def _check_indices(
+        src_pool: BlockPool | LayerMajorPool, src_indices: Indices, dst_pool: BlockPool | LayerMajorPool, dst_indices: Indices
+    ) -> tuple[np.ndarray, np.ndarray, list[int], list[int]]:
+        """The general index checks (any iterable, numpy or CPU tensor), with the descriptive errors."""
+        s = as_indices(src_indices, "source indices")
+        d = as_indices(dst_indices, "destination indices")
+        if s.size != d.size:
+            raise ValueError(f"got {s.size} source indices and {d.size} destination indices; they must pair up")
+        src_pool.check(s, "source indices")
+        dst_pool.check(d, "destination indices")
+        s_list, d_list = s.tolist(), d.tolist()
+        if len(set(d_list)) != len(d_list):
+            values, counts = np.unique(d, return_counts=True)
+            raise ValueError(f"destination indices contain duplicates: {values[counts > 1][:8].tolist()}")
+        if src_pool is dst_pool and s.size:
+            both = sorted(set(s_list).intersection(d_list))
+            if both:
+                raise ValueError(f"blocks {both[:8]} are both a source and a destination of one copy")
+        return s, d, s_list, d_list
+
     def _check_tokens(self, num_tokens: int | None) -> int | None:
         if num_tokens is None:
             return None
@@ -535,15 +554,12 @@ class TransferEngine:
 
     def _enqueue(self, marker: Marker, op: Op, stream_deps: list[Marker]) -> None:
         """Put ``op`` on its lane behind ``stream_deps``; its completion calls :meth:`_complete` on the loop."""
-        loop = self._loop
-        assert loop is not None
+        inbox = self._inbox
+        assert inbox is not None
 
         def finished() -> None:  # device waiter / worker / host thread
             marker.done_at = time.perf_counter()
-            try:
-                loop.call_soon_threadsafe(self._complete, marker)
-            except RuntimeError:  # the loop is closed: nobody is left to tell
-                log.debug("transfer completed after its event loop closed")
+            inbox.post(marker)
 
         def run() -> None:
             try:
@@ -578,7 +594,7 @@ class TransferEngine:
             lane.wait(dep.event)
         marker.after = stream_deps
         self._fences.stream_waits += len(stream_deps)
-        lane.submit(run)
+        lane.submit(run, explicit=getattr(op, "explicit_stream", False))
         marker.event = lane.notify(finished)
 
     async def _enqueue_after(self, marker: Marker, op: Op, stream_deps: list[Marker], loop_deps: list[Marker]) -> None:
@@ -628,10 +644,11 @@ class TransferEngine:
             counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
         marker.complete()
 
-    def _block_copy_op(self, src_pool: BlockPool | LayerMajorPool, s: np.ndarray, dst_pool: BlockPool | LayerMajorPool,
-                       d: np.ndarray, n: int | None) -> Op:
+    def _block_copy_op(self, src_pool: BlockPool | LayerMajorPool, s: np.ndarray | list[int],
+                       dst_pool: BlockPool | LayerMajorPool, d: np.ndarray | list[int], n: int | None) -> Op:
         """The op of one copy call: DMA or the copy kernel, chosen per call by :mod:`tiered_kv.copyops`."""
-        return self.copier.build(src_pool, s, dst_pool, d, n)
+        lane_name = _ROUTES[(src_pool.tier, dst_pool.tier)]
+        return self.copier.build(src_pool, s, dst_pool, d, n, stream=self._streams[lane_name] if lane_name else None)
 
     # ------------------------------------------------------------------------------------ compute sync
 

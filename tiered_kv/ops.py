@@ -8,6 +8,9 @@ Primitives (namespace ``torch.ops.tiered_kv``):
   between pools that are block-major (one tensor ``[N, layers, kv, heads, tokens, head_dim]``) or
   layer-major (one tensor per layer ``[N, kv, heads, tokens, head_dim]``, or per layer and K/V
   ``[N, heads, tokens, head_dim]``), by a copy kernel or by DMA.
+* ``copy_blocks_list`` -- the same copy with int-list indices and an explicit raw stream handle: the engine's
+  per-call path (:class:`tiered_kv.copyops.Copier`), with no index tensors per call; on CUDA, small copies pass
+  bases and indices in the kernel's parameters.
 * :func:`copy_chunks` -- many ``(src tensor, src byte offset, dst tensor, dst byte offset, nbytes)`` chunks
   in one call, any alignment, by a copy kernel or by DMA.
 
@@ -53,6 +56,12 @@ _lib.define(
 )
 _lib.define("copy_blocks(Tensor(a!)[] dst, Tensor[] src, Tensor src_blocks, Tensor dst_blocks, int num_tokens, int method) -> ()")
 _lib.define("copy_chunks(Tensor(a!)[] dst, Tensor[] src, Tensor chunks, int method) -> ()")
+# The engine's per-call path: indices as int lists (no index tensors per call), an explicit raw stream handle
+# (0 = the current stream); the CUDA version checks the indices against both pools and launches in one call.
+_lib.define(
+    "copy_blocks_list(Tensor(a!)[] dst, Tensor[] src, int[] src_blocks, int[] dst_blocks, int num_tokens, int method, "
+    "int stream) -> ()"
+)
 
 _COPY_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.uint8)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -127,6 +136,20 @@ def _copy_blocks_ref(
         dg[d, :, :width] = sg[s, :, :width].to(dg.device)
 
 
+def _copy_blocks_list_ref(
+    dst: list[torch.Tensor], src: list[torch.Tensor], src_blocks: list[int], dst_blocks: list[int], num_tokens: int,
+    method: int, stream: int,
+) -> None:
+    if len(src_blocks) != len(dst_blocks):
+        raise ValueError(f"copy_blocks_list: {len(src_blocks)} source and {len(dst_blocks)} destination blocks")
+    for name, blocks, limit in (("src_blocks", src_blocks, src[0].shape[0]), ("dst_blocks", dst_blocks, dst[0].shape[0])):
+        if blocks and (min(blocks) < 0 or max(blocks) >= limit):
+            raise ValueError(f"copy_blocks_list: {name} holds an index out of range for a pool of {limit} blocks")
+    s = torch.tensor(src_blocks, dtype=torch.int64)
+    d = torch.tensor(dst_blocks, dtype=torch.int64)
+    _copy_blocks_ref(dst, src, s, d, num_tokens, method)
+
+
 def _byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1).view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
 
@@ -153,6 +176,7 @@ def _copy_chunks_ref(dst: list[torch.Tensor], src: list[torch.Tensor], chunks: t
 _lib.impl("gather_block_offsets", _gather_block_offsets_ref, "CPU")
 _lib.impl("copy_blocks", _copy_blocks_ref, "CPU")
 _lib.impl("copy_chunks", _copy_chunks_ref, "CPU")
+_lib.impl("copy_blocks_list", _copy_blocks_list_ref, "CPU")
 
 
 @torch.library.register_fake("tiered_kv::gather_block_offsets", lib=_lib)
@@ -162,6 +186,11 @@ def _gather_fake(dst, src, idx, scale, v_offset, max_blocks, sentinel) -> None:
 
 @torch.library.register_fake("tiered_kv::copy_blocks", lib=_lib)
 def _copy_blocks_fake(dst, src, src_blocks, dst_blocks, num_tokens, method) -> None:
+    return None
+
+
+@torch.library.register_fake("tiered_kv::copy_blocks_list", lib=_lib)
+def _copy_blocks_list_fake(dst, src, src_blocks, dst_blocks, num_tokens, method, stream) -> None:
     return None
 
 
