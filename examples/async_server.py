@@ -2,7 +2,7 @@
 
 The "model" is a stand-in: prefill sleeps in proportion to the prompt tokens the cache could not reuse,
 each decode step sleeps a fixed time, and the KV content written for every computed token is the
-deterministic pattern of :mod:`tiered_kv.workload`, so every reused token is verified on the way in.
+deterministic pattern of :mod:`tiered_kv.tools.workload`, so every reused token is verified on the way in.
 
 Run it (binds 127.0.0.1 by default) and drive it with ``examples/load_client.py``::
 
@@ -32,7 +32,7 @@ import torch
 from aiohttp import web
 
 from tiered_kv import CacheFullError, KVLayout, Request, TieredKVCache
-from tiered_kv.workload import verify_expected, write_expected
+from tiered_kv.tools.workload import verify_expected, write_expected
 
 log = logging.getLogger("tiered_kv.examples.server")
 T = TypeVar("T")

@@ -16,7 +16,7 @@ import time
 
 import aiohttp
 
-from tiered_kv.workload import ChatWorkload
+from tiered_kv.tools.workload import ChatWorkload
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

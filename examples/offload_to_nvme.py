@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from tiered_kv import KVLayout, Tier, TransferEngine
-from tiered_kv.bench.common import print_table
+from tiered_kv.tools.bench.common import print_table
 from tiered_kv.testing import fill_random
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tiered_kv.bench import kernels
+from tiered_kv.tools.bench import kernels
 
 
 @pytest.mark.timeout(300)

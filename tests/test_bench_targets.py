@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from tiered_kv.bench.targets import SCHEMA, Target, compare, finalize, row_id, target_for
+from tiered_kv.tools.bench.targets import SCHEMA, Target, compare, finalize, row_id, target_for
 
 
 def _payload(ratio: float, wake: float) -> dict:

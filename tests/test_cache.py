@@ -17,7 +17,7 @@ from tiered_kv import KVLayout, Tier
 from tiered_kv.blocks import CacheFullError, Request
 from tiered_kv.cache import TieredKVCache
 from tiered_kv.keys import KeyHasher
-from tiered_kv.workload import ChatWorkload, replay, verify_expected, write_expected
+from tiered_kv.tools.workload import ChatWorkload, replay, verify_expected, write_expected
 
 TPB = 4
 
@@ -480,7 +480,7 @@ def test_keys_are_salted_by_layout_and_model(small: KVLayout) -> None:
 def test_benchmark_quick_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
     import json
 
-    from tiered_kv.bench import cache as bench
+    from tiered_kv.tools.bench import cache as bench
 
     assert bench.main(["--quick", "--device", "cpu", "--json", str(tmp_path / "b.json")]) == 0
     rows = json.loads((tmp_path / "b.json").read_text())["rows"]

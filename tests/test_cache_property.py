@@ -22,7 +22,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from tiered_kv import KVLayout, Tier, TransferEngine
 from tiered_kv.blocks import CacheFullError, Request
 from tiered_kv.cache import TieredKVCache
-from tiered_kv.workload import verify_expected, write_expected
+from tiered_kv.tools.workload import verify_expected, write_expected
 
 TPB = 2
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, tokens_per_block=TPB, dtype=torch.float16)

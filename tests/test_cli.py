@@ -99,3 +99,19 @@ def test_bad_flags_are_one_line_errors(args, message):
 def test_help():
     r = tkv("--help")
     assert r.returncode == 0 and "demo" in r.stdout and "bench" in r.stdout and "doctor" in r.stdout
+
+
+def test_help_does_not_import_torch():
+    """`tiered-kv --help` answers without loading torch (or any heavy module); a library name loads it on use."""
+    code = (
+        "import sys, contextlib, io\n"
+        "from tiered_kv.tools.cli import main\n"
+        "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        "    main(['--help'])\n"
+        "assert 'torch' not in sys.modules, 'torch imported by --help'\n"
+        "import tiered_kv\n"
+        "assert 'torch' not in sys.modules, 'torch imported by import tiered_kv'\n"
+        "assert tiered_kv.KVLayout.__name__ == 'KVLayout' and 'torch' in sys.modules\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=ENV)
+    assert r.returncode == 0, r.stderr

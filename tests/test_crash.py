@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tiered_kv.crash import CRASH_LAYOUT, _Log, block_content, crash_once, run_crash_test
+from tiered_kv.tools.crash import CRASH_LAYOUT, _Log, block_content, crash_once, run_crash_test
 from tiered_kv.filetier import _FileOp
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tiered_kv import FenceTable
-from tiered_kv.soak import SoakConfig, SoakFailure, generate_ops, soak
+from tiered_kv.tools.soak import SoakConfig, SoakFailure, generate_ops, soak
 
 
 async def test_soak_20k_ops_emulated():
@@ -39,7 +39,7 @@ async def test_soak_catches_missing_fences_and_prints_a_reproducer(monkeypatch):
 
 
 async def test_ten_thousand_tasks_awaiting_at_once():
-    from tiered_kv.soak import load
+    from tiered_kv.tools.soak import load
 
     report = await load(10_000)
     print(report)

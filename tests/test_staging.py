@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tiered_kv import resolve_device
-from tiered_kv.bench import pagetables
+from tiered_kv.tools.bench import pagetables
 from tiered_kv.device import Device, Stream
 from tiered_kv.staging import (
     NO_BLOCK,

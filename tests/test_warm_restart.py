@@ -9,7 +9,7 @@ import torch
 from tiered_kv import KVLayout, TieredKVCache
 from tiered_kv.errors import LayoutMismatchError
 from tiered_kv.pools import Tier
-from tiered_kv.workload import ChatWorkload, replay
+from tiered_kv.tools.workload import ChatWorkload, replay
 
 TPB = 4
 

@@ -1,6 +1,8 @@
 """tiered_kv: awaitable, fenced transfers of LLM KV-cache blocks between GPU, pinned host DRAM and NVMe files."""
 
+import importlib
 import os as _os
+from typing import TYPE_CHECKING, Any
 
 # `backends/` sits beside this package in the repository and is installed as tiered_kv.backends. When the
 # package is imported straight from a checkout (PYTHONPATH=., or `python -m tiered_kv` in the repo root)
@@ -9,19 +11,61 @@ _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
 if not _os.path.isdir(_os.path.join(__path__[0], "backends")) and _os.path.isfile(_os.path.join(_root, "backends", "__init__.py")):
     __path__.append(_root)
 
-from .blocks import Admission, BlockManager, CacheFullError, Request
-from .cache import CacheStatistics, TieredKVCache
-from .config import EngineConfig
-from .device import Device, resolve_device
-from .engine import EngineStatistics, Transfer, TransferEngine, TransferResult
-from .errors import BackendUnavailable, EngineClosedError, IntegrityError, LayoutMismatchError, SlabInUseError, TieredKVError, TransferError
-from .fences import FenceStatistics, FenceTable
-from .filetier import Durability, FileTier, FileTierConfig, FileTierStatistics, OpenReport
-from .keys import KeyHasher
-from .layer_major import LayerMajorPool
-from .layout import FORMAT_VERSION, KVLayout
-from .pools import BlockPool, Tier
-from .staging import NO_BLOCK, BlockOffsetTable, StagingPool, copy_batch_block_offsets
+if TYPE_CHECKING:
+    from .blocks import Admission, BlockManager, CacheFullError, Request
+    from .cache import CacheStatistics, TieredKVCache
+    from .config import EngineConfig
+    from .device import Device, resolve_device
+    from .engine import EngineStatistics, Transfer, TransferEngine, TransferResult
+    from .errors import BackendUnavailable, EngineClosedError, IntegrityError, LayoutMismatchError, SlabInUseError, TieredKVError, TransferError
+    from .fences import FenceStatistics, FenceTable
+    from .filetier import Durability, FileTier, FileTierConfig, FileTierStatistics, OpenReport
+    from .keys import KeyHasher
+    from .layer_major import LayerMajorPool
+    from .layout import FORMAT_VERSION, KVLayout
+    from .pools import BlockPool, Tier
+    from .staging import NO_BLOCK, BlockOffsetTable, StagingPool, copy_batch_block_offsets
+
+# Names resolve on first use (PEP 562), so that `import tiered_kv` -- and `tiered-kv --help` -- does not load torch.
+_EXPORTS: dict[str, str] = {
+    "Admission": "blocks",
+    "BackendUnavailable": "errors",
+    "BlockManager": "blocks",
+    "BlockOffsetTable": "staging",
+    "BlockPool": "pools",
+    "CacheFullError": "blocks",
+    "CacheStatistics": "cache",
+    "Device": "device",
+    "Durability": "filetier",
+    "EngineClosedError": "errors",
+    "EngineConfig": "config",
+    "EngineStatistics": "engine",
+    "FORMAT_VERSION": "layout",
+    "FenceStatistics": "fences",
+    "FenceTable": "fences",
+    "FileTier": "filetier",
+    "FileTierConfig": "filetier",
+    "FileTierStatistics": "filetier",
+    "IntegrityError": "errors",
+    "KVLayout": "layout",
+    "KeyHasher": "keys",
+    "LayerMajorPool": "layer_major",
+    "LayoutMismatchError": "errors",
+    "NO_BLOCK": "staging",
+    "OpenReport": "filetier",
+    "Request": "blocks",
+    "SlabInUseError": "errors",
+    "StagingPool": "staging",
+    "Tier": "pools",
+    "TieredKVCache": "cache",
+    "TieredKVError": "errors",
+    "Transfer": "engine",
+    "TransferEngine": "engine",
+    "TransferError": "errors",
+    "TransferResult": "engine",
+    "copy_batch_block_offsets": "staging",
+    "resolve_device": "device",
+}
 
 __all__ = [
     "FORMAT_VERSION",
@@ -64,3 +108,16 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tiered_kv' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -12,7 +12,7 @@ block's parent is the root key. So a key names one exact prefix (every token bef
 block's own tokens) under one model and one layout: two models, two dtypes or two block sizes never share
 a key. The token count is hashed too, so a *partial* block (fewer than ``tokens_per_block`` tokens) never
 collides with a full one, and ``block_key(parent, tokens[:j + 1])`` names the prefix that ends at token
-``j`` -- what :mod:`tiered_kv.workload` derives deterministic per-token content from.
+``j`` -- what :mod:`tiered_kv.tools.workload` derives deterministic per-token content from.
 """
 
 from __future__ import annotations

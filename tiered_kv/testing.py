@@ -12,19 +12,18 @@ On CUDA a stall is ``torch.cuda._sleep`` on the stream (calibrated to seconds); 
 is a sleeping op on the stream's worker thread. Either way the CPU and the event loop are not blocked.
 
 File-tier faults (ENOSPC on the k-th write, EIO, short reads/writes, stalls): :class:`FaultyBackend`.
-Crash consistency of the file tier (SIGKILL a spilling child, reopen, verify): :func:`run_crash_test`
-(:mod:`tiered_kv.crash`).
+Crash consistency of the file tier (SIGKILL a spilling child, reopen, verify) is a tool, not imported here:
+``tiered_kv.tools.crash.run_crash_test``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .crash import CrashReport, run_crash_test
 from .device import Device, Stream, stall_op
 from .faults import FaultyBackend
 
-__all__ = ["CrashReport", "FaultyBackend", "assert_blocks_equal", "fill_random", "run_crash_test", "stall"]
+__all__ = ["FaultyBackend", "assert_blocks_equal", "fill_random", "stall"]
 
 
 def stall(stream: Stream | torch.cuda.Stream, seconds: float) -> None:

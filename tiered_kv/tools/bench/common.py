@@ -1,6 +1,6 @@
 """What every benchmark shares: machine facts, timing, a printed table and a JSON file.
 
-Convention: each benchmark module ``tiered_kv.bench.<name>`` has ``run(quick: bool, device: str) -> dict``
+Convention: each benchmark module ``tiered_kv.tools.bench.<name>`` has ``run(quick: bool, device: str) -> dict``
 returning ``{"name", "machine", "rows": [...], "notes": [...]}`` (rows are flat dicts; every row that is a
 measurement of ours carries its same-run baseline and the ratio), and ``main(argv)`` that runs it, prints
 the table and writes the JSON. ``tiered-kv bench`` runs them all into one table and one file.
@@ -114,7 +114,7 @@ def write_json(path: str, payload: dict[str, Any]) -> None:
 
 def bench_main(name: str, run: Callable[[bool, str], dict[str, Any]], argv: Sequence[str] | None = None) -> int:
     """Standard command line of one benchmark module: ``--quick``, ``--device``, ``--json``."""
-    parser = argparse.ArgumentParser(prog=f"python -m tiered_kv.bench.{name}", description=f"tiered_kv {name} benchmark")
+    parser = argparse.ArgumentParser(prog=f"python -m tiered_kv.tools.bench.{name}", description=f"tiered_kv {name} benchmark")
     parser.add_argument("--quick", action="store_true", help="CPU-sized run (seconds, not minutes)")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default: auto)")
     parser.add_argument("--json", default=f"bench-{name}.json", help="where to write the JSON (default: %(default)s)")

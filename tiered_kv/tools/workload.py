@@ -31,13 +31,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from .keys import ContentKey, KeyHasher
-from .layout import KVLayout
-from .pools import Tier
+from ..keys import ContentKey, KeyHasher
+from ..layout import KVLayout
+from ..pools import Tier
 
 if TYPE_CHECKING:
-    from .blocks import Admission
-    from .cache import TieredKVCache
+    from ..blocks import Admission
+    from ..cache import TieredKVCache
 
 __all__ = [
     "ChatTurn",

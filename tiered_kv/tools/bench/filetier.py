@@ -12,7 +12,7 @@ Rows, each next to a baseline measured in the same run, on the same directory:
 * ``reopen``: opening a file tier of 65,536 slots (4 KiB blocks) and rebuilding its index from the slot
   headers, next to a bare sequential read of the same file (what the scan cannot beat).
 
-Run: ``python -m tiered_kv.bench.filetier [--quick] [--device cpu|cuda] [--dir D] [--json F]``.
+Run: ``python -m tiered_kv.tools.bench.filetier [--quick] [--device cpu|cuda] [--dir D] [--json F]``.
 The directory defaults to ``TIERED_KV_BENCH_DIR`` or a new temporary directory (removed afterwards). Disk
 figures vary run to run; only the same-run ratios mean something.
 """
@@ -32,11 +32,11 @@ from typing import Any
 
 import torch
 
-from ..backends.posix import DIRECT_ALIGN, aligned_empty, direct_io_supported
-from ..engine import TransferEngine
-from ..filetier import FileTier, FileTierConfig
-from ..layout import KVLayout
-from ..pools import Tier
+from ...backends.posix import DIRECT_ALIGN, aligned_empty, direct_io_supported
+from ...engine import TransferEngine
+from ...filetier import FileTier, FileTierConfig
+from ...layout import KVLayout
+from ...pools import Tier
 from .common import bench_main, machine_info
 
 THREADS = 4
@@ -173,7 +173,7 @@ def run(quick: bool = False, device: str = "auto", directory: str | None = None)
     rows: list[dict[str, Any]] = []
     notes: list[str] = []
     try:
-        from ..backends.gds import select_backend
+        from ...backends.gds import select_backend
 
         backends = ["off"]
         kind, probe = select_backend("auto")

@@ -10,7 +10,7 @@ for the staged path and, in the same run, the seed's racy in-place path (one per
 index buffer reused by every call), plus a bare device-to-device copy of the same bytes. Targets: staged
 host time <= 1.2x the racy path's; gather mode's device time within 2x of the device-to-device copy.
 
-Run: ``python -m tiered_kv.bench.pagetables [--quick] [--device cpu|cuda] [--json F]``.
+Run: ``python -m tiered_kv.tools.bench.pagetables [--quick] [--device cpu|cuda] [--json F]``.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import _ext
-from ..device import CudaStream, Device, Stream, resolve_device
-from ..staging import BlockOffsetTable, Mode
+from ... import _ext
+from ...device import CudaStream, Device, Stream, resolve_device
+from ...staging import BlockOffsetTable, Mode
 from .common import bench_main, machine_info
 
 __all__ = ["main", "run"]

@@ -18,7 +18,7 @@ Rows, each next to a baseline measured in the same run:
 With ``--quick`` on a machine without CUDA every row runs the CPU reference on the emulated device, with
 small sizes, and is labelled ``emulated``: it proves the program runs, not how fast a GPU is.
 
-Run: ``python -m tiered_kv.bench.kernels [--quick] [--device cpu|cuda] [--json F]``.
+Run: ``python -m tiered_kv.tools.bench.kernels [--quick] [--device cpu|cuda] [--json F]``.
 """
 
 from __future__ import annotations
@@ -33,13 +33,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import _ext, ops
-from ..config import EngineConfig
-from ..engine import TransferEngine
-from ..layer_major import LayerMajorPool
-from ..layout import KVLayout
-from ..pools import BlockPool, Tier
-from ..testing import fill_random
+from ... import _ext, ops
+from ...config import EngineConfig
+from ...engine import TransferEngine
+from ...layer_major import LayerMajorPool
+from ...layout import KVLayout
+from ...pools import BlockPool, Tier
+from ...testing import fill_random
 from .common import bench_main, machine_info
 
 __all__ = ["main", "run"]

@@ -14,7 +14,7 @@ Rows, each next to a baseline measured in the same run:
   indices), and both directions at once, next to one contiguous pinned copy of the same bytes (and two at
   once). Targets on an H200/H100: >= 0.95x each direction, >= 0.9x both at once.
 
-Run: ``python -m tiered_kv.bench.engine [--quick] [--device cpu|cuda] [--json F]``.
+Run: ``python -m tiered_kv.tools.bench.engine [--quick] [--device cpu|cuda] [--json F]``.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..engine import TransferEngine
-from ..layout import KVLayout
-from ..pools import Tier
+from ...engine import TransferEngine
+from ...layout import KVLayout
+from ...pools import Tier
 from .common import bench_main, machine_info, percentile
 
 try:

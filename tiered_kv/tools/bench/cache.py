@@ -1,6 +1,6 @@
 """Block manager and TieredKVCache benchmark: lookup + claim cost, batch admission, a replayed chat workload.
 
-``python -m tiered_kv.bench.cache [--quick] [--device auto|cpu|cuda] [--json F]``
+``python -m tiered_kv.tools.bench.cache [--quick] [--device auto|cpu|cuda] [--json F]``
 
 Rows:
 
@@ -11,7 +11,7 @@ Rows:
 * ``add_sequences``: 256 requests x 4k tokens in one batch (32 x 1k in --quick) sharing a system prompt
   whose blocks partly sit on the host, host pool full. Two-phase (ours) against the one-phase order (the
   baseline of seed 001) and against no reuse at all: wall time, tokens reused vs planned.
-* ``chat``: the seeded :class:`~tiered_kv.workload.ChatWorkload` replayed with GPU only, GPU + host, and
+* ``chat``: the seeded :class:`~tiered_kv.tools.workload.ChatWorkload` replayed with GPU only, GPU + host, and
   GPU + host + file when this build has a file tier: hit rate, hits per tier, bytes moved per direction,
   time spent in ``add_sequences`` (lookup + bringing blocks back) next to a recompute-time proxy.
 
@@ -31,11 +31,11 @@ import numpy as np
 import torch
 import xxhash
 
-from ..blocks import BlockManager
-from ..cache import TieredKVCache
-from ..keys import KeyHasher
-from ..layout import KVLayout
-from ..pools import Tier
+from ...blocks import BlockManager
+from ...cache import TieredKVCache
+from ...keys import KeyHasher
+from ...layout import KVLayout
+from ...pools import Tier
 from ..workload import ChatWorkload, replay
 from .common import bench_main, machine_info, timeit
 

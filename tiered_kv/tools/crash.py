@@ -1,6 +1,6 @@
 """Crash consistency of the file tier: SIGKILL a process while it spills, reopen the slab, check every block.
 
-A child process (``python -m tiered_kv.crash --child ...``) runs a :class:`~tiered_kv.TransferEngine` on the
+A child process (``python -m tiered_kv.tools.crash --child ...``) runs a :class:`~tiered_kv.TransferEngine` on the
 emulated device with a file tier and spills blocks HOST->FILE and GPU->FILE, a few transfers at a time, with
 content keys. Each block's content is a pure function of its key (:func:`block_content`), so the parent can
 check it without the writer. Before issuing a copy the child reports ``BEGIN`` (the slots it claims and their
@@ -42,9 +42,9 @@ import numpy as np
 import torch
 import xxhash
 
-from .errors import TransferError
-from .layout import KVLayout
-from .pools import Tier
+from ..errors import TransferError
+from ..layout import KVLayout
+from ..pools import Tier
 
 __all__ = ["CRASH_LAYOUT", "CrashReport", "CrashRun", "block_content", "crash_once", "run_crash_test", "verify_reopen"]
 
@@ -135,8 +135,8 @@ class CrashReport:
 
 
 async def _child(directory: str, seed: int, durability: str, file_blocks: int, max_steps: int) -> None:
-    from .engine import TransferEngine
-    from .filetier import FileTierConfig
+    from ..engine import TransferEngine
+    from ..filetier import FileTierConfig
 
     layout = CRASH_LAYOUT
     rng = random.Random(seed)
@@ -246,7 +246,7 @@ class _Log:
 
 def _tear(path: str, slot_size: int, slots: Iterable[int], rng: random.Random) -> None:
     """Overwrite part of each slot's header or payload with random bytes (a torn / half-lost write)."""
-    from .slab import HEADER_SIZE
+    from ..slab import HEADER_SIZE
 
     with open(path, "r+b") as f:
         for slot in slots:
@@ -282,8 +282,8 @@ async def verify_reopen(directory: str, file_blocks: int, log_begun: set[str], p
 
     Cancellation: the engine is closed; nothing is left.
     """
-    from .engine import TransferEngine
-    from .filetier import FileTierConfig
+    from ..engine import TransferEngine
+    from ..filetier import FileTierConfig
 
     layout = CRASH_LAYOUT
     cfg = FileTierConfig(directory, file_blocks, verify_on_open=verify_on_open, io_threads=2, staging_blocks=2)
@@ -338,7 +338,7 @@ def crash_once(directory: str | os.PathLike[str], seed: int, *, durability: str 
     rng = random.Random(seed * 7919 + 17)
     kill_after = rng.randint(0, max_kill_after)
     delay = rng.uniform(0.0, 0.02)
-    cmd = [sys.executable, "-m", "tiered_kv.crash", "--child", directory, "--seed", str(seed),
+    cmd = [sys.executable, "-m", "tiered_kv.tools.crash", "--child", directory, "--seed", str(seed),
            "--durability", durability, "--file-blocks", str(file_blocks)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -375,7 +375,7 @@ def crash_once(directory: str | os.PathLike[str], seed: int, *, durability: str 
     torn_slots: list[int] = []
     torn_in_flight: list[int] = []
     if tear:
-        from .slab import HEADER_SIZE, slot_payload_size
+        from ..slab import HEADER_SIZE, slot_payload_size
 
         torn_slots = rng.sample(sorted(owned), min(tear, len(owned)))
         # and the writes in flight at the kill: a torn one may carry a new header over an old payload
@@ -428,7 +428,7 @@ def run_crash_test(directory: str | os.PathLike[str], seeds: Sequence[int] | int
 def _main(argv: list[str]) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m tiered_kv.crash")
+    p = argparse.ArgumentParser(prog="python -m tiered_kv.tools.crash")
     p.add_argument("--child", metavar="DIR", help="(internal) run the spilling child in DIR")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--durability", default="none")

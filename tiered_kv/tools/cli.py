@@ -1,4 +1,7 @@
-"""``tiered-kv`` / ``python -m tiered_kv``: demo, bench, doctor."""
+"""``tiered-kv`` / ``python -m tiered_kv``: demo, bench, soak, crash, doctor, build-ext.
+
+torch is imported only by the subcommands that need it, so ``tiered-kv --help`` answers at once.
+"""
 
 from __future__ import annotations
 
@@ -15,11 +18,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 __all__ = ["main"]
 
-# Benchmarks run by `tiered-kv bench`, in order (modules under tiered_kv.bench).
+# Benchmarks run by `tiered-kv bench`, in order (modules under tiered_kv.tools.bench).
 BENCHMARKS = ["engine", "kernels", "pagetables", "filetier", "cache"]
 
 
@@ -46,9 +47,10 @@ async def _demo(args: argparse.Namespace) -> int:
     """Replay the seeded multi-turn chat workload through a three-tier TieredKVCache; verify every reused token."""
     import tempfile
 
+    import torch
     from tqdm import tqdm
 
-    from . import KVLayout, TieredKVCache
+    from .. import KVLayout, TieredKVCache
     from .bench.common import percentile, print_table
     from .workload import ChatWorkload, replay
 
@@ -157,7 +159,7 @@ def _bench(args: argparse.Namespace) -> int:
             return 2
     results = []
     for name in names:
-        module = importlib.import_module(f"tiered_kv.bench.{name}")
+        module = importlib.import_module(f"tiered_kv.tools.bench.{name}")
         t0 = time.perf_counter()
         result = finalize(module.run(args.quick, args.device))
         result["seconds"] = time.perf_counter() - t0
@@ -191,6 +193,8 @@ def _print_verdicts(payload: dict[str, Any]) -> None:
 
 def _doctor_checks(directory: str) -> list[tuple[str, bool, str, str]]:
     """(check, ok, what was found, what to do if not ok)."""
+    import torch
+
     checks: list[tuple[str, bool, str, str]] = []
     checks.append(("python", sys.version_info >= (3, 11), platform.python_version(), "use Python 3.11 or newer"))
     checks.append(("torch", True, f"{torch.__version__} (CUDA build: {torch.version.cuda or 'no'})", ""))
@@ -217,7 +221,7 @@ def _doctor_checks(directory: str) -> list[tuple[str, bool, str, str]]:
         checks.append(("kvikio", True, getattr(kvikio, "__version__", "installed"), ""))
     except Exception as exc:
         checks.append(("kvikio", False, f"not usable ({type(exc).__name__})", "pip install 'tiered-kv[gds]' for GPUDirect Storage"))
-    from . import _ext
+    from .. import _ext
 
     ext = _ext.status()
     if ext["built"] or ext["loaded"]:
@@ -236,8 +240,8 @@ def _doctor_checks(directory: str) -> list[tuple[str, bool, str, str]]:
     writable = os.path.isdir(directory) and os.access(directory, os.W_OK)
     checks.append(("directory", writable, directory, "pass --dir with a writable directory"))
     if writable:
-        from .backends.gds import select_backend
-        from .backends.posix import direct_io_supported
+        from ..backends.gds import select_backend
+        from ..backends.posix import direct_io_supported
 
         direct = direct_io_supported(directory)
         checks.append(("O_DIRECT in directory", direct, "yes" if direct else "no (page cache)",
@@ -266,6 +270,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 async def _soak(args: argparse.Namespace) -> int:
+    import torch
     from tqdm import tqdm
 
     from .soak import SoakConfig, SoakFailure, soak
@@ -303,7 +308,7 @@ def _crash(args: argparse.Namespace) -> int:
 
 
 def _build_ext(args: argparse.Namespace) -> int:
-    from . import _ext
+    from .. import _ext
 
     try:
         path = _ext.build(verbose=args.verbose)

@@ -2,7 +2,7 @@
 """Probe for notes/issue-3-perf.md: device time of the copy_blocks op per kernel knob setting, and where an
 engine partial copy's wall time goes. Run on a GPU after the extension is built:
 
-    python scripts/kperf_probe.py            # parent: one child process per knob setting (knobs are read once)
+    python -m tiered_kv.tools.bench.kperf_probe         # parent: one child process per knob setting (knobs are read once)
 """
 
 from __future__ import annotations

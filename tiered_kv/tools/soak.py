@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from .engine import Transfer, TransferEngine
-from .layout import KVLayout
-from .pools import Tier
-from .testing import stall
+from ..engine import Transfer, TransferEngine
+from ..layout import KVLayout
+from ..pools import Tier
+from ..testing import stall
 
 __all__ = ["LoadReport", "SoakConfig", "SoakFailure", "SoakReport", "generate_ops", "load", "soak"]
 
