@@ -104,7 +104,6 @@ async def probe(device: str, out: str) -> dict[str, Any]:
                     await engine.copy(Tier.GPU, [0], Tier.HOST, [1])
             with open(os.path.join(out, "percall-torchprof.txt"), "w") as f:  # noqa: ASYNC230
                 f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
-            prof.export_chrome_trace(os.path.join(out, "percall-trace.json"))
 
         # ---- pieces
         pieces: dict[str, float] = {}
@@ -132,6 +131,11 @@ async def probe(device: str, out: str) -> dict[str, Any]:
         pieces["copier.build"] = per_call(lambda: engine.copier.build(gpu_pool, s_arr, host_pool, d_arr, None))
         op = engine.copier.build(gpu_pool, s_arr, host_pool, d_arr, None)
         lane = engine.stream("offload")
+        # the op exactly as copy() builds and submits it (the list op on an explicit stream where it exists)
+        engine_op = engine._block_copy_op(gpu_pool, s_arr, host_pool, d_arr, None)
+        submit_kw = {"explicit": True} if getattr(engine_op, "explicit_stream", False) else {}
+        pieces["engine op: lane.submit(op) as copy() does"] = per_call(lambda: lane.submit(engine_op, **submit_kw), sync=sync)
+        result["engine_op_kind"] = "copy_blocks_list (explicit stream)" if submit_kw else "copy_blocks (tensor indices)"
         if cuda:
             ts = lane.torch_stream  # type: ignore[attr-defined]
 

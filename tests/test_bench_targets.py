@@ -53,3 +53,10 @@ def test_compare_pairs_rows_by_id() -> None:
     new["benchmarks"][0]["rows"][0]["indices"] = "scattered"
     new["benchmarks"][0]["rows"][0]["id"] = row_id(new["benchmarks"][0]["rows"][0])
     assert [r["id"] for r in compare(old, new)] == ["wakeup/loop=uvloop"]
+
+
+def test_overlap_rows_must_also_compute_the_same_output() -> None:
+    t = target_for("overlap", {"bench": "overlap", "vs_bound": 1.0})
+    assert t is not None and str(t) == "vs_bound <= 1.15 and same_output"
+    assert t.met({"vs_bound": 1.0, "same_output": True}) is True
+    assert t.met({"vs_bound": 1.0, "same_output": False}) is False

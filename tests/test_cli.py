@@ -32,7 +32,7 @@ def test_bench_quick_writes_one_json_with_every_benchmark(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     payload = json.loads(out.read_text())
     names = [b["name"] for b in payload["benchmarks"]]
-    assert names == ["engine", "kernels", "pagetables", "filetier", "cache"]
+    assert names == ["engine", "kernels", "overlap", "pagetables", "filetier", "cache"]
     assert all(b["rows"] for b in payload["benchmarks"])
     assert payload["machine"]["device"] == "emulated (CPU)"
     assert payload["schema"] == "tiered_kv.bench/2"
@@ -44,6 +44,8 @@ def test_bench_quick_writes_one_json_with_every_benchmark(tmp_path):
             assert (row["met"] is None) == (row["target"] == "") or row["met"] is None
     judged = {b["name"]: [r for r in b["rows"] if r["target"]] for b in payload["benchmarks"]}
     assert judged["engine"] and judged["kernels"] and judged["filetier"] and judged["pagetables"]
+    overlap = payload["benchmarks"][2]["rows"]
+    assert overlap and all(r["same_output"] for r in overlap)  # layer-by-layer compute saw the loaded layers
     assert "targets met" in r.stdout
 
 

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from .filetier import Durability, FileTier, FileTierConfig, FileTierStatistics, OpenReport
     from .keys import KeyHasher
     from .layer_major import LayerMajorPool
+    from .layerwise import LayerwiseTransfer, copy_layerwise
     from .layout import FORMAT_VERSION, KVLayout
     from .pools import BlockPool, Tier
     from .staging import NO_BLOCK, BlockOffsetTable, StagingPool, copy_batch_block_offsets
@@ -50,6 +51,7 @@ _EXPORTS: dict[str, str] = {
     "KVLayout": "layout",
     "KeyHasher": "keys",
     "LayerMajorPool": "layer_major",
+    "LayerwiseTransfer": "layerwise",
     "LayoutMismatchError": "errors",
     "NO_BLOCK": "staging",
     "OpenReport": "filetier",
@@ -64,6 +66,7 @@ _EXPORTS: dict[str, str] = {
     "TransferError": "errors",
     "TransferResult": "engine",
     "copy_batch_block_offsets": "staging",
+    "copy_layerwise": "layerwise",
     "resolve_device": "device",
 }
 
@@ -91,6 +94,7 @@ __all__ = [
     "KVLayout",
     "KeyHasher",
     "LayerMajorPool",
+    "LayerwiseTransfer",
     "LayoutMismatchError",
     "OpenReport",
     "Request",
@@ -104,6 +108,7 @@ __all__ = [
     "TransferError",
     "TransferResult",
     "copy_batch_block_offsets",
+    "copy_layerwise",
     "resolve_device",
 ]
 

@@ -41,6 +41,7 @@ from . import ops
 from .config import EngineConfig
 from .device import CudaStream, Device, Stream
 from .layer_major import LayerMajorPool
+from .layerwise import LayerSlice
 from .pools import SMALL_CALL_BLOCKS, BlockPool, merge_runs
 
 __all__ = ["Copier", "CopierStatistics", "CopyPlan", "choose_path", "pool_tensors"]
@@ -48,12 +49,14 @@ __all__ = ["Copier", "CopierStatistics", "CopyPlan", "choose_path", "pool_tensor
 log = logging.getLogger(__name__)
 
 Op = Callable[[], None]
-Pool = BlockPool | LayerMajorPool
+Pool = BlockPool | LayerMajorPool | LayerSlice
 
 
 def pool_tensors(pool: Pool) -> list[torch.Tensor]:
-    """The tensors of a pool as :func:`tiered_kv.ops.copy_blocks` takes them."""
-    return list(pool.tensors) if isinstance(pool, LayerMajorPool) else [pool.tensor]
+    """The tensors of a pool (or of a :class:`~tiered_kv.layerwise.LayerSlice`) as ``copy_blocks`` takes them."""
+    if isinstance(pool, (LayerMajorPool, LayerSlice)):
+        return list(pool.tensors)
+    return [pool.tensor]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -118,6 +121,7 @@ class Copier:
         self._calls: dict[str, int] = {}
         self._bytes: dict[str, int] = {}
         self._pairs: dict[tuple[int, int, int], _PairInfo] = {}  # (id(src pool), id(dst pool), n) -> geometry
+        self._slices: dict[tuple[int, int, int], LayerSlice] = {}  # (id(pool), start, stop) -> layer range view
 
     def _pair(self, src_pool: Pool, dst_pool: Pool, n: int) -> _PairInfo:
         """What does not change between calls for one (source pool, destination pool, num_tokens)."""
@@ -131,6 +135,14 @@ class Copier:
             info = _PairInfo(src_pool, dst_pool, src_t, dst_t, groups, rows, width * src_pool.layout.itemsize, dense, on_cuda)
             self._pairs[key] = info
         return info
+
+    def layer_slice(self, pool: BlockPool | LayerMajorPool, start: int, stop: int) -> LayerSlice:
+        """Layers ``[start, stop)`` of ``pool``, made once per range (so its geometry is cached like a pool's)."""
+        key = (id(pool), start, stop)
+        view = self._slices.get(key)
+        if view is None or view.pool is not pool:
+            view = self._slices[key] = LayerSlice(pool, start, stop)
+        return view
 
     def plan(self, src_pool: Pool, s: np.ndarray, dst_pool: Pool, d: np.ndarray, num_tokens: int | None) -> CopyPlan:
         """The path :meth:`build` takes for these arguments."""

@@ -38,6 +38,7 @@ from .errors import EngineClosedError, TransferError
 from .fences import FenceStatistics, FenceTable, Marker
 from .filetier import FileTier, FileTierConfig
 from .layer_major import LayerMajorPool
+from .layerwise import LayerSlice
 from .layout import KVLayout
 from .pools import BlockPool, Tier, as_indices, small_pairs
 
@@ -431,6 +432,7 @@ class TransferEngine:
         *,
         num_tokens: int | None = None,
         keys: Iterable[object] | None = None,
+        layers: tuple[int, int] | None = None,
     ) -> Transfer:
         """Copy blocks ``src_indices`` of ``src_tier`` to blocks ``dst_indices`` of ``dst_tier``.
 
@@ -448,6 +450,9 @@ class TransferEngine:
             keys: content keys (bytes, str or int), one per block. Required for copies into ``Tier.FILE``:
                 each is written into its slot's header and indexed (``engine.file_tier.lookup(key)``, also
                 after a restart). Optional for copies out of ``Tier.FILE``: checked against the index.
+            layers: copy only layers ``[start, stop)`` of each block (layer-by-layer loads and stores, see
+                :mod:`tiered_kv.layerwise`); ``None`` copies every layer. Not with the file tier. Fences stay
+                per block.
 
         Raises:
             ValueError: unknown tier or missing pool, an index out of range or negative, duplicate
@@ -479,8 +484,12 @@ class TransferEngine:
             file_keys = self._file.validate(src_t, s, dst_t, d, num_tokens, keys)  # type: ignore[arg-type]
         elif keys is not None:
             raise ValueError("keys are only used by copies to or from the file tier")
+        op_src: BlockPool | LayerMajorPool | LayerSlice = src_pool
+        op_dst: BlockPool | LayerMajorPool | LayerSlice = dst_pool
+        if layers is not None:
+            op_src, op_dst = self._layer_slices(layers, to_file, src_pool, dst_pool)
 
-        per_block = self.layout.bytes_per_block if n is None else self.layout.partial_bytes(n)
+        per_block = op_src.layout.bytes_per_block if n is None else op_src.layout.partial_bytes(n)
         lane_name = _ROUTES[(src_t, dst_t)]
         lane = self._streams[lane_name] if lane_name is not None else None
         marker = Marker(lane)
@@ -499,7 +508,7 @@ class TransferEngine:
             assert self._file is not None and s is not None and d is not None
             op: Op = self._file.copy_op(src_t, src_pool, s, dst_t, dst_pool, d, file_keys, self._streams, self.copier)  # type: ignore
         else:
-            op = self._block_copy_op(src_pool, s_list if s is None else s, dst_pool, d_list if d is None else d, n)
+            op = self._block_copy_op(op_src, s_list if s is None else s, op_dst, d_list if d is None else d, n)  # type: ignore[arg-type]
         stream_deps: list[Marker] = []
         loop_deps: list[Marker] = []
         for dep in deps:
@@ -518,6 +527,19 @@ class TransferEngine:
         self._inflight.add(marker)
         self._meta[marker] = (f"{src_t.value}->{dst_t.value}", transfer.nbytes, transfer.num_blocks, transfer.submitted_at)
         return transfer
+
+    def _layer_slices(self, layers: object, to_file: bool, src_pool: object, dst_pool: object) -> tuple[LayerSlice, LayerSlice]:
+        if to_file:
+            raise ValueError("layers= is not supported for copies to or from the file tier (a slot is one whole block)")
+        if (
+            not isinstance(layers, tuple)
+            or len(layers) != 2
+            or not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in layers)
+        ):
+            raise TypeError(f"layers must be a (start, stop) tuple of ints, got {layers!r}")
+        start, stop = int(layers[0]), int(layers[1])
+        assert isinstance(src_pool, (BlockPool, LayerMajorPool)) and isinstance(dst_pool, (BlockPool, LayerMajorPool))
+        return self.copier.layer_slice(src_pool, start, stop), self.copier.layer_slice(dst_pool, start, stop)
 
     @staticmethod
     def _check_indices(
@@ -666,6 +688,24 @@ class TransferEngine:
         event = compute.record()
         for copy_stream in self._streams.values():
             copy_stream.wait(event)
+
+    def sync_transfer(self, transfer: Transfer, stream: object) -> None:
+        """Make work queued on ``stream`` from now on wait for one transfer. Stream-side: nothing blocks.
+
+        Use it before compute reads what one transfer brought in (e.g. one layer group of
+        :func:`tiered_kv.layerwise.copy_layerwise`) while later transfers are still running.
+
+        Raises:
+            ValueError: the transfer is still deferred on the loop (waiting for a file-tier dependency) or
+                runs off-stream (host-to-host, file): await it instead.
+        """
+        self._check_open()
+        marker = transfer._marker
+        if marker.completed:
+            return
+        if marker.event is None:
+            raise ValueError("this transfer is not on a copy stream yet (deferred or off-stream): await it instead")
+        self.device.wrap_stream(stream).wait(marker.event)
 
     def sync_transfers(self, stream: object) -> None:
         """Make work queued on ``stream`` from now on wait for every copy enqueued on the copy streams.

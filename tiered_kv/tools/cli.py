@@ -21,7 +21,7 @@ from typing import Any
 __all__ = ["main"]
 
 # Benchmarks run by `tiered-kv bench`, in order (modules under tiered_kv.tools.bench).
-BENCHMARKS = ["engine", "kernels", "pagetables", "filetier", "cache"]
+BENCHMARKS = ["engine", "kernels", "overlap", "pagetables", "filetier", "cache"]
 
 
 def _writable_dir(path: str) -> str:

@@ -36,21 +36,28 @@ class Target:
         metric: the row key judged.
         op: ``">="`` or ``"<="``.
         value: the bound.
+        requires: a boolean row key that must also be true (``""``: none).
     """
 
     metric: str
     op: str
     value: float
+    requires: str = ""
 
     def met(self, row: Row) -> bool | None:
-        """Whether ``row`` meets the target; ``None`` when the metric is missing or not a number."""
+        """Whether ``row`` meets the target; ``None`` when the metric is missing or not a number.
+
+        A row whose ``requires`` flag (e.g. ``same_output``) is not true misses the target whatever its figure.
+        """
         v = row.get(self.metric)
         if not isinstance(v, (int, float)) or isinstance(v, bool) or math.isnan(v):
             return None
+        if self.requires and row.get(self.requires) is not True:
+            return False
         return bool(v >= self.value) if self.op == ">=" else bool(v <= self.value)
 
     def __str__(self) -> str:
-        return f"{self.metric} {self.op} {self.value:g}"
+        return f"{self.metric} {self.op} {self.value:g}" + (f" and {self.requires}" if self.requires else "")
 
 
 def _engine(row: Row) -> Target | None:
@@ -76,9 +83,11 @@ def _kernels(row: Row) -> Target | None:
         return Target("fraction", ">=", 0.8 if row.get("direction") == "gpu->gpu" else 0.9)
     if kind == "gather":
         return Target("speedup", ">=", 3.0) if str(row.get("path", "")).startswith("tiered") else None
-    if kind == "overlap":
-        return Target("ttft_ratio", "<=", 0.8)
     return None
+
+
+def _overlap(row: Row) -> Target | None:
+    return Target("vs_bound", "<=", 1.15, requires="same_output") if "vs_bound" in row else None
 
 
 def _filetier(row: Row) -> Target | None:
@@ -96,12 +105,13 @@ _RULES: dict[str, Callable[[Row], Target | None]] = {
     "kernels": _kernels,
     "filetier": _filetier,
     "pagetables": _pagetables,
+    "overlap": _overlap,
 }
 
 # keys that are measurements or verdicts, never part of a row's identity
 _NOT_LABELS = {"target", "met", "id", "device"}
 # int fields that label a row (other ints, such as counts of hits, are measurements)
-_INT_LABELS = {"blocks", "chunks", "seqs", "threads", "pairs", "layers", "tokens", "new_tokens"}
+_INT_LABELS = {"blocks", "chunks", "seqs", "threads", "pairs", "layers", "tokens", "new_tokens", "group_layers"}
 
 
 def target_for(benchmark: str, row: Row) -> Target | None:
