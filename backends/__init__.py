@@ -10,7 +10,7 @@ Each backend is synchronous and non-blocking: it starts work and returns a compl
 
 A file backend is bound to one open file and moves byte ranges between it and buffers (contiguous host
 torch tensors or numpy arrays always, CUDA tensors when ``device_io`` is true). It knows nothing about slots,
-headers or checksums: that is :mod:`tiered_kv.filetier`.
+headers or checksums: that is :mod:`tiered_kv.file`.
 """
 
 from __future__ import annotations

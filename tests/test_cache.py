@@ -413,7 +413,8 @@ async def test_failed_onboard_poisons_block_and_frees_batch(small: KVLayout, mon
     async with open_cache(small, gpu=4, host=8) as cache:
         await run(cache, toks(0, 2 * TPB + 1))
         await cache.evict(Tier.GPU, 4)
-        real = cache.engine._block_copy_op
+        copier = cache.engine.route(Tier.HOST, Tier.GPU)
+        real = copier.build_op
 
         def failing(src_pool, s, dst_pool, d, n):  # type: ignore[no-untyped-def]
             if src_pool.tier is Tier.HOST and dst_pool.tier is Tier.GPU:
@@ -422,10 +423,10 @@ async def test_failed_onboard_poisons_block_and_frees_batch(small: KVLayout, mon
                 return boom
             return real(src_pool, s, dst_pool, d, n)
 
-        monkeypatch.setattr(cache.engine, "_block_copy_op", failing)
+        monkeypatch.setattr(copier, "build_op", failing)
         with pytest.raises(Exception, match=r"could not be brought|failed"):
             await cache.add_sequences([[*toks(0, 2 * TPB), 4]])
-        monkeypatch.setattr(cache.engine, "_block_copy_op", real)
+        monkeypatch.setattr(copier, "build_op", real)
         assert cache.statistics().blocks.live_sequences == 0
         assert cache.statistics().poisoned >= 1
         reuse, _ = cache.match([*toks(0, 2 * TPB), 4])

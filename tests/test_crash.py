@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tiered_kv.tools.crash import CRASH_LAYOUT, _Log, block_content, crash_once, run_crash_test
-from tiered_kv.filetier import _FileOp
+from tiered_kv.file.pipeline import FileCopy
 
 
 def test_killed_spills_are_recovered_and_torn_slots_never_served(tmp_path):
@@ -31,7 +31,7 @@ def test_pure_sigkill_loses_nothing_completed(tmp_path):
 
 def test_harness_fails_when_reads_are_not_verified(tmp_path, monkeypatch):
     # The check of the check: with payload verification off, a torn payload is served and the run fails.
-    monkeypatch.setattr(_FileOp, "_verify", lambda self, j, hdr, payload: None)
+    monkeypatch.setattr(FileCopy, "_verify", lambda self, j, hdr, payload: None)
     runs = [crash_once(tmp_path / f"r{s}", s, tear=6, verify_on_open="header", max_kill_after=8) for s in (0, 2)]
     assert any(r.mismatched > 0 for r in runs), runs
     assert not all(r.ok for r in runs)
@@ -61,7 +61,7 @@ def test_bad_arguments():
 def test_slab_whose_creation_was_killed_before_the_superblock_opens_as_new(tmp_path):
     # A kill between preallocating the slab and writing its superblock leaves a file of zeros. It used to be
     # refused as "not a tiered_kv slab" (LayoutMismatchError) until discarded by hand.
-    from tiered_kv.filetier import FileTier, FileTierConfig
+    from tiered_kv.file import FileTier, FileTierConfig
 
     (tmp_path / "kv.slab").write_bytes(bytes(4096 * 12))
     tier = FileTier(CRASH_LAYOUT, FileTierConfig(tmp_path, 4))
@@ -91,7 +91,7 @@ async def test_torn_newer_copy_of_a_key_does_not_shadow_the_intact_older_one(tmp
     import torch
 
     from tiered_kv import Tier, TransferEngine
-    from tiered_kv.filetier import FileTierConfig
+    from tiered_kv.file import FileTierConfig
     from tiered_kv.slab import HEADER_SIZE, slot_payload_size
 
     content = torch.from_numpy(block_content(CRASH_LAYOUT, "K"))

@@ -130,7 +130,7 @@ async def test_failed_op_raises_transfer_error_and_releases_fences(layout, monke
                 raise OSError("simulated device fault")
             return op
 
-        monkeypatch.setattr(engine, "_block_copy_op", broken)
+        monkeypatch.setattr(engine.route(Tier.GPU, Tier.HOST), "build_op", broken)
         t = engine.copy(Tier.GPU, [0], Tier.HOST, [1])
         with pytest.raises(TransferError, match="simulated device fault"):
             await t

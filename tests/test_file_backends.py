@@ -20,7 +20,7 @@ from tiered_kv.backends.gds import GdsMode, select_backend
 from tiered_kv.backends.posix import DIRECT_ALIGN, PosixBackend, aligned_empty, direct_io_supported, preallocate
 
 from tiered_kv import BackendUnavailable, KVLayout
-from tiered_kv.filetier import FileTier, FileTierConfig
+from tiered_kv.file import FileTier, FileTierConfig
 from tiered_kv.slab import HEADER_SIZE, Superblock, pack_header, payload_checksum, unpack_header
 from tiered_kv.testing import FaultyBackend
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tiered_kv import IntegrityError, KVLayout, LayoutMismatchError, SlabInUseError, Tier, TransferEngine, TransferError
-from tiered_kv.filetier import FileTier, FileTierConfig
+from tiered_kv.file import FileTier, FileTierConfig
 from tiered_kv.slab import HEADER_SIZE
 from tiered_kv.testing import FaultyBackend, assert_blocks_equal, fill_random
 

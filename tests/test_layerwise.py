@@ -93,6 +93,6 @@ async def test_layers_bad_input(layout, tmp_path) -> None:
                          ((0.0, 1), TypeError), ((True, 2), TypeError)):
             with pytest.raises(err):
                 engine.copy(Tier.GPU, [0], Tier.HOST, [1], layers=bad)  # type: ignore[arg-type]
-        with pytest.raises(ValueError, match="file tier"):
+        with pytest.raises(ValueError, match="only supported between GPU and host pools"):
             engine.copy(Tier.HOST, [0], Tier.FILE, [0], keys=[b"k"], layers=(0, 1))
         assert engine.statistics().submitted == 0

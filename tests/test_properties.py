@@ -203,7 +203,7 @@ def _in_temp_dir():
 @settings(max_examples=60, deadline=None)
 @given(directory=paths, blocks=st.one_of(st.integers(-2, 4), junk), name=st.one_of(st.sampled_from(["kv", "", ".x", "a/b"]), junk))
 def test_file_tier_config_fuzz(directory, blocks, name):
-    from tiered_kv.filetier import FileTierConfig
+    from tiered_kv.file import FileTierConfig
 
     with _in_temp_dir():
         try:

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from .engine import EngineStatistics, Transfer, TransferEngine, TransferResult
     from .errors import BackendUnavailable, EngineClosedError, IntegrityError, LayoutMismatchError, SlabInUseError, TieredKVError, TransferError
     from .fences import FenceStatistics, FenceTable
-    from .filetier import Durability, FileTier, FileTierConfig, FileTierStatistics, OpenReport
+    from .file import Durability, FileTier, FileTierConfig, FileTierStatistics, OpenReport
     from .keys import KeyHasher
     from .layer_major import LayerMajorPool
     from .layerwise import LayerwiseTransfer, copy_layerwise
@@ -37,16 +37,16 @@ _EXPORTS: dict[str, str] = {
     "CacheFullError": "blocks",
     "CacheStatistics": "cache",
     "Device": "device",
-    "Durability": "filetier",
+    "Durability": "file",
     "EngineClosedError": "errors",
     "EngineConfig": "config",
     "EngineStatistics": "engine",
     "FORMAT_VERSION": "layout",
     "FenceStatistics": "fences",
     "FenceTable": "fences",
-    "FileTier": "filetier",
-    "FileTierConfig": "filetier",
-    "FileTierStatistics": "filetier",
+    "FileTier": "file",
+    "FileTierConfig": "file",
+    "FileTierStatistics": "file",
     "IntegrityError": "errors",
     "KVLayout": "layout",
     "KeyHasher": "keys",
@@ -54,7 +54,7 @@ _EXPORTS: dict[str, str] = {
     "LayerwiseTransfer": "layerwise",
     "LayoutMismatchError": "errors",
     "NO_BLOCK": "staging",
-    "OpenReport": "filetier",
+    "OpenReport": "file",
     "Request": "blocks",
     "SlabInUseError": "errors",
     "StagingPool": "staging",

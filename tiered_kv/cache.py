@@ -14,17 +14,16 @@ a copy that overwrites a slot after every pending read of it) and then awaits, f
 out, the pending copies of that slot. A copy that failed poisons the blocks whose data it produced: they
 leave the lookup and whoever was about to use them gets :class:`~tiered_kv.TransferError`.
 
-The file tier (third tier) is behind one seam, :meth:`TieredKVCache._copy_file`: it is used for every
-copy that has a file slot on one side, and calls ``engine.copy(..., Tier.FILE, ...)``. See its docstring.
+Copies with a file slot on one side pass the blocks' content keys (``engine.copy(..., keys=...)``): the
+file tier writes them into its slot headers and verifies them on the way back.
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
-import inspect
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -154,11 +153,9 @@ class TieredKVCache:
             engine = self._make_engine(layout, gpu_blocks, host_blocks, file_blocks, file_dir, device)
         else:
             for tier, n in ((Tier.GPU, gpu_blocks), (Tier.HOST, host_blocks), (Tier.FILE, file_blocks)):
-                if n and engine.pool(tier).num_blocks != n:
-                    raise ValueError(f"the engine's {tier.value} pool has {engine.pool(tier).num_blocks} blocks, not {n}")
+                if n and engine.medium(tier).num_blocks != n:
+                    raise ValueError(f"the engine's {tier.value} pool has {engine.medium(tier).num_blocks} blocks, not {n}")
         self.engine = engine
-        # FILE TIER SEAM: the file tier's copy() takes the blocks' content keys (slot headers + index)
-        self._copy_takes_keys = "keys" in inspect.signature(engine.copy).parameters
         self.blocks = BlockManager(
             self.hasher,
             {Tier.GPU: gpu_blocks, Tier.HOST: host_blocks, Tier.FILE: file_blocks},
@@ -167,7 +164,7 @@ class TieredKVCache:
             drop_below_priority=drop_below_priority,
             compute_last_token=compute_last_token,
             on_page_table=on_page_table,
-            file_index=self._file_index(engine) if file_blocks and warm_restart else None,
+            file_index=engine.file_tier.lookup if file_blocks and warm_restart else None,
         )
         self.block_offsets: BlockOffsetTable | None = None
         if block_offsets:
@@ -186,27 +183,13 @@ class TieredKVCache:
         self._closed = False
 
     @staticmethod
-    def _file_index(engine: TransferEngine) -> Callable[[bytes], int | None] | None:
-        """The file tier's ``key -> slot`` index (warm restart), if the engine has a real file tier."""
-        tier = getattr(engine, "_file", None)  # engines without a file tier (or test doubles) have none
-        lookup = getattr(tier, "lookup", None)
-        return lookup if callable(lookup) else None
-
-    @staticmethod
     def _make_engine(
         layout: KVLayout, gpu: int, host: int, file: int, file_dir: str | os.PathLike[str] | None, device: str | None
     ) -> TransferEngine:
-        if file:
-            # FILE TIER SEAM (issue 4): build the engine with its file pool here once TransferEngine takes
-            # one (file_dir, file_blocks); until then a file tier needs an engine passed in.
-            if file_dir is None:
-                raise ValueError("file_blocks needs file_dir (or an engine with a file pool)")
-            try:
-                return TransferEngine(layout, gpu_blocks=gpu, host_blocks=host, device=device,
-                                      file_dir=file_dir, file_blocks=file)  # type: ignore[call-arg]
-            except TypeError as exc:
-                raise ValueError("this TransferEngine has no file tier; pass engine= with a file pool") from exc
-        return TransferEngine(layout, gpu_blocks=gpu, host_blocks=host, device=device)
+        if file and file_dir is None:
+            raise ValueError("file_blocks needs file_dir (or an engine with a file pool)")
+        return TransferEngine(layout, gpu_blocks=gpu, host_blocks=host, device=device,
+                              file_dir=file_dir if file else None, file_blocks=file)
 
     # ------------------------------------------------------------------------------------ lifecycle
 
@@ -232,7 +215,7 @@ class TieredKVCache:
     def _check_open(self) -> None:
         if self._closed:
             raise EngineClosedError("the TieredKVCache is closed")
-        if self.engine.closed or getattr(self.engine, "_closing", False):
+        if self.engine.closing:
             # checked before any bookkeeping: a decision whose copies cannot be issued must not be made
             raise EngineClosedError("the TieredKVCache's TransferEngine is closed")
 
@@ -438,26 +421,10 @@ class TieredKVCache:
         head = group[0]
         src = [m.src_slot for m in group]
         dst = [m.dst_slot for m in group]
-        if Tier.FILE in (head.src_tier, head.dst_tier):
-            return self._copy_file(head.src_tier, src, head.dst_tier, dst, [m.block for m in group], head.num_tokens)
-        return self.engine.copy(head.src_tier, src, head.dst_tier, dst, num_tokens=head.num_tokens)
-
-    def _copy_file(
-        self, src_tier: Tier, src: list[int], dst_tier: Tier, dst: list[int], blocks: list[Block], num_tokens: int | None
-    ) -> Transfer:
-        """FILE TIER SEAM (issue 4): one batched copy with file slots on one side.
-
-        Spill (``Tier.HOST`` -> ``Tier.FILE``) when host victims are evicted, and read back (``Tier.FILE``
-        -> ``Tier.GPU``) when reused blocks are onboarded from the file tier. The content key of each block
-        is ``blocks[i].key``: when the file tier's ``copy`` takes keys for its slot headers (and verifies
-        them on read), pass them here. Until the file branch is merged this works with any engine that
-        routes ``Tier.FILE`` (the tests install an in-memory one); with the file branch's engine (whose
-        ``copy`` takes ``keys=``) the keys are passed, written into slot headers and checked on read.
-        """
-        if self._copy_takes_keys:
-            keys = [b.key for b in blocks]  # cached blocks (the only ones that spill or come back) have keys
-            return self.engine.copy(src_tier, src, dst_tier, dst, num_tokens=num_tokens, keys=keys)  # type: ignore[call-arg]
-        return self.engine.copy(src_tier, src, dst_tier, dst, num_tokens=num_tokens)
+        # Spills (HOST -> FILE) and read-backs (FILE -> GPU) carry the blocks' content keys: written into the
+        # slot headers, checked on the way back. Cached blocks (the only ones that spill or come back) have keys.
+        keys = [m.block.key for m in group] if Tier.FILE in (head.src_tier, head.dst_tier) else None
+        return self.engine.copy(head.src_tier, src, head.dst_tier, dst, num_tokens=head.num_tokens, keys=keys)
 
     def _sweep(self) -> None:
         """Drop blocks produced by copies that have failed since the last look (no await)."""

@@ -44,15 +44,16 @@ from .layer_major import LayerMajorPool
 from .layerwise import LayerSlice
 from .pools import SMALL_CALL_BLOCKS, BlockPool, merge_runs
 
-__all__ = ["Copier", "CopierStatistics", "CopyPlan", "choose_path", "pool_tensors"]
+__all__ = ["Copier", "CopierStatistics", "CopyPlan", "Side", "choose_path", "pool_tensors"]
 
 log = logging.getLogger(__name__)
 
 Op = Callable[[], None]
-Pool = BlockPool | LayerMajorPool | LayerSlice
+Pool = BlockPool | LayerMajorPool
+Side = BlockPool | LayerMajorPool | LayerSlice  # what a copy reads or writes: a pool, or layers of one
 
 
-def pool_tensors(pool: Pool) -> list[torch.Tensor]:
+def pool_tensors(pool: Side) -> list[torch.Tensor]:
     """The tensors of a pool (or of a :class:`~tiered_kv.layerwise.LayerSlice`) as ``copy_blocks`` takes them."""
     if isinstance(pool, (LayerMajorPool, LayerSlice)):
         return list(pool.tensors)
@@ -78,8 +79,8 @@ class CopyPlan:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _PairInfo:
-    src_pool: Pool  # kept so that a recycled id() is detected
-    dst_pool: Pool
+    src_pool: Side  # kept so that a recycled id() is detected
+    dst_pool: Side
     src_t: list[torch.Tensor]
     dst_t: list[torch.Tensor]
     groups: int
@@ -123,7 +124,7 @@ class Copier:
         self._pairs: dict[tuple[int, int, int], _PairInfo] = {}  # (id(src pool), id(dst pool), n) -> geometry
         self._slices: dict[tuple[int, int, int], LayerSlice] = {}  # (id(pool), start, stop) -> layer range view
 
-    def _pair(self, src_pool: Pool, dst_pool: Pool, n: int) -> _PairInfo:
+    def _pair(self, src_pool: Side, dst_pool: Side, n: int) -> _PairInfo:
         """What does not change between calls for one (source pool, destination pool, num_tokens)."""
         key = (id(src_pool), id(dst_pool), n)
         info = self._pairs.get(key)
@@ -144,7 +145,7 @@ class Copier:
             view = self._slices[key] = LayerSlice(pool, start, stop)
         return view
 
-    def plan(self, src_pool: Pool, s: np.ndarray, dst_pool: Pool, d: np.ndarray, num_tokens: int | None) -> CopyPlan:
+    def plan(self, src_pool: Side, s: np.ndarray, dst_pool: Side, d: np.ndarray, num_tokens: int | None) -> CopyPlan:
         """The path :meth:`build` takes for these arguments."""
         return self._plan(
             self._pair(src_pool, dst_pool, src_pool.layout.tokens_per_block if num_tokens is None else num_tokens), s, d
@@ -167,7 +168,7 @@ class Copier:
         path = choose_path(piece, self.config, on_cuda=info.on_cuda, kernels=self.kernels)
         return CopyPlan(path, piece, info.groups, runs)
 
-    def build(self, src_pool: Pool, s: np.ndarray | list[int], dst_pool: Pool, d: np.ndarray | list[int],
+    def build(self, src_pool: Side, s: np.ndarray | list[int], dst_pool: Side, d: np.ndarray | list[int],
               num_tokens: int | None, *, stream: Stream | None = None) -> Op:
         """One op copying blocks ``s`` of ``src_pool`` to blocks ``d`` of ``dst_pool`` (validated by the caller).
 

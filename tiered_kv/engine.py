@@ -1,31 +1,37 @@
-"""The transfer engine: ``await engine.copy(...)`` between GPU, pinned host and (later) file tiers.
+"""The transfer engine: ``await engine.copy(...)`` between GPU, pinned host and file tiers.
 
 Primitives:
 
-* :class:`TransferEngine` -- owns the pools, the copy streams, the fence table; ``copy()`` returns a
-  :class:`Transfer` at once (the copy is enqueued, or deferred until a loop-side dependency completes).
-* :class:`Transfer` -- awaitable; ``done()``; ``result()`` gives a :class:`TransferResult` (bytes, seconds).
+* :class:`TransferEngine` -- owns the memory pools, the copy streams, the fence table and the routing table
+  of transfer handlers; ``copy()`` returns a :class:`~tiered_kv.transfer.Transfer` at once (the copy is
+  enqueued, or deferred until a loop-side dependency completes).
+* :class:`~tiered_kv.transfer.Transfer`, :class:`~tiered_kv.transfer.TransferResult`,
+  :class:`~tiered_kv.transfer.EngineStatistics` -- re-exported from :mod:`tiered_kv.transfer`.
 
-Routes, by ``(source tier, destination tier)``: GPU->HOST on the *offload* stream, HOST->GPU on the
-*onboard* stream (so both PCIe directions are busy at once), GPU->GPU on the *local* stream, HOST->HOST on
-host threads, anything to or from FILE off-stream through :mod:`tiered_kv.filetier` (its GPU legs on the
-offload/onboard streams). Every op first waits for its fences (:mod:`tiered_kv.fences`): stream-side (``wait_event``,
-no CPU block, no GPU bubble) when the dependency is a stream op already enqueued, otherwise on the loop.
-Completion reaches the loop through a waiter thread per stream and ``call_soon_threadsafe`` (no polling),
-batched by :class:`~tiered_kv.completions.CompletionInbox`: completions that arrive together wake the loop once.
+What the engine does for every copy, whatever the media: validation of the public arguments, fences
+(:mod:`tiered_kv.fences`), completion markers, statistics, cancellation semantics. What moves the bytes is
+the handler routed to ``(source tier, destination tier)`` (:mod:`tiered_kv.handlers`, which documents the
+protocol): :class:`~tiered_kv.stream_copier.StreamCopier` for the memory pairs (GPU->HOST on the *offload*
+stream, HOST->GPU on the *onboard* stream, GPU->GPU on the *local* stream, HOST->HOST on host threads) and
+:class:`~tiered_kv.file.FileHandler` for anything with FILE (its GPU legs on offload/onboard). Every op
+first waits for its fences: stream-side (``wait_event``, no CPU block, no GPU bubble) when the dependency
+is a stream op already enqueued, otherwise on the loop. Completion reaches the loop through a waiter
+thread per stream (or the handler's callback) and ``call_soon_threadsafe`` (no polling), batched by
+:class:`~tiered_kv.completions.CompletionInbox`: completions that arrive together wake the loop once.
+
+The per-call fast path: a copy between memory pools of at most ``SMALL_CALL_BLOCKS`` pairs given as int
+lists or small integer arrays is validated on plain lists (:func:`~tiered_kv.pools.small_pairs`, no numpy)
+and becomes one ``copy_blocks_list`` call on its stream (:mod:`tiered_kv.copyops`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import bisect
-import concurrent.futures
-import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable, Generator, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -34,33 +40,21 @@ from .completions import CompletionInbox
 from .config import EngineConfig
 from .copyops import Copier
 from .device import Device, Stream, resolve_device
-from .errors import EngineClosedError, TransferError
-from .fences import FenceStatistics, FenceTable, Marker
-from .filetier import FileTier, FileTierConfig
+from .errors import EngineClosedError
+from .fences import FenceTable, Marker
+from .file import FileHandler, FileTier, FileTierConfig
+from .handlers import Batch, Job, Medium, Routes, TransferHandler
 from .layer_major import LayerMajorPool
-from .layerwise import LayerSlice
 from .layout import KVLayout
 from .pools import BlockPool, Tier, as_indices, small_pairs
+from .stream_copier import StreamCopier
+from .transfer import LATENCY_BUCKETS, EngineStatistics, Transfer, TransferResult
 
 __all__ = ["LATENCY_BUCKETS", "EngineStatistics", "Transfer", "TransferEngine", "TransferResult"]
 
 log = logging.getLogger(__name__)
 
 Indices = Iterable[int] | np.ndarray | torch.Tensor
-Op = Callable[[], None]
-
-# (source tier, destination tier) -> the stream that runs the copy; None means host threads.
-_ROUTES: dict[tuple[Tier, Tier], str | None] = {
-    (Tier.GPU, Tier.HOST): "offload",
-    (Tier.HOST, Tier.GPU): "onboard",
-    (Tier.GPU, Tier.GPU): "local",
-    (Tier.HOST, Tier.HOST): None,
-    # File I/O is off-stream (backend threads; GPU legs are queued on offload/onboard by the file op itself).
-    (Tier.HOST, Tier.FILE): None,
-    (Tier.FILE, Tier.HOST): None,
-    (Tier.GPU, Tier.FILE): None,
-    (Tier.FILE, Tier.GPU): None,
-}
 
 
 def _allocate(empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor], what: str, blocks: int, layout: KVLayout) -> torch.Tensor:
@@ -71,134 +65,6 @@ def _allocate(empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor], wha
         return empty((blocks, *layout.block_shape), layout.dtype)
     except (RuntimeError, MemoryError) as exc:  # torch reports allocation failures as RuntimeError
         raise MemoryError(f"cannot allocate the {what} pool: {blocks} blocks x {layout.bytes_per_block} bytes = {nbytes / 2**30:.1f} GiB ({exc})") from exc
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class TransferResult:
-    """What a completed transfer did.
-
-    Attributes:
-        src_tier: where the data came from.
-        dst_tier: where it went.
-        num_blocks: blocks copied.
-        nbytes: bytes copied (for a partial copy, only the tokens copied).
-        seconds: from ``copy()`` to the device finishing the copy.
-    """
-
-    src_tier: Tier
-    dst_tier: Tier
-    num_blocks: int
-    nbytes: int
-    seconds: float
-
-    @property
-    def gbps(self) -> float:
-        """Throughput in GB/s (1e9 bytes)."""
-        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
-
-
-class Transfer:
-    """An enqueued copy. Await it for a :class:`TransferResult`; it raises :class:`TransferError` if it failed.
-
-    Notes:
-        Cancellation: cancelling a task that awaits a transfer cancels only that wait. The copy still
-        completes, and its fences are released by completion, not by the awaiting task, so later copies
-        touching the same blocks still order after it.
-    """
-
-    __slots__ = ("_marker", "dst_tier", "nbytes", "num_blocks", "src_tier", "submitted_at")
-
-    def __init__(self, marker: Marker, src_tier: Tier, dst_tier: Tier, num_blocks: int, nbytes: int) -> None:
-        self._marker = marker
-        self.src_tier = src_tier
-        self.dst_tier = dst_tier
-        self.num_blocks = num_blocks
-        self.nbytes = nbytes
-        self.submitted_at = time.perf_counter()
-
-    def done(self) -> bool:
-        """True once the copy has completed (or failed)."""
-        return self._marker.completed
-
-    @property
-    def completed_at(self) -> float | None:
-        """``time.perf_counter()`` when the device finished the copy (before the loop heard of it)."""
-        return self._marker.done_at if self._marker.completed else None
-
-    def add_done_callback(self, callback: Callable[[Transfer], None]) -> None:
-        """Call ``callback(transfer)`` on the event loop once the copy has completed (at once if it has).
-
-        Unlike awaiting, this needs no task: fire-and-forget copies can still be observed.
-        """
-        self._marker.add_done_callback(lambda: callback(self))
-
-    def exception(self) -> BaseException | None:
-        """The error the copy failed with, or ``None``.
-
-        Raises:
-            asyncio.InvalidStateError: not done yet.
-        """
-        if not self._marker.completed:
-            raise asyncio.InvalidStateError("transfer is not done yet")
-        return self._marker.error
-
-    def result(self) -> TransferResult:
-        """The result of a completed copy.
-
-        Raises:
-            asyncio.InvalidStateError: not done yet.
-            TransferError: the copy failed; its destination blocks hold undefined data.
-        """
-        error = self.exception()
-        if error is not None:
-            if isinstance(error, TransferError):
-                raise error
-            raise TransferError(f"{self.src_tier.value}->{self.dst_tier.value} copy of {self.num_blocks} blocks failed: {error!r}") from error
-        done_at = self._marker.done_at or self.submitted_at
-        return TransferResult(self.src_tier, self.dst_tier, self.num_blocks, self.nbytes, done_at - self.submitted_at)
-
-    def __await__(self) -> Generator[Any, None, TransferResult]:
-        yield from self._marker.wait().__await__()
-        return self.result()
-
-    def __repr__(self) -> str:
-        state = "pending" if not self.done() else ("failed" if self._marker.error else "done")
-        return f"<Transfer {self.src_tier.value}->{self.dst_tier.value} blocks={self.num_blocks} bytes={self.nbytes} [{state}]>"
-
-
-#: Upper bounds (seconds) of the per-direction transfer latency histogram (Prometheus-style buckets).
-LATENCY_BUCKETS: tuple[float, ...] = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class EngineStatistics:
-    """A snapshot of a :class:`TransferEngine`.
-
-    Attributes:
-        device: ``"cuda"`` or ``"emulated"``.
-        submitted: transfers accepted by ``copy()``.
-        completed: transfers finished (including failed ones).
-        failed: transfers that failed.
-        in_flight: submitted and not completed.
-        deferred: in flight and not yet enqueued (waiting on the loop for an off-stream dependency).
-        bytes_by_direction: ``"gpu->host"`` etc. -> bytes completed.
-        blocks_by_direction: ``"gpu->host"`` etc. -> blocks completed.
-        seconds_by_direction: direction -> summed durations (``copy()`` to device completion) of its copies.
-        latency_counts: direction -> copies per latency bucket: ``<= LATENCY_BUCKETS[i]`` seconds, then overflow.
-        fences: the fence table.
-    """
-
-    device: str
-    submitted: int
-    completed: int
-    failed: int
-    in_flight: int
-    deferred: int
-    bytes_by_direction: dict[str, int]
-    blocks_by_direction: dict[str, int]
-    seconds_by_direction: dict[str, float]
-    latency_counts: dict[str, tuple[int, ...]]
-    fences: FenceStatistics
 
 
 class TransferEngine:
@@ -215,6 +81,8 @@ class TransferEngine:
         file_dir: directory of the file tier's slab (with ``file_blocks``; knobs from the environment).
         file_blocks: slots in the file tier.
         file_config: the file tier's full configuration (instead of ``file_dir``/``file_blocks``).
+        handlers: more transfer handlers (:mod:`tiered_kv.handlers`), each with the media it owns and the
+            pairs it routes: a new tier is one handler. A pair or medium claimed twice is a ``ValueError``.
 
     Use it as an async context manager (``async with TransferEngine(...) as engine``) or call
     :meth:`close`. All copies must be made from one event loop (the first one that uses it).
@@ -238,6 +106,7 @@ class TransferEngine:
         file_dir: str | os.PathLike[str] | None = None,
         file_blocks: int = 0,
         file_config: FileTierConfig | None = None,
+        handlers: Sequence[TransferHandler] = (),
     ) -> None:
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
@@ -269,18 +138,29 @@ class TransferEngine:
         if host_blocks:
             self._pools[Tier.HOST] = BlockPool(Tier.HOST, layout, _allocate(self.device.empty_host, "host", host_blocks, layout))
 
-        self._file: FileTier | None = None
         if file_config is None and file_dir is not None and file_blocks:
             file_config = FileTierConfig.from_env(file_dir, file_blocks)
         elif file_config is None and (file_dir is not None or file_blocks):
             raise ValueError("give both file_dir and file_blocks (or file_config) to have a file tier")
-        if file_config is not None:
-            self._file = FileTier(layout, file_config, device=self.device)
-            self._pools[Tier.FILE] = self._file  # type: ignore[assignment]  # pool look-alike: name, num_blocks, check
+        file_tier = FileTier(layout, file_config, device=self.device) if file_config is not None else None
 
         self.copier = Copier(self.device, self.config)  # DMA-or-kernel choice per call (tiered_kv.copyops)
         self._streams: dict[str, Stream] = {name: self.device.new_stream(name) for name in ("offload", "onboard", "local")}
-        self._host_threads = concurrent.futures.ThreadPoolExecutor(self.config.host_threads, thread_name_prefix="tiered_kv-host")
+        # The routing table: every (source tier, destination tier) pair has exactly one handler.
+        self._routes = Routes(owned=self._pools)
+        builtin: list[TransferHandler] = [StreamCopier(self._pools, self._streams, self.copier, self.config.host_threads)]
+        if file_tier is not None:
+            builtin.append(FileHandler(file_tier, self._pools, self._streams, self.copier))
+        try:
+            for handler in (*builtin, *handlers):
+                self._routes.add(handler)
+        except BaseException:
+            for handler in builtin:
+                handler.close()
+            for stream in self._streams.values():
+                stream.close()
+            raise
+        self._media: dict[Tier, Medium] = {**self._pools, **self._routes.media}
         self._fences = FenceTable()
         self._inflight: set[Marker] = set()
         self._meta: dict[Marker, tuple[str, int, int, float]] = {}  # in-flight marker -> (direction, bytes, blocks, submitted at)
@@ -326,15 +206,20 @@ class TransferEngine:
         await self.drain()
         for stream in self._streams.values():
             stream.close()
-        self._host_threads.shutdown(wait=True)
-        if self._file is not None:
-            self._file.close()
+        for handler in self._routes.handlers:
+            handler.close()
         self._closed = True
         assert not self._fences, "fences left after every op completed"
 
     @property
     def closed(self) -> bool:
+        """``close()`` has finished."""
         return self._closed
+
+    @property
+    def closing(self) -> bool:
+        """``close()`` has begun (or finished): no new copies are accepted."""
+        return self._closing
 
     def _bind_loop(self) -> asyncio.AbstractEventLoop:
         try:
@@ -356,16 +241,58 @@ class TransferEngine:
     # ------------------------------------------------------------------------------------ inspection
 
     def pool(self, tier: Tier | str) -> BlockPool | LayerMajorPool:
-        """The pool of ``tier``.
+        """The memory pool of ``tier`` (GPU or host).
 
         Raises:
             ValueError: unknown tier, or the engine has no pool for it.
+            TypeError: the tier is not in memory (the file tier: see :meth:`medium` and :attr:`file_tier`).
         """
         t = Tier.coerce(tier)
         pool = self._pools.get(t)
         if pool is None:
+            if t in self._media:
+                raise TypeError(f"{t.value} blocks have no in-memory view; copy the block to the host tier to inspect it")
             raise ValueError(f"this engine has no {t.value} pool (give it {t.value}_blocks)")
         return pool
+
+    def medium(self, tier: Tier | str) -> Medium:
+        """The medium of ``tier``: a memory pool, or the medium a handler owns (the file tier).
+
+        Raises:
+            ValueError: unknown tier, or the engine has no medium for it.
+        """
+        t = Tier.coerce(tier)
+        medium = self._media.get(t)
+        if medium is None:
+            raise ValueError(f"this engine has no {t.value} pool (give it {t.value}_blocks)")
+        return medium
+
+    def add_handler(self, handler: TransferHandler) -> None:
+        """Route ``handler.routes`` to ``handler`` and add the media it owns (a new tier is one handler).
+
+        Use it for a handler that needs the engine's pools or streams; one that does not can be passed as
+        ``TransferEngine(..., handlers=[...])``. The engine closes it in :meth:`close`.
+
+        Raises:
+            ValueError: a pair already routed or a medium already owned (nothing is changed).
+            EngineClosedError: the engine is closed.
+        """
+        if self._closing:
+            raise EngineClosedError("the TransferEngine is closed")
+        self._routes.add(handler)
+        self._media.update(handler.media)
+
+    def route(self, src_tier: Tier | str, dst_tier: Tier | str) -> TransferHandler:
+        """The handler that copies from ``src_tier`` to ``dst_tier``.
+
+        Raises:
+            ValueError: unknown tier, or no handler for the pair.
+        """
+        src_t, dst_t = Tier.coerce(src_tier), Tier.coerce(dst_tier)
+        handler = self._routes.get(src_t, dst_t)
+        if handler is None:
+            raise ValueError(f"copies from {src_t.value} to {dst_t.value} are not supported by this engine")
+        return handler
 
     def block(self, tier: Tier | str, index: int) -> torch.Tensor:
         """A view of one block, for inspection and for filling in tests.
@@ -390,15 +317,18 @@ class TransferEngine:
         Raises:
             ValueError: the engine has no file tier.
         """
-        if self._file is None:
+        tier = self._media.get(Tier.FILE)
+        if not isinstance(tier, FileTier):
             raise ValueError("this engine has no file tier (give it file_dir and file_blocks)")
-        return self._file
+        return tier
 
     @property
     def fences(self) -> FenceTable:
+        """The per-block fence table (pending reads and write of each block)."""
         return self._fences
 
     def statistics(self) -> EngineStatistics:
+        """A snapshot: transfers, bytes and latencies per direction, fences."""
         return EngineStatistics(
             device=self.device.kind,
             submitted=self._submitted,
@@ -415,7 +345,7 @@ class TransferEngine:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("closing" if self._closing else "open")
-        pools = ", ".join(f"{p.name}:{p.num_blocks}" for p in self._pools.values())
+        pools = ", ".join(f"{p.name}:{p.num_blocks}" for p in self._media.values())
         return (
             f"<TransferEngine {self.device.kind} [{state}, in_flight:{len(self._inflight)}, "
             f"deferred:{len(self._deferred)}, fenced:{len(self._fences)}] pools({pools})>"
@@ -451,8 +381,8 @@ class TransferEngine:
                 each is written into its slot's header and indexed (``engine.file_tier.lookup(key)``, also
                 after a restart). Optional for copies out of ``Tier.FILE``: checked against the index.
             layers: copy only layers ``[start, stop)`` of each block (layer-by-layer loads and stores, see
-                :mod:`tiered_kv.layerwise`); ``None`` copies every layer. Not with the file tier. Fences stay
-                per block.
+                :mod:`tiered_kv.layerwise`); ``None`` copies every layer. Only between GPU and host pools.
+                Fences stay per block.
 
         Raises:
             ValueError: unknown tier or missing pool, an index out of range or negative, duplicate
@@ -467,48 +397,39 @@ class TransferEngine:
         """
         loop = self._check_open()
         src_t, dst_t = Tier.coerce(src_tier), Tier.coerce(dst_tier)
-        src_pool, dst_pool = self.pool(src_t), self.pool(dst_t)
-        if (src_t, dst_t) not in _ROUTES:
-            raise ValueError(f"copies from {src_t.value} to {dst_t.value} are not supported by this engine")
-        to_file = Tier.FILE in (src_t, dst_t)
-        small = None if to_file else small_pairs(src_indices, dst_indices, src_pool.num_blocks, dst_pool.num_blocks, src_pool is dst_pool)
+        src_pool, dst_pool = self.medium(src_t), self.medium(dst_t)
+        handler = self.route(src_t, dst_t)
+        memory = isinstance(handler, StreamCopier)
+        small = small_pairs(src_indices, dst_indices, src_pool.num_blocks, dst_pool.num_blocks, src_pool is dst_pool) if memory else None
+        s: np.ndarray | list[int]
+        d: np.ndarray | list[int]
         if small is not None:  # the per-call fast path: valid small int lists, no numpy
-            s_list, d_list = small
-            s = d = None
+            s, d = s_list, d_list = small
         else:
             s, d, s_list, d_list = self._check_indices(src_pool, src_indices, dst_pool, dst_indices)
         n = self._check_tokens(num_tokens)
-        file_keys = None
-        if to_file:
-            assert self._file is not None
-            file_keys = self._file.validate(src_t, s, dst_t, d, num_tokens, keys)  # type: ignore[arg-type]
-        elif keys is not None:
-            raise ValueError("keys are only used by copies to or from the file tier")
-        op_src: BlockPool | LayerMajorPool | LayerSlice = src_pool
-        op_dst: BlockPool | LayerMajorPool | LayerSlice = dst_pool
-        if layers is not None:
-            op_src, op_dst = self._layer_slices(layers, to_file, src_pool, dst_pool)
+        span = self._check_layers(layers, memory)
+        # num_tokens goes to the handler as given (validated): the file tier refuses it even when it is whole
+        batch = handler.validate(Batch(src_t, s, dst_t, d, None if num_tokens is None else int(num_tokens), keys, span))
 
-        per_block = op_src.layout.bytes_per_block if n is None else op_src.layout.partial_bytes(n)
-        lane_name = _ROUTES[(src_t, dst_t)]
-        lane = self._streams[lane_name] if lane_name is not None else None
-        marker = Marker(lane)
-        count = len(s_list)
-        transfer = Transfer(marker, src_t, dst_t, count, count * per_block)
+        per_block = self.layout.bytes_per_block if n is None else self.layout.partial_bytes(n)
+        if span is not None:
+            per_block = per_block // self.layout.num_layers * (span[1] - span[0])
         self._submitted += 1
+        count = len(s_list)
         if count == 0:
+            marker = Marker(None)
             marker.complete()
             self._completed += 1
-            return transfer
+            return Transfer(marker, src_t, dst_t, 0, 0)
 
+        job = handler.prepare(batch)
+        lane = job.lane
+        marker = Marker(lane)
+        transfer = Transfer(marker, src_t, dst_t, count, count * per_block)
         reads = [(src_pool.name, s_list)]
         writes = [(dst_pool.name, d_list)]
         deps = self._fences.dependencies(reads, writes)
-        if to_file:
-            assert self._file is not None and s is not None and d is not None
-            op: Op = self._file.copy_op(src_t, src_pool, s, dst_t, dst_pool, d, file_keys, self._streams, self.copier)  # type: ignore
-        else:
-            op = self._block_copy_op(op_src, s_list if s is None else s, op_dst, d_list if d is None else d, n)  # type: ignore[arg-type]
         stream_deps: list[Marker] = []
         loop_deps: list[Marker] = []
         for dep in deps:
@@ -518,32 +439,19 @@ class TransferEngine:
             else:
                 loop_deps.append(dep)
         if loop_deps:
-            task = loop.create_task(self._enqueue_after(marker, op, stream_deps, loop_deps))
+            task = loop.create_task(self._enqueue_after(marker, job, stream_deps, loop_deps))
             self._deferred.add(task)
             task.add_done_callback(self._deferred.discard)
         else:
-            self._enqueue(marker, op, stream_deps)
+            self._enqueue(marker, job, stream_deps)
         self._fences.register(marker, reads, writes)
         self._inflight.add(marker)
         self._meta[marker] = (f"{src_t.value}->{dst_t.value}", transfer.nbytes, transfer.num_blocks, transfer.submitted_at)
         return transfer
 
-    def _layer_slices(self, layers: object, to_file: bool, src_pool: object, dst_pool: object) -> tuple[LayerSlice, LayerSlice]:
-        if to_file:
-            raise ValueError("layers= is not supported for copies to or from the file tier (a slot is one whole block)")
-        if (
-            not isinstance(layers, tuple)
-            or len(layers) != 2
-            or not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in layers)
-        ):
-            raise TypeError(f"layers must be a (start, stop) tuple of ints, got {layers!r}")
-        start, stop = int(layers[0]), int(layers[1])
-        assert isinstance(src_pool, (BlockPool, LayerMajorPool)) and isinstance(dst_pool, (BlockPool, LayerMajorPool))
-        return self.copier.layer_slice(src_pool, start, stop), self.copier.layer_slice(dst_pool, start, stop)
-
     @staticmethod
     def _check_indices(
-        src_pool: BlockPool | LayerMajorPool, src_indices: Indices, dst_pool: BlockPool | LayerMajorPool, dst_indices: Indices
+        src_pool: Medium, src_indices: Indices, dst_pool: Medium, dst_indices: Indices
     ) -> tuple[np.ndarray, np.ndarray, list[int], list[int]]:
         """The general index checks (any iterable, numpy or CPU tensor), with the descriptive errors."""
         s = as_indices(src_indices, "source indices")
@@ -562,6 +470,24 @@ class TransferEngine:
                 raise ValueError(f"blocks {both[:8]} are both a source and a destination of one copy")
         return s, d, s_list, d_list
 
+    def _check_layers(self, layers: object, memory: bool) -> tuple[int, int] | None:
+        if layers is None:
+            return None
+        if not memory:
+            raise ValueError("layers= is only supported between GPU and host pools (a file slot is one whole block)")
+        if (
+            not isinstance(layers, tuple)
+            or len(layers) != 2
+            or not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in layers)
+        ):
+            raise TypeError(f"layers must be a (start, stop) tuple of ints, got {layers!r}")
+        start, stop = int(layers[0]), int(layers[1])
+        if not 0 <= start < stop <= self.layout.num_layers:
+            raise ValueError(
+                f"layers must be a range (start, stop) with 0 <= start < stop <= {self.layout.num_layers}, got {layers}"
+            )
+        return start, stop
+
     def _check_tokens(self, num_tokens: int | None) -> int | None:
         if num_tokens is None:
             return None
@@ -574,52 +500,30 @@ class TransferEngine:
 
     # ------------------------------------------------------------------------------------ internals
 
-    def _enqueue(self, marker: Marker, op: Op, stream_deps: list[Marker]) -> None:
-        """Put ``op`` on its lane behind ``stream_deps``; its completion calls :meth:`_complete` on the loop."""
+    def _enqueue(self, marker: Marker, job: Job, stream_deps: list[Marker]) -> None:
+        """Start ``job`` behind ``stream_deps`` (waited for on its lane); its completion calls :meth:`_complete`."""
         inbox = self._inbox
         assert inbox is not None
 
-        def finished() -> None:  # device waiter / worker / host thread
+        def done(error: BaseException | None) -> None:  # device waiter / worker / I/O / host thread
+            if error is not None:
+                marker.error = error
             marker.done_at = time.perf_counter()
             inbox.post(marker)
 
-        def run() -> None:
-            try:
-                op()
-            except BaseException as exc:
-                marker.error = exc
-
         lane = marker.lane
-        start = getattr(op, "start", None)
-        if lane is None and start is not None:
-            # File op: it starts backend work and calls back when done; no host thread waits for it.
-            def file_done(error: BaseException | None) -> None:
-                if error is not None:
-                    marker.error = error
-                finished()
+        if lane is not None:
+            for dep in stream_deps:
+                assert dep.event is not None
+                lane.wait(dep.event)
+            marker.after = stream_deps
+            self._fences.stream_waits += len(stream_deps)
+        try:
+            marker.event = job.start(done)
+        except BaseException as exc:  # reported to whoever awaits the transfer
+            done(exc)
 
-            try:
-                start(file_done)
-            except BaseException as exc:  # reported to whoever awaits the transfer
-                file_done(exc)
-            return
-        if lane is None:
-
-            def run_and_finish() -> None:
-                run()
-                finished()
-
-            self._host_threads.submit(run_and_finish)
-            return
-        for dep in stream_deps:
-            assert dep.event is not None
-            lane.wait(dep.event)
-        marker.after = stream_deps
-        self._fences.stream_waits += len(stream_deps)
-        lane.submit(run, explicit=getattr(op, "explicit_stream", False))
-        marker.event = lane.notify(finished)
-
-    async def _enqueue_after(self, marker: Marker, op: Op, stream_deps: list[Marker], loop_deps: list[Marker]) -> None:
+    async def _enqueue_after(self, marker: Marker, job: Job, stream_deps: list[Marker], loop_deps: list[Marker]) -> None:
         """Wait on the loop for off-stream dependencies, then enqueue.
 
         Cancellation: only happens when the loop shuts down under a live engine; the marker is then
@@ -629,7 +533,7 @@ class TransferEngine:
             for dep in loop_deps:
                 await dep.wait()
             self._fences.loop_waits += len(loop_deps)
-            self._enqueue(marker, op, stream_deps)
+            self._enqueue(marker, job, stream_deps)
         except BaseException as exc:
             marker.error = exc
             self._complete(marker)
@@ -665,12 +569,6 @@ class TransferEngine:
                 counts = self._latency[direction] = [0] * (len(LATENCY_BUCKETS) + 1)
             counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
         marker.complete()
-
-    def _block_copy_op(self, src_pool: BlockPool | LayerMajorPool, s: np.ndarray | list[int],
-                       dst_pool: BlockPool | LayerMajorPool, d: np.ndarray | list[int], n: int | None) -> Op:
-        """The op of one copy call: DMA or the copy kernel, chosen per call by :mod:`tiered_kv.copyops`."""
-        lane_name = _ROUTES[(src_pool.tier, dst_pool.tier)]
-        return self.copier.build(src_pool, s, dst_pool, d, n, stream=self._streams[lane_name] if lane_name else None)
 
     # ------------------------------------------------------------------------------------ compute sync
 

@@ -10,7 +10,7 @@ header or payload, as a power cut may do to unsynced pages), then reopens the sl
 indexed block back through the engine (FILE->HOST, one block per transfer) and compares it with its key's
 content.
 
-What each durability policy promises (:class:`~tiered_kv.filetier.Durability`):
+What each durability policy promises (:class:`~tiered_kv.file.Durability`):
 
 * A ``SIGKILL`` loses the process, not the page cache. Under every policy (``none``, ``flush``, ``fsync``),
   every block whose spill completed (``DONE``) and whose slot no later spill claimed (``BEGIN``) is
@@ -136,7 +136,7 @@ class CrashReport:
 
 async def _child(directory: str, seed: int, durability: str, file_blocks: int, max_steps: int) -> None:
     from ..engine import TransferEngine
-    from ..filetier import FileTierConfig
+    from ..file import FileTierConfig
 
     layout = CRASH_LAYOUT
     rng = random.Random(seed)
@@ -283,7 +283,7 @@ async def verify_reopen(directory: str, file_blocks: int, log_begun: set[str], p
     Cancellation: the engine is closed; nothing is left.
     """
     from ..engine import TransferEngine
-    from ..filetier import FileTierConfig
+    from ..file import FileTierConfig
 
     layout = CRASH_LAYOUT
     cfg = FileTierConfig(directory, file_blocks, verify_on_open=verify_on_open, io_threads=2, staging_blocks=2)
@@ -323,7 +323,7 @@ def crash_once(directory: str | os.PathLike[str], seed: int, *, durability: str 
     Args:
         directory: a fresh (or empty) directory for the slab.
         seed: picks the child's spills, the kill point and the torn slots.
-        durability: the child's :class:`~tiered_kv.filetier.Durability` (``"none"``, ``"flush"``, ``"fsync"``).
+        durability: the child's :class:`~tiered_kv.file.Durability` (``"none"``, ``"flush"``, ``"fsync"``).
         file_blocks: slots in the slab (few, so slots are overwritten often).
         max_kill_after: the kill comes after 0..max_kill_after completed transfers (plus 0-20 ms).
         tear: promised slots to tear after the kill (at most as many as there are).

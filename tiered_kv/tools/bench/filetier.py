@@ -34,7 +34,7 @@ import torch
 
 from ...backends.posix import DIRECT_ALIGN, aligned_empty, direct_io_supported
 from ...engine import TransferEngine
-from ...filetier import FileTier, FileTierConfig
+from ...file import FileTier, FileTierConfig
 from ...layout import KVLayout
 from ...pools import Tier
 from .common import bench_main, machine_info

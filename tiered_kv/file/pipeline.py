@@ -1,0 +1,411 @@
+"""The file tier's I/O pipeline: one engine batch into or out of the slab, block by block, never parking a thread.
+
+Primitives:
+
+* :class:`SlabIO` -- the narrow interface the pipeline works through: the slab's geometry and backend, the
+  worker threads, the staging ring, padding buffers, durability, the slot index and the I/O counters.
+* :class:`FileCopy` -- one batch (a :class:`~tiered_kv.handlers.Job` without a lane): ``start(done)`` hands
+  the launch to a worker and returns; ``done(error)`` is called once, from whichever thread finishes last.
+* :class:`IoCounters` -- blocks and bytes moved, failures (thread-safe).
+
+Per block, each step is a named method run when the previous one's completion fires (``_step`` guards it:
+after a failure no further block starts, and an exception in a step fails that block):
+
+* host pool -> file: checksum on the launcher thread, then ``pwrite`` (header, payload, padding).
+* file -> host pool: ``pread``, length checked on the I/O thread, verified on a worker.
+* GPU -> file: GPU block -> staging block on the offload stream (``_stage_out``); from the stream's
+  completion, ``pwrite`` of the staging block (with GDS: of the GPU block itself; the staged copy is what is
+  checksummed).
+* file -> GPU: ``pread`` into a staging block, verified, then staging -> GPU block on the onboard stream
+  (``_stage_in``): a block that fails verification never reaches the GPU pool. With GDS: ``pread`` into
+  the GPU block, a staged copy back (``_stage_out``), verified.
+
+A batch that writes finishes through the index (:meth:`~tiered_kv.file.index.SlotIndex.finish_write`: its
+slots become valid only if every block landed and, per :class:`~tiered_kv.file.config.Durability`, was
+synced); a read that fails verification drops its slot (:meth:`~tiered_kv.file.index.SlotIndex.drop_if`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..backends import Completion, FileBackend
+from ..backends.posix import aligned_empty
+from ..copyops import Copier
+from ..device import Device, Stream
+from ..errors import IntegrityError, TransferError
+from ..handlers import Done
+from ..layer_major import LayerMajorPool
+from ..pools import BlockPool
+from ..slab import HEADER_SIZE, Key, pack_header, payload_checksum, unpack_header
+from .config import Durability, SlabGeometry
+from .index import SlotIndex
+from .ring import StagingRing
+
+__all__ = ["FileCopy", "IoCounters", "SlabIO"]
+
+Buffer = torch.Tensor | np.ndarray
+Step = Callable[[int, int | None], None]  # (block j of the batch, its staging block or None)
+
+
+class IoCounters:
+    """Blocks and bytes moved and failures, per direction (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts = {"bw": 0, "br": 0, "nw": 0, "nr": 0, "wf": 0, "rf": 0, "if": 0}
+
+    def add(self, **inc: int) -> None:
+        """Add to counters: ``nw``/``nr`` blocks, ``bw``/``br`` bytes, ``wf``/``rf``/``if`` failures."""
+        with self._lock:
+            for k, v in inc.items():
+                self._counts[k] += v
+
+    def snapshot(self) -> dict[str, int]:
+        """A copy of the counters."""
+        with self._lock:
+            return dict(self._counts)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SlabIO:
+    """What the pipeline may use of the tier (and nothing else).
+
+    Attributes:
+        geometry: slot size, payload size, fingerprint, offsets.
+        backend: positional I/O on the slab.
+        workers: checksum / launch threads.
+        ring: the staging ring, made on first use.
+        durability: when a write counts as complete.
+        device: the engine's device (CUDA legs run under it).
+        index: the slot index (writes finish through it, failed verification drops through it).
+        counters: I/O statistics.
+        zero_pad / trash_pad: padding written after a payload / read and discarded (``None``: no padding).
+    """
+
+    geometry: SlabGeometry
+    backend: FileBackend
+    workers: concurrent.futures.ThreadPoolExecutor
+    ring: Callable[[], StagingRing]
+    durability: Durability
+    device: Device
+    index: SlotIndex
+    counters: IoCounters
+    zero_pad: np.ndarray | None
+    trash_pad: np.ndarray | None
+
+
+class FileCopy:
+    """One engine batch into (``write``) or out of the slab (see the module docstring).
+
+    Args:
+        io: the tier's :class:`SlabIO`.
+        write: into the slab (else out of it).
+        pool: the HOST or GPU pool on the other side (block-major, or a layer-major GPU pool).
+        blocks: pool block per job.
+        slots: file slot per job.
+        keys: content key to write / expected, per job.
+        gens: generation to write / expected, per job.
+        stream: offload/onboard stream for GPU<->staging copies; ``None`` for host pools.
+        copier: the engine's copier (gathers / scatters a layer-major GPU block).
+    """
+
+    lane: Stream | None = None  # completion by callback: later copies wait for it on the loop
+
+    def __init__(self, io: SlabIO, write: bool, pool: BlockPool | LayerMajorPool, blocks: list[int], slots: list[int],
+                 keys: list[Key], gens: list[int], stream: Stream | None, copier: Copier | None = None) -> None:
+        self.io = io
+        self.write = write
+        self.layer_major = pool if isinstance(pool, LayerMajorPool) else None
+        self.pool = pool.tensor if isinstance(pool, BlockPool) else torch.empty(0)
+        if self.layer_major is not None and copier is None:
+            raise ValueError("copies between a layer-major pool and the file tier need the engine's copier")
+        self.copier = copier
+        self.blocks = blocks
+        self.slots = slots
+        self.keys = keys
+        self.gens = gens
+        self.stream = stream
+        # GDS straight from/to the GPU block: only for block-major pools (a layer-major block is not one region)
+        self.direct_device = stream is not None and io.backend.device_io and self.layer_major is None
+        self._lock = threading.Lock()
+        self._left = len(slots)
+        self._error: BaseException | None = None
+        self._done: Done | None = None
+        self._hdrs = np.empty((0, HEADER_SIZE), dtype=np.uint8)
+        self._pool_np = np.empty(0, dtype=np.uint8)
+
+    # entry point ------------------------------------------------------------------------------
+
+    def start(self, done: Done) -> None:
+        """Hand the launch to a worker thread and return: the loop thread does O(1) work per transfer.
+
+        Args:
+            done: called once with ``None`` or the error, from whichever thread finishes last.
+        """
+        self._done = done
+        if not self.slots:
+            done(None)
+            return
+        self.io.workers.submit(self._launch).add_done_callback(self._launch_failed)
+
+    def _launch_failed(self, fut: concurrent.futures.Future[None]) -> None:
+        exc = fut.exception()
+        if exc is not None:  # only a bug or an allocation failure (staging) gets here
+            with self._lock:
+                started = self._left != len(self.slots) or self._error is not None
+            if not started:
+                if self.write:
+                    self.io.index.finish_write(self.slots, self.gens, False)
+                assert self._done is not None
+                self._done(TransferError(f"starting a file copy of {len(self.slots)} blocks failed: {exc!r}"))
+
+    def _launch(self) -> None:
+        ring = self.io.ring() if self.stream is not None else None
+        n = len(self.slots)
+        self._hdrs = aligned_empty(HEADER_SIZE * n).numpy().reshape(n, HEADER_SIZE)  # one aligned header per block
+        if ring is None:
+            self._pool_np = self.pool.reshape(self.pool.shape[0], -1).view(torch.uint8).numpy()  # block -> bytes
+        for j in range(n):
+            if ring is not None:
+                ring.acquire(functools.partial(self._step, j, step=self._run_staged))
+            else:
+                self._step(j, None, step=self._run_host)
+
+    def _step(self, j: int, buf: int | None, step: Step) -> None:
+        """Run ``step(j, buf)`` unless the batch already failed; an exception in it fails block ``j``."""
+        if self._error is not None:  # fail fast: do not start more blocks after one failed
+            self._job_done(j, buf, None)
+            return
+        try:
+            step(j, buf)
+        except BaseException as exc:  # reported through done()
+            self._job_done(j, buf, exc)
+
+    # host pools ---------------------------------------------------------------------------------
+
+    def _run_host(self, j: int, buf: int | None) -> None:
+        # numpy views: a few hundred ns per block, where torch indexing costs microseconds
+        payload = self._pool_np[self.blocks[j]]
+        if self.write:
+            # Checksum on the launcher thread (xxh3 runs at ~15 GB/s, above any single disk, and releases the
+            # GIL), so the I/O threads only do I/O and keep as many requests in flight as raw pwritev would.
+            self._write(j, buf, payload, payload, prehash=True)
+        else:
+            self._read(j, buf, payload, verify_with=payload, then=self._block_done)
+
+    # GPU pools through staging ---------------------------------------------------------------------
+
+    def _staging(self, buf: int | None) -> torch.Tensor:
+        assert buf is not None
+        return self.io.ring().tensor[buf]
+
+    def _gpu_block(self, j: int) -> torch.Tensor:
+        """Block ``j`` of a block-major GPU pool as bytes (the I/O buffer of GDS)."""
+        return self.pool[self.blocks[j]].reshape(-1).view(torch.uint8)
+
+    def _run_staged(self, j: int, buf: int | None) -> None:
+        if self.write:
+            self._on_stream(j, buf, self._to_staging, then=self._write_staged)
+        elif not self.direct_device:
+            staging = self._staging(buf)
+            self._read(j, buf, staging, verify_with=staging, then=self._stage_in)
+        else:
+            self._read(j, buf, self._gpu_block(j), verify_with=None, then=self._stage_out_to_verify)
+
+    def _write_staged(self, j: int, buf: int | None) -> None:
+        staging = self._staging(buf)
+        self._write(j, buf, self._gpu_block(j) if self.direct_device else staging, staging)
+
+    def _stage_in(self, j: int, buf: int | None) -> None:
+        self._on_stream(j, buf, self._from_staging, then=self._block_done)
+
+    def _stage_out_to_verify(self, j: int, buf: int | None) -> None:
+        self._on_stream(j, buf, self._to_staging, then=self._verify_staged)
+
+    def _verify_staged(self, j: int, buf: int | None) -> None:
+        fut = self.io.workers.submit(self._verify, j, self._hdrs[j], self._staging(buf))
+        self._then(fut, j, buf, lambda _: self._job_done(j, buf, None))
+
+    def _on_stream(self, j: int, buf: int | None, op: Step, *, then: Step) -> None:
+        """Queue ``op(j, buf)`` on the batch's stream; its completion runs ``then`` (on the stream's waiter)."""
+        assert self.stream is not None
+        self.stream.submit(functools.partial(op, j, buf))
+        self.stream.notify(functools.partial(self._step, j, buf, step=then))
+
+    def _to_staging(self, j: int, buf: int | None) -> None:
+        """(On the stream.) GPU block ``j`` -> staging block ``buf``."""
+        with self._cuda_device():
+            if self.layer_major is not None:  # gather the block's layers*kv chunks with the engine's copier
+                assert self.copier is not None and buf is not None
+                self.copier.build(self.layer_major, np.array([self.blocks[j]]), self.io.ring().pool, np.array([buf]), None)()
+            else:
+                self._staging(buf).copy_(self._gpu_block(j), non_blocking=True)
+
+    def _from_staging(self, j: int, buf: int | None) -> None:
+        """(On the stream.) Staging block ``buf`` -> GPU block ``j``."""
+        with self._cuda_device():
+            if self.layer_major is not None:  # scatter into the block's layers*kv chunks
+                assert self.copier is not None and buf is not None
+                self.copier.build(self.io.ring().pool, np.array([buf]), self.layer_major, np.array([self.blocks[j]]), None)()
+            else:
+                self._gpu_block(j).copy_(self._staging(buf), non_blocking=True)
+
+    def _cuda_device(self) -> contextlib.AbstractContextManager[Any]:
+        dev = self.io.device
+        return torch.cuda.device(dev.torch_device) if dev.is_cuda else contextlib.nullcontext()
+
+    # steps -----------------------------------------------------------------------------------------
+
+    def _write(self, j: int, buf: int | None, payload: Buffer, host_payload: Buffer, prehash: bool = False) -> None:
+        """Write slot ``j``; the header is filled (payload checksummed) now (``prehash``) or on the I/O thread."""
+        io, geo, hdr = self.io, self.io.geometry, self._hdrs[j]
+
+        def fill_header() -> None:
+            pack_header(hdr.data, geo.fingerprint, self.slots[j], self.gens[j], self.keys[j],
+                        geo.payload_bytes, payload_checksum(host_payload))
+
+        bufs = [hdr, payload] + ([io.zero_pad] if io.zero_pad is not None else [])
+        if prehash:
+            fill_header()
+        fut = io.backend.pwrite(bufs, geo.offset(self.slots[j]), before=None if prehash else fill_header)
+
+        def written(n: int) -> None:
+            if n != geo.slot_size:
+                raise TransferError(f"short write to file slot {self.slots[j]}: {n} of {geo.slot_size} bytes")
+            self._job_done(j, buf, None)
+
+        self._then(fut, j, buf, written)
+
+    def _read(self, j: int, buf: int | None, payload: Buffer, *, verify_with: Buffer | None, then: Step) -> None:
+        """Read slot ``j``; the length check runs on the I/O thread, verification (``verify_with``) on a worker."""
+        io, geo, hdr = self.io, self.io.geometry, self._hdrs[j]
+
+        def check(n: int) -> None:
+            if n < HEADER_SIZE + geo.payload_bytes:
+                raise IntegrityError(f"file slot {self.slots[j]}: short read ({n} of {geo.slot_size} bytes; the file is truncated)")
+
+        bufs = [hdr, payload] + ([io.trash_pad] if io.trash_pad is not None else [])
+        fut = io.backend.pread(bufs, geo.offset(self.slots[j]), after=check)
+        if verify_with is None:
+            self._then(fut, j, buf, lambda _: then(j, buf))
+            return
+        # Verify on a tier worker, not on the I/O thread: the I/O threads keep as many reads in flight as raw
+        # preadv would while earlier blocks are checksummed.
+        self._then(fut, j, buf, lambda _: self._then(io.workers.submit(self._verify, j, hdr, verify_with), j, buf, lambda _: then(j, buf)))
+
+    def _verify(self, j: int, hdr: np.ndarray, payload: Buffer) -> None:
+        geo = self.io.geometry
+        slot = self.slots[j]
+        h = unpack_header(hdr.data)
+        why = None
+        if h is None:
+            why = "the slot header is empty"
+        elif isinstance(h, str):
+            why = h
+        elif h.fingerprint != geo.fingerprint:
+            why = "layout fingerprint mismatch"
+        elif h.slot != slot:
+            why = f"header names slot {h.slot}"
+        elif h.payload_length != geo.payload_bytes:
+            why = f"payload length {h.payload_length} != {geo.payload_bytes}"
+        elif h.key != self.keys[j]:
+            why = f"content key {h.key!r} != expected {self.keys[j]!r}"
+        elif h.generation != self.gens[j]:
+            why = f"generation {h.generation} != expected {self.gens[j]}"
+        elif self.io.index.failed_generation(slot) == h.generation:
+            why = "the copy that wrote it failed"
+        elif payload_checksum(payload) != h.checksum:
+            why = "payload checksum mismatch"
+        if why is not None:
+            raise IntegrityError(f"file slot {slot} failed verification: {why}; the slot was dropped and its data not served")
+
+    def _then(self, fut: Completion | concurrent.futures.Future[Any], j: int, buf: int | None, fn: Callable[[Any], None]) -> None:
+        """When ``fut`` is done: ``fn(result)`` on success, else finish job ``j`` with the error."""
+
+        def cb(f: Any) -> None:
+            try:
+                value = f.result()
+            except BaseException as exc:  # reported through done()
+                self._job_done(j, buf, exc)
+                return
+            self._step(j, buf, step=lambda j, buf: fn(value))
+
+        fut.add_done_callback(cb)
+
+    # completion ------------------------------------------------------------------------------------
+
+    def _block_done(self, j: int, buf: int | None) -> None:
+        self._job_done(j, buf, None)
+
+    def _job_done(self, j: int, buf: int | None, exc: BaseException | None) -> None:
+        io = self.io
+        slot = self.slots[j]
+        if exc is not None:
+            exc = self._wrap(slot, exc)
+            if isinstance(exc, IntegrityError) and not self.write:
+                io.index.drop_if(slot, self.gens[j])
+                io.counters.add(**{"if": 1, "rf": 1})
+            else:
+                io.counters.add(**({"wf": 1} if self.write else {"rf": 1}))
+        elif self._error is None:
+            # success of this block (the transfer may still fail on another one)
+            nbytes = io.geometry.payload_bytes
+            io.counters.add(**({"nw": 1, "bw": nbytes} if self.write else {"nr": 1, "br": nbytes}))
+        if buf is not None:
+            io.ring().release(buf)
+        with self._lock:
+            if exc is not None and self._error is None:
+                self._error = exc
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self._finish()
+
+    def _wrap(self, slot: int, exc: BaseException) -> BaseException:
+        if isinstance(exc, TransferError):
+            return exc
+        what = "writing" if self.write else "reading"
+        err = TransferError(f"{what} file slot {slot} failed: {exc!r}")
+        err.__cause__ = exc
+        return err
+
+    def _finish(self) -> None:
+        io = self.io
+        error = self._error
+        assert self._done is not None
+        if not self.write:
+            self._done(error)
+            return
+        if error is not None or io.durability is Durability.NONE:
+            io.index.finish_write(self.slots, self.gens, error is None)
+            self._done(error)
+            return
+
+        def synced(f: Completion) -> None:
+            err: BaseException | None = None
+            try:
+                f.result()
+            except BaseException as exc:  # reported through done()
+                err = self._wrap(self.slots[0], exc)
+            io.index.finish_write(self.slots, self.gens, err is None)
+            assert self._done is not None
+            self._done(err)
+
+        try:
+            io.backend.sync(io.durability is Durability.FLUSH).add_done_callback(synced)
+        except BaseException as exc:  # reported through done()
+            io.index.finish_write(self.slots, self.gens, False)
+            self._done(self._wrap(self.slots[0], exc))
+
+    def __repr__(self) -> str:
+        return f"<FileCopy {'write' if self.write else 'read'} blocks:{len(self.slots)} left:{self._left}>"

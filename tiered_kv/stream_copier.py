@@ -1,0 +1,152 @@
+"""The handler of the memory pairs: GPU and pinned-host pools copied on the engine's streams.
+
+Primitives:
+
+* :class:`StreamCopier` -- the :class:`~tiered_kv.handlers.TransferHandler` of GPU->HOST (the *offload*
+  stream), HOST->GPU (the *onboard* stream, so both PCIe directions are busy at once), GPU->GPU (the *local*
+  stream) and HOST->HOST (host threads). Each batch is one op built by :class:`~tiered_kv.copyops.Copier`
+  (DMA or the copy kernel, chosen per call).
+* :data:`STREAM_ROUTES` -- pair -> stream name (``None``: host threads).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+
+from .copyops import Copier, Pool, Side
+from .device import Event, Stream
+from .handlers import Batch, Done, Medium
+from .layerwise import LayerSlice
+from .pools import Tier
+
+__all__ = ["STREAM_ROUTES", "StreamCopier"]
+
+Op = Callable[[], None]
+
+#: (source tier, destination tier) -> the stream that runs the copy; ``None`` means host threads.
+STREAM_ROUTES: dict[tuple[Tier, Tier], str | None] = {
+    (Tier.GPU, Tier.HOST): "offload",
+    (Tier.HOST, Tier.GPU): "onboard",
+    (Tier.GPU, Tier.GPU): "local",
+    (Tier.HOST, Tier.HOST): None,
+}
+
+
+class _StreamJob:
+    """One op queued on a stream; ``done`` is called by the stream's completion callback."""
+
+    __slots__ = ("lane", "op")
+
+    def __init__(self, lane: Stream, op: Op) -> None:
+        self.lane: Stream | None = lane
+        self.op = op
+
+    def start(self, done: Done) -> Event:
+        lane = self.lane
+        assert lane is not None
+        op = self.op
+        error: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                op()
+            except BaseException as exc:  # reported through done()
+                error.append(exc)
+
+        lane.submit(run, explicit=getattr(op, "explicit_stream", False))
+        return lane.notify(lambda: done(error[0] if error else None))
+
+
+class _HostJob:
+    """One op run on a host thread (HOST->HOST)."""
+
+    __slots__ = ("lane", "op", "threads")
+
+    def __init__(self, threads: concurrent.futures.ThreadPoolExecutor, op: Op) -> None:
+        self.lane: Stream | None = None
+        self.threads = threads
+        self.op = op
+
+    def start(self, done: Done) -> None:
+        op = self.op
+
+        def run() -> None:
+            try:
+                op()
+            except BaseException as exc:  # reported through done()
+                done(exc)
+                return
+            done(None)
+
+        self.threads.submit(run)
+
+
+class StreamCopier:
+    """Copies between the engine's GPU and host pools on its streams (see the module docstring).
+
+    Args:
+        pools: the engine's memory pools (``Tier.GPU`` / ``Tier.HOST``), owned by the engine.
+        streams: the engine's copy streams by name (``offload``, ``onboard``, ``local``).
+        copier: builds the op of each batch (path choice per call).
+        host_threads: how many threads run HOST->HOST copies.
+    """
+
+    def __init__(self, pools: Mapping[Tier, Pool], streams: Mapping[str, Stream], copier: Copier, host_threads: int) -> None:
+        self._pools = pools
+        self._streams = streams
+        self.copier = copier
+        self._threads = concurrent.futures.ThreadPoolExecutor(host_threads, thread_name_prefix="tiered_kv-host")
+
+    @property
+    def routes(self) -> Sequence[tuple[Tier, Tier]]:
+        """The four memory pairs."""
+        return list(STREAM_ROUTES)
+
+    @property
+    def media(self) -> Mapping[Tier, Medium]:
+        """None: the pools belong to the engine."""
+        return {}
+
+    def validate(self, batch: Batch) -> Batch:
+        """Memory copies take no keys.
+
+        Raises:
+            ValueError: ``keys`` given.
+        """
+        if batch.keys is not None:
+            raise ValueError("keys are only used by copies to or from the file tier")
+        return batch
+
+    def prepare(self, batch: Batch) -> _StreamJob | _HostJob:
+        """The batch's op, on its stream (or for a host thread)."""
+        src: Side = self._pools[batch.src_tier]
+        dst: Side = self._pools[batch.dst_tier]
+        n = None if batch.num_tokens == src.layout.tokens_per_block else batch.num_tokens  # whole blocks
+        if batch.layers is not None:  # layers [start, stop) of every block: views, fences stay per block
+            assert not isinstance(src, LayerSlice) and not isinstance(dst, LayerSlice)  # pools here
+            src = self.copier.layer_slice(src, *batch.layers)
+            dst = self.copier.layer_slice(dst, *batch.layers)
+        op = self.build_op(src, batch.src, dst, batch.dst, n)
+        lane = STREAM_ROUTES[(batch.src_tier, batch.dst_tier)]
+        if lane is None:
+            return _HostJob(self._threads, op)
+        return _StreamJob(self._streams[lane], op)
+
+    def build_op(self, src_pool: Side, s: np.ndarray | list[int], dst_pool: Side, d: np.ndarray | list[int],
+                 n: int | None) -> Op:
+        """The op of one copy call: DMA or the copy kernel, chosen per call by :mod:`tiered_kv.copyops`.
+
+        The op knows its stream (a small call names it by handle, see :meth:`Copier.build`).
+        """
+        lane = STREAM_ROUTES[(src_pool.tier, dst_pool.tier)]
+        return self.copier.build(src_pool, s, dst_pool, d, n, stream=self._streams[lane] if lane is not None else None)
+
+    def close(self) -> None:
+        """Stop the host threads (after the engine drained). Idempotent."""
+        self._threads.shutdown(wait=True)
+
+    def __repr__(self) -> str:
+        return f"<StreamCopier {self.copier!r}>"
