@@ -132,7 +132,16 @@ async def probe(device: str, out: str) -> dict[str, Any]:
         op = engine.copier.build(gpu_pool, s_arr, host_pool, d_arr, None)
         lane = engine.stream("offload")
         # the op exactly as copy() builds and submits it (the list op on an explicit stream where it exists)
-        engine_op = engine._block_copy_op(gpu_pool, s_arr, host_pool, d_arr, None)
+        router = getattr(engine, "route", None)
+        if router is not None:  # handlers (seam): the memory pairs' StreamCopier builds the op
+            copier_handler = router(Tier.GPU, Tier.HOST)
+            fast = [0], [1]  # what copy() hands the handler on the fast path (lists), where there is one
+            try:
+                engine_op = copier_handler.build_op(gpu_pool, fast[0], host_pool, fast[1], None)
+            except (TypeError, AttributeError):
+                engine_op = copier_handler.build_op(gpu_pool, s_arr, host_pool, d_arr, None)
+        else:
+            engine_op = engine._block_copy_op(gpu_pool, s_arr, host_pool, d_arr, None)
         submit_kw = {"explicit": True} if getattr(engine_op, "explicit_stream", False) else {}
         pieces["engine op: lane.submit(op) as copy() does"] = per_call(lambda: lane.submit(engine_op, **submit_kw), sync=sync)
         result["engine_op_kind"] = "copy_blocks_list (explicit stream)" if submit_kw else "copy_blocks (tensor indices)"

@@ -44,6 +44,8 @@ async def test_copy_layerwise_equals_a_whole_copy(device, split_kv, num_tokens) 
         h = fill_pool(engine, "host", 3)
         for t in pool.tensors:
             t.fill_(0)
+        if device == "cuda":
+            torch.cuda.synchronize()  # the fill ran on the default stream; the copies run on the engine's
         lw = copy_layerwise(engine, Tier.HOST, np.array([4, 1, 0]), Tier.GPU, [0, 2, 5], group_layers=2,
                             num_tokens=num_tokens)
         assert lw.groups == [(0, 2), (2, 4), (4, 5)] and len(lw.transfers) == 3
@@ -96,3 +98,35 @@ async def test_layers_bad_input(layout, tmp_path) -> None:
         with pytest.raises(ValueError, match="only supported between GPU and host pools"):
             engine.copy(Tier.HOST, [0], Tier.FILE, [0], keys=[b"k"], layers=(0, 1))
         assert engine.statistics().submitted == 0
+
+
+async def test_readme_layerwise_snippet_runs_in_order(layout) -> None:
+    """README's layer-by-layer snippet, run as written: each layer's compute sees that layer loaded."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()  # noqa: ASYNC240 - tiny file
+    block = re.search(r"<!-- layerwise -->\s*```python\n(.*?)```", text, re.S)
+    assert block, "README must hold the layerwise snippet right after <!-- layerwise -->"
+    async with TransferEngine(layout, gpu_blocks=3, host_blocks=3, device="cpu") as engine:
+        h = fill_pool(engine, "host", 6)
+        gpu = engine.pool(Tier.GPU).tensor
+        gpu.zero_()
+        stall(engine.stream("onboard"), 0.1)
+        compute_stream = engine.device.new_stream("compute")
+        seen: dict[int, torch.Tensor] = {}
+
+        def run_layer(i: int) -> None:
+            compute_stream.submit(lambda: seen.__setitem__(i, gpu[[0, 1], i].clone()))
+
+        code = "async def _snippet():\n" + "".join(f"    {line}\n" for line in block.group(1).splitlines())
+        namespace = {
+            "copy_layerwise": copy_layerwise, "engine": engine, "Tier": Tier, "host_blocks": [2, 0], "gpu_blocks": [0, 1],
+            "layout": layout, "compute_stream": compute_stream, "run_layer": run_layer,
+        }
+        exec(code, namespace)
+        await namespace["_snippet"]()
+        compute_stream.synchronize()
+        compute_stream.close()
+        for i in range(layout.num_layers):
+            assert same(seen[i][0], h[2][i]) and same(seen[i][1], h[0][i]), i

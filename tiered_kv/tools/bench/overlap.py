@@ -10,8 +10,9 @@ the MLP of the new tokens. Two ways, same run, same data:
   the compute stream waits stream-side for layer ``i``'s group only (``wait_layer``): the load of layer
   ``i + 1`` runs under the compute of layer ``i``.
 
-Each trial poisons the GPU pool first and both ways must produce the same output bits (a compute that ran
-before its layer landed would read the poison). Also measured alone: the load and the compute, whose maximum
+Each trial poisons (zeroes) the GPU pool first and both ways must produce the same output (max |diff| < 0.05
+on tanh-bounded bf16 activations: a layer computed before its KV landed attends over zeros and is off by
+O(0.1..1); equal kernels on equal data normally agree bit for bit). Also measured alone: the load and the compute, whose maximum
 is the best an overlap can do. TTFT here = from the start of the load to the last layer's output.
 Target: ``overlap`` within 15% of ``max(load, compute)``; ``ttft_ratio`` = overlap / serial is reported.
 
@@ -152,7 +153,7 @@ async def _overlap(device: str, layers: int, prefix: int, new: int, hidden: int,
         ser = median([await serial() for _ in range(repeat + 1)])
         for g in group_layers:
             ovl = median([await overlapped(g) for _ in range(repeat + 1)])
-            same = bool(torch.equal(out[f"overlap{g}"].cpu(), out["serial"].cpu()))
+            diff = float((out[f"overlap{g}"].float() - out["serial"].float()).abs().max().cpu())
             rows.append(
                 {
                     "bench": "overlap",
@@ -168,7 +169,8 @@ async def _overlap(device: str, layers: int, prefix: int, new: int, hidden: int,
                     "overlap_ms": ovl * 1e3,
                     "ttft_ratio": ovl / ser,
                     "vs_bound": ovl / max(load, comp),
-                    "same_output": same,
+                    "max_abs_diff": diff,
+                    "same_output": diff < 0.05,
                 }
             )
         compute.close()
@@ -188,7 +190,7 @@ def run(quick: bool = False, device: str = "auto") -> dict[str, Any]:
     notes = [
         "overlap: 32 layers x 8k prefix tokens reused from host (bf16, 8 KV heads x 128), new tokens computed with "
         "attention over the prefix + MLP; serial = load all then compute; overlap = per-layer-group loads, compute "
-        "waits stream-side per layer; vs_bound = overlap / max(load alone, compute alone); same_output: bitwise equal",
+        "waits stream-side per layer; vs_bound = overlap / max(load alone, compute alone); same_output: max |diff| < 0.05",
     ]
     if not cuda:
         notes.append("emulated: a tiny model on CPU threads; it proves the program and the ordering, not the overlap")
