@@ -5,7 +5,7 @@ Each backend is synchronous and non-blocking: it starts work and returns a compl
 :class:`tiered_kv.pools.BlockPool` over pinned memory; file backends live in this package, one module each:
 
 * :mod:`tiered_kv.backends.posix` -- ``os.preadv``/``os.pwritev`` (O_DIRECT where the filesystem allows it)
-  on a bounded thread pool; aiofiles for the file-system operations around it.
+  on a bounded thread pool.
 * :mod:`tiered_kv.backends.gds` -- kvikio ``CuFile`` (GPUDirect Storage, or kvikio's compat mode).
 
 A file backend is bound to one open file and moves byte ranges between it and buffers (contiguous host

@@ -337,6 +337,7 @@ class GdsBackend:
         return self._pool.submit(run)
 
     def close(self) -> None:
+        """Wait for started work, then release the file and threads (idempotent)."""
         if self._closed:
             return
         self._closed = True

@@ -9,8 +9,6 @@ Primitives:
   directory and cached.
 * :func:`create_file` / :func:`preallocate` -- a 0600 file, preallocated with ``posix_fallocate`` and a
   sparse ``ftruncate`` fallback.
-* :func:`make_dir`, :func:`file_size`, :func:`remove_file` -- the file-system operations around the I/O,
-  as coroutines through aiofiles (they never block the event loop).
 
 Notes:
     ``O_DIRECT`` needs the buffer address, its length and the file offset aligned to the device's logical
@@ -42,10 +40,7 @@ __all__ = [
     "aligned_empty",
     "create_file",
     "direct_io_supported",
-    "file_size",
-    "make_dir",
     "preallocate",
-    "remove_file",
 ]
 
 log = logging.getLogger(__name__)
@@ -123,43 +118,6 @@ def preallocate(fd: int, size: int) -> str:
             raise
     os.ftruncate(fd, size)
     return "truncate"
-
-
-async def make_dir(path: str | os.PathLike[str]) -> None:
-    """``mkdir -p`` with mode 0700 for new directories, off the event loop.
-
-    Cancellation: the directory may or may not have been created.
-    """
-    import aiofiles.os  # lazy: only these coroutines need it
-
-    await aiofiles.os.makedirs(path, mode=0o700, exist_ok=True)
-
-
-async def file_size(path: str | os.PathLike[str]) -> int | None:
-    """Size of ``path`` in bytes, or ``None`` if it does not exist (stat off the event loop).
-
-    Cancellation: nothing to undo.
-    """
-    import aiofiles.os
-
-    try:
-        return (await aiofiles.os.stat(path)).st_size
-    except FileNotFoundError:
-        return None
-
-
-async def remove_file(path: str | os.PathLike[str]) -> bool:
-    """Remove ``path``; ``False`` if it did not exist (off the event loop).
-
-    Cancellation: the file may or may not have been removed.
-    """
-    import aiofiles.os
-
-    try:
-        await aiofiles.os.remove(path)
-    except FileNotFoundError:
-        return False
-    return True
 
 
 def _host_views(buffers: Sequence[Buffer]) -> list[memoryview]:
@@ -268,6 +226,7 @@ class PosixBackend:
         return self._pool.submit(run)
 
     def close(self) -> None:
+        """Wait for started work, then release the file and threads (idempotent)."""
         if self._closed:
             return
         self._closed = True

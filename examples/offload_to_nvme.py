@@ -23,8 +23,8 @@ import torch
 from tqdm import tqdm
 
 from tiered_kv import KVLayout, Tier, TransferEngine
-from tiered_kv.tools.bench.common import print_table
 from tiered_kv.testing import fill_random
+from tiered_kv.tools.bench.common import print_table
 
 
 async def run(directory: str, blocks: int, device: str, chunk: int, quiet: bool = False) -> list[dict[str, object]]:

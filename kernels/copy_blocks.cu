@@ -170,25 +170,19 @@ unsigned grid_for(int64_t items, int64_t max_blocks = 132 * 16) {
 }  // namespace
 
 #ifndef TKV_HOST_EMULATION  // tests/kernel_emulation.cpp runs the kernels above on the CPU, lane by lane
-// Tuning knobs, read once (defaults chosen on an H200; see notes/issue-3-perf.md):
-// TIERED_KV_COPY_CTAS_PER_SM (grid cap per SM, 16) and TIERED_KV_COPY_BATCH_BYTES (bytes of short rows per
-// work item, 16384). On the H200 no other setting tried (2/4 CTAs per SM, 8/32 KiB items, 4 loads in flight
-// per lane instead of 8) was better on every row: 4-token partial rows gained ~10%, 12-token ones lost ~4%.
-int64_t env_knob(const char* name, int64_t fallback, int64_t lo, int64_t hi) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == 0) return fallback;
-  const long long x = std::atoll(v);
-  return x < lo || x > hi ? fallback : static_cast<int64_t>(x);
-}
+// Launch shape, chosen on an H200 (notes/issue-3-perf.md): a grid of at most kCtasPerSm CTAs per SM, and short
+// rows batched into work items of kSegmentBytes. No other setting tried (2/4 CTAs per SM, 8/32 KiB items, 4
+// loads in flight per lane instead of 8) was better on every row: 4-token partial rows gained ~10%, 12-token
+// ones lost ~4%.
+constexpr int64_t kCtasPerSm = 16;
 
 int max_ctas() {
-  // CTAs per SM (TIERED_KV_COPY_CTAS_PER_SM, 16) x the current device's SM count (looked up once per device)
-  static const int64_t per_sm = env_knob("TIERED_KV_COPY_CTAS_PER_SM", 16, 1, 64);
+  // kCtasPerSm x the current device's SM count (looked up once per device)
   static int cached[64] = {0};
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
     cudaGetLastError();
-    return 132 * 16;
+    return 132 * static_cast<int>(kCtasPerSm);
   }
   if (cached[dev] == 0) {
     int sms = 0;
@@ -196,7 +190,7 @@ int max_ctas() {
       cudaGetLastError();
       sms = 132;
     }
-    cached[dev] = sms * static_cast<int>(per_sm);
+    cached[dev] = sms * static_cast<int>(kCtasPerSm);
   }
   return cached[dev];
 }
@@ -204,8 +198,7 @@ int max_ctas() {
 template <typename Meta>
 cudaError_t launch_with(const BlockCopyGeometry& g, const Meta& meta, bool bases_aligned16, cudaStream_t stream) {
   if (g.num_pairs == 0 || g.width == 0) return cudaSuccess;
-  static const int64_t batch_bytes = env_knob("TIERED_KV_COPY_BATCH_BYTES", kSegmentBytes, 16, 1 << 20);
-  const CopyWork w = plan_copy_work(g, bases_aligned16, batch_bytes);
+  const CopyWork w = plan_copy_work(g, bases_aligned16);
   const unsigned grid = grid_for(w.items, max_ctas());
   // the 32-bit variant needs every item index (up to items + one grid of warps) to fit
   if (w.items + static_cast<int64_t>(grid) * kWarpsPerBlock < (int64_t{1} << 32)) {

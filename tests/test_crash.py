@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tiered_kv.tools.crash import CRASH_LAYOUT, _Log, block_content, crash_once, run_crash_test
 from tiered_kv.file.pipeline import FileCopy
+from tiered_kv.tools.crash import CRASH_LAYOUT, _Log, block_content, crash_once, run_crash_test
 
 
 def test_killed_spills_are_recovered_and_torn_slots_never_served(tmp_path):

@@ -421,14 +421,3 @@ def test_emulated_host_memory_is_page_aligned() -> None:
     for dtype, shape in ((torch.float16, (3, 5, 7)), (torch.int32, (2, 1, 3, 9)), (torch.uint8, (4097,))):
         t = dev.empty_host(shape, dtype)
         assert t.data_ptr() % 4096 == 0 and t.shape == shape and t.dtype == dtype and t.is_contiguous()
-
-
-async def test_async_file_system_helpers(tmp_path) -> None:
-    d = tmp_path / "a" / "b"
-    await posix_mod.make_dir(d)
-    assert d.is_dir()
-    p = _file(d, 3 * DIRECT_ALIGN)
-    assert await posix_mod.file_size(p) == 3 * DIRECT_ALIGN
-    assert await posix_mod.remove_file(p) is True
-    assert await posix_mod.remove_file(p) is False
-    assert await posix_mod.file_size(p) is None

@@ -21,7 +21,6 @@ import pytest
 import torch
 
 from tiered_kv import resolve_device
-from tiered_kv.tools.bench import pagetables
 from tiered_kv.device import Device, Stream
 from tiered_kv.staging import (
     NO_BLOCK,
@@ -31,6 +30,7 @@ from tiered_kv.staging import (
     gather_block_offsets,
 )
 from tiered_kv.testing import stall
+from tiered_kv.tools.bench import pagetables
 
 MODES = ["copy", "gather"]
 

@@ -17,7 +17,16 @@ if TYPE_CHECKING:
     from .config import EngineConfig
     from .device import Device, resolve_device
     from .engine import EngineStatistics, Transfer, TransferEngine, TransferResult
-    from .errors import BackendUnavailable, EngineClosedError, IntegrityError, LayoutMismatchError, SlabInUseError, TieredKVError, TransferError
+    from .errors import (
+        BackendUnavailable,
+        EngineClosedError,
+        IntegrityError,
+        LayoutMismatchError,
+        OwnedEngineError,
+        SlabInUseError,
+        TieredKVError,
+        TransferError,
+    )
     from .fences import FenceStatistics, FenceTable
     from .file import Durability, FileTier, FileTierConfig, FileTierStatistics, OpenReport
     from .keys import KeyHasher
@@ -55,6 +64,7 @@ _EXPORTS: dict[str, str] = {
     "LayoutMismatchError": "errors",
     "NO_BLOCK": "staging",
     "OpenReport": "file",
+    "OwnedEngineError": "errors",
     "Request": "blocks",
     "SlabInUseError": "errors",
     "StagingPool": "staging",
@@ -97,6 +107,7 @@ __all__ = [
     "LayerwiseTransfer",
     "LayoutMismatchError",
     "OpenReport",
+    "OwnedEngineError",
     "Request",
     "SlabInUseError",
     "StagingPool",

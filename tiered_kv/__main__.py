@@ -1,3 +1,5 @@
+"""``python -m tiered_kv``: the ``tiered-kv`` command."""
+
 from .tools.cli import main
 
 raise SystemExit(main())

@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from . import ops as _ops  # the op schemas must exist before the library registers CUDA kernels
+from . import opdefs as _opdefs  # the op schemas must exist before the library registers CUDA kernels
 
 __all__ = ["OPS", "ExtensionBuildError", "build", "cuda_kernels_registered", "find_cuda_home", "load", "status"]
 
@@ -217,7 +217,7 @@ def _arch_flags(arch: str) -> list[str]:
 
 
 def _build_direct(name: str, sources: list[Path], build_dir: Path, root: str, arch: str, verbose: bool) -> Path:
-    """nvcc + the C++ compiler without ninja: the ``.cu`` files are torch-free, the ``.cpp`` ones see torch."""
+    """Nvcc + the C++ compiler without ninja: the ``.cu`` files are torch-free, the ``.cpp`` ones see torch."""
     from torch.utils import cpp_extension
 
     cxx = os.environ.get("CXX", "c++")
@@ -390,10 +390,13 @@ def load() -> bool:
 
 
 def status() -> dict[str, Any]:
-    """What the extension machinery sees; nothing is built. Keys: ``cuda_home``, ``nvcc``,
+    """What the extension machinery sees; nothing is built.
+
+    Keys: ``cuda_home``, ``nvcc``,
     ``nvcc_version``, ``torch``, ``torch_cuda``, ``cuda_available``, ``gpu``, ``ninja``, ``arch``,
     ``kernels_dir``, ``sources``, ``cache_dir``, ``built`` (cache entry exists), ``loaded``,
-    ``registered`` (op -> CUDA kernel present), ``error``."""
+    ``registered`` (op -> CUDA kernel present), ``error``.
+    """
     root = _prepare_cuda_home()
     try:
         from torch.utils import cpp_extension
@@ -424,7 +427,7 @@ def status() -> dict[str, Any]:
     }
 
 
-_ = _ops  # imported for its side effect (op definitions)
+_ = _opdefs  # imported for its side effect (op definitions)
 
 
 def main(argv: list[str] | None = None) -> int:

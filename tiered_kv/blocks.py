@@ -21,7 +21,7 @@ dropped without a copy when its priority is below ``drop_below_priority``, or wh
 had), a host victim is spilled to a file slot, a file victim is dropped. Only cached blocks with a
 reference count of zero are ever victims: claimed blocks never move.
 
-Two-phase admission (seed 001): :meth:`BlockManager.admit` first matches and *claims* every reusable
+Two-phase admission: :meth:`BlockManager.admit` first matches and *claims* every reusable
 block of every request of the batch (claimed blocks leave the LRUs), then onboards and allocates. A
 one-phase order (claim, onboard, allocate, request by request) lets onboarding for one request evict host
 blocks that a later request of the same batch was counted on.
@@ -126,6 +126,7 @@ class Block:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens of the request."""
         return len(self.tokens)
 
     def __repr__(self) -> str:
@@ -212,6 +213,7 @@ class Admission:
 
     @property
     def tokens_to_compute(self) -> int:
+        """Tokens that were not reused: the model computes them."""
         return self.num_tokens - self.tokens_reused
 
 
@@ -439,7 +441,7 @@ class BlockManager:
         Args:
             requests: :class:`Request` objects or plain token-id sequences.
             one_phase: private switch for tests: claim, onboard and allocate request by request, the
-                order that seed 001 shows to lose planned reuse.
+                order that loses planned reuse (a later request's host blocks evicted by an earlier one's onboarding).
 
         Returns:
             One :class:`Admission` per request (its own figures) and the plan of copies to issue.
@@ -714,25 +716,32 @@ class BlockManager:
         return np.asarray(self._live(seq_id).tokens, dtype="<i8")
 
     def sequence_blocks(self, seq_id: int) -> tuple[Block, ...]:
+        """The blocks of a live sequence, in order."""
         return tuple(self._live(seq_id).blocks)
 
     def sequence_slot(self, seq_id: int) -> int:
+        """The page-table slot of a live sequence."""
         return self._live(seq_id).slot
 
     @property
     def live_sequences(self) -> tuple[int, ...]:
+        """Ids of the live sequences."""
         return tuple(self._seqs)
 
     def free_blocks(self, tier: Tier | str) -> int:
+        """Blocks of ``tier`` that hold nothing."""
         return len(self._free[Tier.coerce(tier)])
 
     def evictable_blocks(self, tier: Tier | str) -> int:
+        """Blocks of ``tier`` that may be evicted (cached, reference count zero)."""
         return sum(len(d) for d in self._lru[Tier.coerce(tier)].values())
 
     def cached_blocks(self) -> Iterable[Block]:
+        """Every block in the prefix lookup."""
         return self._lookup.values()
 
     def statistics(self) -> BlockStatistics:
+        """A snapshot: capacity, free, cached and evictable blocks per tier, and counters."""
         cap = {t.value: self.capacity[t] for t in TIER_ORDER}
         free = {t.value: len(self._free[t]) for t in TIER_ORDER}
         cached = {t.value: self.evictable_blocks(t) for t in TIER_ORDER}
@@ -971,6 +980,18 @@ class BlockManager:
             self._release_slot(block)
         else:
             self._uncache(block, Plan())
+
+    def file_slot_dropped(self, slot: int, key: ContentKey) -> Block | None:
+        """The file tier gave up ``slot`` (which held ``key``): take the block recorded there out of the lookup.
+
+        Called in order, on the loop, before any later plan (:mod:`tiered_kv.slotstate`), so the manager never
+        plans a read of a slot the tier no longer holds. Returns the block dropped, if the manager had one there.
+        """
+        block = self._lookup.get(key)
+        if block is None or block.tier is not Tier.FILE or block.slot != slot:
+            return None
+        self.invalidate(block)
+        return block
 
     def _count(self, what: str) -> None:
         self._evictions[what] = self._evictions.get(what, 0) + 1

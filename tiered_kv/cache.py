@@ -42,9 +42,11 @@ from .blocks import (
 )
 from .engine import EngineStatistics, Transfer, TransferEngine
 from .errors import EngineClosedError, TransferError
+from .fences import Marker
 from .keys import KeyHasher
 from .layout import KVLayout
 from .pools import Tier
+from .slotstate import SlotEvent, SlotEvents
 from .staging import BlockOffsetTable
 
 __all__ = ["DEFAULT_PRIORITY", "Admission", "CacheFullError", "CacheStatistics", "Request", "TieredKVCache"]
@@ -98,7 +100,9 @@ class TieredKVCache:
         on_page_table: ``callback(slot, page_table | None)`` when a sequence's page table changes or it
             is freed (``None``); e.g. to fill a block-offset table.
         engine: use this engine (its pools must match the sizes) instead of building one; it is then not
-            closed by :meth:`close`.
+            closed by :meth:`close`. Either way, while the cache is open every block of its engine is the
+            cache's: ``engine.copy()`` raises :class:`~tiered_kv.errors.OwnedEngineError` (a copy into a slot
+            the cache owns would change KV it serves); inspection (``statistics``, ``pool``, ``block``) stays open.
         block_offsets: also keep a :class:`~tiered_kv.staging.BlockOffsetTable` (one pool, the cache's
             ``max_seqs`` and ``max_blocks_per_seq``) filled from every page-table change, as
             ``cache.block_offsets``; row ``adm.slot`` is a sequence's page table.
@@ -148,14 +152,7 @@ class TieredKVCache:
             raise ValueError("gpu_blocks must be at least 1")
         self.layout = layout
         self.hasher = KeyHasher(layout, model_id)
-        self._owns_engine = engine is None
-        if engine is None:
-            engine = self._make_engine(layout, gpu_blocks, host_blocks, file_blocks, file_dir, device)
-        else:
-            for tier, n in ((Tier.GPU, gpu_blocks), (Tier.HOST, host_blocks), (Tier.FILE, file_blocks)):
-                if n and engine.medium(tier).num_blocks != n:
-                    raise ValueError(f"the engine's {tier.value} pool has {engine.medium(tier).num_blocks} blocks, not {n}")
-        self.engine = engine
+        # Every argument is checked before anything is built (the block manager validates its own).
         self.blocks = BlockManager(
             self.hasher,
             {Tier.GPU: gpu_blocks, Tier.HOST: host_blocks, Tier.FILE: file_blocks},
@@ -164,11 +161,39 @@ class TieredKVCache:
             drop_below_priority=drop_below_priority,
             compute_last_token=compute_last_token,
             on_page_table=on_page_table,
-            file_index=engine.file_tier.lookup if file_blocks and warm_restart else None,
         )
+        self._owns_engine = engine is None
+        if engine is None:
+            engine = self._make_engine(layout, gpu_blocks, host_blocks, file_blocks, file_dir, device)
+        else:
+            for tier, n in ((Tier.GPU, gpu_blocks), (Tier.HOST, host_blocks), (Tier.FILE, file_blocks)):
+                if n and engine.medium(tier).num_blocks != n:
+                    raise ValueError(f"the engine's {tier.value} pool has {engine.medium(tier).num_blocks} blocks, not {n}")
+        self.engine = engine
+        self._closed = False
+        self._owner_name = f"TieredKVCache@{id(self):x}"
+        self._slot_events: SlotEvents | None = None
+        try:
+            self._attach(engine, file_blocks, warm_restart, block_offsets, max_seqs, on_page_table)
+        except BaseException:
+            # A failed constructor leaves nothing behind: no claim, no listener, and an engine built here is
+            # released (threads, fds, the slab lock), so a corrected retry on the same directory works.
+            self._detach()
+            if self._owns_engine:
+                engine._release_resources()
+            raise
+
+    def _attach(self, engine: TransferEngine, file_blocks: int, warm_restart: bool, block_offsets: bool, max_seqs: int,
+                on_page_table: PageTableListener | None) -> None:
+        # Ownership (issue 11, finding 2): every block of the engine is this cache's; engine.copy() now refuses,
+        # the cache copies through the function the claim returns.
+        self._copy = engine.claim(self._owner_name)
+        if file_blocks and warm_restart:
+            self.blocks.file_index = engine.file_tier.lookup
         self.block_offsets: BlockOffsetTable | None = None
         if block_offsets:
-            table = BlockOffsetTable(1, max_seqs, self.blocks.max_blocks_per_seq, kv_factor=layout.kv_factor, device=engine.device)
+            table = BlockOffsetTable(1, max_seqs, self.blocks.max_blocks_per_seq, kv_factor=self.layout.kv_factor,
+                                     device=engine.device)
             self.block_offsets = table
             user_hook = on_page_table
 
@@ -180,7 +205,17 @@ class TieredKVCache:
             self.blocks.on_page_table = both
         self._unchecked: list[tuple[Transfer, Block]] = []  # issued copies not yet seen complete
         self._poisoned = 0
-        self._closed = False
+        # The file tier's slot-state changes (a failed spill, a slot that failed verification) reach the block
+        # manager here, on the loop, in order, before any later plan (tiered_kv.slotstate).
+        self._slot_events = engine.file_tier.index.events if file_blocks else None
+        if self._slot_events is not None:
+            self._slot_events.subscribe(self._on_file_slot_dropped)
+
+    def _detach(self) -> None:
+        """Give the engine back: end the claim, stop listening to the file tier (idempotent)."""
+        self.engine.release(self._owner_name)
+        if self._slot_events is not None:
+            self._slot_events.unsubscribe(self._on_file_slot_dropped)
 
     @staticmethod
     def _make_engine(
@@ -207,10 +242,13 @@ class TieredKVCache:
         Cancellation: the copies still complete; a later ``close()`` finishes the job.
         """
         self._closed = True
-        if self._owns_engine:
-            await self.engine.close()
-        else:
-            await self.engine.drain()
+        try:
+            if self._owns_engine:
+                await self.engine.close()
+            else:
+                await self.engine.drain()
+        finally:
+            self._detach()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -226,7 +264,7 @@ class TieredKVCache:
     ) -> list[Admission]:
         """Admit a batch of prompts: reuse their longest cached prefixes, allocate the rest on the GPU.
 
-        Two-phase (seed 001): every reusable block of every request is claimed before any block is
+        Two-phase: every reusable block of every request is claimed before any block is
         onboarded or allocated, so onboarding for one request cannot evict blocks another request of the
         same batch was counted on: each request's ``tokens_reused`` equals what :meth:`match` said.
 
@@ -349,6 +387,7 @@ class TieredKVCache:
         return self.blocks.sequence_slot(seq_id)
 
     def statistics(self) -> CacheStatistics:
+        """A snapshot: hits per tier, evictions, bytes moved per direction, engine and blocks."""
         b = self.blocks.statistics()
         e = self.engine.statistics()
         return CacheStatistics(
@@ -403,7 +442,7 @@ class TieredKVCache:
             placed.append(g)
             last_read[src] = max(last_read.get(src, -1), g)
             last_write[dst] = max(last_write.get(dst, -1), g)
-        transfers = [self._issue_group(group) for group in groups]
+        transfers = self._issue_groups(groups)
         # Lineage in plan order: a block moved twice in one plan ends with both copies in its sources.
         for move, g in zip(plan.moves, placed, strict=True):
             t = transfers[g]
@@ -417,6 +456,46 @@ class TieredKVCache:
             self._unchecked.append((t, block))
         return transfers
 
+    def _issue_groups(self, groups: list[list[Move]]) -> list[Transfer]:
+        """Issue a plan's groups whole, or not at all (issue 11, finding 1).
+
+        Every group that reads file slots is checked against the file tier first (the slot must still hold
+        its block); if one fails, no group is issued. Should a copy still raise while the plan is being
+        issued, the groups after it are not issued (they come after everything they depend on). A group
+        not issued gets a failed :class:`Transfer`: the blocks whose data it was to produce are poisoned
+        like the products of any failed copy -- dropped from the lookup, the batch failing with
+        :class:`TransferError` -- so no slot is ever recorded as holding a block it does not hold.
+        """
+        failure: BaseException | None = None
+        index = self.engine.file_tier.index if self.blocks.capacity[Tier.FILE] else None
+        if index is not None:
+            for group in groups:
+                head = group[0]
+                if head.src_tier is Tier.FILE:
+                    try:
+                        index.check_readable([m.src_slot for m in group], [m.block.key for m in group])  # type: ignore[misc]
+                    except (ValueError, TypeError) as exc:
+                        failure = exc
+                        break
+        transfers: list[Transfer] = []
+        for group in groups:
+            if failure is None:
+                try:
+                    transfers.append(self._issue_group(group))
+                    continue
+                except EngineClosedError:
+                    if not transfers:
+                        raise
+                    failure = TransferError("the engine closed while a plan was being issued")
+                except (ValueError, TypeError, TransferError) as exc:
+                    failure = exc
+            transfers.append(_failed_transfer(group, failure))
+        return transfers
+
+    def _on_file_slot_dropped(self, event: SlotEvent) -> None:
+        if self.blocks.file_slot_dropped(event.slot, event.key) is not None:
+            self._poisoned += 1
+
     def _issue_group(self, group: list[Move]) -> Transfer:
         head = group[0]
         src = [m.src_slot for m in group]
@@ -424,7 +503,7 @@ class TieredKVCache:
         # Spills (HOST -> FILE) and read-backs (FILE -> GPU) carry the blocks' content keys: written into the
         # slot headers, checked on the way back. Cached blocks (the only ones that spill or come back) have keys.
         keys = [m.block.key for m in group] if Tier.FILE in (head.src_tier, head.dst_tier) else None
-        return self.engine.copy(head.src_tier, src, head.dst_tier, dst, num_tokens=head.num_tokens, keys=keys)
+        return self._copy(head.src_tier, src, head.dst_tier, dst, num_tokens=head.num_tokens, keys=keys)
 
     def _sweep(self) -> None:
         """Drop blocks produced by copies that have failed since the last look (no await)."""
@@ -463,6 +542,18 @@ class TieredKVCache:
                 await write.wait()
             for r in reads:
                 await r.wait()
+
+
+def _failed_transfer(group: list[Move], cause: BaseException) -> Transfer:
+    """A transfer that failed without being issued: its group of moves could not be issued whole."""
+    head = group[0]
+    marker = Marker(None)
+    error = TransferError(f"a {head.src_tier.value}->{head.dst_tier.value} copy of {len(group)} blocks was not issued: "
+                          f"its plan could not be issued whole ({cause})")
+    error.__cause__ = cause
+    marker.error = error
+    marker.complete()
+    return Transfer(marker, head.src_tier, head.dst_tier, len(group), 0)
 
 
 def _succeeded(t: Any) -> bool:

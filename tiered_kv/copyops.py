@@ -21,7 +21,7 @@ Paths:
 
 The choice: a copy whose contiguous pieces (one (layer, kv) chunk for layer-major pools, a run of whole
 blocks for block-major ones, ``num_tokens * head_dim`` elements for partial copies) are at least
-``EngineConfig.dma_min_chunk_bytes`` (2 MiB) goes to DMA, smaller ones to the kernel (BASELINES.md: the kernel
+``EngineConfig.dma_min_chunk_bytes`` (2 MiB) goes to DMA, smaller ones to the kernel (measured on an H200 by ``tiered-kv bench``: the kernel
 is up to 36x faster than one DMA call per chunk for small chunks and still ahead at 1 MiB; at 4 MiB DMA
 matches it and leaves the SMs to compute). ``EngineConfig.copy_path`` forces one path.
 """
@@ -37,7 +37,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from . import ops
+from . import opdefs, ops
 from .config import EngineConfig
 from .device import CudaStream, Device, Stream
 from .layer_major import LayerMajorPool
@@ -130,7 +130,7 @@ class Copier:
         info = self._pairs.get(key)
         if info is None or info.src_pool is not src_pool or info.dst_pool is not dst_pool:
             src_t, dst_t = pool_tensors(src_pool), pool_tensors(dst_pool)
-            groups, rows, _row, width = ops._block_geometry(dst_t, src_t, n)
+            groups, rows, _row, width = opdefs.block_geometry(dst_t, src_t, n)
             dense = all(t.stride(0) == math.prod(t.shape[1:]) for t in (src_t[0], dst_t[0]))
             on_cuda = src_t[0].is_cuda or dst_t[0].is_cuda
             info = _PairInfo(src_pool, dst_pool, src_t, dst_t, groups, rows, width * src_pool.layout.itemsize, dense, on_cuda)
@@ -161,7 +161,7 @@ class Copier:
                 if s[i] != s[i - 1] + 1 or d[i] != d[i - 1] + 1:
                     runs += 1
         else:
-            runs = int(np.count_nonzero((np.diff(s) != 1) | (np.diff(d) != 1))) + 1  # type: ignore[arg-type]
+            runs = int(np.count_nonzero((np.diff(s) != 1) | (np.diff(d) != 1))) + 1
         piece = info.width_bytes
         if info.rows == 1 and info.groups == 1 and info.dense and runs:
             piece *= max(1, size // runs)  # a run of whole blocks is one contiguous piece
@@ -226,6 +226,7 @@ class Copier:
         return _torch_op(src_t, s, dst_t, d, n)
 
     def statistics(self) -> CopierStatistics:
+        """Calls and bytes per path so far."""
         with self._lock:
             return CopierStatistics(dict(self._calls), dict(self._bytes))
 
@@ -253,13 +254,13 @@ def _torch_op(src_t: list[torch.Tensor], s: np.ndarray, dst_t: list[torch.Tensor
     pools are block-major; only GPU pools are layer-major).
     """
     tokens = src_t[0].shape[-2]
-    groups, rows, _row, width = ops._block_geometry(dst_t, src_t, n)
+    groups, rows, _row, width = opdefs.block_geometry(dst_t, src_t, n)
     runs = merge_runs(s, d)
     src0, dst0 = src_t[0], dst_t[0]
     whole = n == tokens and groups == 1 and src0.is_contiguous() and dst0.is_contiguous()
 
     def groups_of(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        return ops.normalize_groups(tensors, groups, rows)
+        return opdefs.normalize_groups(tensors, groups, rows)
 
     if whole or src0.device == dst0.device:
 

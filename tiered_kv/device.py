@@ -47,9 +47,11 @@ Callback = Callable[[], None]
 class Event(Protocol):
     """A point in a stream's work."""
 
-    def query(self) -> bool: ...
+    def query(self) -> bool:
+        """True once the work before the event has finished."""
 
-    def synchronize(self) -> None: ...
+    def synchronize(self) -> None:
+        """Block until the work before the event has finished."""
 
 
 @runtime_checkable
@@ -58,17 +60,23 @@ class Stream(Protocol):
 
     name: str
 
-    def submit(self, fn: Callback, *, explicit: bool = False) -> None: ...
+    def submit(self, fn: Callback, *, explicit: bool = False) -> None:
+        """Queue ``fn`` on the stream (``explicit``: ``fn`` names this stream by its handle itself)."""
 
-    def record(self) -> Event: ...
+    def record(self) -> Event:
+        """An event after the work queued so far."""
 
-    def wait(self, event: Event) -> None: ...
+    def wait(self, event: Event) -> None:
+        """Make work queued from now on wait for ``event`` (stream-side: nothing blocks)."""
 
-    def notify(self, callback: Callback) -> Event: ...
+    def notify(self, callback: Callback) -> Event:
+        """Call ``callback()`` from a waiter thread once the work queued so far has finished; its event."""
 
-    def synchronize(self) -> None: ...
+    def synchronize(self) -> None:
+        """Block until the work queued so far has finished."""
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Finish the queued work and stop the stream's threads (idempotent)."""
 
 
 # --------------------------------------------------------------------------------------------- emulated
@@ -83,9 +91,11 @@ class EmulatedEvent:
         self._flag = threading.Event()
 
     def query(self) -> bool:
+        """True once the work before the event has finished."""
         return self._flag.is_set()
 
     def synchronize(self) -> None:
+        """Block until the work before the event has finished."""
         self._flag.wait()
 
     def __repr__(self) -> str:
@@ -120,16 +130,19 @@ class EmulatedStream:
                 log.exception("emulated stream %s: submitted work raised", self.name)
 
     def submit(self, fn: Callback, *, explicit: bool = False) -> None:
+        """Queue ``fn`` on the stream's worker thread (``explicit`` changes nothing here)."""
         if self._closed:
             raise RuntimeError(f"stream {self.name} is closed")
         self._queue.put(fn)
 
     def record(self) -> EmulatedEvent:
+        """An event set once the work queued so far has run."""
         event = EmulatedEvent()
         self.submit(event._flag.set)
         return event
 
     def wait(self, event: Event) -> None:
+        """Make work queued from now on wait for ``event``."""
         if not isinstance(event, EmulatedEvent):
             raise TypeError(f"an emulated stream can only wait on an EmulatedEvent, got {type(event).__name__}")
         if not event.query():
@@ -141,6 +154,7 @@ class EmulatedStream:
             self.submit(wait_flag)
 
     def notify(self, callback: Callback) -> EmulatedEvent:
+        """Call ``callback()`` once the work queued so far has run; its event."""
         event = EmulatedEvent()
 
         def fire() -> None:
@@ -151,6 +165,7 @@ class EmulatedStream:
         return event
 
     def synchronize(self) -> None:
+        """Block until the work queued so far has run."""
         self.record().synchronize()
 
     def close(self) -> None:
@@ -207,7 +222,7 @@ _HOST_FUNC_API: tuple[Any, ...] | None = None
 
 
 def _host_func_api() -> tuple[Any, ...]:
-    """ctypes handles of ``cudaLaunchHostFunc`` and libc's semaphore calls, looked up once per process."""
+    """Ctypes handles of ``cudaLaunchHostFunc`` and libc's semaphore calls, looked up once per process."""
     global _HOST_FUNC_API
     if _HOST_FUNC_API is None:
         import ctypes
@@ -257,11 +272,17 @@ class CudaStream:
 
     @property
     def completion(self) -> str:
-        """``"hostfunc"`` or ``"event"``: how this stream's waiter learns that work completed (after the
-        first ``notify``)."""
+        """``"hostfunc"`` or ``"event"``: how this stream's waiter learns that work completed.
+
+        Known after the first ``notify``.
+        """
         return "hostfunc" if self._signal is not None else "event"
 
     def submit(self, fn: Callback, *, explicit: bool = False) -> None:
+        """Run ``fn`` now with this stream current: the CUDA work it enqueues goes on this stream.
+
+        ``explicit``: ``fn`` enqueues on this stream by its handle, so the stream is not made current around it.
+        """
         if self._closed:
             raise RuntimeError(f"stream {self.name} is closed")
         if explicit:  # fn enqueues on this stream by its handle: skip making it the current stream
@@ -271,17 +292,20 @@ class CudaStream:
             fn()
 
     def record(self) -> torch.cuda.Event:
+        """A blocking-sync CUDA event recorded on the stream."""
         event = torch.cuda.Event(blocking=True)
         event.record(self.torch_stream)
         return event
 
     def wait(self, event: Event) -> None:
+        """Make work queued from now on wait for a CUDA ``event`` (stream-side)."""
         if isinstance(event, torch.cuda.Event):
             self.torch_stream.wait_event(event)
         else:
             raise TypeError(f"a CUDA stream can only wait on a torch.cuda.Event, got {type(event).__name__}")
 
     def notify(self, callback: Callback) -> torch.cuda.Event:
+        """Call ``callback()`` from the waiter thread once the work queued so far has finished; its event."""
         if self._waiter is None:
             with self._lock:
                 if self._waiter is None:
@@ -315,9 +339,11 @@ class CudaStream:
                 log.exception("CUDA stream %s: completion callback raised", self.name)
 
     def synchronize(self) -> None:
+        """Block until the work queued so far has finished."""
         self.torch_stream.synchronize()
 
     def close(self) -> None:
+        """Finish the queued work and stop the waiter thread (idempotent)."""
         if self._closed:
             return
         self._closed = True

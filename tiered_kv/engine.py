@@ -31,6 +31,7 @@ import bisect
 import logging
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
@@ -40,7 +41,7 @@ from .completions import CompletionInbox
 from .config import EngineConfig
 from .copyops import Copier
 from .device import Device, Stream, resolve_device
-from .errors import EngineClosedError
+from .errors import EngineClosedError, OwnedEngineError
 from .fences import FenceTable, Marker
 from .file import FileHandler, FileTier, FileTierConfig
 from .handlers import Batch, Job, Medium, Routes, TransferHandler
@@ -53,6 +54,9 @@ from .transfer import LATENCY_BUCKETS, EngineStatistics, Transfer, TransferResul
 __all__ = ["LATENCY_BUCKETS", "EngineStatistics", "Transfer", "TransferEngine", "TransferResult"]
 
 log = logging.getLogger(__name__)
+
+#: Seconds ``close()`` from a new event loop waits for copies the engine's ended loop left in flight.
+ORPHAN_TIMEOUT = 30.0
 
 Indices = Iterable[int] | np.ndarray | torch.Tensor
 
@@ -144,8 +148,18 @@ class TransferEngine:
             raise ValueError("give both file_dir and file_blocks (or file_config) to have a file tier")
         file_tier = FileTier(layout, file_config, device=self.device) if file_config is not None else None
 
-        self.copier = Copier(self.device, self.config)  # DMA-or-kernel choice per call (tiered_kv.copyops)
-        self._streams: dict[str, Stream] = {name: self.device.new_stream(name) for name in ("offload", "onboard", "local")}
+        self._streams: dict[str, Stream] = {}
+        try:
+            self.copier = Copier(self.device, self.config)  # DMA-or-kernel choice per call (tiered_kv.copyops)
+            for name in ("offload", "onboard", "local"):
+                self._streams[name] = self.device.new_stream(name)
+        except BaseException:
+            # a failed constructor leaves no thread, fd or slab lock behind (issue 11, finding 4)
+            for stream in self._streams.values():
+                stream.close()
+            if file_tier is not None:
+                file_tier.close()
+            raise
         # The routing table: every (source tier, destination tier) pair has exactly one handler.
         self._routes = Routes(owned=self._pools)
         builtin: list[TransferHandler] = [StreamCopier(self._pools, self._streams, self.copier, self.config.host_threads)]
@@ -164,11 +178,14 @@ class TransferEngine:
         self._fences = FenceTable()
         self._inflight: set[Marker] = set()
         self._meta: dict[Marker, tuple[str, int, int, float]] = {}  # in-flight marker -> (direction, bytes, blocks, submitted at)
+        # The engine owns its deferred enqueues (copies waiting on the loop for an off-lane dependency): each
+        # task leaves this set when it ends, and close() waits for the set to empty before stopping anything.
         self._deferred: set[asyncio.Task[None]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._inbox: CompletionInbox[Marker] | None = None
         self._closing = False
         self._closed = False
+        self._owner: str | None = None  # who the blocks belong to (claim): copy() is theirs alone
         self._submitted = self._completed = self._failed = 0
         self._bytes: dict[str, int] = {}  # direction -> bytes completed
         self._blocks: dict[str, int] = {}  # direction -> blocks completed
@@ -203,13 +220,62 @@ class TransferEngine:
         if self._closed:
             return
         self._closing = True
-        await self.drain()
-        for stream in self._streams.values():
-            stream.close()
-        for handler in self._routes.handlers:
-            handler.close()
-        self._closed = True
+        loop = asyncio.get_running_loop()
+        if self._loop is not None and self._loop is not loop:
+            if self._loop.is_running():
+                raise RuntimeError("this TransferEngine is bound to an event loop that is still running in another "
+                                   "thread; close it from that loop (run_coroutine_threadsafe(engine.close(), loop))")
+            await self._take_over_completions()  # its loop ended: nobody else will hear of these copies
+        else:
+            await self.drain()
+            if self._deferred:  # ended once their markers completed; wait for their last step too
+                await asyncio.wait(set(self._deferred))
+        self._release_resources()
         assert not self._fences, "fences left after every op completed"
+
+    async def _take_over_completions(self) -> None:
+        """close() from a new loop after the engine's loop ended with copies in flight (issue 11, finding 5).
+
+        A copy that finished on its thread posted its completion to the dead loop, where it never ran: complete
+        it here (dependencies first, as always). A copy that never finished within ``ORPHAN_TIMEOUT`` seconds
+        (deferred on the dead loop, never enqueued) is completed with :class:`EngineClosedError`.
+        """
+        deadline = time.monotonic() + ORPHAN_TIMEOUT
+        while self._inflight:
+            for marker in [m for m in self._inflight if m.done_at is not None]:
+                self._complete(marker)
+            if not self._inflight:
+                break
+            if time.monotonic() > deadline:
+                for marker in list(self._inflight):
+                    if not marker.completed:
+                        marker.error = EngineClosedError("the copy's event loop ended before it could be enqueued")
+                        self._complete(marker)
+                break
+            await asyncio.sleep(0.005)
+
+    def _release_resources(self) -> None:
+        """Stop the streams' threads and close every handler (the file tier: its fds and slab lock). Idempotent.
+
+        Synchronous, and only for an engine with nothing in flight: :meth:`close` after draining, a cache
+        constructor that failed after building its engine, an engine collected unclosed (:meth:`__del__`).
+        """
+        self._closing = self._closed = True
+        for stream in getattr(self, "_streams", {}).values():
+            stream.close()
+        routes = getattr(self, "_routes", None)
+        for handler in routes.handlers if routes is not None else ():
+            handler.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_closed", True):
+            return
+        warnings.warn(f"unclosed {self!r}: use 'async with' or await close(); releasing its threads and slab lock",
+                      ResourceWarning, stacklevel=2)
+        try:
+            self._release_resources()
+        except Exception:  # interpreter shutdown: nothing more can be done
+            pass
 
     @property
     def closed(self) -> bool:
@@ -229,6 +295,10 @@ class TransferEngine:
         if self._loop is None:
             self._loop = loop
             self._inbox = CompletionInbox(loop, self._complete)  # completions arriving together: one wake-up
+            for handler in self._routes.handlers:  # SLOT STATE HOOK: handlers that apply state changes on the loop
+                bind = getattr(handler, "bind_loop", None)
+                if bind is not None:
+                    bind(loop)
         elif self._loop is not loop:
             raise RuntimeError("TransferEngine is bound to another event loop; use one engine per loop")
         return loop
@@ -390,11 +460,52 @@ class TransferEngine:
                 ``num_tokens`` outside ``1..tokens_per_block``. Nothing is enqueued.
             TypeError: indices that are not integers, ``num_tokens`` that is not an int.
             EngineClosedError: the engine is closed.
+            OwnedEngineError: the engine's blocks belong to a :class:`~tiered_kv.TieredKVCache` (see :meth:`claim`).
 
         Notes:
             Cancellation: cancelling the task awaiting the returned transfer does not cancel the copy;
             its fences are released when it completes.
         """
+        if self._owner is not None:
+            raise OwnedEngineError(
+                f"this TransferEngine's blocks belong to {self._owner}: a copy through it would change KV the cache "
+                "serves behind its back. Use the cache's API (add_sequences, append_tokens, evict), or an engine of "
+                "your own for copies of your own."
+            )
+        return self._copy(src_tier, src_indices, dst_tier, dst_indices, num_tokens=num_tokens, keys=keys, layers=layers)
+
+    def claim(self, owner: str) -> Callable[..., Transfer]:
+        """Give every block of this engine to ``owner`` (a cache's block manager decides what each holds).
+
+        From now on :meth:`copy` raises :class:`~tiered_kv.errors.OwnedEngineError`; the owner copies through the
+        function returned (same signature as :meth:`copy`). Reading state (``statistics``, ``pool``, ``block``,
+        ``fences``, ``drain``) stays open to everyone.
+
+        Raises:
+            ValueError: the engine already has an owner (one cache per engine).
+        """
+        if self._owner is not None:
+            raise ValueError(f"this TransferEngine already belongs to {self._owner}; give each cache an engine of its own")
+        self._owner = owner
+        return self._copy
+
+    def release(self, owner: str) -> None:
+        """End ``owner``'s claim (:meth:`claim`): :meth:`copy` is open again. A no-op for anyone else."""
+        if self._owner == owner:
+            self._owner = None
+
+    def _copy(
+        self,
+        src_tier: Tier | str,
+        src_indices: Indices,
+        dst_tier: Tier | str,
+        dst_indices: Indices,
+        *,
+        num_tokens: int | None = None,
+        keys: Iterable[object] | None = None,
+        layers: tuple[int, int] | None = None,
+    ) -> Transfer:
+        """The copy itself (see :meth:`copy`): validate, fence, enqueue."""
         loop = self._check_open()
         src_t, dst_t = Tier.coerce(src_tier), Tier.coerce(dst_tier)
         src_pool, dst_pool = self.medium(src_t), self.medium(dst_t)

@@ -11,6 +11,7 @@ __all__ = [
     "EngineClosedError",
     "IntegrityError",
     "LayoutMismatchError",
+    "OwnedEngineError",
     "SlabInUseError",
     "TieredKVError",
     "TransferError",
@@ -43,3 +44,7 @@ class BackendUnavailable(TieredKVError):
 
 class EngineClosedError(TieredKVError, RuntimeError):
     """The engine was used after ``close()`` (or before it was opened)."""
+
+
+class OwnedEngineError(TieredKVError, ValueError):
+    """A copy through an engine whose blocks belong to a cache: only the cache may change them (nothing was enqueued)."""

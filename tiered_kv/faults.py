@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tiered_kv.backends import FileBackend
+from tiered_kv.backends import Completion, FileBackend
 from tiered_kv.backends.posix import DIRECT_ALIGN, Buffer
 
 __all__ = ["FaultyBackend"]
@@ -133,16 +133,20 @@ class FaultyBackend:
 
     def pwrite(self, buffers: Sequence[Buffer], offset: int, *, before: Callable[[], object] | None = None,
                ) -> concurrent.futures.Future[int]:
+        """Write through the wrapped backend, with the faults configured for this call."""
         return self._run(True, buffers, offset, before)
 
     def pread(self, buffers: Sequence[Buffer], offset: int, *, after: Callable[[int], object] | None = None,
               ) -> concurrent.futures.Future[int]:
+        """Read through the wrapped backend, with the faults configured for this call."""
         return self._run(False, buffers, offset, after)
 
-    def sync(self, data_only: bool) -> concurrent.futures.Future[int]:
+    def sync(self, data_only: bool) -> Completion:
+        """Sync the wrapped backend."""
         return self.inner.sync(data_only)
 
     def close(self) -> None:
+        """Stop the fault threads and close the wrapped backend."""
         self._pool.shutdown(wait=True)
         self.inner.close()
 

@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Iterable
 
 from .device import Event, Stream
 
 __all__ = ["FenceStatistics", "FenceTable", "Marker"]
+
+log = logging.getLogger(__name__)
 
 
 class Marker:
@@ -55,9 +58,13 @@ class Marker:
         self._callbacks: list[Callable[[], None]] = []
 
     def add_done_callback(self, callback: Callable[[], None]) -> None:
-        """Call ``callback()`` on the loop once the op has completed (at once if it has)."""
+        """Call ``callback()`` on the loop once the op has completed (at once if it has).
+
+        A callback that raises is reported through the running loop's exception handler (as asyncio does
+        for a future's callbacks); the other callbacks still run and completion is never interrupted.
+        """
         if self.completed:
-            callback()
+            _run_callback(callback)
         else:
             self._callbacks.append(callback)
 
@@ -85,10 +92,13 @@ class Marker:
         waiters, self._waiters = self._waiters, []
         for waiter in waiters:
             if not waiter.done():
-                waiter.set_result(None)
+                try:
+                    waiter.set_result(None)
+                except RuntimeError:  # its loop is closed (completion taken over by close() on a new loop)
+                    pass
         callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:
-            callback()
+            _run_callback(callback)
 
     def __repr__(self) -> str:
         if self.completed:
@@ -96,6 +106,18 @@ class Marker:
         else:
             state = "enqueued" if self.event is not None or self.lane is None else "deferred"
         return f"<Marker {state} lane={getattr(self.lane, 'name', 'host')} waiters:{len(self._waiters)}>"
+
+
+def _run_callback(callback: Callable[[], None]) -> None:
+    """Run a done-callback; an exception goes to the loop's exception handler, never to the completion path."""
+    try:
+        callback()
+    except Exception as exc:  # reported like asyncio reports a failing future callback
+        context = {"message": f"Exception in transfer done-callback {callback!r}", "exception": exc}
+        try:
+            asyncio.get_running_loop().call_exception_handler(context)
+        except RuntimeError:  # no running loop (a completion delivered off the loop): log it
+            log.error("Exception in transfer done-callback %r", callback, exc_info=exc)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -201,6 +223,7 @@ class FenceTable:
         return write, tuple(readers) if isinstance(readers, list) else (readers,)
 
     def statistics(self) -> FenceStatistics:
+        """A snapshot: fenced blocks, pending reads and writes, waits so far."""
         fenced: set[tuple[str, int]] = set()
         reads = writes = 0
         for pool, wt in self._writes.items():

@@ -24,7 +24,7 @@ import xxhash
 
 from .layout import KVLayout
 
-__all__ = ["KEY_FORMAT_VERSION", "ContentKey", "KeyHasher", "as_token_array"]
+__all__ = ["KEY_FORMAT_VERSION", "MAX_TOKEN_ID", "ContentKey", "KeyHasher", "as_token_array"]
 
 #: Bumped whenever the meaning of a content key changes (keys persisted in file slots are then stale).
 KEY_FORMAT_VERSION = 1
@@ -32,22 +32,43 @@ KEY_FORMAT_VERSION = 1
 ContentKey = bytes
 
 
+#: Token ids are hashed as little-endian int64: they must be in ``[0, MAX_TOKEN_ID]``.
+MAX_TOKEN_ID = 2**63 - 1
+
+
 def as_token_array(tokens: Sequence[int] | np.ndarray, what: str = "tokens") -> np.ndarray:
     """Token ids as a 1-D little-endian int64 array.
 
     Raises:
         TypeError: not a 1-D sequence of integers.
+        ValueError: an id is negative or above ``2**63 - 1`` (it would wrap and alias another prompt's key).
     """
     if isinstance(tokens, (str, bytes, int, np.integer)):
         raise TypeError(f"{what} must be a sequence of token ids, got {type(tokens).__name__}")
     try:
         arr = np.asarray(tokens)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise TypeError(f"{what} must be a sequence of token ids: {exc}") from exc
     if arr.ndim != 1:
         raise TypeError(f"{what} must be one-dimensional, got shape {arr.shape}")
-    if arr.size and arr.dtype.kind not in "iu":
+    if not arr.size:
+        return arr.astype("<i8")
+    if arr.dtype.kind in "Of" and not isinstance(tokens, np.ndarray):
+        # Python ints numpy could not type as int64/uint64 (beyond 2**64, or 2**63.. next to negatives): check each
+        values = list(tokens)
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in values):
+            raise TypeError(f"{what} must be integers, got {arr.dtype}")
+        bad = [int(t) for t in values if not 0 <= t <= MAX_TOKEN_ID]
+        if bad:
+            raise ValueError(f"{what} must be token ids in 0..2**63-1, got {bad[0]}")
+        arr = np.asarray(values, dtype="<i8")
+    if arr.dtype.kind not in "iu":
         raise TypeError(f"{what} must be integers, got {arr.dtype}")
+    if arr.dtype.kind == "u":
+        if arr.dtype.itemsize >= 8 and int(arr.max()) > MAX_TOKEN_ID:
+            raise ValueError(f"{what} must be token ids in 0..2**63-1, got {int(arr.max())}")
+    elif int(arr.min()) < 0:
+        raise ValueError(f"{what} must be token ids in 0..2**63-1, got {int(arr.min())}")
     return arr.astype("<i8", copy=False)
 
 

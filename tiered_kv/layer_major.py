@@ -89,6 +89,7 @@ class LayerMajorPool:
 
     @property
     def device(self) -> torch.device:
+        """The device of the pool's tensors."""
         return self.tensors[0].device
 
     def layer(self, index: int) -> torch.Tensor:

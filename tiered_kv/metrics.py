@@ -43,14 +43,16 @@ class PrometheusCollector:
         self.prefix = prefix
 
     def describe(self) -> list[Any]:
+        """Nothing up front: metrics are collected lazily."""
         return []  # collected lazily; prometheus_client then skips the eager describe()
 
     def collect(self) -> Iterator[Any]:
+        """The metric families of one scrape."""
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
         p = self.prefix
         stats = self.source.statistics()
-        engine: EngineStatistics = stats if isinstance(stats, EngineStatistics) else stats.engine  # type: ignore[assignment]
+        engine: EngineStatistics = stats if isinstance(stats, EngineStatistics) else stats.engine
 
         nbytes = CounterMetricFamily(f"{p}_transfer_bytes", "Bytes moved by completed transfers", labels=["src", "dst"])
         blocks = CounterMetricFamily(f"{p}_transfer_blocks", "Blocks moved by completed transfers", labels=["src", "dst"])

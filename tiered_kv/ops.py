@@ -1,4 +1,4 @@
-"""The ``tiered_kv`` torch operators: schemas, CPU references, typed wrappers.
+"""The ``tiered_kv`` torch operators: typed wrappers over the schemas of :mod:`tiered_kv.opdefs`.
 
 Primitives (namespace ``torch.ops.tiered_kv``):
 
@@ -8,14 +8,11 @@ Primitives (namespace ``torch.ops.tiered_kv``):
   between pools that are block-major (one tensor ``[N, layers, kv, heads, tokens, head_dim]``) or
   layer-major (one tensor per layer ``[N, kv, heads, tokens, head_dim]``, or per layer and K/V
   ``[N, heads, tokens, head_dim]``), by a copy kernel or by DMA.
-* ``copy_blocks_list`` -- the same copy with int-list indices and an explicit raw stream handle: the engine's
-  per-call path (:class:`tiered_kv.copyops.Copier`), with no index tensors per call; on CUDA, small copies pass
-  bases and indices in the kernel's parameters.
 * :func:`copy_chunks` -- many ``(src tensor, src byte offset, dst tensor, dst byte offset, nbytes)`` chunks
   in one call, any alignment, by a copy kernel or by DMA.
 
-The schemas and the pure-torch CPU references are defined here, so the operators exist with or without the
-compiled extension; the extension (``kernels/*.cu``, built by :mod:`tiered_kv._ext`) adds CUDA
+The schemas and the pure-torch CPU references are defined in :mod:`tiered_kv.opdefs`, so the operators exist
+with or without the compiled extension; the extension (``kernels/*.cu``, built by :mod:`tiered_kv._ext`) adds CUDA
 implementations with ``TORCH_LIBRARY_IMPL(tiered_kv, CUDA, m)``. Each wrapper validates its arguments
 (dtypes, shapes, devices, index ranges where they are on the CPU) and raises ``ValueError``/``TypeError``
 *before* anything is launched.
@@ -23,15 +20,16 @@ implementations with ``TORCH_LIBRARY_IMPL(tiered_kv, CUDA, m)``. Each wrapper va
 Notes:
     The CUDA implementations read and write pinned host tensors directly (unified addressing), so a host
     table or pool they read must stay unchanged until the launch has executed on its stream -- the staging
-    rule of DESIGN.md section 7. The wrappers do not copy their inputs.
+    rule of :mod:`tiered_kv.staging`. The wrappers do not copy their inputs.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
+
+from . import _ext
 
 __all__ = [
     "METHOD_DMA",
@@ -42,164 +40,17 @@ __all__ = [
     "normalize_groups",
 ]
 
-#: ``method`` argument of :func:`copy_blocks` / :func:`copy_chunks`: one launch of the copy kernel.
-METHOD_KERNEL = 0
-#: ``method`` argument: DMA (``cudaMemcpyAsync`` / ``cudaMemcpy2DAsync``), merging contiguous runs, issued in C++.
-METHOD_DMA = 1
-
-# FRAGMENT, not DEF: other modules may add ops to the namespace (DEF can be used only once per namespace)
-_lib = torch.library.Library("tiered_kv", "FRAGMENT")
-
-_lib.define(
-    "gather_block_offsets(Tensor(a!) dst, Tensor src, Tensor idx, Tensor? scale, Tensor? v_offset, "
-    "int max_blocks, int sentinel) -> ()"
-)
-_lib.define("copy_blocks(Tensor(a!)[] dst, Tensor[] src, Tensor src_blocks, Tensor dst_blocks, int num_tokens, int method) -> ()")
-_lib.define("copy_chunks(Tensor(a!)[] dst, Tensor[] src, Tensor chunks, int method) -> ()")
-# The engine's per-call path: indices as int lists (no index tensors per call), an explicit raw stream handle
-# (0 = the current stream); the CUDA version checks the indices against both pools and launches in one call.
-_lib.define(
-    "copy_blocks_list(Tensor(a!)[] dst, Tensor[] src, int[] src_blocks, int[] dst_blocks, int num_tokens, int method, "
-    "int stream) -> ()"
+from .opdefs import (
+    METHOD_DMA,
+    METHOD_KERNEL,
+    copy_blocks_ref,
+    copy_chunks_ref,
+    gather_block_offsets_ref,
+    normalize_groups,
 )
 
 _COPY_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.uint8)
 _INDEX_DTYPES = (torch.int32, torch.int64)
-
-
-# --------------------------------------------------------------------------------------------- references
-
-
-def _gather_block_offsets_ref(
-    dst: torch.Tensor,
-    src: torch.Tensor,
-    idx: torch.Tensor,
-    scale: torch.Tensor | None,
-    v_offset: torch.Tensor | None,
-    max_blocks: int,
-    sentinel: int,
-) -> None:
-    if idx.numel() == 0 or max_blocks == 0:
-        return
-    rows = src.index_select(1, idx.to(device=src.device, dtype=torch.int64))[..., :max_blocks]  # [pools, seqs, kv, max_blocks]
-    out = rows.clone()
-    if scale is not None:
-        out *= scale.to(out).view(-1, 1, 1, 1)
-    if v_offset is not None and rows.shape[2] > 1:
-        out[:, :, 1] += v_offset.to(out).view(-1, 1, 1)
-    dst[..., :max_blocks] = torch.where(rows == sentinel, rows, out)
-
-
-def normalize_groups(tensors: Sequence[torch.Tensor], groups: int, rows: int) -> list[torch.Tensor]:
-    """Views ``[N, rows, row_elems...]`` of a pool side split into ``groups`` equal parts of each block.
-
-    A side is one block-major tensor or one tensor per layer (or per layer and K/V); each tensor's
-    per-block part is contiguous, so it splits into ``groups // len(tensors)`` consecutive groups.
-    """
-    per = groups // len(tensors)
-    out: list[torch.Tensor] = []
-    for t in tensors:
-        v = t.view(t.shape[0], per, rows, -1)
-        out.extend(v[:, j] for j in range(per))
-    return out
-
-
-def _block_geometry(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], num_tokens: int) -> tuple[int, int, int, int]:
-    """``(groups, rows per group, row elements, elements to copy per row)`` shared by both sides."""
-    t = src[0]
-    tokens, head_dim = t.shape[-2], t.shape[-1]
-    per_block = math.prod(t.shape[1:])  # elements of one block in one tensor
-    total = per_block * len(src)
-    groups = max(len(src), len(dst))
-    group_elems = total // groups
-    if num_tokens == tokens:
-        return groups, 1, group_elems, group_elems
-    row = tokens * head_dim
-    return groups, group_elems // row, row, num_tokens * head_dim
-
-
-def _copy_blocks_ref(
-    dst: list[torch.Tensor],
-    src: list[torch.Tensor],
-    src_blocks: torch.Tensor,
-    dst_blocks: torch.Tensor,
-    num_tokens: int,
-    method: int,
-) -> None:
-    if src_blocks.numel() == 0:
-        return
-    groups, rows, _row, width = _block_geometry(dst, src, num_tokens)
-    s = src_blocks.to(torch.int64)
-    d = dst_blocks.to(torch.int64)
-    # One vectorized gather/scatter per group: a group is (a layer, or a layer and K/V), never a chunk.
-    for sg, dg in zip(normalize_groups(src, groups, rows), normalize_groups(dst, groups, rows), strict=True):
-        dg[d, :, :width] = sg[s, :, :width].to(dg.device)
-
-
-def _copy_blocks_list_ref(
-    dst: list[torch.Tensor], src: list[torch.Tensor], src_blocks: list[int], dst_blocks: list[int], num_tokens: int,
-    method: int, stream: int,
-) -> None:
-    if len(src_blocks) != len(dst_blocks):
-        raise ValueError(f"copy_blocks_list: {len(src_blocks)} source and {len(dst_blocks)} destination blocks")
-    for name, blocks, limit in (("src_blocks", src_blocks, src[0].shape[0]), ("dst_blocks", dst_blocks, dst[0].shape[0])):
-        if blocks and (min(blocks) < 0 or max(blocks) >= limit):
-            raise ValueError(f"copy_blocks_list: {name} holds an index out of range for a pool of {limit} blocks")
-    s = torch.tensor(src_blocks, dtype=torch.int64)
-    d = torch.tensor(dst_blocks, dtype=torch.int64)
-    _copy_blocks_ref(dst, src, s, d, num_tokens, method)
-
-
-def _byte_view(t: torch.Tensor) -> torch.Tensor:
-    return t.view(-1).view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
-
-
-def _copy_chunks_ref(dst: list[torch.Tensor], src: list[torch.Tensor], chunks: torch.Tensor, method: int) -> None:
-    if chunks.numel() == 0:
-        return
-    table = chunks.to(torch.int64).cpu()
-    pair = table[:, 0] * len(dst) + table[:, 2]
-    # One vectorized byte gather per (source tensor, destination tensor) pair present in the table.
-    for key in torch.unique(pair).tolist():
-        rows = table[pair == key]
-        si, di = divmod(int(key), len(dst))
-        sizes = rows[:, 4]
-        starts = torch.cumsum(sizes, 0) - sizes
-        within = torch.arange(int(sizes.sum())) - torch.repeat_interleave(starts, sizes)
-        src_bytes = _byte_view(src[si])
-        dst_bytes = _byte_view(dst[di])
-        s_at = torch.repeat_interleave(rows[:, 1], sizes) + within
-        d_at = torch.repeat_interleave(rows[:, 3], sizes) + within
-        dst_bytes[d_at.to(dst_bytes.device)] = src_bytes[s_at.to(src_bytes.device)].to(dst_bytes.device)
-
-
-_lib.impl("gather_block_offsets", _gather_block_offsets_ref, "CPU")
-_lib.impl("copy_blocks", _copy_blocks_ref, "CPU")
-_lib.impl("copy_chunks", _copy_chunks_ref, "CPU")
-_lib.impl("copy_blocks_list", _copy_blocks_list_ref, "CPU")
-
-
-@torch.library.register_fake("tiered_kv::gather_block_offsets", lib=_lib)
-def _gather_fake(dst, src, idx, scale, v_offset, max_blocks, sentinel) -> None:
-    return None
-
-
-@torch.library.register_fake("tiered_kv::copy_blocks", lib=_lib)
-def _copy_blocks_fake(dst, src, src_blocks, dst_blocks, num_tokens, method) -> None:
-    return None
-
-
-@torch.library.register_fake("tiered_kv::copy_blocks_list", lib=_lib)
-def _copy_blocks_list_fake(dst, src, src_blocks, dst_blocks, num_tokens, method, stream) -> None:
-    return None
-
-
-@torch.library.register_fake("tiered_kv::copy_chunks", lib=_lib)
-def _copy_chunks_fake(dst, src, chunks, method) -> None:
-    return None
-
-
-# --------------------------------------------------------------------------------------------- validation
 
 
 def _check_host_readable(t: torch.Tensor, device: torch.device, what: str) -> None:
@@ -238,8 +89,6 @@ def _use_reference(device: torch.device) -> bool:
     """
     if device.type != "cuda":
         return False
-    from . import _ext  # lazy: _ext imports this module
-
     return not _ext.load()
 
 
@@ -321,7 +170,7 @@ def gather_block_offsets(
                 f"gather_block_offsets: idx holds {lo if lo < 0 else hi}, out of range for {src.shape[1]} source rows"
             )
     if _use_reference(device):
-        _gather_block_offsets_ref(dst, src, idx, scale, v_offset, cols, sentinel)
+        gather_block_offsets_ref(dst, src, idx, scale, v_offset, cols, sentinel)
     else:
         torch.ops.tiered_kv.gather_block_offsets(dst, src, idx, scale, v_offset, cols, sentinel)
     return dst
@@ -431,7 +280,7 @@ def copy_blocks(
         raise ValueError("copy_blocks: METHOD_DMA needs the block indices on the CPU (the copy calls are issued by the host)")
     _check_method(method)
     if _use_reference(device):
-        _copy_blocks_ref(list(dst), list(src), src_blocks, dst_blocks, n, method)
+        copy_blocks_ref(list(dst), list(src), src_blocks, dst_blocks, n, method)
     else:
         torch.ops.tiered_kv.copy_blocks(list(dst), list(src), src_blocks, dst_blocks, n, method)
 
@@ -439,8 +288,10 @@ def copy_blocks(
 def copy_chunks(
     dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], chunks: torch.Tensor, *, method: int = METHOD_KERNEL
 ) -> None:
-    """Copy many byte ranges in one call: row ``(si, so, di, do, nbytes)`` copies ``src[si]`` bytes
-    ``[so, so + nbytes)`` to ``dst[di]`` bytes ``[do, do + nbytes)``.
+    """Copy many byte ranges in one call.
+
+    Row ``(si, so, di, do, nbytes)`` copies ``src[si]`` bytes ``[so, so + nbytes)`` to ``dst[di]`` bytes
+    ``[do, do + nbytes)``.
 
     Args:
         dst: destination tensors (contiguous; written in place).
@@ -477,6 +328,6 @@ def copy_chunks(
             raise ValueError("copy_chunks: a chunk reaches past the end of its tensor")
     _check_method(method)
     if _use_reference(device):
-        _copy_chunks_ref(list(dst), list(src), chunks, method)
+        copy_chunks_ref(list(dst), list(src), chunks, method)
     else:
         torch.ops.tiered_kv.copy_chunks(list(dst), list(src), chunks, method)

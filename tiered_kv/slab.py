@@ -102,6 +102,7 @@ def encode_key(key: Key) -> tuple[int, bytes]:
 
 
 def decode_key(tag: int, raw: bytes) -> Key:
+    """The key encoded as ``(tag, raw)`` by :func:`encode_key`."""
     if tag == _KEY_BYTES:
         return raw
     if tag == _KEY_STR:
@@ -185,6 +186,7 @@ class Superblock:
     layout: str
 
     def pack(self) -> bytes:
+        """The superblock's bytes."""
         text = self.layout.encode()[:1024]
         head = _SUPER.pack(SLAB_MAGIC, SLAB_VERSION, HEADER_SIZE, self.fingerprint, self.num_slots, self.slot_size,
                            self.payload_length, len(text))

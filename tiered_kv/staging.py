@@ -1,4 +1,4 @@
-"""Staging: ship block-offset tables (page tables) to the device without races (seed 000).
+"""Staging: ship block-offset tables (page tables) to the device without races.
 
 An asynchronous copy, or a kernel that reads pinned host memory, reads its host inputs when the stream
 *executes* it, not when it is enqueued. A scheduler that runs an iteration ahead and refills a host table
@@ -186,6 +186,7 @@ class StagingPool:
             self._free.clear()
 
     def statistics(self) -> StagingStatistics:
+        """A snapshot: buffers in flight and free, bytes held."""
         with self._lock:
             buffers = [entry[0] for entry in self._in_flight] + self._free
             return StagingStatistics(
@@ -622,6 +623,7 @@ class BlockOffsetTable:
         self.staging.drain()
 
     def statistics(self) -> BlockOffsetStatistics:
+        """A snapshot: calls per mode, sequences and bytes shipped, the snapshot pool."""
         return BlockOffsetStatistics(dict(self._calls), self._sequences, self._bytes, self.staging.statistics())
 
     def __repr__(self) -> str:

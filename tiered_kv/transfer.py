@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Generator
 from typing import Any
@@ -77,9 +78,10 @@ class Transfer:
     def add_done_callback(self, callback: Callable[[Transfer], None]) -> None:
         """Call ``callback(transfer)`` on the event loop once the copy has completed (at once if it has).
 
-        Unlike awaiting, this needs no task: fire-and-forget copies can still be observed.
+        Unlike awaiting, this needs no task: fire-and-forget copies can still be observed. A callback that
+        raises is reported through the loop's exception handler; the other callbacks still run.
         """
-        self._marker.add_done_callback(lambda: callback(self))
+        self._marker.add_done_callback(functools.partial(callback, self))
 
     def exception(self) -> BaseException | None:
         """The error the copy failed with, or ``None``.

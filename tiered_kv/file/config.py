@@ -43,6 +43,7 @@ class Durability(enum.Enum):
 
     @classmethod
     def coerce(cls, value: object) -> Durability:
+        """Accept a :class:`Durability` or its name (``"none"``, ``"flush"``, ``"fsync"``)."""
         if isinstance(value, Durability):
             return value
         if isinstance(value, str):

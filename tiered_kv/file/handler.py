@@ -10,6 +10,7 @@ Primitives:
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable, Mapping, Sequence
 
 from ..copyops import Copier, Pool
@@ -88,14 +89,18 @@ class FileHandler:
     def prepare(self, batch: Batch) -> FileCopy:
         """Writes claim their slots now (pending: lookups stop returning them); the copy starts later."""
         if batch.dst_tier is Tier.FILE:
-            assert batch.keys is not None or not batch.size
-            keys = list(batch.keys or ())  # type: ignore[arg-type]  # normalized by validate()
+            keys: list[Key] = [k for k in batch.keys or () if isinstance(k, (bytes, str, int))]  # normalized by validate()
+            assert len(keys) == batch.size
             stream = self._streams["offload"] if batch.src_tier is Tier.GPU else None
             src, dst = batch.lists()
             return self.tier.write_batch(self._pools[batch.src_tier], src, dst, keys, stream, self._copier)
         stream = self._streams["onboard"] if batch.dst_tier is Tier.GPU else None
         src, dst = batch.lists()
         return self.tier.read_batch(self._pools[batch.dst_tier], dst, src, stream, self._copier)
+
+    def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """SLOT STATE HOOK: the tier's index applies I/O-thread transitions on the engine's loop, in order."""
+        self.tier.index.events.bind(loop)
 
     def close(self) -> None:
         """Close the file tier. Idempotent."""

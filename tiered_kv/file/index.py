@@ -12,17 +12,26 @@ Primitives:
 
 Thread safety: every method takes the index's lock; transitions come from the loop (``claim``, ``discard``)
 and from I/O threads (``finish_write``, ``drop_if``).
+
+Order (issue 11, finding 1): a transition decided on an I/O thread is *applied* on the engine's event loop,
+through :attr:`SlotIndex.events` (:mod:`tiered_kv.slotstate`), between two loop steps, and every slot it
+gives up is announced there to the listeners (the cache's block manager) in the same step -- so a planner on
+the loop never sees a slot change in the middle of issuing a plan, and hears of a dropped slot before the
+failed copy that dropped it completes. The tombstone of a failed write is set at once on the I/O thread: it
+is what reads are verified against, and it only ever makes reads fail.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import threading
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 
 from ..slab import Key, normalize_key
+from ..slotstate import SlotEvent, SlotEvents
 
 __all__ = ["SlotIndex", "SlotState"]
 
@@ -54,6 +63,7 @@ class SlotIndex:
         self._by_key: dict[Key, int] = {}  # content key -> valid slot
         self._failed_gen: dict[int, int] = {}  # slot -> generation of its last failed write (a tombstone)
         self._next_gen = 1
+        self.events = SlotEvents()  # SLOT STATE HOOK: I/O-thread transitions reach the loop here, in order
 
     # ------------------------------------------------------------------------------------ reads
 
@@ -142,21 +152,31 @@ class SlotIndex:
         return gens
 
     def finish_write(self, slots: Sequence[int], gens: Sequence[int], ok: bool) -> None:
-        """The write that claimed ``slots`` (with ``gens``) finished: valid if ``ok``, else empty (and tombstoned)."""
+        """The write that claimed ``slots`` (with ``gens``) finished: valid if ``ok``, else empty (and tombstoned).
+
+        The tombstones change now; the states on the loop (:attr:`events`), where dropped slots are announced.
+        """
         with self._lock:
             for slot, gen in zip(slots, gens, strict=True):
                 if ok:
-                    self._failed_gen.pop(slot, None)
+                    if self._failed_gen.get(slot, gen) < gen:
+                        del self._failed_gen[slot]  # an older failed write of the slot is overwritten
                 else:
                     # Reads enqueued behind this write (they expect ``gen``) must fail even if this slot's own
                     # block made it to disk: the transfer failed, so its slots hold nothing. A later write of
                     # the slot starts only after those reads, so one tombstone per slot is enough.
                     self._failed_gen[slot] = gen
+        self.events.post(functools.partial(self._apply_write, list(slots), list(gens), ok))
+
+    def _apply_write(self, slots: list[int], gens: list[int], ok: bool) -> list[SlotEvent]:
+        dropped: list[SlotEvent] = []
+        with self._lock:
+            for slot, gen in zip(slots, gens, strict=True):
                 if self._state[slot] != _PENDING or self._gens[slot] != gen:
                     continue  # a later copy has claimed the slot since
+                key = self._keys[slot]
+                assert key is not None
                 if ok:
-                    key = self._keys[slot]
-                    assert key is not None
                     other = self._by_key.get(key)
                     if other is not None and other != slot:
                         self._drop_locked(other)  # the newest copy of a key wins
@@ -164,12 +184,20 @@ class SlotIndex:
                     self._by_key[key] = slot
                 else:
                     self._drop_locked(slot)
+                    dropped.append(SlotEvent(slot, key, gen, "write failed"))
+        return dropped
 
     def drop_if(self, slot: int, gen: int) -> None:
-        """A read of ``slot`` expecting ``gen`` failed verification: drop the slot unless it was claimed since."""
+        """A read of ``slot`` expecting ``gen`` failed verification: drop the slot unless it was claimed since (on the loop)."""
+        self.events.post(functools.partial(self._apply_drop, slot, gen))
+
+    def _apply_drop(self, slot: int, gen: int) -> list[SlotEvent]:
         with self._lock:
-            if self._state[slot] != _EMPTY and self._gens[slot] == gen:
-                self._drop_locked(slot)
+            if self._state[slot] == _EMPTY or self._gens[slot] != gen:
+                return []
+            key = self._keys[slot]
+            self._drop_locked(slot)
+        return [SlotEvent(slot, key, gen, "verification failed")] if key is not None else []
 
     def discard(self, slot: int) -> None:
         """Forget a valid slot (index only: the bytes stay and a restart may index them again).
@@ -181,7 +209,10 @@ class SlotIndex:
         with self._lock:
             if self._state[slot] == _PENDING:
                 raise ValueError(f"file slot {slot} has a write in flight; await it before discarding the slot")
+            key, gen = self._keys[slot], self._gens[slot]
             self._drop_locked(slot)
+        if key is not None:
+            self.events.emit(SlotEvent(slot, key, gen, "discarded"))
 
     def _drop_locked(self, slot: int) -> None:
         key = self._keys[slot]

@@ -26,16 +26,18 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import os
 import threading
+import warnings
 
 import numpy as np
 import torch
 
 from ..backends import FileBackend
-from ..backends.posix import aligned_empty, make_dir, remove_file
+from ..backends.posix import aligned_empty
 from ..copyops import Copier
 from ..device import Device, Stream, resolve_device
 from ..layer_major import LayerMajorPool
@@ -148,11 +150,10 @@ class FileTier:
 
     @classmethod
     async def open_async(cls, layout: KVLayout, config: FileTierConfig, *, device: Device | None = None) -> FileTier:
-        """Open off the event loop: the directory through aiofiles, the scan on a worker thread.
+        """Open off the event loop: directory, slab and scan on a worker thread.
 
         Cancellation: the open finishes in its thread; the tier it made is closed and dropped.
         """
-        await make_dir(config.directory)
         loop = asyncio.get_running_loop()
         fut = loop.run_in_executor(None, lambda: cls(layout, config, device=device))
         try:
@@ -162,12 +163,13 @@ class FileTier:
             raise
 
     async def remove(self) -> None:
-        """Close the tier and delete its slab file (through aiofiles).
+        """Close the tier and delete its slab file (off the event loop).
 
         Cancellation: the tier is closed; the file may or may not be removed.
         """
         self.close()
-        await remove_file(self.path)
+        with contextlib.suppress(FileNotFoundError):
+            await asyncio.to_thread(os.remove, self.path)
 
     def _make_backend(self) -> FileBackend:
         cfg = self.config
@@ -270,7 +272,18 @@ class FileTier:
         self._closed = True
         self._workers.shutdown(wait=True)
         self.backend.close()
+        self.index.events.deliver()  # transitions still queued for a loop that will not run them
         os.close(self._lock_fd)
+
+    def __del__(self) -> None:
+        if getattr(self, "_closed", True) or not hasattr(self, "_workers"):
+            return
+        warnings.warn(f"unclosed file tier {getattr(self, 'path', '?')}: close() it; releasing its threads and slab lock",
+                      ResourceWarning, stacklevel=2)
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: nothing more can be done
+            pass
 
     @property
     def closed(self) -> bool:

@@ -25,7 +25,7 @@ BENCHMARKS = ["engine", "kernels", "overlap", "pagetables", "filetier", "cache"]
 
 
 def _writable_dir(path: str) -> str:
-    """argparse type: an existing directory this process may create files in."""
+    """Argparse type: an existing directory this process may create files in."""
     if not (os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)):
         raise argparse.ArgumentTypeError(f"{path} is not a writable directory")
     return path
@@ -212,7 +212,7 @@ def _doctor_checks(directory: str) -> list[tuple[str, bool, str, str]]:
     try:
         import uvloop
 
-        checks.append(("uvloop", True, uvloop.__version__, ""))
+        checks.append(("uvloop", True, str(getattr(uvloop, "__version__", "?")), ""))
     except ImportError:
         checks.append(("uvloop", False, "missing", "pip install uvloop (faster event loop)"))
     try:
@@ -234,7 +234,9 @@ def _doctor_checks(directory: str) -> list[tuple[str, bool, str, str]]:
         checks.append(("CUDA extension", False, f"cannot build: no {missing}; the CPU reference ops are used",
                        f"install {missing} for the batched-copy, partial-copy and gather kernels"))
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    fmt = lambda v: "unlimited" if v == resource.RLIM_INFINITY else f"{v / 2**20:.0f} MiB"  # noqa: E731
+    def fmt(v: int) -> str:
+        return "unlimited" if v == resource.RLIM_INFINITY else f"{v / 2**20:.0f} MiB"
+
     checks.append(("pinned memory (ulimit -l)", True, f"soft {fmt(soft)}, hard {fmt(hard)}",
                    "raise `ulimit -l` if pinning the host pool fails"))
     writable = os.path.isdir(directory) and os.access(directory, os.W_OK)
@@ -278,6 +280,8 @@ async def _soak(args: argparse.Namespace) -> int:
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.cache:
+        return await _cache_soak(args, device)
     config = SoakConfig(ops=args.ops, seed=args.seed, tasks=args.tasks, device=device)
     with tqdm(total=args.ops, unit="op", desc=f"soak seed={args.seed} on {device}", disable=args.quiet) as bar:
         try:
@@ -287,6 +291,32 @@ async def _soak(args: argparse.Namespace) -> int:
             return 1
     print(f"ok: {report.ops} ops, {report.checked_blocks} block checks, {report.cancelled} cancelled waits, "
           f"{report.forgotten} unawaited, {report.stalls} stalls in {report.seconds:.1f} s; close() {report.close_seconds * 1e3:.1f} ms")
+    return 0
+
+
+async def _cache_soak(args: argparse.Namespace, device: str) -> int:
+    import logging
+
+    from tqdm import tqdm
+
+    from .cache_soak import CacheSoakConfig, CacheSoakFailure, cache_soak
+
+    logging.getLogger("tiered_kv").setLevel(logging.ERROR)  # injected faults fail copies by the hundred: expected
+    config = CacheSoakConfig(ops=args.ops, seed=args.seed, tasks=args.tasks, device=device,
+                             min_verified_tokens=args.reused_tokens)
+    total = max(args.reused_tokens, 1)
+    desc = f"cache soak seed={args.seed} on {device}"
+    with tqdm(total=total, unit="tok", desc=desc, disable=args.quiet) as bar:
+        try:
+            report = await cache_soak(config, progress=lambda _n, verified: bar.update(min(verified, total) - bar.n))
+        except CacheSoakFailure as failure:
+            print(f"FAILED: {failure}", file=sys.stderr)
+            return 1
+    hits = ", ".join(f"{t} {n}" for t, n in report.hits.items())
+    print(f"ok: {report.admissions} admissions, {report.verified_tokens} reused tokens verified, {report.wrong_tokens} wrong "
+          f"(hits per tier: {hits}); {report.faults} file faults injected, {report.transfer_errors} admissions failed "
+          f"with TransferError, {report.poisoned} blocks poisoned, {report.cancelled} cancelled, {report.cache_full} "
+          f"retried when full, {report.appended} tokens appended, in {report.seconds:.1f} s")
     return 0
 
 
@@ -363,6 +393,11 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--tasks", type=_positive, default=16, help="concurrent tasks (default: %(default)s)")
     soak.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     soak.add_argument("--quiet", action="store_true", help="no progress bar")
+    soak.add_argument("--cache", action="store_true",
+                      help="soak the prefix cache over GPU, host and file tiers with file faults; every reused token checked "
+                           "(--ops counts admissions)")
+    soak.add_argument("--reused-tokens", type=int, default=0, metavar="N",
+                      help="with --cache: keep going until N reused tokens were verified (default: %(default)s)")
     soak.set_defaults(func=lambda a: _run_loop(_soak(a)))
 
     crash = sub.add_parser("crash", help="SIGKILL a process spilling to the file tier at random points; reopen and verify every block")
@@ -382,6 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``tiered-kv`` with ``argv``; the exit status (2 for bad input, one line on stderr)."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -112,6 +112,7 @@ class CrashReport:
 
     @property
     def ok(self) -> bool:
+        """Every run passed."""
         return all(r.ok for r in self.runs)
 
     def totals(self) -> dict[str, int]:
@@ -270,7 +271,8 @@ async def verify_reopen(directory: str, file_blocks: int, log_begun: set[str], p
     """Reopen the slab in ``directory`` and read every indexed block back through the engine.
 
     Args:
-        directory / file_blocks: the tier to reopen.
+        directory: where the slab is.
+        file_blocks: its slots.
         log_begun: every key the writer spilled (a block under another key is ``unknown``).
         promised: keys that must be recovered.
         verify_on_open: ``"header"`` (torn payloads are caught when read) or ``"full"`` (at open).
@@ -403,7 +405,8 @@ def run_crash_test(directory: str | os.PathLike[str], seeds: Sequence[int] | int
         seeds: the seeds, or a count (seeds ``0..n-1``).
         durabilities: policies to cycle through (run ``i`` uses ``durabilities[i % len]``).
         tear: slots torn after each kill (see :func:`crash_once`); 0 for pure SIGKILL runs.
-        file_blocks / max_kill_after: see :func:`crash_once`.
+        file_blocks: slots of each run's tier (see :func:`crash_once`).
+        max_kill_after: latest kill point (see :func:`crash_once`).
 
     Returns:
         the report; ``report.ok`` is the verdict and ``str(report)`` the table.

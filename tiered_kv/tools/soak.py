@@ -367,7 +367,9 @@ async def load(tasks: int = 10_000, *, device: str = "cpu", blocks: int = 256, s
     finally:
         tracemalloc.stop()
     latencies.sort()
-    pick = lambda q: latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1e3  # noqa: E731
+    def pick(q: float) -> float:
+        return latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1e3
+
     # Fairness: how far down the resume order the first tenth of the issued copies got (0..1).
     first_tenth = max(issued[: max(1, tasks // 10)]) / tasks
     return LoadReport(tasks, seconds, pick(0.5), pick(0.99), latencies[-1] * 1e3, first_tenth, peak / 2**20)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -123,7 +123,7 @@ class ChatWorkload:
         weights = 1.0 / np.arange(1, self.system_prompts + 1)
         weights /= weights.sum()
         # conversation id -> [system prompt id, history tokens, turns left, next turn number]
-        open_convs: dict[int, list] = {}
+        open_convs: dict[int, list[Any]] = {}
         started = index = 0
         while started < self.conversations or open_convs:
             while started < self.conversations and len(open_convs) < self.concurrency:
@@ -240,6 +240,7 @@ class ReplayReport:
 
     @property
     def hit_rate(self) -> float:
+        """Reused tokens over prompt tokens."""
         return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 

@@ -10,7 +10,7 @@ Rows:
   prefix, so a prompt costs O(n^2) tokens hashed).
 * ``add_sequences``: 256 requests x 4k tokens in one batch (32 x 1k in --quick) sharing a system prompt
   whose blocks partly sit on the host, host pool full. Two-phase (ours) against the one-phase order (the
-  baseline of seed 001) and against no reuse at all: wall time, tokens reused vs planned.
+  baseline that loses planned reuse) and against no reuse at all: wall time, tokens reused vs planned.
 * ``chat``: the seeded :class:`~tiered_kv.tools.workload.ChatWorkload` replayed with GPU only, GPU + host, and
   GPU + host + file when this build has a file tier: hit rate, hits per tier, bytes moved per direction,
   time spent in ``add_sequences`` (lookup + bringing blocks back) next to a recompute-time proxy.
@@ -231,6 +231,7 @@ def bench_chat(quick: bool, device: str) -> list[dict[str, Any]]:
 
 
 def run(quick: bool, device: str) -> dict[str, Any]:
+    """Run the prefix-cache benchmarks; the JSON payload."""
     dev = "cpu" if device == "cpu" or not torch.cuda.is_available() else device
     if dev == "auto":
         dev = "cuda"
@@ -248,6 +249,7 @@ def run(quick: bool, device: str) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Command line entry point."""
     return bench_main("cache", run, argv)
 
 

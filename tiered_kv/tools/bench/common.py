@@ -108,6 +108,7 @@ def print_grouped(result: dict[str, Any]) -> None:
 
 
 def write_json(path: str, payload: dict[str, Any]) -> None:
+    """Write ``payload`` as indented JSON to ``path``."""
     with open(path, "w") as f:
         json.dump(payload, f, indent=2, default=str)
 

@@ -59,7 +59,7 @@ class _Raw:
         self.buf = aligned_empty(block_bytes * nblocks)
         self.buf.random_(0, 255)
         self.block_bytes = block_bytes
-        self.views = [memoryview(self.buf[i * block_bytes : (i + 1) * block_bytes].numpy()) for i in range(nblocks)]
+        self.views = [memoryview(self.buf[i * block_bytes : (i + 1) * block_bytes].numpy().data) for i in range(nblocks)]
         self.ex = concurrent.futures.ThreadPoolExecutor(threads)
 
     def gbps(self, write: bool) -> float:
@@ -226,6 +226,7 @@ def run(quick: bool = False, device: str = "auto", directory: str | None = None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Command line entry point."""
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--dir", default=None)
     args, rest = parser.parse_known_args(argv)

@@ -86,7 +86,7 @@ def _device_seconds(fn: Callable[[], object], repeat: int) -> float:
         e1.synchronize()
         if i:
             times.append(e0.elapsed_time(e1) / 1e3)
-    return statistics.median(times)
+    return float(statistics.median(times))
 
 
 async def _engine_seconds(
@@ -400,6 +400,7 @@ def run(quick: bool = False, device: str = "auto") -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Command line entry point."""
     return bench_main("kernels", run, argv)
 
 

@@ -1,33 +1,25 @@
 # ruff: noqa: B023 -- every lambda below runs before its loop variables change
-"""Probe for notes/issue-3-perf.md: device time of the copy_blocks op per kernel knob setting, and where an
-engine partial copy's wall time goes. Run on a GPU after the extension is built:
+"""Kernel probe (CUDA): the copy_blocks op alone against a plain copy, and an engine copy's time split.
 
-    python -m tiered_kv.tools.bench.kperf_probe         # parent: one child process per knob setting (knobs are read once)
+Device time of the op against a plain copy of the same bytes (host issue excluded), and where an engine
+partial copy's wall time goes. Run on a GPU after the extension is built (``tiered-kv build-ext``)::
+
+    python -m tiered_kv.tools.bench.kperf_probe
 """
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
-import subprocess
-import sys
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
-VARIANTS = [
-    {},
-    {"TIERED_KV_COPY_CTAS_PER_SM": "4"},
-    {"TIERED_KV_COPY_CTAS_PER_SM": "2"},
-    {"TIERED_KV_COPY_BATCH_BYTES": "32768"},
-    {"TIERED_KV_COPY_BATCH_BYTES": "8192"},
-]
 
-
-def dev_seconds(fn, repeat=10):
-    times = []
+def dev_seconds(fn: Callable[[], object], repeat: int = 10) -> float:
+    """Median device seconds of ``fn``'s launches, each behind a sleep kernel (host issue excluded)."""
+    times: list[float] = []
     for i in range(repeat + 1):
         torch.cuda.synchronize()
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -38,18 +30,20 @@ def dev_seconds(fn, repeat=10):
         e1.synchronize()
         if i:
             times.append(e0.elapsed_time(e1) / 1e3)
-    return statistics.median(times)
+    return float(statistics.median(times))
 
 
-def child() -> dict:
+def child() -> dict[str, float]:
+    """Plain copy / op device time, per layer-major chunk size and partial-copy token count."""
     from tiered_kv import _ext, ops
     from tiered_kv.layer_major import LayerMajorPool
     from tiered_kv.layout import KVLayout
 
     assert _ext.load()
-    out = {}
+    out: dict[str, float] = {}
     blocks = 256
-    for chunk in (8 << 10, 64 << 10):
+
+    def layer_major(chunk: int) -> None:  # a function, so its pools are freed before the next size
         layout = KVLayout(num_layers=32, num_kv_heads=chunk // 4096, head_dim=128, tokens_per_block=16, dtype=torch.bfloat16)
         pool = LayerMajorPool.allocate(layout, blocks, "cuda", split_kv=True)
         host = torch.empty((blocks, *layout.block_shape), dtype=layout.dtype, pin_memory=True)
@@ -64,7 +58,9 @@ def child() -> dict:
         base_on = dev_seconds(lambda: flat.copy_(hb, non_blocking=True))
         out[f"lm{chunk >> 10}K_offload"] = base_off / off
         out[f"lm{chunk >> 10}K_onboard"] = base_on / on
-        pool = host = flat = None  # free before the next size
+
+    for chunk in (8 << 10, 64 << 10):
+        layer_major(chunk)
     layout = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, tokens_per_block=16, dtype=torch.bfloat16)
     gpu = torch.empty((256, *layout.block_shape), dtype=layout.dtype, device="cuda")
     host = torch.empty((128, *layout.block_shape), dtype=layout.dtype, pin_memory=True)
@@ -81,43 +77,41 @@ def child() -> dict:
     return out
 
 
-async def engine_breakdown() -> dict:
+async def engine_breakdown() -> dict[str, dict[str, float]]:
+    """Where an awaited partial GPU->GPU copy's wall time goes (median microseconds)."""
     from tiered_kv import Tier, TransferEngine
     from tiered_kv.layout import KVLayout
 
     layout = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, tokens_per_block=16, dtype=torch.bfloat16)
-    res = {}
+    res: dict[str, dict[str, float]] = {}
     async with TransferEngine(layout, gpu_blocks=256, host_blocks=128, device="cuda") as engine:
         s, d = np.arange(128), np.arange(128, 256)
         for label, blocks in (("128blk", 128), ("1blk", 1)):
-            sub, dev_done, resumed = [], [], []
+            sub: list[float] = []
+            dev_done: list[float] = []
+            resumed: list[float] = []
             for i in range(21):
                 t0 = time.perf_counter()
                 tr = engine.copy(Tier.GPU, s[:blocks], Tier.GPU, d[:blocks], num_tokens=4)
                 t1 = time.perf_counter()
                 await tr
                 t2 = time.perf_counter()
-                done_at = tr._marker.done_at
+                done_at = tr.completed_at or t2
                 if i:
                     sub.append(t1 - t0)
                     dev_done.append(done_at - t0)
                     resumed.append(t2 - t0)
-            med = lambda x: round(statistics.median(x) * 1e6, 1)  # noqa: E731
+
+            def med(x: list[float]) -> float:
+                return round(statistics.median(x) * 1e6, 1)
+
             res[label] = {"copy()_returns_us": med(sub), "waiter_fired_us": med(dev_done), "resumed_us": med(resumed)}
     return res
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        print(json.dumps(child()))
-        return
-    rows = []
-    for v in VARIANTS:
-        env = dict(os.environ, **v)
-        p = subprocess.run([sys.executable, __file__, "--child"], env=env, capture_output=True, text=True, timeout=120)
-        line = p.stdout.strip().splitlines()[-1] if p.returncode == 0 else f"error: {p.stderr[-500:]}"
-        rows.append((v or {"default": ""}, line))
-        print(v or "default", {k: round(x, 3) for k, x in json.loads(line).items()} if line.startswith("{") else line, flush=True)
+    """Print both measurements."""
+    print("op alone, plain copy / op device time:", {k: round(x, 3) for k, x in child().items()}, flush=True)
     import uvloop
 
     print("engine partial 4/16 gpu->gpu (uvloop):", uvloop.run(engine_breakdown()), flush=True)

@@ -198,6 +198,7 @@ def run(quick: bool = False, device: str = "auto") -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Command line: run, print the table, write the JSON."""
     return bench_main("overlap", run, argv)
 
 

@@ -120,6 +120,7 @@ def _d2d_time(dev: Device, stream: Stream, shape: Sequence[int], iters: int) -> 
 
 
 def run(quick: bool, device: str) -> dict[str, Any]:
+    """Run the page-table benchmarks; the JSON payload."""
     dev = resolve_device(device)
     pools, kv = 2, 2
     max_blocks = 32 if quick else 128
@@ -202,6 +203,7 @@ def run(quick: bool, device: str) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Command line entry point."""
     return bench_main(NAME, run, argv)
 
 

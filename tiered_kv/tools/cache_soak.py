@@ -1,0 +1,313 @@
+"""A seeded soak of the prefix cache over all three tiers, with file faults; every reused token is checked.
+
+Primitives:
+
+* :class:`CacheSoakConfig` -- sizes, tasks, fault / stall / cancellation rates, how long to run.
+* :func:`cache_soak` -- runs it; returns a :class:`CacheSoakReport` or raises :class:`CacheSoakFailure`.
+* :class:`RandomFaults` -- a seeded set of I/O call numbers for :class:`~tiered_kv.testing.FaultyBackend`.
+
+Many tasks on one loop run ``add_sequences`` / ``commit`` / ``append_tokens`` / ``free`` on prompts that
+share prefixes (a few families of base token sequences, each prompt a prefix of one plus a random tail), on
+a :class:`~tiered_kv.TieredKVCache` over GPU, host and file tiers. Random stalls hold the engine's streams,
+random faults hit the file tier (EIO and ENOSPC on writes, short writes, EIO and short reads), and random
+cancellations interrupt ``add_sequences``. The oracle is per token: the KV a task writes for token ``j``
+is a function of the key of the prefix that ends at ``j`` (:mod:`tiered_kv.tools.workload`), so every
+reused token is checked against what its prefix must hold. A :class:`~tiered_kv.TransferError` (a failed
+copy surfacing) is allowed and counted; a wrong token never is. At the end the block manager's invariants
+hold, nothing is left in flight, and ``close()`` leaves no thread behind.
+
+Run: ``tiered-kv soak --cache --ops 2000`` or ``await cache_soak(CacheSoakConfig(ops=2_000))``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import random
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+
+from ..backends.posix import PosixBackend
+from ..blocks import CacheFullError, Request
+from ..cache import TieredKVCache
+from ..device import stall_op
+from ..engine import TransferEngine
+from ..errors import TransferError
+from ..faults import FaultyBackend
+from ..file import FileTierConfig
+from ..layout import KVLayout
+from .workload import verify_expected, write_expected
+
+__all__ = ["CacheSoakConfig", "CacheSoakFailure", "CacheSoakReport", "RandomFaults", "cache_soak"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CacheSoakConfig:
+    """What a cache soak does.
+
+    Attributes:
+        ops: admissions (``add_sequences`` calls) in all.
+        min_verified_tokens: keep going past ``ops`` until this many reused tokens were verified (0: no floor).
+        seed: seeds prompts, stalls, faults and cancellations.
+        tasks: concurrent tasks.
+        device: ``"cpu"`` (emulated) or ``"cuda[:N]"``.
+        gpu_blocks / host_blocks / file_blocks: tier sizes (small, so blocks cascade down often).
+        families: distinct base token sequences prompts share prefixes of.
+        max_prompt: longest prompt (tokens).
+        append_prob: chance a turn appends generated tokens before it frees.
+        stall_prob / stall_max: chance, per turn, of stalling a random stream for up to ``stall_max`` seconds.
+        fault_rate: share of file I/O calls that fail (split over EIO/ENOSPC/short writes, EIO/short reads).
+        cancel_prob: chance that an ``add_sequences`` is cancelled mid-way.
+        layout: block geometry (tiny by default: the oracle is per token).
+    """
+
+    ops: int = 2_000
+    min_verified_tokens: int = 0
+    seed: int = 0
+    tasks: int = 16
+    device: str = "cpu"
+    gpu_blocks: int = 64
+    host_blocks: int = 24
+    file_blocks: int = 96
+    families: int = 6
+    max_prompt: int = 40
+    append_prob: float = 0.3
+    stall_prob: float = 0.05
+    stall_max: float = 0.002
+    fault_rate: float = 0.03
+    cancel_prob: float = 0.03
+    layout: KVLayout = dataclasses.field(
+        default_factory=lambda: KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, tokens_per_block=4, dtype=torch.float16)
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("ops", "tasks", "gpu_blocks", "families", "max_prompt"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"CacheSoakConfig.{name} must be a positive int, got {value!r}")
+        for name in ("append_prob", "stall_prob", "fault_rate", "cancel_prob"):
+            value = getattr(self, name)
+            if not 0 <= value <= 1:
+                raise ValueError(f"CacheSoakConfig.{name} must be in [0, 1], got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CacheSoakReport:
+    """What a cache soak did.
+
+    Attributes:
+        admissions: ``add_sequences`` calls that returned.
+        tokens_requested: prompt tokens admitted.
+        verified_tokens: reused tokens whose content was checked (all of them).
+        wrong_tokens: reused tokens with wrong content (always 0 in a report: a wrong token raises).
+        hits: reused full blocks per tier.
+        transfer_errors: admissions that failed with :class:`~tiered_kv.TransferError` (a fault surfacing).
+        cache_full: admissions retried because the batch did not fit.
+        cancelled: admissions cancelled mid-way.
+        faults: file I/O calls that failed or came short.
+        poisoned: blocks the cache dropped because a copy producing them failed.
+        appended: tokens appended.
+        seconds: wall time.
+    """
+
+    seed: int
+    admissions: int
+    tokens_requested: int
+    verified_tokens: int
+    wrong_tokens: int
+    hits: dict[str, int]
+    transfer_errors: int
+    cache_full: int
+    cancelled: int
+    faults: int
+    poisoned: int
+    appended: int
+    seconds: float
+
+
+class CacheSoakFailure(AssertionError):
+    """The cache served a wrong token (or left something behind); carries the seed that reproduces it."""
+
+    def __init__(self, message: str, seed: int) -> None:
+        super().__init__(f"{message}\n  reproduce with seed={seed}")
+        self.seed = seed
+
+
+class RandomFaults:
+    """A seeded, stateless set of 1-based call numbers: ``n in faults`` for about ``rate`` of all ``n``.
+
+    Pass it as a :class:`~tiered_kv.testing.FaultyBackend` call set (``eio_on_write=RandomFaults(...)``).
+    """
+
+    def __init__(self, seed: int, rate: float, salt: str) -> None:
+        self._seed = seed
+        self._rate = rate
+        self._salt = salt
+
+    def __contains__(self, n: object) -> bool:
+        return isinstance(n, int) and random.Random(f"{self._seed}:{self._salt}:{n}").random() < self._rate
+
+    def __iter__(self) -> Iterator[int]:  # a Collection: never iterated by FaultyBackend
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+def _faulty_backend(config: CacheSoakConfig, backends: list[FaultyBackend]) -> Callable[[str], FaultyBackend]:
+    r = config.fault_rate / 3  # three kinds per direction
+
+    def factory(path: str) -> FaultyBackend:
+        s = config.seed
+        backend = FaultyBackend(
+            PosixBackend(path, direct=False),
+            eio_on_write=RandomFaults(s, r, "eio-w"), enospc_on_write=RandomFaults(s, r, "enospc-w"),
+            short_write_on=RandomFaults(s, r, "short-w"),
+            eio_on_read=RandomFaults(s, r, "eio-r"), short_read_on=RandomFaults(s, r, "short-r"),
+        )
+        backends.append(backend)
+        return backend
+
+    return factory
+
+
+async def cache_soak(config: CacheSoakConfig, *, progress: Callable[[int, int], None] | None = None) -> CacheSoakReport:
+    """Run the soak; raise :class:`CacheSoakFailure` on a wrong token, a broken invariant or a leak.
+
+    Args:
+        config: what to run.
+        progress: called with ``(admissions, verified tokens)`` every 100 admissions.
+
+    Cancellation: cancels the run; the cache is closed (its copies complete) before this returns.
+    """
+    threads_before = {t.ident for t in threading.enumerate()}
+    rng = random.Random(config.seed)
+    layout = config.layout
+    tpb = layout.tokens_per_block
+    bases = [[rng.randrange(1, 2**40) for _ in range(config.max_prompt)] for _ in range(config.families)]
+    backends: list[FaultyBackend] = []
+    counts = {"admissions": 0, "requested": 0, "verified": 0, "transfer_errors": 0, "cache_full": 0, "cancelled": 0,
+              "appended": 0, "started": 0}
+    hits = {"gpu": 0, "host": 0, "file": 0}
+    failures: list[str] = []
+    t0 = time.perf_counter()
+
+    def done() -> bool:
+        return bool(failures) or (counts["started"] >= config.ops and counts["verified"] >= config.min_verified_tokens)
+
+    with contextlib.ExitStack() as stack:
+        directory = stack.enter_context(tempfile.TemporaryDirectory(prefix="tiered-kv-cache-soak-"))
+        file_config = FileTierConfig(directory, config.file_blocks, backend_factory=_faulty_backend(config, backends),
+                                     io_threads=2) if config.file_blocks else None
+        engine = TransferEngine(layout, gpu_blocks=config.gpu_blocks, host_blocks=config.host_blocks,
+                                device=config.device, file_config=file_config)
+        cache = TieredKVCache(layout, gpu_blocks=config.gpu_blocks, host_blocks=config.host_blocks,
+                              file_blocks=config.file_blocks, engine=engine, max_seqs=config.tasks * 2)
+        streams = [engine.stream(name) for name in ("offload", "onboard", "local")]
+
+        def check(seq_id: int, reused: int, what: str) -> None:
+            bad = verify_expected(cache, seq_id, 0, reused)
+            counts["verified"] += reused
+            if bad:
+                tokens = cache.blocks.sequence_tokens(seq_id)
+                failures.append(f"{what}: {len(bad)} of {reused} reused tokens have wrong KV (first at position "
+                                f"{bad[0]} of a {len(tokens)}-token prompt)")
+
+        async def admit(prompt: list[int], prio: int, cancel: bool) -> tuple[int, int] | None:
+            """An admission's (sequence id, tokens reused), or None (cancelled, or a copy failed)."""
+            while True:
+                task = asyncio.ensure_future(cache.add_sequences([Request(prompt, prio)]))
+                if cancel:
+                    await asyncio.sleep(rng.random() * 1e-3)
+                    task.cancel()
+                try:
+                    [adm] = await task
+                except asyncio.CancelledError:
+                    if not cancel:
+                        raise
+                    counts["cancelled"] += 1
+                    return None
+                except CacheFullError:
+                    counts["cache_full"] += 1
+                    await asyncio.sleep(0.001)
+                    continue
+                except TransferError:
+                    counts["transfer_errors"] += 1
+                    return None
+                counts["admissions"] += 1
+                counts["requested"] += len(prompt)
+                for tier, n in adm.blocks_from.items():
+                    hits[tier] += n
+                check(adm.seq_id, adm.tokens_reused, f"admission of seed {config.seed}")
+                return adm.seq_id, adm.tokens_reused
+
+        async def worker(w: int) -> None:
+            local = random.Random(config.seed * 1_000_003 + w)
+            while not done():
+                counts["started"] += 1
+                base = bases[local.randrange(config.families)]
+                n = local.randint(1, config.max_prompt - tpb)
+                prompt = base[:n] + [local.randrange(1, 2**40) for _ in range(local.randint(0, tpb))]
+                if local.random() < config.stall_prob:
+                    local.choice(streams).submit(stall_op(streams[0], local.random() * config.stall_max))
+                admitted = await admit(prompt, local.randint(0, 100), local.random() < config.cancel_prob)
+                if admitted is None:
+                    continue
+                seq_id, reused = admitted
+                try:
+                    write_expected(cache, seq_id, reused)  # play the model: the tokens not reused
+                    if local.random() < 0.5:
+                        await asyncio.sleep(0)  # another task runs between compute and commit
+                    cache.commit(seq_id)
+                    if local.random() < config.append_prob:
+                        extra = [local.randrange(1, 2**40) for _ in range(local.randint(1, 2 * tpb))]
+                        before = len(prompt)
+                        try:
+                            await cache.append_tokens(seq_id, extra)
+                        except CacheFullError:
+                            counts["cache_full"] += 1
+                        else:
+                            write_expected(cache, seq_id, before, before + len(extra) - 1)
+                            cache.commit(seq_id, before + len(extra) - 1)
+                            counts["appended"] += len(extra)
+                finally:
+                    cache.free(seq_id)
+                if progress is not None and counts["admissions"] % 100 == 0:
+                    progress(counts["admissions"], counts["verified"])
+
+        try:
+            async with engine, cache:
+                await asyncio.gather(*(worker(w) for w in range(config.tasks)))
+                await engine.drain()
+                try:
+                    cache.blocks.check()
+                except AssertionError as exc:
+                    failures.append(f"block manager invariant broken: {exc}")
+                stats = engine.statistics()
+                if stats.in_flight or stats.deferred or stats.fences.fenced_blocks:
+                    failures.append(f"left in flight after drain: {stats}")
+                if cache.blocks.live_sequences:
+                    failures.append(f"sequences left: {cache.blocks.live_sequences}")
+                poisoned = cache.statistics().poisoned
+        finally:
+            await engine.close()
+    leaked = [t.name for t in threading.enumerate() if t.ident not in threads_before and t.name.startswith("tiered_kv")]
+    deadline = time.monotonic() + 5
+    while leaked and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+        leaked = [t.name for t in threading.enumerate() if t.ident not in threads_before and t.name.startswith("tiered_kv")]
+    if leaked:
+        failures.append(f"threads left after close(): {leaked}")
+    if failures:
+        raise CacheSoakFailure(failures[0], config.seed)
+    return CacheSoakReport(
+        config.seed, counts["admissions"], counts["requested"], counts["verified"], 0, hits, counts["transfer_errors"],
+        counts["cache_full"], counts["cancelled"], sum(b.faults for b in backends), poisoned, counts["appended"],
+        time.perf_counter() - t0,
+    )
+
