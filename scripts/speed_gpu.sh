@@ -2,9 +2,10 @@
 # Issue 14's GPU run: the "before" and "after" trees side by side in ONE run (same machine, same-run ratios).
 # Usage on the GPU machine, from the repo root, with .whl/ and the two trees carried:
 #   bash AFTER/scripts/speed_gpu.sh BEFORE_DIR AFTER_DIR
-# Builds both extensions (in parallel), runs the gpu tests of the per-call / layerwise work on AFTER, profiles
+# Builds both extensions (in parallel), profiles
 # one awaited 1-block copy() in both trees (scripts/percall_probe.py), runs `tiered-kv bench --only engine
-# kernels` in BEFORE and `... engine kernels overlap --compare before.json` in AFTER. Everything under $OUT.
+# kernels` in BEFORE and `... engine kernels overlap --compare before.json` in AFTER; the gpu tests run last with
+# the time left. Everything under $OUT.
 set -uo pipefail
 BEFORE=$(cd "$1" && pwd); AFTER=$(cd "$2" && pwd)
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -18,20 +19,22 @@ for tree in BEFORE AFTER; do
 done
 wait; stamp "built"; tail -n 2 "$OUT"/build-*.txt
 cp "$AFTER/scripts/percall_probe.py" "$OUT/percall_probe.py"
-cd "$AFTER" && PYTHONPATH=/tmp/site:$AFTER timeout ${TEST_BUDGET:-170} python3 -m pytest -m gpu -q -p no:cacheprovider -x \
-  tests/test_percall.py tests/test_layerwise.py tests/test_ops.py tests/test_ordering.py tests/test_engine_api.py \
-  tests/test_layer_major.py > "$OUT/pytest-gpu-after.log" 2>&1
-stamp "gpu tests rc=$?"; tail -n 5 "$OUT/pytest-gpu-after.log"
 for tree in BEFORE AFTER; do
   dir=${!tree}
-  (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 75 python3 "$OUT/percall_probe.py" --device cuda --out "$OUT/probe-$tree" \
+  (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 60 python3 "$OUT/percall_probe.py" --device cuda --out "$OUT/probe-$tree" \
     > "$OUT/probe-$tree.log" 2>&1)
   stamp "probe $tree rc=$?"
 done
-(cd "$BEFORE" && PYTHONPATH=/tmp/site:$BEFORE timeout ${BENCH_BUDGET:-150} python3 -m tiered_kv bench --only engine kernels \
+(cd "$BEFORE" && PYTHONPATH=/tmp/site:$BEFORE timeout ${BENCH_BUDGET:-140} python3 -m tiered_kv bench --only engine kernels \
   --json "$OUT/bench-before.json" > "$OUT/bench-before.txt" 2>&1)
 stamp "bench before rc=$?"
-(cd "$AFTER" && PYTHONPATH=/tmp/site:$AFTER timeout ${BENCH_BUDGET:-150} python3 -m tiered_kv bench --only engine kernels overlap \
+(cd "$AFTER" && PYTHONPATH=/tmp/site:$AFTER timeout ${BENCH_BUDGET:-140} python3 -m tiered_kv bench --only engine kernels overlap \
   --json "$OUT/bench-after.json" --compare "$OUT/bench-before.json" > "$OUT/bench-after.txt" 2>&1)
 stamp "bench after rc=$?"
-tail -n 60 "$OUT/bench-after.txt"
+tail -n 45 "$OUT/bench-after.txt"
+# the gpu tests of this work, with the time that is left (the whole command must end within ${TOTAL:-575} s)
+left=$(( ${TOTAL:-575} - ($(date +%s) - T0) ))
+cd "$AFTER" && PYTHONPATH=/tmp/site:$AFTER timeout $(( left > 20 ? left : 20 )) python3 -m pytest -m gpu -q -p no:cacheprovider \
+  tests/test_percall.py tests/test_layerwise.py tests/test_ops.py tests/test_ordering.py tests/test_engine_api.py \
+  tests/test_layer_major.py > "$OUT/pytest-gpu-after.log" 2>&1
+stamp "gpu tests rc=$?"; tail -n 8 "$OUT/pytest-gpu-after.log"
