@@ -21,7 +21,7 @@ from typing import Any
 __all__ = ["main"]
 
 # Benchmarks run by `tiered-kv bench`, in order (modules under tiered_kv.tools.bench).
-BENCHMARKS = ["engine", "kernels", "pagetables", "filetier", "cache", "remote", "model"]
+BENCHMARKS = ["engine", "kernels", "overlap", "pagetables", "filetier", "cache", "remote", "model"]
 
 
 def _writable_dir(path: str) -> str:
@@ -80,19 +80,28 @@ async def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .bench.common import machine_info, print_grouped, write_json
+    from .bench.common import machine_info, print_grouped, print_table, write_json
+    from .bench.targets import SCHEMA, compare, finalize
 
     names = args.only or BENCHMARKS
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:
         print(f"error: unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)}", file=sys.stderr)
         return 2
+    old = None
+    if args.compare:
+        try:
+            with open(args.compare) as f:
+                old = json.load(f)
+        except (OSError, ValueError) as exc:
+            print(f"error: cannot read {args.compare}: {exc}", file=sys.stderr)
+            return 2
     results = []
     for i, name in enumerate(names, 1):
         print(f"[{i}/{len(names)}] running bench.{name} ...", flush=True)  # each takes seconds to minutes
         module = importlib.import_module(f"tiered_kv.tools.bench.{name}")
         t0 = time.perf_counter()
-        result = module.run(args.quick, args.device)
+        result = finalize(module.run(args.quick, args.device))
         result["seconds"] = time.perf_counter() - t0
         if result.get("machine", {}).get("device") == "emulated (CPU)":
             result.setdefault("notes", []).append("emulated device: CPU figures, not comparable to the GPU targets")
@@ -100,10 +109,25 @@ def _bench(args: argparse.Namespace) -> int:
         for note in result.get("notes", []):
             print(f"  note: {note}")
         results.append(result)
-    payload = {"machine": machine_info(args.device), "quick": args.quick, "benchmarks": results}
+    payload = {"schema": SCHEMA, "machine": machine_info(args.device), "quick": args.quick, "benchmarks": results}
     write_json(args.json, payload)
     print(f"\nwrote {args.json}")
+    _print_verdicts(payload)
+    if old is not None:
+        rows = compare(old, payload)
+        print_table(rows, f"\ncompared with {args.compare} ({old.get('machine', {}).get('device', '?')})")
+        if not rows:
+            print("no row of this run has a counterpart with a target in the old file")
     return 0
+
+
+def _print_verdicts(payload: dict[str, Any]) -> None:
+    """One line per benchmark: rows with a target, met, missed (and which)."""
+    for bench in payload["benchmarks"]:
+        judged = [r for r in bench["rows"] if r.get("met") is not None]
+        missed = [r["id"] for r in judged if r["met"] is False]
+        line = f"{bench['name']}: {len(judged) - len(missed)}/{len(judged)} targets met"
+        print(line + (f"; missed: {', '.join(missed)}" if missed else ""))
 
 
 # ------------------------------------------------------------------------------------------ doctor
@@ -325,6 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     bench.add_argument("--json", default="bench-tiered-kv.json", help="output file (default: %(default)s)")
     bench.add_argument("--only", nargs="+", metavar="NAME", help=f"run only these ({', '.join(BENCHMARKS)})")
+    bench.add_argument("--compare", metavar="OLD_JSON", help="compare each judged row with the same row of an earlier run's JSON")
     bench.set_defaults(func=_bench)
 
     soak = sub.add_parser("soak", help="randomized soak with stalls and cancellations; every byte checked against a shadow model")
