@@ -76,3 +76,18 @@ def test_cli_engine_soak_with_a_file_tier() -> None:
                           "--quiet"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "all 8 routes" in out.stdout and out.stdout.rstrip().splitlines()[-1].startswith("ok: 1500 ops")
+
+
+@pytest.mark.gpu
+async def test_cache_soak_cuda() -> None:
+    report = await cache_soak(CacheSoakConfig(ops=2_000, seed=9, device="cuda"))
+    assert report.wrong_tokens == 0 and report.verified_tokens > 10_000
+    assert report.faults > 0 and all(report.hits[t] > 0 for t in ("gpu", "host", "file"))
+
+
+@pytest.mark.gpu
+async def test_engine_soak_with_the_file_tier_cuda() -> None:
+    from tiered_kv.tools.soak import SoakConfig, soak
+
+    report = await soak(SoakConfig(ops=20_000, seed=8, device="cuda", file_blocks=24, stall_max=0.001))
+    assert report.completed + report.refused == 20_000 and report.checked_blocks > 10_000
