@@ -12,6 +12,7 @@ __all__ = [
     "IntegrityError",
     "LayoutMismatchError",
     "OwnedEngineError",
+    "RemoteStoreError",
     "SlabInUseError",
     "StorageError",
     "TieredKVError",
@@ -56,3 +57,7 @@ class StorageError(TieredKVError, OSError):
 
     Raised before anything is left behind (no lock file, no half-created slab). An ``OSError`` too (``errno``).
     """
+
+
+class RemoteStoreError(TransferError):
+    """A remote store (Redis, Mooncake) failed, timed out or cannot be reached; no data was served from it."""

@@ -868,7 +868,8 @@ def reference_generate(
     Args:
         model: the causal LM.
         prompt_ids: the prompt.
-        max_new_tokens, stop_token_ids: as :meth:`CachedGenerator.generate`.
+        max_new_tokens: tokens to generate.
+        stop_token_ids: generation ends after any of these.
         output_logits: also return the logits of every position run.
         past: per layer ``(keys, values)`` ``[1, heads, r, head_dim]`` of the prompt's first ``r`` tokens,
             held in memory (e.g. from an earlier forward): the forward then runs ``prompt[r:]`` only, as
