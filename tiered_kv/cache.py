@@ -185,8 +185,13 @@ class TieredKVCache:
         self._closed = False
         self._owner_name = f"TieredKVCache@{id(self):x}"
         self._slot_events: SlotEvents | None = None
+        self.remote: Any = None  # a tiered_kv.remote.cachelink.RemoteLink
         try:
             self._attach(engine, file_blocks, warm_restart, block_offsets, max_seqs, on_page_table)
+            if remote is not None:
+                from .remote.cachelink import RemoteLink  # the optional [remote] extra, imported only when used
+
+                self.remote = RemoteLink(self, remote, policy=remote_policy, rank=remote_rank)
         except BaseException:
             # A failed constructor leaves nothing behind: no claim, no listener, and an engine built here is
             # released (threads, fds, the slab lock), so a corrected retry on the same directory works.
@@ -222,15 +227,6 @@ class TieredKVCache:
         self._slot_events = engine.file_tier.index.events if file_blocks else None
         if self._slot_events is not None:
             self._slot_events.subscribe(self._on_file_slot_dropped)
-        self.remote: Any = None  # a tiered_kv.remote.cachelink.RemoteLink
-        if remote is not None:
-            from .remote.cachelink import RemoteLink  # the optional [remote] extra, imported only when used
-
-            try:
-                self.remote = RemoteLink(self, remote, policy=remote_policy, rank=remote_rank)
-            except BaseException:
-                self._detach()
-                raise
 
     def _detach(self) -> None:
         """Give the engine back: end the claim, stop listening to the file tier (idempotent)."""
