@@ -233,13 +233,20 @@ async def _soak(args: argparse.Namespace) -> int:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.cache:
         return await _cache_soak(args, device)
-    config = SoakConfig(ops=args.ops, seed=args.seed, tasks=args.tasks, device=device)
+    if args.file_blocks:
+        import logging
+
+        logging.getLogger("tiered_kv").setLevel(logging.ERROR)  # injected file faults fail copies: expected
+    config = SoakConfig(ops=args.ops, seed=args.seed, tasks=args.tasks, device=device, file_blocks=args.file_blocks)
     with tqdm(total=args.ops, unit="op", desc=f"soak seed={args.seed} on {device}", disable=args.quiet) as bar:
         try:
             report = await soak(config, progress=lambda done: bar.update(done - bar.n))
         except SoakFailure as failure:
             print(f"FAILED: {failure}", file=sys.stderr)
             return 1
+    if args.file_blocks:
+        print(f"file tier: all 8 routes, {report.failed} copies failed by injected file faults, {report.refused} reads "
+              "of emptied slots refused; what they wrote was never checked as valid, everything else was")
     print(f"ok: {report.ops} ops, {report.checked_blocks} block checks, {report.cancelled} cancelled waits, "
           f"{report.forgotten} unawaited, {report.stalls} stalls in {report.seconds:.1f} s; close() {report.close_seconds * 1e3:.1f} ms")
     return 0
@@ -361,6 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--cache", action="store_true",
                       help="soak the prefix cache over GPU, host and file tiers with file faults; every reused token checked "
                            "(--ops counts admissions)")
+    soak.add_argument("--file-blocks", type=int, default=0, metavar="N",
+                      help="engine soak: add a file tier of N slots (all 8 routes, random file faults; default: none)")
     soak.add_argument("--reused-tokens", type=int, default=0, metavar="N",
                       help="with --cache: keep going until N reused tokens were verified (default: %(default)s)")
     soak.set_defaults(func=lambda a: _run_loop(_soak(a)))
