@@ -74,6 +74,27 @@ def test_doctor_reports_every_check(tmp_path):
     assert "CUDA device" in r.stdout
 
 
+def test_doctor_exits_1_when_a_needed_check_fails_and_advises_for_the_installed_torch(tmp_path):
+    r = tkv("doctor", "--dir", str(tmp_path / "missing"), "--json", str(tmp_path / "d.json"))
+    assert r.returncode == 1 and "failed: directory" in r.stdout
+    checks = {c["check"]: c for c in json.loads((tmp_path / "d.json").read_text())}
+    assert checks["directory"]["required"] and not checks["directory"]["ok"]
+    assert not checks["CUDA device"]["required"]
+    import torch
+
+    if not torch.cuda.is_available():
+        cuda = checks["CUDA device"]
+        if torch.version.cuda:  # a CUDA build is installed: the advice is about the driver, not reinstalling torch
+            assert "nvidia-smi" in cuda["fix"] and "install a CUDA build" not in cuda["fix"]
+        else:
+            assert "install a CUDA build of torch" in cuda["fix"]
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+    small = soft != resource.RLIM_INFINITY and soft < 64 << 20
+    assert checks["pinned memory (ulimit -l)"]["ok"] is (not small)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

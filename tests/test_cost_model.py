@@ -83,8 +83,10 @@ async def test_bandwidth_is_measured_from_the_caches_own_transfers_and_unknowns_
         for tokens, seconds in ((1, 0.0101), (100, 0.020), (1000, 0.110)):  # 10 ms + 0.1 ms per token
             cost.observe_prefill(tokens, seconds)
         assert cost.prefill_seconds_per_token() == pytest.approx(1e-4, rel=1e-6)  # the slope, not 0.14 s / 1101 tokens
+        for tokens, seconds in ((1, 0.02), (100, 1.01), (1000, 10.01)):  # a slow model: 10 ms per token
+            cost.observe_prefill(tokens, seconds)
         await _cached_in(cache, prompt, "host")
-        [adm] = await cache.add_sequences([[*prompt, 2]])  # host memcpy is far faster than 0.1 ms per token
+        [adm] = await cache.add_sequences([[*prompt, 2]])  # one host->GPU call is far below 96 x 10 ms
         assert adm.tokens_reused == 96 and cost.statistics().decisions == 1
         cache.free(adm.seq_id)
 

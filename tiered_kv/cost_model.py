@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from .pools import Tier
@@ -139,15 +139,36 @@ class CostModel:
         return sum(s for _, s in obs) / sum(t for t, _ in obs)  # one size seen: the average rate
 
     def bandwidth(self, tier: Tier | str) -> float | None:
-        """Bytes per second of bringing blocks of ``tier`` to the GPU (given, measured, or ``None``)."""
+        """Bytes per second of bringing blocks of ``tier`` to the GPU, whole calls included (``None``: unknown)."""
         name = Tier.coerce(tier).value
         if name in self._given_bw:
             return self._given_bw[name]
-        stats = self.cache.engine.statistics()
-        direction = f"{name}->gpu"
-        nbytes = stats.bytes_by_direction.get(direction, 0)
-        seconds = stats.seconds_by_direction.get(direction, 0.0)
+        nbytes, seconds, _ = self._measured(name)
         return nbytes / seconds if nbytes and seconds > 0 else None
+
+    def _measured(self, tier: str) -> tuple[int, float, int]:
+        """``(bytes, seconds, calls)`` of the engine's completed ``tier -> gpu`` copies."""
+        stats = self.cache.engine.statistics()
+        direction = f"{tier}->gpu"
+        calls = sum(stats.latency_counts.get(direction, ()))
+        return stats.bytes_by_direction.get(direction, 0), stats.seconds_by_direction.get(direction, 0.0), calls
+
+    def _onboard_cost(self, tier: str) -> Callable[[int], float]:
+        """``nbytes -> seconds`` to bring that many bytes of ``tier`` to the GPU in one admission.
+
+        Given a bandwidth: ``nbytes / bandwidth``. Measured: the cache brings a request's blocks of one tier in
+        one call, so a call's mean duration is paid at least once and grows with the bytes beyond a call's mean
+        size -- small transfers are priced by their latency, large ones by their bandwidth. Unmeasured: free
+        (the first transfers measure the tier).
+        """
+        if tier in self._given_bw:
+            bw = self._given_bw[tier]
+            return lambda nbytes: nbytes / bw
+        nbytes_total, seconds, calls = self._measured(tier)
+        if not calls or seconds <= 0 or not nbytes_total:
+            return lambda nbytes: 0.0
+        per_call, bytes_per_call = seconds / calls, nbytes_total / calls
+        return lambda nbytes: per_call * max(1.0, nbytes / bytes_per_call) if nbytes else 0.0
 
     # ------------------------------------------------------------------------------------ the decision
 
@@ -157,37 +178,29 @@ class CostModel:
         per_token = self.prefill_seconds_per_token()
         if not blocks or per_token is None:
             return len(blocks)
+        tiers = [b.tier.value for b in blocks]  # type: ignore[union-attr]
+        slow = {t for t in tiers if t != "gpu"}
+        if not slow:
+            return len(blocks)  # all on the GPU: nothing to decide
         bytes_per_block = self.cache.layout.bytes_per_block
         tpb = self.cache.layout.tokens_per_block
-        rates: dict[str, float | None] = {}
-        costs: list[float] = []
-        for b in blocks:
-            tier = b.tier.value  # type: ignore[union-attr]
-            if tier == "gpu":
-                costs.append(0.0)
-                continue
-            if tier not in rates:
-                rates[tier] = self.bandwidth(tier)
-            bw = rates[tier]
-            costs.append(0.0 if bw is None else bytes_per_block / bw)  # unmeasured: optimistic (measure it)
-        if not rates:
-            return len(blocks)  # all on the GPU: nothing to decide
+        cost = {t: self._onboard_cost(t) for t in slow}
+        moved = dict.fromkeys(slow, 0)
         recompute_all = num_tokens * per_token
-        best_k, best_t = 0, recompute_all
-        onboard = 0.0
-        for i, c in enumerate(costs):
-            onboard += c
-            t = onboard + (num_tokens - (i + 1) * tpb) * per_token
+        best_k, best_t, t = 0, recompute_all, recompute_all
+        for i, tier in enumerate(tiers):
+            if tier != "gpu":
+                moved[tier] += bytes_per_block
+            t = sum(cost[x](moved[x]) for x in slow) + (num_tokens - (i + 1) * tpb) * per_token
             if t <= best_t:  # ties reuse
                 best_k, best_t = i + 1, t
-        reuse_all = onboard + (num_tokens - len(blocks) * tpb) * per_token
+        reuse_all = t
         self._decisions += 1
         self._saved_all += reuse_all - best_t
         self._saved_none += recompute_all - best_t
         if best_k < len(blocks):
             self._skipped_admissions += 1
-            for b in blocks[best_k:]:
-                tier = b.tier.value  # type: ignore[union-attr]
+            for tier in tiers[best_k:]:
                 self._skipped[tier] = self._skipped.get(tier, 0) + 1
         return best_k
 

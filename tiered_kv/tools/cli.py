@@ -108,6 +108,12 @@ def _bench(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------ doctor
 
 
+#: doctor checks without which tiered_kv cannot run here (the others are optional features).
+REQUIRED_CHECKS = frozenset({"python", "torch", "directory", "file tier I/O (TIERED_KV_GDS)"})
+#: a locked-memory limit below this is flagged.
+MEMLOCK_WARN_BYTES = 64 << 20
+
+
 def _doctor_checks(directory: str) -> list[tuple[str, bool, str, str]]:
     """(check, ok, what was found, what to do if not ok)."""
     import torch
@@ -123,9 +129,12 @@ def _doctor_checks(directory: str) -> list[tuple[str, bool, str, str]]:
         except Exception:
             pass
         checks.append(("CUDA device", True, f"{props.name}, {props.total_memory / 2**30:.0f} GiB{driver}", ""))
+    elif torch.version.cuda:  # a CUDA build is installed: the driver or the device is what is missing
+        checks.append(("CUDA device", False, f"none visible to this CUDA {torch.version.cuda} build of torch (the emulated device is used)",
+                       "check the NVIDIA driver (`nvidia-smi`) and CUDA_VISIBLE_DEVICES; torch itself is fine"))
     else:
-        checks.append(("CUDA device", False, "none (the emulated device is used)",
-                       "install a CUDA build of torch and an NVIDIA driver to use a GPU"))
+        checks.append(("CUDA device", False, "none: torch is a CPU-only build (the emulated device is used)",
+                       "install a CUDA build of torch (pip install torch --index-url https://download.pytorch.org/whl/cu130) and an NVIDIA driver"))
     try:
         import uvloop
 
@@ -154,8 +163,11 @@ def _doctor_checks(directory: str) -> list[tuple[str, bool, str, str]]:
     def fmt(v: int) -> str:
         return "unlimited" if v == resource.RLIM_INFINITY else f"{v / 2**20:.0f} MiB"
 
-    checks.append(("pinned memory (ulimit -l)", True, f"soft {fmt(soft)}, hard {fmt(hard)}",
-                   "raise `ulimit -l` if pinning the host pool fails"))
+    small = soft != resource.RLIM_INFINITY and soft < MEMLOCK_WARN_BYTES
+    checks.append(("pinned memory (ulimit -l)", not small, f"soft {fmt(soft)}, hard {fmt(hard)}"
+                   + (f" (below {MEMLOCK_WARN_BYTES >> 20} MiB)" if small else ""),
+                   "raise the locked-memory limit (`ulimit -l unlimited`, or memlock in /etc/security/limits.conf / "
+                   "--ulimit memlock=-1 for containers): GDS buffer registration and large pinned host pools need it"))
     writable = os.path.isdir(directory) and os.access(directory, os.W_OK)
     checks.append(("directory", writable, directory, "pass --dir with a writable directory"))
     if writable:
@@ -174,14 +186,21 @@ def _doctor_checks(directory: str) -> list[tuple[str, bool, str, str]]:
 
 
 def _doctor(args: argparse.Namespace) -> int:
+    """Exit 1 when a check that running needs fails (REQUIRED_CHECKS); missing optional features only advise."""
     checks = _doctor_checks(args.dir)
     width = max(len(c[0]) for c in checks)
     for name, ok, found, fix in checks:
-        mark = "ok " if ok else "-- "
+        mark = "ok " if ok else ("XX " if name in REQUIRED_CHECKS else "-- ")
         print(f"{mark} {name.ljust(width)}  {found}" + (f"\n    {' ' * width}  -> {fix}" if not ok and fix else ""))
+    failed = [c[0] for c in checks if not c[1] and c[0] in REQUIRED_CHECKS]
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([{"check": c[0], "ok": c[1], "found": c[2], "fix": c[3]} for c in checks], f, indent=2)
+            json.dump([{"check": c[0], "ok": c[1], "required": c[0] in REQUIRED_CHECKS, "found": c[2], "fix": c[3]}
+                       for c in checks], f, indent=2)
+    if failed:
+        print(f"\nfailed: {', '.join(failed)} (XX: needed to run; --: optional, with what to do)")
+        return 1
+    print("\nready (--: optional features missing, with what to do)" if any(not c[1] for c in checks) else "\nready")
     return 0
 
 
