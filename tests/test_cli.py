@@ -103,12 +103,24 @@ def test_doctor_exits_1_when_a_needed_check_fails_and_advises_for_the_installed_
         (["bench", "--only", "nope"], "unknown benchmark"),
         (["frobnicate"], "invalid choice"),
         (["demo", "--no-such-flag"], "unrecognized arguments"),
+        (["crash", "--tear", "-1"], "expected a non-negative integer"),
+        (["demo", "--file-blocks", "-1"], "expected a non-negative integer"),
     ],
 )
 def test_bad_flags_are_one_line_errors(args, message):
     r = tkv(*args)
     assert r.returncode == 2
     assert message in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message of a machine without CUDA")
+@pytest.mark.parametrize("command", [["soak", "--ops", "10", "--quiet"], ["bench", "--only", "engine", "--quick"],
+                                     ["demo", "--quiet"]])
+def test_asking_for_cuda_without_it_is_one_line(command):
+    r = tkv(*command, "--device", "cuda", timeout=120)
+    lines = [line for line in r.stderr.splitlines() if line.startswith("error")]
+    assert r.returncode == 2 and len(lines) == 1 and "CUDA" in lines[0], r.stderr
     assert "Traceback" not in r.stderr
 
 

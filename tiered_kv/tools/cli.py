@@ -350,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     crash = sub.add_parser("crash", help="SIGKILL a process spilling to the file tier at random points; reopen and verify every block")
     crash.add_argument("--seeds", type=_positive, default=6, help="kills (one child process each; default: %(default)s)")
-    crash.add_argument("--tear", type=int, default=2, help="slots damaged after each kill, as a power cut might (default: %(default)s)")
+    crash.add_argument("--tear", type=_non_negative, default=2, help="slots damaged after each kill, as a power cut might (default: %(default)s)")
     crash.add_argument("--dir", type=_writable_dir, help="where the slabs go (default: a temporary directory)")
     crash.set_defaults(func=_crash)
 
@@ -368,10 +368,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``tiered-kv`` with ``argv``; the exit status (2 for bad input, one line on stderr)."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from ..errors import BackendUnavailable, SlabInUseError, TieredKVError
+
     try:
         return int(args.func(args))
-    except (ValueError, TypeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except (ValueError, TypeError, BackendUnavailable, SlabInUseError) as exc:  # the user can fix these: one line
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
+    except (OSError, TieredKVError) as exc:  # the machine: a full disk, a failed device -- one line, no traceback
+        what = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        where = f": {exc.filename}" if isinstance(exc, OSError) and exc.filename else ""
+        print(f"error: {type(exc).__name__}: {' '.join(what.split())}{where}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
