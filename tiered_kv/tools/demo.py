@@ -200,7 +200,7 @@ async def run_demo(cfg: DemoConfig, progress: Callable[[int, int], None] | None 
             model_id=f"tiered-kv-demo/{description}/seed={cfg.seed}",
         ) as cache:
             cost = CostModel(cache).attach()  # reuse a tier's blocks only where that beats recomputing them
-            generator = CachedGenerator(model, cache, on_reuse=on_reuse, on_prefill=cost.observe_prefill)
+            generator = CachedGenerator(model, cache, on_reuse=on_reuse, cost_model=cost)
             history: dict[int, np.ndarray] = {}  # conversation -> what the model has seen and said so far
             scripted: dict[int, int] = {}  # conversation -> length of the workload's own history
             t_start = time.perf_counter()
