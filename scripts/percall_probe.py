@@ -1,7 +1,8 @@
 """Where the host time of one awaited 1-block ``copy()`` goes: timings, cProfile, torch profiler, pieces.
 
-Run: ``python scripts/percall_probe.py [--device cuda|cpu] [--out DIR]``. Writes ``percall.json``,
-``percall-cprofile.txt`` and (CUDA) ``percall-torchprof.txt`` under ``--out`` and prints a summary.
+Run: ``python scripts/percall_probe.py [--device cuda|cpu] [--out DIR]``. Writes ONE file,
+``percall-<device>.json`` under ``--out`` (timings, pieces, and the cProfile and torch-profiler tables as text:
+a GPU machine that returns few files returns it whole), and prints the timings and pieces.
 Each "piece" is timed alone in a loop of N calls (median of 5 loops, per call), so the pieces add up
 only approximately to the whole.
 """
@@ -93,8 +94,7 @@ async def probe(device: str, out: str) -> dict[str, Any]:
         s = io.StringIO()
         pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(40)
         pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(40)
-        with open(os.path.join(out, f"percall-cprofile-{device.split(':')[0]}.txt"), "w") as f:  # noqa: ASYNC230
-            f.write(s.getvalue())
+        result["cprofile"] = s.getvalue()
 
         if cuda:
             from torch.profiler import ProfilerActivity, profile
@@ -102,8 +102,7 @@ async def probe(device: str, out: str) -> dict[str, Any]:
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for _ in range(200):
                     await engine.copy(Tier.GPU, [0], Tier.HOST, [1])
-            with open(os.path.join(out, "percall-torchprof.txt"), "w") as f:  # noqa: ASYNC230
-                f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
+            result["torch_profiler"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
 
         # ---- pieces
         pieces: dict[str, float] = {}
@@ -207,9 +206,9 @@ def main() -> None:
         res = uvloop.run(probe(a.device, a.out))
     else:
         res = asyncio.run(probe(a.device, a.out))
-    print(json.dumps(res, indent=2))
     with open(os.path.join(a.out, f"percall-{a.device.split(':')[0]}.json"), "w") as f:
         json.dump(res, f, indent=2)
+    print(json.dumps({k: v for k, v in res.items() if k not in ("cprofile", "torch_profiler")}, indent=2))
 
 
 if __name__ == "__main__":

@@ -180,6 +180,7 @@ def test_copy_blocks_list_cuda_matches_reference(src_kind, dst_kind, pairs, meth
     n = src[0].shape[-2] if num_tokens is None else num_tokens
     ops.copy_blocks(want, [t.cpu() for t in src], torch.tensor(s), torch.tensor(d), num_tokens=num_tokens)
     stream = torch.cuda.Stream()
+    torch.cuda.synchronize()  # the sides were filled on the default stream
     torch.cuda._sleep(50_000_000)  # the default stream is busy: the op must not run on it
     torch.ops.tiered_kv.copy_blocks_list(dst, src, s, d, n, method, stream.cuda_stream)
     stream.synchronize()
