@@ -50,6 +50,7 @@ def per_call(fn: Callable[[], object], n: int = 2000, loops: int = 5, sync: Call
 
 
 async def awaited_copies(engine: TransferEngine, n: int) -> dict[str, float]:
+    """Medians of ``n`` awaited 1-block GPU->host copies, one at a time (microseconds)."""
     sub, seen, res = [], [], []
     for _ in range(n):
         t0 = time.perf_counter()
@@ -64,6 +65,7 @@ async def awaited_copies(engine: TransferEngine, n: int) -> dict[str, float]:
 
 
 async def probe(device: str, out: str) -> dict[str, Any]:
+    """Time, profile and take apart the per-call path on ``device``."""
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, tokens_per_block=4)
     result: dict[str, Any] = {"device": device}
     cuda = device.startswith("cuda")
@@ -194,6 +196,7 @@ async def probe(device: str, out: str) -> dict[str, Any]:
 
 
 def main() -> None:
+    """Command line (see the module docstring)."""
     p = argparse.ArgumentParser()
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=".")
