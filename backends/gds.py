@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tiered_kv.config import coerce_enum
 from tiered_kv.errors import BackendUnavailable
 
 __all__ = ["GdsBackend", "GdsMode", "GdsProbe", "probe", "select_backend"]
@@ -44,7 +45,10 @@ log = logging.getLogger(__name__)
 PROBE_TIMEOUT_S = 20.0
 
 
-class GdsMode(enum.Enum):
+_GDS_ALIASES = {"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off"}
+
+
+class GdsMode(enum.StrEnum):
     """Whether the file tier uses GPUDirect Storage.
 
     * ``ON``: kvikio with real cuFile (kvikio compat mode OFF); fail fast if GDS is not available.
@@ -60,17 +64,11 @@ class GdsMode(enum.Enum):
     @classmethod
     def coerce(cls, value: object) -> GdsMode:
         """Accept a :class:`GdsMode`, a bool, or ``"on"/"off"/"auto"`` (also ``"1"/"0"/"true"/"false"``)."""
-        if isinstance(value, GdsMode):
-            return value
         if isinstance(value, bool):
             return cls.ON if value else cls.OFF
-        if isinstance(value, str):
-            text = value.strip().lower()
-            aliases = {"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off"}
-            try:
-                return cls(aliases.get(text, text))
-            except ValueError:
-                pass
+        mode = coerce_enum(cls, value, _GDS_ALIASES)
+        if mode is not None:
+            return mode
         raise ValueError(f"GDS mode must be 'on', 'off' or 'auto', got {value!r}")
 
     @classmethod

@@ -16,7 +16,7 @@ def test_quick_run_on_cpu_has_every_row_kind(tmp_path: Path, capsys: pytest.Capt
     assert kernels.main(["--quick", "--device", "cpu", "--json", str(out)]) == 0
     payload = json.loads(out.read_text())
     kinds = {row["bench"] for row in payload["rows"]}
-    assert kinds == {"layer_major", "sweep", "partial", "gather"}
+    assert kinds == {"layer_major", "sweep", "partial", "gather", "layouts"}
     assert all(row["device"] == "emulated" for row in payload["rows"])
     assert any("emulated" in note for note in payload["notes"])
     assert not [note for note in payload["notes"] if "failed" in note]

@@ -17,6 +17,7 @@ from tiered_kv import KVLayout, Tier
 from tiered_kv.blocks import CacheFullError, Request
 from tiered_kv.cache import TieredKVCache
 from tiered_kv.keys import KeyHasher
+from tiered_kv.tools.baselines import add_sequences_one_phase
 from tiered_kv.tools.workload import ChatWorkload, replay, verify_expected, write_expected
 
 TPB = 4
@@ -87,7 +88,7 @@ async def seed_001_violations(layout: KVLayout, one_phase: bool, device: str = "
         planned = [cache.match(r) for r in (req_a, req_b)]
         assert [p[0] for p in planned] == [2 * TPB, 2 * TPB]
         assert [p[1]["host"] for p in planned] == [2, 2]
-        adms = await cache.add_sequences([req_a, req_b], _one_phase=one_phase)
+        adms = await (add_sequences_one_phase(cache, [req_a, req_b]) if one_phase else cache.add_sequences([req_a, req_b]))
         for adm in adms:
             await compute(cache, adm.seq_id, adm.tokens_reused)
     out = []
@@ -106,7 +107,7 @@ async def test_seed_001_batch_reuse_equals_plan(small: KVLayout, device: str) ->
 
 
 async def test_seed_001_one_phase_order_fails_the_same_check(small: KVLayout) -> None:
-    """The private one-phase switch: onboarding/allocating for A evicts B's host blocks, B overruns its budget."""
+    """The one-phase baseline: onboarding/allocating for A evicts B's host blocks, B overruns its budget."""
     violations = await seed_001_violations(small, one_phase=True)
     assert any("request B computes" in v for v in violations), violations
 

@@ -16,14 +16,31 @@ def tkv(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "tiered_kv", *args], capture_output=True, text=True, timeout=timeout, env=ENV)
 
 
-def test_demo_replays_and_verifies(tmp_path):
-    r = tkv("demo", "--device", "cpu", "--quiet", "--conversations", "12", "--dir", str(tmp_path))
+def test_demo_runs_a_real_model_and_verifies_every_reused_token(tmp_path):
+    out = tmp_path / "demo.json"
+    r = tkv("demo", "--device", "cpu", "--quiet", "--conversations", "6", "--dir", str(tmp_path), "--json", str(out))
     assert r.returncode == 0, r.stderr
-    assert " 0 wrong" in r.stdout and "hit rate" in r.stdout
+    assert " 0 wrong" in r.stdout and "hit rate" in r.stdout and "time to first token" in r.stdout
+    assert "CPU figures, not comparable to GPU targets" in r.stdout  # emulated runs are labelled
     for tier in ("gpu", "host", "file"):
-        assert f"\n{tier:>4} " in r.stdout or f" {tier} " in r.stdout
-    assert "add_sequences await latency: p50" in r.stdout
-    assert os.listdir(tmp_path)  # the file tier lived in --dir
+        assert f"\n{tier:>4} " in r.stdout
+    assert [p for p in os.listdir(tmp_path) if p != "demo.json"]  # the file tier lived in --dir
+    report = json.loads(out.read_text())
+    assert report["emulated"] and report["turns"] == len(report["ttft_with"]) == len(report["ttft_without"])
+    assert report["verified_tokens"] == report["reused_tokens"] > 0 and report["mismatched_tokens"] == 0
+    assert report["first_token_agree"] == report["turns"]
+    assert sum(report["hits"].values()) > 0 and "Llama" in report["model"]
+
+
+def test_demo_checks_its_output_paths_before_the_run(tmp_path):
+    for args, message in (
+        (["--plot", str(tmp_path / "missing" / "x.png")], "does not exist or is not writable"),
+        (["--plot", str(tmp_path / "x.txt")], "use a .png, .svg or .pdf"),
+        (["--json", str(tmp_path)], "is a directory"),
+    ):
+        r = tkv("demo", "--device", "cpu", "--quiet", *args, timeout=60)
+        assert r.returncode == 2 and message in r.stderr, r.stderr
+        assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr and "turns" not in r.stdout
 
 
 def test_bench_quick_writes_one_json_with_every_benchmark(tmp_path):
@@ -32,7 +49,7 @@ def test_bench_quick_writes_one_json_with_every_benchmark(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     payload = json.loads(out.read_text())
     names = [b["name"] for b in payload["benchmarks"]]
-    assert names == ["engine", "kernels", "overlap", "pagetables", "filetier", "cache"]
+    assert names == ["engine", "kernels", "overlap", "pagetables", "filetier", "cache", "remote", "model"]
     assert all(b["rows"] for b in payload["benchmarks"])
     assert payload["machine"]["device"] == "emulated (CPU)"
     assert payload["schema"] == "tiered_kv.bench/2"

@@ -45,3 +45,16 @@ def test_mypy_strict_is_clean(tmp_path: Path) -> None:
         cwd=tree, capture_output=True, text=True, timeout=900,
     )
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_every_subpackage_is_installed() -> None:
+    """pyproject lists packages explicitly: a new subpackage left out would be missing from every install."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {
+        ".".join(p.parent.relative_to(ROOT).parts)
+        for p in (ROOT / "tiered_kv").rglob("__init__.py")
+        if "__pycache__" not in p.parts
+    }
+    assert found <= listed, f"subpackages missing from [tool.setuptools] packages: {sorted(found - listed)}"

@@ -30,6 +30,7 @@ from tiered_kv.staging import (
     gather_block_offsets,
 )
 from tiered_kv.testing import stall
+from tiered_kv.tools.baselines import InplaceShipper
 from tiered_kv.tools.bench import pagetables
 
 MODES = ["copy", "gather"]
@@ -123,12 +124,13 @@ def run_refill_scenario(dev: Device, stream: Stream, mode: str, inplace: bool) -
     kw = gather_kwargs(mode)
     dst_a, dst_b = poisoned(table, dev), poisoned(table, dev)
     rng = np.random.default_rng(2)
+    send = InplaceShipper(table).ship if inplace else table.copy_batch_block_offsets
     with held(stream, dev):
-        table.copy_batch_block_offsets(dst_a, slots, stream=stream, mode=mode, max_blocks=width, _inplace=inplace, **kw)
+        send(dst_a, slots, stream=stream, mode=mode, max_blocks=width, **kw)
         ref_a = reference(table, slots, width, mode, **kw)
         for slot in slots:  # A's requests finished; new requests reuse their slots
             fill_slot(table, slot, rng)
-        table.copy_batch_block_offsets(dst_b, slots, stream=stream, mode=mode, max_blocks=width, _inplace=inplace, **kw)
+        send(dst_b, slots, stream=stream, mode=mode, max_blocks=width, **kw)
         ref_b = reference(table, slots, width, mode, **kw)
         assert not torch.equal(ref_a, ref_b)
     table.synchronize()
@@ -158,10 +160,9 @@ def run_mutation_scenario(dev: Device, stream: Stream, mode: str, inplace: bool,
     scale = torch.tensor([3, 5], dtype=torch.int32) if mode == "gather" else None
     v_offset = torch.tensor([1, 1000], dtype=torch.int32) if mode == "gather" else None
     dst = poisoned(table, dev)
+    send = InplaceShipper(table).ship if inplace else table.copy_batch_block_offsets
     with held(stream, dev):
-        table.copy_batch_block_offsets(
-            dst, slots, stream=stream, mode=mode, max_blocks=None, scale=scale, v_offset=v_offset, _inplace=inplace
-        )
+        send(dst, slots, stream=stream, mode=mode, max_blocks=None, scale=scale, v_offset=v_offset)
         width = int(max(table.num_blocks(int(s), p) for s in slots for p in range(2)))
         ref = reference(
             table,
@@ -177,9 +178,7 @@ def run_mutation_scenario(dev: Device, stream: Stream, mode: str, inplace: bool,
             scale.fill_(-1)
             v_offset.fill_(-1)
         # The next call in a racy world reuses the persistent index buffer for other slots.
-        table.copy_batch_block_offsets(
-            poisoned(table, dev), [2, 2, 2], stream=stream, mode=mode, max_blocks=1, _inplace=inplace, **gather_kwargs(mode)
-        )
+        send(poisoned(table, dev), [2, 2, 2], stream=stream, mode=mode, max_blocks=1, **gather_kwargs(mode))
     table.synchronize()
     return torch.equal(dst[:, :3, :, :width].cpu(), ref)
 
@@ -199,9 +198,10 @@ def test_inplace_gather_reads_the_persistent_index_buffer(dev: Device, stream: S
     """The v2 form of the bug with an unchanged host table: only the index buffer is reused."""
     table = make_table(dev, seed=4)
     dst_a = poisoned(table, dev)
+    naive = InplaceShipper(table)
     with held(stream, dev):
-        table.copy_batch_block_offsets(dst_a, [0, 1], stream=stream, mode="gather", max_blocks=4, _inplace=True)
-        table.copy_batch_block_offsets(poisoned(table, dev), [2, 3], stream=stream, mode="gather", max_blocks=4, _inplace=True)
+        naive.ship(dst_a, [0, 1], stream=stream, mode="gather", max_blocks=4)
+        naive.ship(poisoned(table, dev), [2, 3], stream=stream, mode="gather", max_blocks=4)
     table.synchronize()
     assert torch.equal(dst_a[:, :2, :, :4].cpu(), reference(table, [2, 3], 4, "gather"))  # A got B's rows
 

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
         LayoutMismatchError,
         OwnedEngineError,
         SlabInUseError,
+        StorageError,
         TieredKVError,
         TransferError,
     )
@@ -67,6 +68,7 @@ _EXPORTS: dict[str, str] = {
     "OwnedEngineError": "errors",
     "Request": "blocks",
     "SlabInUseError": "errors",
+    "StorageError": "errors",
     "StagingPool": "staging",
     "Tier": "pools",
     "TieredKVCache": "cache",
@@ -111,6 +113,7 @@ __all__ = [
     "Request",
     "SlabInUseError",
     "StagingPool",
+    "StorageError",
     "Tier",
     "TieredKVCache",
     "TieredKVError",

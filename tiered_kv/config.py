@@ -1,11 +1,41 @@
-"""Engine configuration: one dataclass, environment overrides, no hidden globals."""
+"""Engine configuration: one dataclass, environment overrides, no hidden globals.
+
+Primitives:
+
+* :class:`EngineConfig` -- the engine's knobs; :meth:`EngineConfig.from_env`.
+* :func:`env_int` -- the one parser of integer environment variables.
+* :func:`coerce_enum` -- the one coercion of a :class:`enum.StrEnum` member from its value or name.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
+from collections.abc import Mapping
+from typing import TypeVar
 
-__all__ = ["EngineConfig", "env_int"]
+__all__ = ["EngineConfig", "coerce_enum", "env_int"]
+
+E = TypeVar("E", bound=enum.StrEnum)
+
+
+def coerce_enum(cls: type[E], value: object, aliases: Mapping[str, str] | None = None) -> E | None:
+    """``value`` as a member of ``cls``, or ``None`` (the caller raises its own ``ValueError`` sentence).
+
+    Accepts a member, or its value in any case with blanks around it ignored (``aliases`` applied first).
+    """
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if aliases:
+            text = aliases.get(text, text)
+        try:
+            return cls(text)
+        except ValueError:
+            return None
+    return None
 
 
 def env_int(name: str, unit: str = "") -> int:

@@ -42,7 +42,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from . import opdefs, ops
+from . import opdefs, ops, pool_kinds
 from .config import EngineConfig
 from .device import CudaStream, Device, Stream
 from .layer_major import LayerMajorPool
@@ -156,6 +156,8 @@ class Copier:
 
     def plan(self, src_pool: Side, s: np.ndarray, dst_pool: Side, d: np.ndarray, num_tokens: int | None) -> CopyPlan:
         """The path :meth:`build` takes for these arguments."""
+        if isinstance(src_pool, pool_kinds.ChunkedPool) or isinstance(dst_pool, pool_kinds.ChunkedPool):
+            return self._chunked_plan(src_pool, s, dst_pool, d)
         return self._plan(
             self._pair(src_pool, dst_pool, src_pool.layout.tokens_per_block if num_tokens is None else num_tokens), s, d
         )
@@ -197,6 +199,9 @@ class Copier:
                 stream by its handle (no index tensors, no current-stream switch; the op carries
                 ``explicit_stream = True`` for :meth:`~tiered_kv.device.Stream.submit`).
         """
+        if isinstance(src_pool, pool_kinds.ChunkedPool) or isinstance(dst_pool, pool_kinds.ChunkedPool):
+            return self._chunked_op(src_pool, np.asarray(s, dtype=np.int64), dst_pool, np.asarray(d, dtype=np.int64),
+                                    num_tokens)
         layout = src_pool.layout
         n = layout.tokens_per_block if num_tokens is None else num_tokens
         info = self._pair(src_pool, dst_pool, n)
@@ -235,6 +240,37 @@ class Copier:
 
             return run
         return _torch_op(src_t, s, dst_t, d, n)
+
+    def _chunked_plan(self, src_pool: Pool, s: np.ndarray, dst_pool: Pool, d: np.ndarray) -> CopyPlan:
+        piece = pool_kinds.piece_bytes(src_pool, dst_pool)
+        on_cuda = any(t.is_cuda for t in (*pool_kinds.chunk_tensors(src_pool), *pool_kinds.chunk_tensors(dst_pool)))
+        ref = src_pool if isinstance(src_pool, pool_kinds.ChunkedPool) else dst_pool
+        assert isinstance(ref, pool_kinds.ChunkedPool)
+        return CopyPlan(choose_path(piece, self.config, on_cuda=on_cuda, kernels=self.kernels), piece, ref.num_chunks, int(s.size))
+
+    def _chunked_op(self, src_pool: Pool, s: np.ndarray, dst_pool: Pool, d: np.ndarray, num_tokens: int | None) -> Op:
+        """A copy involving a :class:`~tiered_kv.pool_kinds.ChunkedPool`: one ``copy_chunks`` call."""
+        if num_tokens is not None and num_tokens != src_pool.layout.tokens_per_block:
+            raise ValueError("partial copies (num_tokens) are not supported for chunked GPU pools; copy whole blocks")
+        pool_kinds.check_compatible(src_pool, dst_pool)
+        plan = self._chunked_plan(src_pool, s, dst_pool, d)
+        with self._lock:
+            self._calls[plan.path] = self._calls.get(plan.path, 0) + 1
+            self._bytes[plan.path] = self._bytes.get(plan.path, 0) + int(s.size) * src_pool.layout.bytes_per_block
+        table = torch.from_numpy(pool_kinds.chunk_table(src_pool, s, dst_pool, d))
+        src_t, dst_t = pool_kinds.chunk_tensors(src_pool), pool_kinds.chunk_tensors(dst_pool)
+        method = ops.METHOD_DMA if plan.path == "dma" else ops.METHOD_KERNEL
+        op = torch.ops.tiered_kv.copy_chunks
+        if plan.path == "torch":  # CUDA without the extension: the reference op runs on CUDA tensors too
+            def run_ref() -> None:
+                opdefs.copy_chunks_ref(dst_t, src_t, table, method)
+
+            return run_ref
+
+        def run() -> None:
+            op(dst_t, src_t, table, method)
+
+        return run
 
     def statistics(self) -> CopierStatistics:
         """Calls and bytes per path so far."""

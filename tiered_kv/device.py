@@ -40,7 +40,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-Callback = Callable[[], None]
+Callback = Callable[[], object]  # the return value, if any, is ignored
 
 
 @runtime_checkable

@@ -22,6 +22,10 @@ thread per stream (or the handler's callback) and ``call_soon_threadsafe`` (no p
 The per-call fast path: a copy between memory pools of at most ``SMALL_CALL_BLOCKS`` pairs given as int
 lists or small integer arrays is validated on plain lists (:func:`~tiered_kv.pools.small_pairs`, no numpy)
 and becomes one ``copy_blocks_list`` call on its stream (:mod:`tiered_kv.copyops`).
+
+Size: about 670 lines, much of it the public API's documentation and the lifecycle rules (ownership by a
+cache, close from another loop, release on failed construction); the copy path itself (validate, route,
+fence, start, complete) is kept in one class so the fence and marker life cycle reads in one place.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from .file import FileHandler, FileTier, FileTierConfig
 from .handlers import Batch, Job, Medium, Routes, TransferHandler
 from .layer_major import LayerMajorPool
 from .layout import KVLayout
+from .pool_kinds import as_gpu_pool
 from .pools import BlockPool, Tier, as_indices, small_pairs
 from .stream_copier import StreamCopier
 from .transfer import LATENCY_BUCKETS, EngineStatistics, Transfer, TransferResult
@@ -79,9 +84,12 @@ class TransferEngine:
         gpu_blocks: blocks in the GPU pool (ignored if ``gpu_pool`` is given).
         host_blocks: blocks in the host pool (pinned on CUDA).
         gpu_pool: an existing GPU pool to use in place: a block-major tensor ``[blocks, *layout.block_shape]``,
-            a :class:`~tiered_kv.LayerMajorPool`, or a list of per-layer tensors (see ``LayerMajorPool``).
+            a :class:`~tiered_kv.LayerMajorPool` (or a :mod:`~tiered_kv.pool_kinds` pool), or a list of per-layer
+            tensors as engines keep them (see :func:`tiered_kv.pool_kinds.as_gpu_pool`).
         device: ``"auto"``, ``"cpu"`` (emulated), ``"cuda[:N]"``; overrides ``config.device``.
         config: engine knobs; default :meth:`EngineConfig.from_env`.
+        host_pool: an existing host pool tensor ``[blocks, *layout.block_shape]`` to use in place of
+            ``host_blocks`` (e.g. a shared-memory mapping; it must be pinned when the device is CUDA).
         file_dir: directory of the file tier's slab (with ``file_blocks``; knobs from the environment).
         file_blocks: slots in the file tier.
         file_config: the file tier's full configuration (instead of ``file_dir``/``file_blocks``).
@@ -111,6 +119,7 @@ class TransferEngine:
         file_blocks: int = 0,
         file_config: FileTierConfig | None = None,
         handlers: Sequence[TransferHandler] = (),
+        host_pool: torch.Tensor | None = None,
     ) -> None:
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
@@ -126,7 +135,7 @@ class TransferEngine:
         self._pools: dict[Tier, BlockPool | LayerMajorPool] = {}
         if gpu_pool is not None:
             if isinstance(gpu_pool, (list, tuple)):
-                gpu_pool = LayerMajorPool(layout, gpu_pool)
+                gpu_pool = as_gpu_pool(layout, gpu_pool)  # classic layer-major, or an engine's layout kind
             if not isinstance(gpu_pool, (torch.Tensor, LayerMajorPool)):
                 raise TypeError(f"gpu_pool must be a torch.Tensor, a LayerMajorPool or a list of tensors, got {type(gpu_pool).__name__}")
             if gpu_pool.device.type != self.device.torch_device.type:
@@ -139,7 +148,9 @@ class TransferEngine:
                 self._pools[Tier.GPU] = BlockPool(Tier.GPU, layout, gpu_pool)
         elif gpu_blocks:
             self._pools[Tier.GPU] = BlockPool(Tier.GPU, layout, _allocate(self.device.empty, "GPU", gpu_blocks, layout))
-        if host_blocks:
+        if host_pool is not None:  # caller's memory (e.g. shared with another process); pinned on CUDA
+            self._pools[Tier.HOST] = BlockPool(Tier.HOST, layout, host_pool)
+        elif host_blocks:
             self._pools[Tier.HOST] = BlockPool(Tier.HOST, layout, _allocate(self.device.empty_host, "host", host_blocks, layout))
 
         if file_config is None and file_dir is not None and file_blocks:

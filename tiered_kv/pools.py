@@ -12,6 +12,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
+from .config import coerce_enum
 from .layout import KVLayout
 
 __all__ = ["SMALL_CALL_BLOCKS", "BlockPool", "Tier", "as_indices", "check_indices", "merge_runs", "small_pairs"]
@@ -20,23 +21,22 @@ __all__ = ["SMALL_CALL_BLOCKS", "BlockPool", "Tier", "as_indices", "check_indice
 SMALL_CALL_BLOCKS = 256
 
 
-class Tier(enum.Enum):
+class Tier(enum.StrEnum):
     """Where a block lives."""
 
     GPU = "gpu"
     HOST = "host"
     FILE = "file"
+    REMOTE = "remote"  #: a distributed store (tiered_kv.remote): content-keyed objects, no block indices
 
     @classmethod
     def coerce(cls, value: object) -> Tier:
         """Accept a :class:`Tier` or its name/value (``"gpu"``, ``"HOST"``)."""
-        if isinstance(value, Tier):
+        if isinstance(value, Tier):  # the common case first: every copy() coerces two tiers
             return value
-        if isinstance(value, str):
-            try:
-                return cls(value.lower())
-            except ValueError:
-                pass
+        tier = coerce_enum(cls, value)
+        if tier is not None:
+            return tier
         raise ValueError(f"unknown tier {value!r}; use one of {', '.join(t.name for t in cls)}")
 
 

@@ -20,6 +20,9 @@ module makes that impossible by construction:
 Everything runs on the :mod:`tiered_kv.device` stream abstraction, so the same code (and the same race
 tests) runs on the emulated device, where a stream op executes when the worker thread reaches it, and on
 CUDA.
+
+Size: about 800 lines, because the snapshot pool and the table it protects are one race-free protocol
+(snapshot, ship, retire after the consuming op's event); the two ship modes share it.
 """
 
 from __future__ import annotations
@@ -283,7 +286,7 @@ class BlockOffsetStatistics:
     """A snapshot of a :class:`BlockOffsetTable`.
 
     Attributes:
-        calls: ``copy_batch_block_offsets`` calls (copy / gather / racy in-place, by key).
+        calls: ``copy_batch_block_offsets`` calls, by mode (``copy`` / ``gather``).
         sequences: sequence rows shipped.
         bytes_shipped: table bytes shipped to the device.
         staging: the staging pool.
@@ -360,7 +363,7 @@ class BlockOffsetTable:
         self._counts = np.zeros((num_pools, max_seqs), dtype=np.int64)  # (pool, slot) -> allocated blocks
         self.staging = StagingPool(self.device, depth=depth, dtype=torch.int32)
         self._wrapped: dict[object, Stream] = {}  # torch.cuda.Stream -> our wrapper (made once)
-        self._calls: dict[str, int] = {"copy": 0, "gather": 0, "copy_inplace": 0, "gather_inplace": 0}
+        self._calls: dict[str, int] = {"copy": 0, "gather": 0}
         self._sequences = self._bytes = 0
         self._last_event: Event | None = None
         # The identity index of every gather: written once here and never again, so sharing it between
@@ -368,10 +371,6 @@ class BlockOffsetTable:
         self._iota = self.device.empty_host((max_seqs,), torch.int32)
         torch.arange(max_seqs, dtype=torch.int32, out=self._iota)
         self._coeff_cache: dict[tuple[tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
-        # Racy in-place mode only (tests prove they see the race; the benchmark's baseline): one persistent
-        # staging buffer / index buffer reused by every call, as in the seed's bug.
-        self._inplace_buf: torch.Tensor | None = None
-        self._inplace_idx: torch.Tensor | None = None
 
     # ------------------------------------------------------------------------------------ writers
 
@@ -480,7 +479,6 @@ class BlockOffsetTable:
         max_blocks: int | None = None,
         scale: Sequence[int] | torch.Tensor | None = None,
         v_offset: Sequence[int] | torch.Tensor | None = None,
-        _inplace: bool = False,
     ) -> Event:
         """Ship the rows of ``slots`` to ``dst[:, :len(slots), :, :width]`` on ``stream``, race-free.
 
@@ -513,29 +511,16 @@ class BlockOffsetTable:
             only after the returned event completes (FIFO); at most ``depth`` are in flight (this call waits
             for the oldest beyond that).
         """
-        target = self._stream(stream)
-        index = self._slots(slots)
+        target, index, width, coeffs = self._prepare(dst, slots, stream, mode, max_blocks, scale, v_offset)
         n = index.numel()
-        if mode not in _MODES:
-            raise ValueError(f"mode must be 'copy' or 'gather', got {mode!r}")
-        if mode == "copy" and (scale is not None or v_offset is not None):
-            raise ValueError("scale and v_offset apply only in gather mode; copy mode ships the stored values")
-        width = self._width(index, max_blocks)
-        self._check_dst(dst, n, width)
         pools, kv = self.num_pools, self.kv_factor
-        # [scale..., v_offset...] int32 (gather mode): copied into the staging buffer with the snapshot
-        coeffs = self._coefficients(scale, v_offset) if mode == "gather" else None
-
-        key = f"{mode}_inplace" if _inplace else mode
-        self._calls[key] += 1
+        self._calls[mode] += 1
         if n == 0 or width == 0:
             event = target.record()  # nothing to write; keep the return type uniform
             self._last_event = event
             return event
         self._sequences += n
         self._bytes += pools * n * kv * width * 4
-        if _inplace:
-            return self._ship_inplace(target, dst, index, n, width, mode, coeffs)
 
         snap_numel = pools * n * kv * width
         numel = snap_numel + (2 * pools if mode == "gather" else 0)
@@ -572,49 +557,28 @@ class BlockOffsetTable:
         self._last_event = event
         return event
 
-    def _ship_inplace(
+    def _prepare(
         self,
-        target: Stream,
         dst: torch.Tensor,
-        index: torch.Tensor,
-        n: int,
-        width: int,
+        slots: Sequence[int] | np.ndarray | torch.Tensor,
+        stream: object,
         mode: str,
-        coeffs: torch.Tensor | None,
-    ) -> Event:
-        """The seed's racy path: persistent host inputs reused by every call (tests and benchmark only)."""
-        pools, kv = self.num_pools, self.kv_factor
-        if mode == "copy":
-            out = dst[:, :n, :, :width]
-            if self._inplace_buf is None:
-                self._inplace_buf = self.device.empty_host((self.host.numel(),), torch.int32)
-            # Refilled in place every call: a pending copy of the previous call reads these new values.
-            snap = self._inplace_buf[: pools * n * kv * width].view(pools, n, kv, width)
-            torch.index_select(self.host[..., :width], 1, index, out=snap)
-
-            def op() -> None:
-                out.copy_(snap, non_blocking=True)
-
-        else:
-            assert coeffs is not None
-            if self._inplace_idx is None:
-                self._inplace_idx = self.device.empty_host((self.max_seqs + 2 * pools,), torch.int32)
-            idx = self._inplace_idx[:n]
-            idx.copy_(index)
-            self._inplace_idx[self.max_seqs :].copy_(coeffs)
-            s_view = self._inplace_idx[self.max_seqs : self.max_seqs + pools]
-            v_view = self._inplace_idx[self.max_seqs + pools :]
-            host, sentinel = self.host, self.sentinel
-            rows = dst[:, :n]
-
-            def op() -> None:
-                # Reads the live host table through the persistent index buffer at execution time.
-                gather_block_offsets(rows, host, idx, s_view, v_view, width, sentinel)
-
-        target.submit(op)
-        event = target.record()
-        self._last_event = event
-        return event
+        max_blocks: int | None,
+        scale: Sequence[int] | torch.Tensor | None,
+        v_offset: Sequence[int] | torch.Tensor | None,
+    ) -> tuple[Stream, torch.Tensor, int, torch.Tensor | None]:
+        """Validate one ship call: (stream, slot index, width, gather coefficients or ``None``)."""
+        target = self._stream(stream)
+        index = self._slots(slots)
+        if mode not in _MODES:
+            raise ValueError(f"mode must be 'copy' or 'gather', got {mode!r}")
+        if mode == "copy" and (scale is not None or v_offset is not None):
+            raise ValueError("scale and v_offset apply only in gather mode; copy mode ships the stored values")
+        width = self._width(index, max_blocks)
+        self._check_dst(dst, index.numel(), width)
+        # [scale..., v_offset...] int32 (gather mode): copied into the staging buffer with the snapshot
+        coeffs = self._coefficients(scale, v_offset) if mode == "gather" else None
+        return target, index, width, coeffs
 
     def synchronize(self) -> None:
         """Wait until every shipped table has landed, and reclaim all staging buffers."""

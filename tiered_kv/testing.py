@@ -14,16 +14,50 @@ is a sleeping op on the stream's worker thread. Either way the CPU and the event
 File-tier faults (ENOSPC on the k-th write, EIO, short reads/writes, stalls): :class:`FaultyBackend`.
 Crash consistency of the file tier (SIGKILL a spilling child, reopen, verify) is a tool, not imported here:
 ``tiered_kv.tools.crash.run_crash_test``.
+
+The cache-level soak -- :func:`cache_soak`, :class:`CacheSoakConfig`, :class:`CacheSoakReport`,
+:class:`CacheSoakFailure` (many tasks over a three-tier :class:`~tiered_kv.TieredKVCache` with file faults,
+stalls and cancellations; every reused token checked) -- lives in :mod:`tiered_kv.tools.cache_soak` and is
+re-exported here on first use::
+
+    from tiered_kv.testing import CacheSoakConfig, cache_soak
+
+    report = await cache_soak(CacheSoakConfig(ops=2_000, seed=7))   # raises CacheSoakFailure on a wrong token
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
 from .device import Device, Stream, stall_op
 from .faults import FaultyBackend
 
-__all__ = ["FaultyBackend", "assert_blocks_equal", "fill_random", "stall"]
+if TYPE_CHECKING:
+    from .tools.cache_soak import CacheSoakConfig, CacheSoakFailure, CacheSoakReport, cache_soak
+
+__all__ = [
+    "CacheSoakConfig",
+    "CacheSoakFailure",
+    "CacheSoakReport",
+    "FaultyBackend",
+    "assert_blocks_equal",
+    "cache_soak",
+    "fill_random",
+    "stall",
+]
+
+_CACHE_SOAK = ("CacheSoakConfig", "CacheSoakFailure", "CacheSoakReport", "cache_soak")
+
+
+def __getattr__(name: str) -> object:
+    """The cache soak's names, imported from the tools wing on first use (it needs the workload oracle)."""
+    if name in _CACHE_SOAK:
+        from .tools import cache_soak as module
+
+        return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def stall(stream: Stream | torch.cuda.Stream, seconds: float) -> None:

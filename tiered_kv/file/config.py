@@ -17,14 +17,14 @@ from collections.abc import Callable
 from typing import Any
 
 from ..backends import FileBackend
-from ..config import env_int
+from ..config import coerce_enum, env_int
 from ..layout import KVLayout
 from ..slab import HEADER_SIZE, slot_payload_size
 
 __all__ = ["Durability", "FileTierConfig", "SlabGeometry"]
 
 
-class Durability(enum.Enum):
+class Durability(enum.StrEnum):
     """When a copy into the file tier counts as complete.
 
     * ``NONE`` (default): when every write call returned -- the bytes are in the device (O_DIRECT) or the
@@ -44,13 +44,9 @@ class Durability(enum.Enum):
     @classmethod
     def coerce(cls, value: object) -> Durability:
         """Accept a :class:`Durability` or its name (``"none"``, ``"flush"``, ``"fsync"``)."""
-        if isinstance(value, Durability):
-            return value
-        if isinstance(value, str):
-            try:
-                return cls(value.strip().lower())
-            except ValueError:
-                pass
+        durability = coerce_enum(cls, value)
+        if durability is not None:
+            return durability
         raise ValueError(f"durability must be 'none', 'flush' or 'fsync', got {value!r}")
 
 
@@ -105,9 +101,11 @@ class FileTierConfig:
     @classmethod
     def from_env(cls, directory: str | os.PathLike[str], num_blocks: int, **overrides: Any) -> FileTierConfig:
         """Defaults, then ``TIERED_KV_GDS`` / ``TIERED_KV_FILE_*`` environment variables, then ``overrides``."""
+        from ..backends.gds import GdsMode
+
         values: dict[str, Any] = {}
         if "TIERED_KV_GDS" in os.environ:
-            values["gds"] = os.environ["TIERED_KV_GDS"]
+            values["gds"] = GdsMode.from_env().value
         if "TIERED_KV_FILE_DURABILITY" in os.environ:
             values["durability"] = os.environ["TIERED_KV_FILE_DURABILITY"]
         if "TIERED_KV_FILE_THREADS" in os.environ:

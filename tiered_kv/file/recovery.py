@@ -23,11 +23,12 @@ import os
 import time
 
 from ..backends.posix import create_file, preallocate
-from ..errors import LayoutMismatchError, SlabInUseError
+from ..errors import LayoutMismatchError, SlabInUseError, StorageError
 from ..layout import KVLayout
 from ..slab import HEADER_SIZE, Key, SlotHeader, Superblock, layout_text, payload_checksum, unpack_header
 from .config import FileTierConfig, SlabGeometry
 from .index import SlotIndex
+from .place import open_owned, storage_error
 
 __all__ = ["OpenReport", "open_slab", "take_lock"]
 
@@ -65,7 +66,7 @@ class OpenReport:
 def take_lock(config: FileTierConfig, path: str) -> int:
     """Hold an exclusive ``flock`` on ``<name>.lock`` for the tier's lifetime: one writer per slab; its fd."""
     lock_path = os.path.join(os.fspath(config.directory), f"{config.name}.lock")
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+    fd = open_owned(lock_path, os.O_RDWR | os.O_CREAT)  # never through a symlink, never another user's file
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -82,7 +83,12 @@ def open_slab(path: str, layout: KVLayout, geometry: SlabGeometry, config: FileT
             ``config.discard_mismatch`` is false.
         OSError: the file cannot be created (ENOSPC while preallocating, permissions).
     """
-    return _Opener(path, layout, geometry, config, index).open()
+    try:
+        return _Opener(path, layout, geometry, config, index).open()
+    except StorageError:
+        raise
+    except OSError as exc:  # ENOSPC while preallocating, EIO, ...: a sentence with the path and the size
+        raise storage_error(exc, path, "create or open the slab", geometry.offset(geometry.num_slots)) from None
 
 
 class _Opener:
@@ -103,17 +109,29 @@ class _Opener:
         want = Superblock(self._fingerprint, self.num_blocks, self.slot_size, self.payload_bytes, layout_text(self.layout))
         size = HEADER_SIZE + self.num_blocks * self.slot_size
         discarded = False
-        existing = os.path.exists(self.path) and os.path.getsize(self.path) > 0
+        existing = os.path.lexists(self.path)
+        if existing:  # never through a symlink, never another user's file (issue 11, finding 6)
+            fd = open_owned(self.path, os.O_RDONLY)
+            try:
+                existing = os.fstat(fd).st_size > 0
+                raw = os.pread(fd, HEADER_SIZE, 0)
+            finally:
+                os.close(fd)
+        rewrite = False
         if existing:
-            with open(self.path, "rb") as f:
-                raw = f.read(HEADER_SIZE)
             sb = Superblock.unpack(raw)
             problem = None
             if not any(raw):
-                # A creation that crashed between preallocating and writing the superblock: the superblock is
-                # synced before any slot is written, so nothing is lost by starting over.
-                log.warning("%s has no superblock (its creation was interrupted); creating it again", self.path)
-                existing = False
+                # A zeroed superblock: a creation that crashed between preallocating and writing it (then no slot
+                # was ever written), or damage to a slab whose slots are intact. Either way it is treated as
+                # damage, not as an empty slab (issue 11, finding 7): every slot verifies itself (magic,
+                # checksum, this layout's fingerprint, its own slot number), so the scan below keeps exactly the
+                # verified slots of this layout and the superblock is written again.
+                slots_on_disk = max(0, (os.path.getsize(self.path) - HEADER_SIZE) // self.slot_size)
+                log.warning("%s has a zeroed superblock; keeping the slots that verify (%d on disk) and rewriting it",
+                            self.path, slots_on_disk)
+                sb = Superblock(self._fingerprint, slots_on_disk, self.slot_size, self.payload_bytes, want.layout)
+                rewrite = True
             elif isinstance(sb, str):
                 problem = f"{self.path} is not a tiered_kv slab: {sb}"
             elif sb.fingerprint != self._fingerprint or sb.slot_size != self.slot_size or sb.payload_length != self.payload_bytes:
@@ -142,15 +160,15 @@ class _Opener:
             os.close(fd)
             return OpenReport(self.path, True, discarded, how, 0, 0, self.num_blocks, 0, 0, 0, time.perf_counter() - t0)
 
-        mode = os.stat(self.path).st_mode & 0o777
-        if mode & 0o077:
-            log.warning("%s has mode %o; setting it to 0600", self.path, mode)
-            os.chmod(self.path, 0o600)
-        fd = os.open(self.path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+        fd = open_owned(self.path, os.O_RDWR)  # ours (checked above, again here: no swap in between)
         try:
+            mode = os.fstat(fd).st_mode & 0o777
+            if mode & 0o077:
+                log.warning("%s has mode %o; setting it to 0600", self.path, mode)
+                os.fchmod(fd, 0o600)
             assert isinstance(sb, Superblock)
             old_slots = sb.num_slots
-            if old_slots != self.num_blocks:
+            if old_slots != self.num_blocks or rewrite:
                 log.info("%s: resizing from %d to %d slots", self.path, old_slots, self.num_blocks)
                 if old_slots < self.num_blocks:
                     preallocate(fd, size)
@@ -163,7 +181,8 @@ class _Opener:
             os.close(fd)
         scanned, recovered, empty, bad, foreign, stale = counts
         empty += max(0, self.num_blocks - old_slots)
-        return OpenReport(self.path, False, False, "existing", scanned, recovered, empty, bad, foreign, stale, time.perf_counter() - t0)
+        created = rewrite and recovered == 0  # a zeroed superblock over nothing: an interrupted creation
+        return OpenReport(self.path, created, False, "existing", scanned, recovered, empty, bad, foreign, stale, time.perf_counter() - t0)
 
     def _scan(self, fd: int, nslots: int) -> tuple[int, int, int, int, int, int]:
         """Rebuild the index from slot headers (and payloads with ``verify_on_open="full"``)."""

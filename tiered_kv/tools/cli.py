@@ -21,7 +21,7 @@ from typing import Any
 __all__ = ["main"]
 
 # Benchmarks run by `tiered-kv bench`, in order (modules under tiered_kv.tools.bench).
-BENCHMARKS = ["engine", "kernels", "overlap", "pagetables", "filetier", "cache"]
+BENCHMARKS = ["engine", "kernels", "overlap", "pagetables", "filetier", "cache", "remote", "model"]
 
 
 def _writable_dir(path: str) -> str:
@@ -44,97 +44,36 @@ def _run_loop(coro: Any) -> Any:
 
 
 async def _demo(args: argparse.Namespace) -> int:
-    """Replay the seeded multi-turn chat workload through a three-tier TieredKVCache; verify every reused token."""
-    import tempfile
-
+    """A real model (random weights) answers a seeded multi-turn chat through GPU, host and file tiers."""
     import torch
     from tqdm import tqdm
 
-    from .. import KVLayout, TieredKVCache
-    from .bench.common import percentile, print_table
-    from .workload import ChatWorkload, replay
+    from .demo import DemoConfig, check_outputs, plot_report, print_report, run_demo, write_json
 
-    layout = KVLayout(num_layers=8, num_kv_heads=4, head_dim=64, tokens_per_block=16, dtype=torch.float16)
-    workload = ChatWorkload(seed=args.seed, conversations=args.conversations)
-    turns = list(workload)
-    with tempfile.TemporaryDirectory(prefix="tiered-kv-demo-") as tmp:
-        directory = args.dir or tmp
-        async with TieredKVCache(
-            layout,
-            gpu_blocks=args.gpu_blocks,
-            host_blocks=args.host_blocks,
-            file_blocks=args.file_blocks,
-            file_dir=directory if args.file_blocks else None,
-            device=args.device,
-        ) as cache:
-            engine = cache.engine
-            latencies: list[float] = []
-            samples: list[dict[str, Any]] = []
-            t_start = time.perf_counter()
+    check_outputs(args.plot, args.json)  # before a minute of work, not after it
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: no CUDA device here (use --device cpu or auto)")
+    config = DemoConfig(device=args.device, seed=args.seed, conversations=args.conversations, max_new_tokens=args.max_new_tokens,
+                        gpu_blocks=args.gpu_blocks, host_blocks=args.host_blocks, file_blocks=args.file_blocks, directory=args.dir,
+                        remote=args.remote)
+    with tqdm(desc="chat turns through a real model", unit="turn", disable=args.quiet) as bar:
 
-            def observe(turn: Any, admission: Any, seconds: float) -> None:
-                latencies.append(seconds)
-                s = cache.statistics()
-                samples.append({"t": time.perf_counter() - t_start, "in_use": dict(s.blocks.in_use), "cached": dict(s.blocks.cached),
-                                "bytes": dict(s.engine.bytes_by_direction)})
+        def progress(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
 
-            title = f"replaying {len(turns)} turns on {engine.device.kind} ({engine.device.torch_device})"
-            with tqdm(turns, desc=title, unit="turn", disable=args.quiet) as bar:
-                report = await replay(cache, bar, observe=observe)
-            wall = time.perf_counter() - t_start
-            stats = cache.statistics()
-
-        tiers = [t for t in ("gpu", "host", "file") if stats.blocks.capacity.get(t)]
-        print_table(
-            [{"tier": t, "capacity_blocks": stats.blocks.capacity[t], "block_hits": stats.hits.get(t, 0),
-              "evicted_from": sum(v for k, v in stats.evictions.items() if k.startswith(t + "->"))} for t in tiers],
-            f"\n{report.turns} turns, {report.prompt_tokens} prompt tokens, {report.reused_tokens} reused "
-            f"(hit rate {report.hit_rate:.0%}), {report.verified_tokens} reused tokens verified, {report.mismatched_tokens} wrong",
-        )
-        seconds = stats.engine.seconds_by_direction
-        blocks = stats.engine.blocks_by_direction
-        print_table(
-            [{"direction": d, "blocks": blocks.get(d, 0), "MiB": b / 2**20, "avg GB/s over the run": b / wall / 1e9,
-              "mean ms per copy": seconds.get(d, 0.0) / max(1, sum(stats.engine.latency_counts.get(d, ()))) * 1e3}
-             for d, b in sorted(stats.engine.bytes_by_direction.items())],
-            "\nbytes moved per direction",
-        )
-        print(f"\nadd_sequences await latency: p50 {percentile(latencies, 50) * 1e3:.2f} ms, "
-              f"p99 {percentile(latencies, 99) * 1e3:.2f} ms, max {max(latencies) * 1e3:.2f} ms; wall {wall:.1f} s")
-        if args.plot:
-            _plot(samples, tiers, args.plot)
-            print(f"wrote {args.plot}")
+        report = await run_demo(config, progress)
+    print_report(report)
+    if args.plot:
+        plot_report(report, args.plot)
+        print(f"wrote {args.plot}")
+    if args.json:
+        write_json(report, args.json)
+        print(f"wrote {args.json}")
     if report.mismatched_tokens:
-        print(f"error: {report.mismatched_tokens} reused tokens held the wrong bytes", file=sys.stderr)
+        print(f"error: {report.mismatched_tokens} reused tokens' KV differ from a recompute", file=sys.stderr)
         return 1
     return 0
-
-
-def _plot(samples: list[dict[str, Any]], tiers: list[str], path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ValueError("--plot needs matplotlib: pip install 'tiered-kv[examples]'") from None
-    t = [s["t"] for s in samples]
-    fig, (occ, thr) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
-    for tier in tiers:
-        occ.plot(t, [s["in_use"].get(tier, 0) + s["cached"].get(tier, 0) for s in samples], label=f"{tier} occupied")
-    occ.set_ylabel("blocks")
-    occ.legend()
-    directions = sorted({d for s in samples for d in s["bytes"]})
-    for d in directions:
-        moved = [s["bytes"].get(d, 0) for s in samples]
-        rate = [0.0] + [(moved[i] - moved[i - 1]) / max(t[i] - t[i - 1], 1e-9) / 1e9 for i in range(1, len(t))]
-        thr.plot(t, rate, label=d)
-    thr.set_ylabel("GB/s")
-    thr.set_xlabel("seconds")
-    thr.legend()
-    fig.suptitle("tiered-kv demo: tier occupancy and throughput")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 # ------------------------------------------------------------------------------------------ bench
@@ -158,11 +97,14 @@ def _bench(args: argparse.Namespace) -> int:
             print(f"error: cannot read {args.compare}: {exc}", file=sys.stderr)
             return 2
     results = []
-    for name in names:
+    for i, name in enumerate(names, 1):
+        print(f"[{i}/{len(names)}] running bench.{name} ...", flush=True)  # each takes seconds to minutes
         module = importlib.import_module(f"tiered_kv.tools.bench.{name}")
         t0 = time.perf_counter()
         result = finalize(module.run(args.quick, args.device))
         result["seconds"] = time.perf_counter() - t0
+        if result.get("machine", {}).get("device") == "emulated (CPU)":
+            result.setdefault("notes", []).append("emulated device: CPU figures, not comparable to the GPU targets")
         print_grouped(result)
         for note in result.get("notes", []):
             print(f"  note: {note}")
@@ -241,6 +183,11 @@ def _doctor_checks(directory: str) -> list[tuple[str, bool, str, str]]:
                    "raise `ulimit -l` if pinning the host pool fails"))
     writable = os.path.isdir(directory) and os.access(directory, os.W_OK)
     checks.append(("directory", writable, directory, "pass --dir with a writable directory"))
+    from ..file.place import directory_problem
+
+    problem = directory_problem(directory)  # shared directories: symlinks, other users' files (issue 11)
+    checks.append(("directory safe for a file tier", problem is None, "yes" if problem is None else problem,
+                   "use a directory of your own (0700), or a sticky one (chmod +t) like /tmp"))
     if writable:
         from ..backends.gds import select_backend
         from ..backends.posix import direct_io_supported
@@ -258,6 +205,10 @@ def _doctor_checks(directory: str) -> list[tuple[str, bool, str, str]]:
 
 def _doctor(args: argparse.Namespace) -> int:
     checks = _doctor_checks(args.dir)
+    if args.remote:
+        from ..remote.doctor import remote_checks
+
+        checks += _run_loop(remote_checks(args.remote))
     width = max(len(c[0]) for c in checks)
     for name, ok, found, fix in checks:
         mark = "ok " if ok else "-- "
@@ -352,6 +303,16 @@ def _build_ext(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------ main
 
 
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
+    return value
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -367,16 +328,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="replay a seeded multi-turn chat workload through GPU, host and file tiers; verify every reused token")
+    demo = sub.add_parser("demo", help="a real model (random weights) answers a seeded multi-turn chat through GPU, host and file tiers; "
+                                        "every reused token's KV checked against a recompute; TTFT with vs without the cache")
     demo.add_argument("--device", default="auto", help="auto (CUDA if present, else emulated) | cpu | cuda[:N]")
     demo.add_argument("--dir", type=_writable_dir, help="directory of the file tier (default: a temporary directory, removed afterwards)")
-    demo.add_argument("--conversations", type=_positive, default=48, help="conversations to replay (default: %(default)s)")
-    demo.add_argument("--seed", type=int, default=0, help="workload seed (default: %(default)s)")
-    demo.add_argument("--gpu-blocks", type=_positive, default=128, help="GPU tier blocks (default: %(default)s)")
-    demo.add_argument("--host-blocks", type=_positive, default=256, help="host tier blocks (default: %(default)s)")
-    demo.add_argument("--file-blocks", type=int, default=4096, help="file tier blocks; 0 for none (default: %(default)s)")
-    demo.add_argument("--plot", metavar="FILE.png", help="draw tier occupancy and throughput over time (needs matplotlib)")
+    demo.add_argument("--conversations", type=_positive, default=24, help="conversations to replay (default: %(default)s)")
+    demo.add_argument("--max-new-tokens", type=_positive, default=24, help="longest reply (default: %(default)s)")
+    demo.add_argument("--seed", type=int, default=0, help="workload and weights seed (default: %(default)s)")
+    demo.add_argument("--gpu-blocks", type=_positive, default=80, help="GPU tier blocks of 16 tokens (default: %(default)s)")
+    demo.add_argument("--host-blocks", type=_positive, default=64, help="host tier blocks (default: %(default)s)")
+    demo.add_argument("--file-blocks", type=_non_negative, default=1024, help="file tier blocks; 0 for none (default: %(default)s)")
+    demo.add_argument("--plot", metavar="FILE.png", help="draw hit rate and hits per tier, tier occupancy, TTFT with vs without (needs matplotlib)")
+    demo.add_argument("--json", metavar="FILE.json", help="also write the figures as JSON")
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
+    demo.add_argument("--remote", metavar="URL", help="share blocks through a store: redis://host:port/0 or mooncake://host:port")
     demo.set_defaults(func=lambda a: _run_loop(_demo(a)))
 
     bench = sub.add_parser("bench", help="run every benchmark next to its same-run baseline; one table, one JSON")
@@ -412,6 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="report CUDA, kvikio/GDS, pinned-memory limits, uvloop; what to do if missing")
     doctor.add_argument("--dir", default=os.getcwd(), help="directory to check for the file tier (default: cwd)")
     doctor.add_argument("--json", help="also write the checks as JSON")
+    doctor.add_argument("--remote", metavar="URL", help="also probe a remote store: reachability, round trip, bandwidth")
     doctor.set_defaults(func=_doctor)
     return parser
 

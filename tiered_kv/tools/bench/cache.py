@@ -36,6 +36,7 @@ from ...cache import TieredKVCache
 from ...keys import KeyHasher
 from ...layout import KVLayout
 from ...pools import Tier
+from ..baselines import add_sequences_one_phase
 from ..workload import ChatWorkload, replay
 from .common import bench_main, machine_info, timeit
 
@@ -141,7 +142,7 @@ async def _admission_case(layout: KVLayout, device: str, n_req: int, tokens: int
         planned = sum(cache.match(r)[0] for r in reqs)
         before = cache.statistics()
         t0 = time.perf_counter()
-        adms = await cache.add_sequences(reqs, _one_phase=(mode == "one-phase"))
+        adms = await (add_sequences_one_phase(cache, reqs) if mode == "one-phase" else cache.add_sequences(reqs))
         dt = time.perf_counter() - t0
         after = cache.statistics()
     reused = sum(a.tokens_reused for a in adms)

@@ -11,6 +11,9 @@ Rows, each next to a baseline measured in the same run:
   the better path at every size.
 * ``partial``: ``num_tokens`` = 1/4, 1/2, 3/4 of a block, GPU->GPU (fraction of a contiguous device copy of
   the same bytes; target >= 0.8) and host->GPU (fraction of a contiguous pinned H2D; target >= 0.85).
+* ``layouts``: every GPU pool kind of :mod:`tiered_kv.pool_kinds` (engine layouts) at 64 KiB pieces, offload
+  and onboard, next to one contiguous copy; bit-exact round trip per row (:mod:`tiered_kv.tools.bench.layouts`).
+  Target: >= 0.85x contiguous.
 * ``gather``: block-offset gather for 512 sequences x 2 pools x 256 blocks from a pinned table: host time
   per call, device time, end to end, next to index_select + non_blocking copy + torch arithmetic.
   Target: >= 3x faster end to end.
@@ -40,6 +43,7 @@ from ...layer_major import LayerMajorPool
 from ...layout import KVLayout
 from ...pools import BlockPool, Tier
 from ...testing import fill_random
+from . import layouts
 from .common import bench_main, machine_info
 
 __all__ = ["main", "run"]
@@ -374,11 +378,13 @@ def run(quick: bool = False, device: str = "auto") -> dict[str, Any]:
             section("sweep", lambda: _sweep(device, sizes, (64 if quick else 256) << 20, 3 if quick else 10))
             section("partial", lambda: _partial(device, 256, 3 if quick else 10))
             section("gather", lambda: _gather(device, 512, 2, 256, 20 if quick else 100))
+            section("layouts", lambda: layouts.rows(device, 64 << 10, 8 if quick else 32, 64 if quick else 128, 3 if quick else 10))
         else:
             section("layer_major", lambda: _layer_major(device, 4096, 4, 8, 5, 1))
             section("sweep", lambda: _sweep(device, [4 << 10, 64 << 10, 1 << 20], 2 << 20, 3))
             section("partial", lambda: _partial(device, 8, 2))
             section("gather", lambda: _gather(device, 64, 2, 32, 5))
+            section("layouts", lambda: layouts.rows(device, 4 << 10, 2, 4, 2))
     finally:
         loop.close()
     notes = [
@@ -389,6 +395,8 @@ def run(quick: bool = False, device: str = "auto") -> dict[str, Any]:
         "partial: block-major pools, tokens [0, n) of every (layer, kv, head); fraction = contiguous time / engine time; "
         "op_dev = the copy_blocks op alone, device time (CUDA events behind a sleep kernel, host issue excluded), "
         "base_dev = the contiguous copy's device time measured the same way",
+        "layouts: one row per GPU pool kind (tiered_kv.pool_kinds) and direction, all blocks in one engine call, "
+        "vs one contiguous copy of the same bytes; bit_exact = a random-content round trip through the host tier",
         "gather: host_us = CPU time to issue one call; device_us = CUDA events around it; end_to_end = issue to synchronize",
     ]
     notes += errors

