@@ -212,3 +212,25 @@ async def test_engine_small_calls_use_the_list_op_on_their_stream(layout) -> Non
         host = engine.pool(Tier.HOST).tensor.cpu()
         for i in range(big):
             assert same(host[big - 1 - i], g[i]), i
+
+
+async def test_cancelled_transfer_await_forgets_its_waiter(layout) -> None:
+    """Transfer.__await__ waits through Marker.wait_steps: a cancelled await leaves no waiter behind."""
+    from tiered_kv.testing import stall
+
+    async with TransferEngine(layout, gpu_blocks=2, host_blocks=2, device="cpu") as engine:
+        stall(engine.stream("offload"), 0.2)
+        t = engine.copy(Tier.GPU, [0], Tier.HOST, [1])
+
+        async def wait() -> None:
+            await t
+
+        tasks = [asyncio.create_task(wait()) for _ in range(3)]
+        await asyncio.sleep(0.01)
+        assert len(t._marker._waiters) == 3
+        tasks[0].cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await tasks[0]
+        assert len(t._marker._waiters) == 2 and not t.done()
+        await asyncio.gather(*tasks[1:])
+        assert t.done() and t._marker._waiters == [] and (await t).num_blocks == 1
