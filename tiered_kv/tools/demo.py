@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from ..cache import TieredKVCache
+from ..cost_model import CostModel
 from .bench.common import percentile, print_table
 from .workload import ChatWorkload
 
@@ -49,6 +50,7 @@ class DemoConfig:
         max_new_tokens: longest reply (the workload draws each reply's length up to this).
         gpu_blocks, host_blocks, file_blocks: tier sizes in blocks of 16 tokens (``file_blocks=0``: no file tier).
         directory: the file tier's directory (default: a temporary one, removed afterwards).
+        remote: a store URL (``redis://...``, ``mooncake://...``): the cache's remote tier (none by default).
         layers, hidden, vocab: the model's shape (heads of 64 dims, half as many KV heads).
     """
 
@@ -61,6 +63,7 @@ class DemoConfig:
     host_blocks: int = 64
     file_blocks: int = 1024
     directory: str | None = None
+    remote: str | None = None
     layers: int = 4
     hidden: int = 256
     vocab: int = 4096
@@ -81,7 +84,10 @@ class DemoReport:
         first_token_agree: turns whose first generated token equals the recompute's greedy token.
         ttft_with, ttft_without: seconds to the first token per turn, through the cache / recomputing it all.
         wall_s: seconds of the replay.
+        reuse: the cost model's decisions (:class:`~tiered_kv.cost_model.ReuseStatistics` as a dict): blocks
+            skipped per tier, estimated seconds saved, measured bandwidth per tier, prefill time per token.
         samples: one dict per turn (time, hits, occupancy per tier, TTFTs) for plots.
+        remote: the remote tier's statistics (a dict), if the run had one.
     """
 
     device: str
@@ -102,7 +108,9 @@ class DemoReport:
     ttft_with: list[float]
     ttft_without: list[float]
     wall_s: float
+    reuse: dict[str, Any]
     samples: list[dict[str, Any]]
+    remote: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (every field, plus TTFT percentiles)."""
@@ -194,8 +202,10 @@ async def run_demo(cfg: DemoConfig, progress: Callable[[int, int], None] | None 
             file_dir=directory if cfg.file_blocks else None,
             device=str(torch_device) if dev.is_cuda else "cpu",
             model_id=f"tiered-kv-demo/{description}/seed={cfg.seed}",
+            remote=cfg.remote,
         ) as cache:
-            generator = CachedGenerator(model, cache, on_reuse=on_reuse)
+            cost = CostModel(cache).attach()  # reuse a tier's blocks only where that beats recomputing them
+            generator = CachedGenerator(model, cache, on_reuse=on_reuse, cost_model=cost)
             history: dict[int, np.ndarray] = {}  # conversation -> what the model has seen and said so far
             scripted: dict[int, int] = {}  # conversation -> length of the workload's own history
             t_start = time.perf_counter()
@@ -240,14 +250,16 @@ async def run_demo(cfg: DemoConfig, progress: Callable[[int, int], None] | None 
                 generator.close()
             wall = time.perf_counter() - t_start
             stats = cache.statistics()
+            reuse = dataclasses.asdict(cost.statistics())
     capacity = {t: n for t, n in stats.blocks.capacity.items() if n}
     return DemoReport(
         device=device_name, emulated=emulated, model=description, turns=len(turns),
         prompt_tokens=stats.tokens_requested, reused_tokens=stats.tokens_reused, hit_rate=stats.hit_rate,
-        hits={t: stats.hits.get(t, 0) for t in capacity}, capacity=capacity, evictions=dict(stats.evictions),
+        hits={t: stats.hits.get(t, 0) for t in (*capacity, *(("remote",) if stats.remote else ()))}, capacity=capacity, evictions=dict(stats.evictions),
         bytes_moved=dict(stats.bytes_moved), verified_tokens=verified, mismatched_tokens=mismatched,
         max_kv_diff=max_diff, first_token_agree=agree, ttft_with=ttft_with, ttft_without=ttft_without, wall_s=wall,
-        samples=samples,
+        reuse=reuse, samples=samples,
+        remote=dataclasses.asdict(stats.remote) if stats.remote is not None else None,
     )
 
 
@@ -274,6 +286,20 @@ def print_report(report: DemoReport) -> None:
     print_table(rows, "\ntime to first token")
     print_table([{"direction": d, "MiB": b / 2**20} for d, b in sorted(report.bytes_moved.items())],
                 "\nbytes moved per direction")
+    r = report.reuse
+    measured = ", ".join(f"{t}->gpu {bw / 1e9:.2f} GB/s" for t, bw in r["bandwidth"].items()) or "none yet"
+    skipped = ", ".join(f"{t} {n}" for t, n in r["skipped_blocks"].items()) or "none"
+    print(f"\ncost-aware reuse: {r['decisions']} admissions priced (measured {measured}; prefill "
+          f"{r['prefill_s_per_token'] * 1e6:.1f} us/token); blocks left to recompute: {skipped}; estimated time saved "
+          f"{r['saved_vs_reuse_all_s'] * 1e3:.1f} ms against reusing everything, {r['saved_vs_recompute_s']:.2f} s "
+          "against recomputing everything")
+    if report.remote is not None:
+        r = report.remote
+        rows = [{"op": op, "round trips": r["batches"][op], "objects": r["blocks"][op], "MiB": r["bytes"][op] / 2**20,
+                 "mean ms per batch": r["seconds"][op] / r["batches"][op] * 1e3 if r["batches"][op] else 0.0} for op in ("get", "put")]
+        print_table(rows, f"\nremote tier {r['url']} ({'available' if r['available'] else 'UNAVAILABLE'}): "
+                          f"{report.hits.get('remote', 0)} block hits, {r['blocks']['miss']} misses, "
+                          f"{r['blocks']['bad']} objects failed verification, {r['errors']} errors")
     print(f"\nwall {report.wall_s:.1f} s")
 
 
