@@ -14,7 +14,7 @@ BLOCK = LAYOUT.bytes_per_block  # 4 KiB
 
 
 def _tokens(seed: int, n: int) -> list[int]:
-    return np.random.default_rng(seed).integers(0, 1000, n).tolist()
+    return [int(x) for x in np.random.default_rng(seed).integers(0, 1000, n)]
 
 
 async def _cached_in(cache: TieredKVCache, prompt: list[int], tier: str) -> None:

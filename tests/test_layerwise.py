@@ -83,7 +83,7 @@ async def test_wait_layer_orders_compute_after_that_layer_only(device, layout) -
             lw.wait_layer(7, compute)
 
 
-async def asyncio_to_thread(fn) -> None:  # type: ignore[no-untyped-def]
+async def asyncio_to_thread(fn) -> None:
     import asyncio
 
     await asyncio.to_thread(fn)

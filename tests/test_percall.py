@@ -198,7 +198,7 @@ async def test_engine_small_calls_use_the_list_op_on_their_stream(layout) -> Non
         calls: list[str] = []
         real_build = engine.copier.build
 
-        def build(*args, **kwargs):  # type: ignore[no-untyped-def]
+        def build(*args, **kwargs):
             op = real_build(*args, **kwargs)
             calls.append("list" if getattr(op, "explicit_stream", False) else "tensor")
             return op
