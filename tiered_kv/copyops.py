@@ -45,8 +45,7 @@ import torch
 from . import opdefs, ops, pool_kinds
 from .config import EngineConfig
 from .device import CudaStream, Device, Stream
-from .layer_major import LayerMajorPool
-from .layerwise import LayerSlice
+from .layer_major import LayerMajorPool, LayerSlice
 from .pools import SMALL_CALL_BLOCKS, BlockPool, merge_runs
 
 __all__ = ["Copier", "CopierStatistics", "CopyPlan", "Side", "choose_path", "pool_tensors"]
@@ -59,7 +58,7 @@ Side = BlockPool | LayerMajorPool | LayerSlice  # what a copy reads or writes: a
 
 
 def pool_tensors(pool: Side) -> list[torch.Tensor]:
-    """The tensors of a pool (or of a :class:`~tiered_kv.layerwise.LayerSlice`) as ``copy_blocks`` takes them."""
+    """The tensors of a pool (or of a :class:`~tiered_kv.layer_major.LayerSlice`) as ``copy_blocks`` takes them."""
     if isinstance(pool, (LayerMajorPool, LayerSlice)):
         return list(pool.tensors)
     return [pool.tensor]

@@ -3,6 +3,7 @@
 Primitives:
 
 * :class:`LayerMajorPool` -- per-layer (or per-layer-and-K/V) GPU tensors seen as one pool of blocks: ``allocate``, ``block``, ``layer``, ``check``.
+* :class:`LayerSlice` -- layers ``[start, stop)`` of a block-major or layer-major pool, as the copier sees them (a view).
 
 A block of a layer-major pool is ``layers * kv`` chunks scattered over the per-layer tensors; the host and
 file tiers still store it contiguously (block-major), so offload gathers and onboard scatters. The copies are
@@ -11,15 +12,16 @@ done by :mod:`tiered_kv.copyops` (one kernel launch, or DMA calls issued in C++)
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from .layout import KVLayout
-from .pools import Tier, check_indices
+from .pools import BlockPool, Tier, check_indices
 
-__all__ = ["LayerMajorPool"]
+__all__ = ["LayerMajorPool", "LayerSlice"]
 
 
 class LayerMajorPool:
@@ -119,3 +121,39 @@ class LayerMajorPool:
             f"<LayerMajorPool {self.name} blocks={self.num_blocks} tensors={len(self.tensors)} ({kind}-major)"
             f" device={self.device}>"
         )
+
+
+class LayerSlice:
+    """Layers ``[start, stop)`` of every block of a block-major or layer-major pool (a view).
+
+    Args:
+        pool: the whole pool.
+        start: first layer.
+        stop: one past the last layer.
+
+    Attributes:
+        pool: the whole pool (fences are kept on it, per block).
+        layout: the pool's layout with ``num_layers = stop - start``.
+        tensors: what the copy op takes: one strided block-major view, or the per-layer tensors of the range.
+    """
+
+    __slots__ = ("layout", "name", "num_blocks", "pool", "start", "stop", "tensors", "tier")
+
+    def __init__(self, pool: BlockPool | LayerMajorPool, start: int, stop: int) -> None:
+        layers = pool.layout.num_layers
+        if not 0 <= start < stop <= layers:
+            raise ValueError(f"layers must be a range (start, stop) with 0 <= start < stop <= {layers}, got ({start}, {stop})")
+        self.pool = pool
+        self.start, self.stop = start, stop
+        self.tier: Tier = pool.tier
+        self.name = pool.name
+        self.num_blocks = pool.num_blocks
+        self.layout: KVLayout = dataclasses.replace(pool.layout, num_layers=stop - start)
+        if isinstance(pool, LayerMajorPool):
+            per = pool.layout.block_shape[1] if pool.split_kv else 1  # tensors per layer: K and V, or one
+            self.tensors: list[torch.Tensor] = list(pool.tensors[start * per : stop * per])
+        else:
+            self.tensors = [pool.tensor[:, start:stop]]
+
+    def __repr__(self) -> str:
+        return f"<LayerSlice {self.name} layers [{self.start}, {self.stop}) of {self.pool.layout.num_layers}>"

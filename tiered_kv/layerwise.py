@@ -2,7 +2,8 @@
 
 Primitives:
 
-* :class:`LayerSlice` -- layers ``[start, stop)`` of a pool, as the copier sees them (a view, no copy).
+* :class:`~tiered_kv.layer_major.LayerSlice` -- layers ``[start, stop)`` of a pool (re-exported from
+  :mod:`tiered_kv.layer_major`, where the pools live).
 * :func:`layer_groups` -- split ``num_layers`` into consecutive groups of ``group_layers``.
 * :class:`LayerwiseTransfer` -- one :class:`~tiered_kv.engine.Transfer` per layer group;
   :meth:`LayerwiseTransfer.wait_layer` makes a compute stream wait, stream-side, for the group holding one
@@ -18,57 +19,19 @@ in order on one copy stream, so they never wait for each other beyond that FIFO.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Generator, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from .layer_major import LayerMajorPool
-from .layout import KVLayout
-from .pools import BlockPool, Tier
+from .layer_major import LayerSlice
+from .pools import Tier
 
 if TYPE_CHECKING:
     from .engine import Transfer, TransferEngine, TransferResult
 
 __all__ = ["LayerSlice", "LayerwiseTransfer", "copy_layerwise", "layer_groups"]
-
-
-class LayerSlice:
-    """Layers ``[start, stop)`` of every block of a block-major or layer-major pool (a view).
-
-    Args:
-        pool: the whole pool.
-        start: first layer.
-        stop: one past the last layer.
-
-    Attributes:
-        pool: the whole pool (fences are kept on it, per block).
-        layout: the pool's layout with ``num_layers = stop - start``.
-        tensors: what the copy op takes: one strided block-major view, or the per-layer tensors of the range.
-    """
-
-    __slots__ = ("layout", "name", "num_blocks", "pool", "start", "stop", "tensors", "tier")
-
-    def __init__(self, pool: BlockPool | LayerMajorPool, start: int, stop: int) -> None:
-        layers = pool.layout.num_layers
-        if not 0 <= start < stop <= layers:
-            raise ValueError(f"layers must be a range (start, stop) with 0 <= start < stop <= {layers}, got ({start}, {stop})")
-        self.pool = pool
-        self.start, self.stop = start, stop
-        self.tier: Tier = pool.tier
-        self.name = pool.name
-        self.num_blocks = pool.num_blocks
-        self.layout: KVLayout = dataclasses.replace(pool.layout, num_layers=stop - start)
-        if isinstance(pool, LayerMajorPool):
-            per = pool.layout.block_shape[1] if pool.split_kv else 1  # tensors per layer: K and V, or one
-            self.tensors: list[torch.Tensor] = list(pool.tensors[start * per : stop * per])
-        else:
-            self.tensors = [pool.tensor[:, start:stop]]
-
-    def __repr__(self) -> str:
-        return f"<LayerSlice {self.name} layers [{self.start}, {self.stop}) of {self.pool.layout.num_layers}>"
 
 
 def layer_groups(num_layers: int, group_layers: int) -> list[tuple[int, int]]:

@@ -19,7 +19,7 @@ import numpy as np
 from .copyops import Copier, Pool, Side
 from .device import Event, Stream
 from .handlers import Batch, Done, Medium
-from .layerwise import LayerSlice
+from .layer_major import LayerSlice
 from .pools import Tier
 
 __all__ = ["STREAM_ROUTES", "StreamCopier"]
