@@ -21,11 +21,12 @@ import collections
 import dataclasses
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from ..blocks import Admission, Block, Request
+from ..blocks import Admission, Block, BlockManager, Plan, Request
+from ..engine import TransferEngine
 from ..errors import TransferError
 from ..keys import ContentKey, as_token_array
 from ..pools import Tier
@@ -33,8 +34,14 @@ from ..transfer import Transfer
 from .tier import RemoteStatistics, RemoteTier
 from .url import StoreURL
 
-if TYPE_CHECKING:
-    from ..cache import TieredKVCache
+
+class CacheSide(Protocol):
+    """What the link uses of a :class:`~tiered_kv.TieredKVCache` (a protocol: the cache imports this module)."""
+
+    blocks: BlockManager
+    engine: TransferEngine
+
+    def _issue(self, plan: Plan) -> list[Transfer]: ...
 
 __all__ = ["POLICIES", "RemoteLink"]
 
@@ -59,7 +66,7 @@ class RemoteLink:
         ValueError: a bad policy or URL, a cache without a host tier.
     """
 
-    def __init__(self, cache: TieredKVCache, remote: str | StoreURL | RemoteTier, *, policy: str = "commit",
+    def __init__(self, cache: CacheSide, remote: str | StoreURL | RemoteTier, *, policy: str = "commit",
                  rank: int = 0, max_pending: int = 4096) -> None:
         if policy not in POLICIES:
             raise ValueError(f"remote_policy must be one of {', '.join(map(repr, POLICIES))}, got {policy!r}")

@@ -19,19 +19,39 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
 from ..device import Event, Stream
+from ..engine import TransferEngine
 from ..errors import IntegrityError, RemoteStoreError
+from ..fences import Marker
 from ..handlers import Batch, Done, Medium
+from ..layout import KVLayout
 from ..pools import BlockPool, Tier, check_indices
 from .objects import object_name
+from .stores import RemoteStore
 
-if TYPE_CHECKING:
-    from .tier import RemoteTier
+
+class TierSide(Protocol):
+    """What the handler uses of its :class:`~tiered_kv.remote.RemoteTier` (a protocol: the tier imports this module)."""
+
+    engine: TransferEngine
+    store: RemoteStore
+    rank: int
+    layout: KVLayout
+    _tasks: set[asyncio.Task[Any]]
+    _blocks: dict[str, int]
+
+    def _usable(self) -> bool: ...
+
+    async def _put_blocks(self, tier: Tier, pool: Any, slots: list[int], names: list[str], found: list[bool],
+                          staged_all: Callable[[], None] | None = None) -> None: ...
+
+    async def _get_blocks(self, tier: Tier, pool: BlockPool, slots: list[int], names: list[str], found: list[bool],
+                          deps: Iterable[Marker] = ()) -> None: ...
 
 __all__ = ["RemoteHandler", "RemoteMedium"]
 
@@ -74,10 +94,10 @@ class _RemoteJob:
                     tier._blocks["put_dropped"] += b.size
                     raise RemoteStoreError(f"the remote store {tier.store.url} is unavailable")
                 pool = tier.engine.pool(b.src_tier)
-                await tier._put_blocks(b.src_tier, pool, b.lists()[0], names, found)
+                await tier._put_blocks(b.src_tier, pool, [int(i) for i in b.src], names, found)
             else:
                 pool = tier.engine.pool(b.dst_tier)
-                await tier._get_blocks(b.dst_tier, pool, b.lists()[1], names, found)  # type: ignore[arg-type]
+                await tier._get_blocks(b.dst_tier, pool, [int(i) for i in b.dst], names, found)  # type: ignore[arg-type]
                 if not all(found):
                     raise IntegrityError(f"{found.count(False)} of {b.size} blocks were not served by the remote store "
                                          "(missing, failed verification, or the store is unavailable)")
@@ -92,7 +112,7 @@ class _RemoteJob:
 class RemoteHandler:
     """Routes copies between the engine's pools and the store to a :class:`RemoteTier`."""
 
-    def __init__(self, tier: RemoteTier) -> None:
+    def __init__(self, tier: TierSide) -> None:
         self.tier = tier
         self._medium = RemoteMedium()
         pools = [t for t in (Tier.GPU, Tier.HOST) if _has_pool(tier, t)]
@@ -137,7 +157,7 @@ class RemoteHandler:
         return f"<RemoteHandler {self.tier.store.url}>"
 
 
-def _has_pool(tier: RemoteTier, t: Tier) -> bool:
+def _has_pool(tier: TierSide, t: Tier) -> bool:
     try:
         tier.engine.pool(t)
     except ValueError:
