@@ -146,7 +146,14 @@ class Copier:
         return info
 
     def layer_slice(self, pool: BlockPool | LayerMajorPool, start: int, stop: int) -> LayerSlice:
-        """Layers ``[start, stop)`` of ``pool``, made once per range (so its geometry is cached like a pool's)."""
+        """Layers ``[start, stop)`` of ``pool``, made once per range (so its geometry is cached like a pool's).
+
+        Raises:
+            ValueError: a chunked pool (engine layouts: a layer is not one region), or a bad range.
+        """
+        if isinstance(pool, pool_kinds.ChunkedPool):
+            raise ValueError("layer-wise copies (layers=) are not supported for chunked GPU pools (engine layouts); "
+                             "copy whole blocks")
         key = (id(pool), start, stop)
         view = self._slices.get(key)
         if view is None or view.pool is not pool:
