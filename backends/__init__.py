@@ -63,11 +63,15 @@ class FileBackend(Protocol):
     name: str
     device_io: bool
 
-    def pwrite(self, buffers: Sequence[torch.Tensor | np.ndarray], offset: int, *, before: Callable[[], object] | None = None) -> Completion:
+    def pwrite(
+        self, buffers: Sequence[torch.Tensor | np.ndarray], offset: int, *, before: Callable[[], object] | None = None
+    ) -> Completion:
         """Write ``buffers`` back to back at ``offset``; ``before()`` runs on the I/O thread first."""
         ...
 
-    def pread(self, buffers: Sequence[torch.Tensor | np.ndarray], offset: int, *, after: Callable[[int], object] | None = None) -> Completion:
+    def pread(
+        self, buffers: Sequence[torch.Tensor | np.ndarray], offset: int, *, after: Callable[[int], object] | None = None
+    ) -> Completion:
         """Fill ``buffers`` back to back from ``offset``; ``after(nbytes)`` runs on the I/O thread once they are filled."""
         ...
 

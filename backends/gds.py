@@ -145,7 +145,11 @@ def probe(check_driver: bool = True) -> GdsProbe:
     if not check_driver:
         return GdsProbe(version, True, None, "kvikio and libcuda.so.1 are present")
     available = _query_gds(kvikio)
-    why = "cuFile reports GDS available" if available else "cuFile reports GDS unavailable (kvikio would use its compat mode)"
+    why = (
+        "cuFile reports GDS available"
+        if available
+        else "cuFile reports GDS unavailable (kvikio would use its compat mode)"
+    )
     return GdsProbe(version, True, available, why)
 
 
@@ -251,8 +255,16 @@ class GdsBackend:
         except Exception:  # older kvikio: compat_mode() instead of get()
             compat_now = getattr(kvikio.defaults, "compat_mode", lambda: None)()
         # CompatMode may be an IntEnum (str() gives a number): compare values, not names.
-        forced_on = compat_now is True or (compat is not None and compat_now == compat.ON) or str(compat_now).lower() in ("on", "compatmode.on")
-        available = p.gds_available if p is not None and p.gds_available is not None else (None if forced_on else _query_gds(kvikio))
+        forced_on = (
+            compat_now is True
+            or (compat is not None and compat_now == compat.ON)
+            or str(compat_now).lower() in ("on", "compatmode.on")
+        )
+        available = (
+            p.gds_available
+            if p is not None and p.gds_available is not None
+            else (None if forced_on else _query_gds(kvikio))
+        )
         if m is GdsMode.AUTO and not forced_on and not available:
             # No GDS here: pin kvikio to its POSIX path so that no call ever tries cuFile handle registration
             # (which spun at 100% CPU where nvidia-fs was missing). This is what AUTO would fall back to anyway.
@@ -261,8 +273,11 @@ class GdsBackend:
         gds_real = not forced_on and bool(available)
         self.device_io = gds_real if device_io is None else bool(device_io)
         self.gds = gds_real
-        _log_once("gds", f"kvikio {'cuFile (GPUDirect Storage)' if gds_real else 'compat mode (POSIX inside kvikio)'}, "
-                         f"device buffers {'direct' if self.device_io else 'staged through pinned memory'}")
+        _log_once(
+            "gds",
+            f"kvikio {'cuFile (GPUDirect Storage)' if gds_real else 'compat mode (POSIX inside kvikio)'}, "
+            f"device buffers {'direct' if self.device_io else 'staged through pinned memory'}",
+        )
         self.mode = m
         self.path = os.fspath(path)
         self._file = kvikio.CuFile(self.path, "r+")
@@ -282,7 +297,9 @@ class GdsBackend:
             out.append(_kvikio_buffer(b))
         return out
 
-    def _start(self, write: bool, buffers: Sequence[torch.Tensor | np.ndarray], offset: int, hook: Any) -> concurrent.futures.Future[int]:
+    def _start(
+        self, write: bool, buffers: Sequence[torch.Tensor | np.ndarray], offset: int, hook: Any
+    ) -> concurrent.futures.Future[int]:
         arrays = self._check(buffers)
         call = self._file.pwrite if write else self._file.pread
         sizes = [b.nbytes for b in buffers]
@@ -344,4 +361,6 @@ class GdsBackend:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
-        return f"<GdsBackend {self.path} [{state}, mode:{self.mode.value}, cufile:{self.gds}, device_io:{self.device_io}]>"
+        return (
+            f"<GdsBackend {self.path} [{state}, mode:{self.mode.value}, cufile:{self.gds}, device_io:{self.device_io}]>"
+        )

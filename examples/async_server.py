@@ -83,7 +83,9 @@ class _Room:
             except CacheFullError as exc:
                 running_others = len(cache.blocks.live_sequences) - live_self - self.waiting
                 if running_others <= 0:
-                    raise web.HTTPServiceUnavailable(text=f"cache full and nothing running can free it: {exc}\n") from None
+                    raise web.HTTPServiceUnavailable(
+                        text=f"cache full and nothing running can free it: {exc}\n"
+                    ) from None
                 self.waiting += 1
                 try:
                     async with self.freed:
@@ -108,7 +110,11 @@ async def generate(request: web.Request) -> web.Response:
     if not isinstance(body, dict):
         raise _bad_request("body must be a JSON object")
     prompt = body.get("prompt")
-    if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if (
+        not isinstance(prompt, list)
+        or not prompt
+        or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
         raise _bad_request("prompt must be a non-empty list of token ids (integers)")
     if not all(0 <= t <= MAX_TOKEN_ID for t in prompt):
         raise _bad_request("prompt token ids must be in 0..2**63-1")
@@ -120,8 +126,10 @@ async def generate(request: web.Request) -> web.Response:
     tpb = cache.layout.tokens_per_block
     need = -(-(len(prompt) + max_new) // tpb)
     if need > cache.blocks.max_blocks_per_seq:
-        raise _bad_request(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new}) needs {need} blocks of {tpb} "
-                           f"tokens; a sequence may hold {cache.blocks.max_blocks_per_seq}")
+        raise _bad_request(
+            f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new}) needs {need} blocks of {tpb} "
+            f"tokens; a sequence may hold {cache.blocks.max_blocks_per_seq}"
+        )
     priority = body.get("priority", 50)
     if not isinstance(priority, int) or isinstance(priority, bool) or not 0 <= priority <= 100:
         raise _bad_request("priority must be an int in 0..100")

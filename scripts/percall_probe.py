@@ -61,7 +61,10 @@ async def awaited_copies(engine: TransferEngine, n: int) -> dict[str, float]:
         sub.append(t1 - t0)
         seen.append((t.completed_at or t2) - t0)
         res.append(t2 - t0)
-    return {k: statistics.median(v) * 1e6 for k, v in (("copy_returns_us", sub), ("device_done_seen_us", seen), ("resumed_us", res))}
+    return {
+        k: statistics.median(v) * 1e6
+        for k, v in (("copy_returns_us", sub), ("device_done_seen_us", seen), ("resumed_us", res))
+    }
 
 
 async def probe(device: str, out: str) -> dict[str, Any]:
@@ -75,7 +78,9 @@ async def probe(device: str, out: str) -> dict[str, Any]:
     async with TransferEngine(layout, gpu_blocks=64, host_blocks=64, device=device) as engine:
         await awaited_copies(engine, 300)
         result["awaited_1block"] = await awaited_copies(engine, 2000)
-        result["copier_path"] = engine.copier.plan(engine.pool(Tier.GPU), np.array([0]), engine.pool(Tier.HOST), np.array([1]), None).path
+        result["copier_path"] = engine.copier.plan(
+            engine.pool(Tier.GPU), np.array([0]), engine.pool(Tier.HOST), np.array([1]), None
+        ).path
 
         # submit-only rate: copies to distinct blocks, awaited in bulk
         async def burst() -> float:
@@ -144,7 +149,9 @@ async def probe(device: str, out: str) -> dict[str, Any]:
         else:
             engine_op = engine._block_copy_op(gpu_pool, s_arr, host_pool, d_arr, None)
         submit_kw = {"explicit": True} if getattr(engine_op, "explicit_stream", False) else {}
-        pieces["engine op: lane.submit(op) as copy() does"] = per_call(lambda: lane.submit(engine_op, **submit_kw), sync=sync)
+        pieces["engine op: lane.submit(op) as copy() does"] = per_call(
+            lambda: lane.submit(engine_op, **submit_kw), sync=sync
+        )
         result["engine_op_kind"] = "copy_blocks_list (explicit stream)" if submit_kw else "copy_blocks (tensor indices)"
         if cuda:
             ts = lane.torch_stream  # type: ignore[attr-defined]
@@ -160,7 +167,9 @@ async def probe(device: str, out: str) -> dict[str, Any]:
                 sd, dd = torch.tensor([0], device="cuda"), torch.tensor([1], device="cuda")
                 sc, dc = torch.tensor([0]), torch.tensor([1])
                 k = torch.ops.tiered_kv.copy_blocks
-                pieces["copy_blocks kernel, gpu idx (no H2D of meta)"] = per_call(lambda: k([ht], [gt], sd, dd, 4, 0), sync=sync)
+                pieces["copy_blocks kernel, gpu idx (no H2D of meta)"] = per_call(
+                    lambda: k([ht], [gt], sd, dd, 4, 0), sync=sync
+                )
                 pieces["copy_blocks kernel, cpu idx"] = per_call(lambda: k([ht], [gt], sc, dc, 4, 0), sync=sync)
                 pieces["copy_blocks dma, cpu idx"] = per_call(lambda: k([ht], [gt], sc, dc, 4, 1), sync=sync)
                 x = torch.zeros(16, device="cuda")
@@ -168,11 +177,15 @@ async def probe(device: str, out: str) -> dict[str, Any]:
                 pieces["pinned empty(8) + to(cuda, non_blocking)"] = per_call(
                     lambda: torch.empty(8, dtype=torch.int64, pin_memory=True).to("cuda", non_blocking=True), sync=sync
                 )
-            pieces["torch.cuda.Event(blocking) + record"] = per_call(lambda: torch.cuda.Event(blocking=True).record(ts), sync=sync)
+            pieces["torch.cuda.Event(blocking) + record"] = per_call(
+                lambda: torch.cuda.Event(blocking=True).record(ts), sync=sync
+            )
             from tiered_kv.device import _HostFuncSignal
 
             sig = _HostFuncSignal()
-            pieces["cudaLaunchHostFunc(sem_post) via ctypes"] = per_call(lambda: sig.enqueue(ts), n=400, loops=3, sync=sync)
+            pieces["cudaLaunchHostFunc(sem_post) via ctypes"] = per_call(
+                lambda: sig.enqueue(ts), n=400, loops=3, sync=sync
+            )
             torch.cuda.synchronize()
             # drain posts
             import ctypes
@@ -187,9 +200,13 @@ async def probe(device: str, out: str) -> dict[str, Any]:
         else:
             pieces["op() (reference)"] = per_call(op)
         loop = asyncio.get_running_loop()
-        pieces["loop.call_soon_threadsafe (caller side)"] = per_call(lambda: loop.call_soon_threadsafe(int), n=1000, loops=3)
+        pieces["loop.call_soon_threadsafe (caller side)"] = per_call(
+            lambda: loop.call_soon_threadsafe(int), n=1000, loops=3
+        )
         await asyncio.sleep(0.01)
-        pieces["np.diff run count (plan)"] = per_call(lambda: np.count_nonzero((np.diff(s_arr) != 1) | (np.diff(d_arr) != 1)))
+        pieces["np.diff run count (plan)"] = per_call(
+            lambda: np.count_nonzero((np.diff(s_arr) != 1) | (np.diff(d_arr) != 1))
+        )
         pieces["torch.from_numpy x2"] = per_call(lambda: (torch.from_numpy(s_arr), torch.from_numpy(d_arr)))
         result["pieces_us"] = {k: v * 1e6 for k, v in pieces.items()}
     return result

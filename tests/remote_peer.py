@@ -21,12 +21,27 @@ LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, tokens_per_block=16
 
 
 async def main(url: str, role: str, seed: int) -> None:
-    async with TieredKVCache(LAYOUT, gpu_blocks=96, host_blocks=64, device="cpu", remote=url, model_id=f"peer-{seed}") as cache:
-        report = await replay(cache, ChatWorkload(seed=seed, conversations=6, system_prompts=2, system_tokens=160, turns=(1, 3)))
+    async with TieredKVCache(
+        LAYOUT, gpu_blocks=96, host_blocks=64, device="cpu", remote=url, model_id=f"peer-{seed}"
+    ) as cache:
+        report = await replay(
+            cache, ChatWorkload(seed=seed, conversations=6, system_prompts=2, system_tokens=160, turns=(1, 3))
+        )
         await cache.flush()
         stats = cache.statistics()
-        print(json.dumps({"role": role, "hits": report.hits, "reused": report.reused_tokens, "verified": report.verified_tokens,
-                          "mismatched": report.mismatched_tokens, "remote": stats.remote.blocks}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "role": role,
+                    "hits": report.hits,
+                    "reused": report.reused_tokens,
+                    "verified": report.verified_tokens,
+                    "mismatched": report.mismatched_tokens,
+                    "remote": stats.remote.blocks,
+                }
+            ),
+            flush=True,
+        )
         if role == "warm":
             sys.stdin.readline()
 

@@ -88,7 +88,9 @@ async def seed_001_violations(layout: KVLayout, one_phase: bool, device: str = "
         planned = [cache.match(r) for r in (req_a, req_b)]
         assert [p[0] for p in planned] == [2 * TPB, 2 * TPB]
         assert [p[1]["host"] for p in planned] == [2, 2]
-        adms = await (add_sequences_one_phase(cache, [req_a, req_b]) if one_phase else cache.add_sequences([req_a, req_b]))
+        adms = await (
+            add_sequences_one_phase(cache, [req_a, req_b]) if one_phase else cache.add_sequences([req_a, req_b])
+        )
         for adm in adms:
             await compute(cache, adm.seq_id, adm.tokens_reused)
     out = []
@@ -158,7 +160,13 @@ async def build_mixed_state(cache: TieredKVCache) -> None:
     await run(cache, toks(90, 2 * TPB))
 
 
-REQUESTS = [toks(0, 3 * TPB + 3), [*toks(50, 2 * TPB), 77], [*toks(0, 2 * TPB), 5, 6, 7], [*toks(90, 2 * TPB), 1], [999, 998]]
+REQUESTS = [
+    toks(0, 3 * TPB + 3),
+    [*toks(50, 2 * TPB), 77],
+    [*toks(0, 2 * TPB), 5, 6, 7],
+    [*toks(90, 2 * TPB), 1],
+    [999, 998],
+]
 
 
 async def test_per_request_statistics_equal_solo_runs(small: KVLayout) -> None:
@@ -300,7 +308,9 @@ async def test_append_and_page_table_hook(small: KVLayout) -> None:
 async def test_block_offset_table_follows_page_tables(small: KVLayout) -> None:
     """Issue 6's BlockOffsetTable, filled through the page-table hook: row ``slot`` is the page table."""
     seen: list[int] = []
-    async with open_cache(small, gpu=16, max_seqs=3, block_offsets=True, on_page_table=lambda s, pt: seen.append(s)) as cache:
+    async with open_cache(
+        small, gpu=16, max_seqs=3, block_offsets=True, on_page_table=lambda s, pt: seen.append(s)
+    ) as cache:
         table = cache.block_offsets
         assert table is not None
         adms = await cache.add_sequences([toks(0, 2 * TPB + 1), toks(100, TPB)])
@@ -314,7 +324,9 @@ async def test_block_offset_table_follows_page_tables(small: KVLayout) -> None:
 
 
 async def test_chat_workload_replay_verifies_content(small: KVLayout, device: str) -> None:
-    wl = ChatWorkload(seed=3, conversations=10, system_prompts=2, system_tokens=24, user_tokens=(2, 9), output_tokens=(2, 9))
+    wl = ChatWorkload(
+        seed=3, conversations=10, system_prompts=2, system_tokens=24, user_tokens=(2, 9), output_tokens=(2, 9)
+    )
     async with open_cache(small, gpu=24, host=16, file=16, device=device) as cache:
         report = await replay(cache, wl)
     assert report.mismatched_tokens == 0 and report.verified_tokens == report.reused_tokens > 0
@@ -419,8 +431,10 @@ async def test_failed_onboard_poisons_block_and_frees_batch(small: KVLayout, mon
 
         def failing(src_pool, s, dst_pool, d, n):  # type: ignore[no-untyped-def]
             if src_pool.tier is Tier.HOST and dst_pool.tier is Tier.GPU:
+
                 def boom() -> None:
                     raise OSError("injected DMA failure")
+
                 return boom
             return real(src_pool, s, dst_pool, d, n)
 

@@ -48,11 +48,20 @@ class CacheMachine(RuleBasedStateMachine):
         async def make() -> tuple[TransferEngine, TieredKVCache]:
             if file:
                 tmp = self.stack.enter_context(tempfile.TemporaryDirectory(prefix="tiered_kv-prop-"))
-                engine = TransferEngine(LAYOUT, gpu_blocks=gpu, host_blocks=host, device="cpu", file_dir=tmp, file_blocks=file)
+                engine = TransferEngine(
+                    LAYOUT, gpu_blocks=gpu, host_blocks=host, device="cpu", file_dir=tmp, file_blocks=file
+                )
             else:
                 engine = TransferEngine(LAYOUT, gpu_blocks=gpu, host_blocks=host, device="cpu")
-            cache = TieredKVCache(LAYOUT, gpu_blocks=gpu, host_blocks=host, file_blocks=file, engine=engine,
-                                  max_seqs=6, drop_below_priority=drop)
+            cache = TieredKVCache(
+                LAYOUT,
+                gpu_blocks=gpu,
+                host_blocks=host,
+                file_blocks=file,
+                engine=engine,
+                max_seqs=6,
+                drop_below_priority=drop,
+            )
             return engine, cache
 
         self.engine, self.cache = self.run(make())

@@ -41,8 +41,12 @@ async def test_cache_soak_catches_a_cache_that_serves_failed_copies(monkeypatch:
 
 
 def test_cli_cache_soak() -> None:
-    out = subprocess.run([sys.executable, "-m", "tiered_kv", "soak", "--cache", "--ops", "150", "--device", "cpu", "--quiet"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "tiered_kv", "soak", "--cache", "--ops", "150", "--device", "cpu", "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert "reused tokens verified, 0 wrong" in out.stdout
 
@@ -72,8 +76,24 @@ async def test_engine_soak_with_the_file_tier_catches_missing_fences(monkeypatch
 
 
 def test_cli_engine_soak_with_a_file_tier() -> None:
-    out = subprocess.run([sys.executable, "-m", "tiered_kv", "soak", "--ops", "1500", "--file-blocks", "16", "--device", "cpu",
-                          "--quiet"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tiered_kv",
+            "soak",
+            "--ops",
+            "1500",
+            "--file-blocks",
+            "16",
+            "--device",
+            "cpu",
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert "all 8 routes" in out.stdout and out.stdout.rstrip().splitlines()[-1].startswith("ok: 1500 ops")
 

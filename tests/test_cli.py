@@ -13,7 +13,9 @@ ENV = {**os.environ, "TIERED_KV_DEVICE": "cpu"}
 
 
 def tkv(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tiered_kv", *args], capture_output=True, text=True, timeout=timeout, env=ENV)
+    return subprocess.run(
+        [sys.executable, "-m", "tiered_kv", *args], capture_output=True, text=True, timeout=timeout, env=ENV
+    )
 
 
 def test_demo_runs_a_real_model_and_verifies_every_reused_token(tmp_path):
@@ -68,11 +70,29 @@ def test_bench_quick_writes_one_json_with_every_benchmark(tmp_path):
 
 def test_bench_compare_matches_rows_of_an_earlier_run(tmp_path):
     old, new = tmp_path / "old.json", tmp_path / "new.json"
-    assert tkv("bench", "--quick", "--device", "cpu", "--only", "engine", "--json", str(old), timeout=300).returncode == 0
-    r = tkv("bench", "--quick", "--device", "cpu", "--only", "engine", "--json", str(new), "--compare", str(old), timeout=300)
+    assert (
+        tkv("bench", "--quick", "--device", "cpu", "--only", "engine", "--json", str(old), timeout=300).returncode == 0
+    )
+    r = tkv(
+        "bench",
+        "--quick",
+        "--device",
+        "cpu",
+        "--only",
+        "engine",
+        "--json",
+        str(new),
+        "--compare",
+        str(old),
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert f"compared with {old}" in r.stdout
-    for rid in ("call/loop=uvloop", "wakeup/loop=asyncio", "bandwidth/block_MiB=0.5/blocks=64/indices=scattered/direction=both"):
+    for rid in (
+        "call/loop=uvloop",
+        "wakeup/loop=asyncio",
+        "bandwidth/block_MiB=0.5/blocks=64/indices=scattered/direction=both",
+    ):
         assert rid in r.stdout
     bad = tkv("bench", "--quick", "--only", "engine", "--compare", str(tmp_path / "missing.json"))
     assert bad.returncode == 2 and "cannot read" in bad.stderr
@@ -94,7 +114,15 @@ def test_doctor_reports_every_check(tmp_path):
     r = tkv("doctor", "--dir", str(tmp_path), "--json", str(tmp_path / "d.json"))
     assert r.returncode == 0, r.stderr
     checks = {c["check"] for c in json.loads((tmp_path / "d.json").read_text())}
-    assert {"python", "torch", "CUDA device", "uvloop", "kvikio", "CUDA extension", "pinned memory (ulimit -l)"} <= checks
+    assert {
+        "python",
+        "torch",
+        "CUDA device",
+        "uvloop",
+        "kvikio",
+        "CUDA extension",
+        "pinned memory (ulimit -l)",
+    } <= checks
     assert "CUDA device" in r.stdout
 
 
@@ -139,8 +167,9 @@ def test_bad_flags_are_one_line_errors(args, message):
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message of a machine without CUDA")
-@pytest.mark.parametrize("command", [["soak", "--ops", "10", "--quiet"], ["bench", "--only", "engine", "--quick"],
-                                     ["demo", "--quiet"]])
+@pytest.mark.parametrize(
+    "command", [["soak", "--ops", "10", "--quiet"], ["bench", "--only", "engine", "--quick"], ["demo", "--quiet"]]
+)
 def test_asking_for_cuda_without_it_is_one_line(command):
     r = tkv(*command, "--device", "cuda", timeout=120)
     lines = [line for line in r.stderr.splitlines() if line.startswith("error")]

@@ -103,9 +103,17 @@ async def test_torn_newer_copy_of_a_key_does_not_shadow_the_intact_older_one(tmp
         assert eng.file_tier.lookup("K") == 1
     slot_size = HEADER_SIZE + slot_payload_size(CRASH_LAYOUT)
     # tear the payload of slot 1 (its header stays valid)
-    _overwrite(tmp_path / "kv.slab", HEADER_SIZE + slot_size + HEADER_SIZE + 100, bytes(64) if content[100:164].any() else b"\xff" * 64)
-    async with TransferEngine(CRASH_LAYOUT, host_blocks=1, device="cpu",
-                              file_config=FileTierConfig(tmp_path, 4, verify_on_open=verify_on_open)) as eng:
+    _overwrite(
+        tmp_path / "kv.slab",
+        HEADER_SIZE + slot_size + HEADER_SIZE + 100,
+        bytes(64) if content[100:164].any() else b"\xff" * 64,
+    )
+    async with TransferEngine(
+        CRASH_LAYOUT,
+        host_blocks=1,
+        device="cpu",
+        file_config=FileTierConfig(tmp_path, 4, verify_on_open=verify_on_open),
+    ) as eng:
         r = eng.file_tier.open_report
         assert eng.file_tier.lookup("K") == 0 and r.recovered == 1 and r.bad == 1
         eng.block(Tier.HOST, 0).zero_()

@@ -40,7 +40,13 @@ async def test_server_answers_real_http_requests_and_reuses_prefixes():
                 assert first["tokens_reused"] == 0
                 assert second["tokens_reused"] >= 48 and second["mismatched_tokens"] == 0
                 assert second["output"] == first["output"]
-                for bad in ({"prompt": []}, {"prompt": [1, -2]}, {"prompt": "abc"}, {"prompt": [1], "max_new_tokens": -1}, [1, 2]):
+                for bad in (
+                    {"prompt": []},
+                    {"prompt": [1, -2]},
+                    {"prompt": "abc"},
+                    {"prompt": [1], "max_new_tokens": -1},
+                    [1, 2],
+                ):
                     async with session.post(f"{url}/generate", json=bad) as r:
                         assert r.status == 400, bad
                 async with session.post(f"{url}/generate", data=b"not json") as r:

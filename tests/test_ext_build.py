@@ -110,7 +110,9 @@ def test_find_cuda_home_reads_a_wrapper_script(tmp_path: Path, monkeypatch: pyte
     assert _ext.find_cuda_home() == str(root)
 
 
-def test_load_without_gpu_falls_back_and_logs_once(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+def test_load_without_gpu_falls_back_and_logs_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     monkeypatch.setitem(_ext._state, "loaded", None)

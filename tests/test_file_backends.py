@@ -101,7 +101,9 @@ def test_posix_short_read_at_end_of_file_and_hooks(tmp_path) -> None:
 def test_direct_io_probe_is_cached_per_directory(tmp_path, monkeypatch) -> None:
     first = direct_io_supported(tmp_path)
     calls = []
-    monkeypatch.setattr(posix_mod.os, "open", lambda *a, **k: calls.append(a) or (_ for _ in ()).throw(OSError(errno.EINVAL, "x")))
+    monkeypatch.setattr(
+        posix_mod.os, "open", lambda *a, **k: calls.append(a) or (_ for _ in ()).throw(OSError(errno.EINVAL, "x"))
+    )
     assert direct_io_supported(tmp_path) is first  # cached: no second probe
     assert calls == []
     assert os.listdir(tmp_path) == []
@@ -208,7 +210,11 @@ def test_superblock() -> None:
 
 
 def test_gds_mode_parsing(monkeypatch) -> None:
-    assert GdsMode.coerce("ON") is GdsMode.ON and GdsMode.coerce(False) is GdsMode.OFF and GdsMode.coerce("auto") is GdsMode.AUTO
+    assert (
+        GdsMode.coerce("ON") is GdsMode.ON
+        and GdsMode.coerce(False) is GdsMode.OFF
+        and GdsMode.coerce("auto") is GdsMode.AUTO
+    )
     assert GdsMode.coerce("1") is GdsMode.ON and GdsMode.coerce("no") is GdsMode.OFF
     with pytest.raises(ValueError, match="'on', 'off' or 'auto'"):
         GdsMode.coerce("maybe")
@@ -284,7 +290,9 @@ def test_on_with_gds_and_mode_logged_once(monkeypatch, caplog) -> None:
     with caplog.at_level(logging.INFO, logger="tiered_kv.backends.gds"):
         assert select_backend("on")[0] == "gds"
         assert select_backend("on")[0] == "gds"
-    assert [r.getMessage() for r in caplog.records].count("tiered_kv file tier I/O: gds (GDS mode ON, kvikio 26.10-fake, cuFile available)") == 1
+    assert [r.getMessage() for r in caplog.records].count(
+        "tiered_kv file tier I/O: gds (GDS mode ON, kvikio 26.10-fake, cuFile available)"
+    ) == 1
 
 
 # --------------------------------------------------------------------------------------------- real kvikio (GPU machine)
@@ -306,7 +314,10 @@ def test_gds_backend_round_trip(tmp_path, device_io: bool) -> None:
         host.random_(0, 255)
         src = host.cuda() if device_io else host
         seen = []
-        assert be.pwrite([src[:DIRECT_ALIGN], src[DIRECT_ALIGN:]], DIRECT_ALIGN, before=lambda: seen.append("w")).result() == 8 * DIRECT_ALIGN
+        assert (
+            be.pwrite([src[:DIRECT_ALIGN], src[DIRECT_ALIGN:]], DIRECT_ALIGN, before=lambda: seen.append("w")).result()
+            == 8 * DIRECT_ALIGN
+        )
         dst = torch.zeros_like(src)
         assert be.pread([dst], DIRECT_ALIGN, after=seen.append).result() == 8 * DIRECT_ALIGN
         assert seen == ["w", 8 * DIRECT_ALIGN]

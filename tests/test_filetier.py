@@ -33,12 +33,15 @@ def backend(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
-def make_engine(layout: KVLayout, directory, device: str = "cpu", backend: str = "posix", *, blocks: int = 16, **cfg) -> TransferEngine:
+def make_engine(
+    layout: KVLayout, directory, device: str = "cpu", backend: str = "posix", *, blocks: int = 16, **cfg
+) -> TransferEngine:
     cfg.setdefault("gds", "off" if backend == "posix" else "auto")
     cfg.setdefault("io_threads", 2)
     cfg.setdefault("staging_blocks", 3)
-    return TransferEngine(layout, gpu_blocks=8, host_blocks=8, device=device,
-                          file_config=FileTierConfig(directory, blocks, **cfg))
+    return TransferEngine(
+        layout, gpu_blocks=8, host_blocks=8, device=device, file_config=FileTierConfig(directory, blocks, **cfg)
+    )
 
 
 def settle(eng: TransferEngine) -> None:
@@ -424,7 +427,9 @@ async def test_reopen_with_another_layout(layout: KVLayout, tmp_path) -> None:
     async with make_engine(layout, tmp_path) as eng:
         await eng.copy(Tier.HOST, [0], Tier.FILE, [0], keys=keys(0))
     other = KVLayout(num_layers=3, num_kv_heads=2, head_dim=16, tokens_per_block=8, dtype=torch.bfloat16)
-    with pytest.raises(LayoutMismatchError, match=r"another layout \(layers=3 kv=2 heads=2 tokens=8 head_dim=16 dtype=float16"):
+    with pytest.raises(
+        LayoutMismatchError, match=r"another layout \(layers=3 kv=2 heads=2 tokens=8 head_dim=16 dtype=float16"
+    ):
         make_engine(other, tmp_path)
     with pytest.raises(ValueError, match="discard_mismatch=True"):
         FileTier(other, FileTierConfig(tmp_path, 16, gds="off"))
@@ -488,7 +493,9 @@ async def test_random_mix_matches_a_sequential_model(layout: KVLayout, tmp_path,
     import random
 
     rng = random.Random(seed)
-    cfg = dict(backend_factory=lambda p: FaultyBackend(_posix(p), stall_writes=0.01, stall_reads=0.005), staging_blocks=2)
+    cfg = dict(
+        backend_factory=lambda p: FaultyBackend(_posix(p), stall_writes=0.01, stall_reads=0.005), staging_blocks=2
+    )
     async with make_engine(layout, tmp_path, device, blocks=6, **cfg) as eng:
         sizes = {Tier.GPU: 8, Tier.HOST: 8, Tier.FILE: 6}
         model: dict[tuple[Tier, int], torch.Tensor | None] = {(t, i): None for t, n in sizes.items() for i in range(n)}
@@ -530,7 +537,9 @@ async def test_random_mix_matches_a_sequential_model(layout: KVLayout, tmp_path,
 
 
 @pytest.mark.parametrize("seed", [11, 12, 13])
-async def test_random_mix_with_faults_never_serves_wrong_data(layout: KVLayout, tmp_path, device: str, seed: int) -> None:
+async def test_random_mix_with_faults_never_serves_wrong_data(
+    layout: KVLayout, tmp_path, device: str, seed: int
+) -> None:
     """Random copies with random ENOSPC/EIO/short writes and reads: every block whose whole history succeeded
     holds exactly what a sequential model says; a failed file write never leaves its slot valid."""
     import random
@@ -660,7 +669,9 @@ async def test_engine_file_arguments_and_env(layout: KVLayout, tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("split_kv", [False, True])
-async def test_layer_major_gpu_pool_round_trip(layout: KVLayout, tmp_path, device: str, backend: str, split_kv: bool) -> None:
+async def test_layer_major_gpu_pool_round_trip(
+    layout: KVLayout, tmp_path, device: str, backend: str, split_kv: bool
+) -> None:
     """A vLLM-style GPU pool (one tensor per layer, or per layer and K/V): blocks are gathered into staging
     by the engine's copier, stored contiguously, and scattered back."""
     from tiered_kv import LayerMajorPool

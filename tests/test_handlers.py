@@ -148,8 +148,15 @@ async def test_a_pair_or_medium_claimed_twice_is_refused(layout: KVLayout, tmp_p
             engine.add_handler(again)
         assert isinstance(engine.medium(Tier.FILE), FileTier)  # nothing changed
     with pytest.raises(ValueError, match="gpu->host is already routed"):
-        TransferEngine(layout, gpu_blocks=2, host_blocks=2, device="cpu", file_dir=str(tmp_path), file_blocks=4,
-                       handlers=[_GpuHostClaimer()])
+        TransferEngine(
+            layout,
+            gpu_blocks=2,
+            host_blocks=2,
+            device="cpu",
+            file_dir=str(tmp_path),
+            file_blocks=4,
+            handlers=[_GpuHostClaimer()],
+        )
     # the refused engine closed what it had opened: the slab's writer lock is free again
     FileTier(layout, FileTierConfig(str(tmp_path), 4)).close()
 

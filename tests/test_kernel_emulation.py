@@ -29,7 +29,17 @@ def emu(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     if root is None or cxx is None:
         pytest.skip("needs a C++ compiler and the CUDA headers")
     out = tmp_path_factory.mktemp("emu") / "libtkv_emu.so"
-    cmd = [cxx, "-std=c++17", "-O1", "-shared", "-fPIC", f"-I{root}/include", str(HERE / "kernel_emulation.cpp"), "-o", str(out)]
+    cmd = [
+        cxx,
+        "-std=c++17",
+        "-O1",
+        "-shared",
+        "-fPIC",
+        f"-I{root}/include",
+        str(HERE / "kernel_emulation.cpp"),
+        "-o",
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return ctypes.CDLL(str(out))
@@ -59,14 +69,26 @@ def _geometry(dst: list[torch.Tensor], src: list[torch.Tensor], n: int, pairs: i
     return [pairs, groups, rows, pitch, width, group_bytes, len(src), len(dst), s0.stride(0) * isz, d0.stride(0) * isz]
 
 
-def _emu_copy_blocks(emu, dst, src, s, d, n, max_grid=0, index64=False, force_unaligned=False, use_inline=False) -> None:
+def _emu_copy_blocks(
+    emu, dst, src, s, d, n, max_grid=0, index64=False, force_unaligned=False, use_inline=False
+) -> None:
     geom = _i64(_geometry(dst, src, n, len(s)))
     if use_inline:
-        assert len(src) + len(dst) + 2 * len(s) <= emu.emu_inline_slots(), "the case does not fit the kernel's parameters"
+        assert len(src) + len(dst) + 2 * len(s) <= emu.emu_inline_slots(), (
+            "the case does not fit the kernel's parameters"
+        )
     bases = _i64([t.data_ptr() for t in src] + [t.data_ptr() for t in dst])
     s_t, d_t = _i64(s), _i64(d)  # named: a temporary would be freed before the call reads it
-    emu.emu_copy_blocks(_ptr(geom), _ptr(bases), _ptr(s_t), _ptr(d_t), ctypes.c_int(max_grid), ctypes.c_int(index64),
-                        ctypes.c_int(force_unaligned), ctypes.c_int(use_inline))
+    emu.emu_copy_blocks(
+        _ptr(geom),
+        _ptr(bases),
+        _ptr(s_t),
+        _ptr(d_t),
+        ctypes.c_int(max_grid),
+        ctypes.c_int(index64),
+        ctypes.c_int(force_unaligned),
+        ctypes.c_int(use_inline),
+    )
 
 
 @pytest.mark.parametrize("src_kind", KINDS)
@@ -84,7 +106,9 @@ def test_copy_blocks_kernel_matches_reference(emu, src_kind, dst_kind, num_token
     ops.copy_blocks(want, src, _i64(s), _i64(d), num_tokens=num_tokens)
     # two CTAs: every warp loops over many items; use_inline: bases and indices in the kernel's parameters
     _emu_copy_blocks(emu, dst, src, s, d, n, max_grid=2, index64=index64, use_inline=use_inline)
-    assert_blocks_equal(_logical(dst_kind, dst), _logical(dst_kind, want), f"{src_kind}->{dst_kind} n={num_tokens} pad={pad}")
+    assert_blocks_equal(
+        _logical(dst_kind, dst), _logical(dst_kind, want), f"{src_kind}->{dst_kind} n={num_tokens} pad={pad}"
+    )
 
 
 @pytest.mark.parametrize("num_tokens", [None, 2])

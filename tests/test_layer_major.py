@@ -191,7 +191,9 @@ def test_plan_piece_sizes(layout) -> None:
 
 @pytest.mark.gpu
 async def test_cuda_engine_uses_kernel_for_small_chunks_and_dma_for_blocks() -> None:
-    layout = KVLayout(num_layers=4, num_kv_heads=4, head_dim=128, tokens_per_block=16, dtype=torch.bfloat16)  # 16 KiB chunks
+    layout = KVLayout(
+        num_layers=4, num_kv_heads=4, head_dim=128, tokens_per_block=16, dtype=torch.bfloat16
+    )  # 16 KiB chunks
     pool = LayerMajorPool.allocate(layout, 8, "cuda", split_kv=True)
     _poison_pool(pool)
     async with TransferEngine(layout, gpu_pool=pool, host_blocks=8, device="cuda") as engine:

@@ -240,7 +240,9 @@ def test_copy_blocks_device_indices_kernel() -> None:
     assert _ext.load(), _ext.status()["error"]
     src, src_log = _make_side("layerkv", 4, torch.bfloat16, "cuda")
     dst, dst_log = _make_side("block", 4, torch.bfloat16, "pinned")
-    ops.copy_blocks(dst, src, torch.tensor([3, 1], device="cuda"), torch.tensor([0, 2], device="cuda", dtype=torch.int32))
+    ops.copy_blocks(
+        dst, src, torch.tensor([3, 1], device="cuda"), torch.tensor([0, 2], device="cuda", dtype=torch.int32)
+    )
     torch.cuda.synchronize()
     dst_log[0], dst_log[2] = src_log[3], src_log[1]
     assert_blocks_equal(_logical("block", dst), dst_log)
@@ -300,7 +302,9 @@ def test_copy_chunks_mixed_dtypes_and_bad_tables() -> None:
 def test_opcheck_cpu() -> None:
     src, _ = _make_side("layer", 3, torch.float16, "cpu")
     dst, _ = _make_side("block", 3, torch.float16, "cpu")
-    torch.library.opcheck(torch.ops.tiered_kv.copy_blocks.default, (dst, src, torch.tensor([0, 2]), torch.tensor([1, 0]), 3, 0))
+    torch.library.opcheck(
+        torch.ops.tiered_kv.copy_blocks.default, (dst, src, torch.tensor([0, 2]), torch.tensor([1, 0]), 3, 0)
+    )
     torch.library.opcheck(
         torch.ops.tiered_kv.copy_chunks.default,
         ([torch.zeros(32, dtype=torch.uint8)], [torch.ones(16, dtype=torch.uint8)], torch.tensor([[0, 1, 0, 3, 9]]), 0),
@@ -325,7 +329,9 @@ def test_opcheck_cuda() -> None:
     assert _ext.load(), _ext.status()["error"]
     src, _ = _make_side("layer", 3, torch.float16, "cuda")
     dst, _ = _make_side("block", 3, torch.float16, "cuda")
-    torch.library.opcheck(torch.ops.tiered_kv.copy_blocks.default, (dst, src, torch.tensor([0, 2]), torch.tensor([1, 0]), 3, 0))
+    torch.library.opcheck(
+        torch.ops.tiered_kv.copy_blocks.default, (dst, src, torch.tensor([0, 2]), torch.tensor([1, 0]), 3, 0)
+    )
     table = torch.randint(0, 50, (2, 4, 2, 6), dtype=torch.int32, device="cuda")
     torch.library.opcheck(
         torch.ops.tiered_kv.gather_block_offsets.default,

@@ -54,19 +54,28 @@ def _case(kind: str, dev: str) -> Case:
         return pk.vllm_views(lay, views), [phys], lambda b: _bytes(*[phys[i, b] for i in range(L)]), lay
     if kind == "vllm_hnd":  # LBHNC: per-block dense views
         phys = new(L, N, H, T, 2 * D)
-        return pk.vllm_views(lay, [phys[i] for i in range(L)]), [phys], lambda b: _bytes(*[phys[i, b] for i in range(L)]), lay
+        return (
+            pk.vllm_views(lay, [phys[i] for i in range(L)]),
+            [phys],
+            lambda b: _bytes(*[phys[i, b] for i in range(L)]),
+            lay,
+        )
     if kind == "vllm_cross_layer":  # BLHNC: a block holds every layer, block stride spans all layers
         phys = new(N, L, H, T, 2 * D)
         return pk.vllm_views(lay, [phys[:, i] for i in range(L)]), [phys], lambda b: _bytes(phys[b]), lay
     if kind == "vllm_head_outer":  # LHBNC: each block of a layer is H separate runs
         phys = new(L, H, N, T, 2 * D)
         views = [phys[i].permute(1, 0, 2, 3) for i in range(L)]
-        return (pk.vllm_views(lay, views), [phys],
-                lambda b: _bytes(*[phys[i, h, b] for i in range(L) for h in range(H)]), lay)
+        return (
+            pk.vllm_views(lay, views),
+            [phys],
+            lambda b: _bytes(*[phys[i, h, b] for i in range(L) for h in range(H)]),
+            lay,
+        )
     if kind == "sglang":  # token-major (tokens, H, D) K and V buffers, one padding page at the end
         ks = [new(N * T + T, H, D) for _ in range(L)]
         vs = [new(N * T + T, H, D) for _ in range(L)]
-        ref = lambda b: _bytes(*[x[b * T:(b + 1) * T] for pair in zip(ks, vs, strict=True) for x in pair])  # noqa: E731
+        ref = lambda b: _bytes(*[x[b * T : (b + 1) * T] for pair in zip(ks, vs, strict=True) for x in pair])  # noqa: E731
         return pk.sglang_token_major(lay, ks, vs), ks + vs, ref, lay
     if kind == "mla":
         lay = _layout(kv=1, heads=1)
@@ -80,8 +89,18 @@ def _case(kind: str, dev: str) -> Case:
     raise AssertionError(kind)
 
 
-KINDS = ["flash_attn", "flashinfer", "split_kv", "vllm_nhd", "vllm_hnd", "vllm_cross_layer", "vllm_head_outer",
-         "sglang", "mla", "pages"]
+KINDS = [
+    "flash_attn",
+    "flashinfer",
+    "split_kv",
+    "vllm_nhd",
+    "vllm_hnd",
+    "vllm_cross_layer",
+    "vllm_head_outer",
+    "sglang",
+    "mla",
+    "pages",
+]
 
 
 def _dev(device: str) -> str:
@@ -95,8 +114,9 @@ def _snapshot(phys: list[torch.Tensor]) -> list[torch.Tensor]:
 @pytest.mark.parametrize("kind", KINDS)
 async def test_round_trip_bit_exact(device, kind, tmp_path) -> None:
     gpu_pool, phys, ref, lay = _case(kind, _dev(device))
-    async with TransferEngine(lay, gpu_pool=gpu_pool, host_blocks=8, device=device, file_dir=tmp_path,
-                              file_blocks=8) as engine:
+    async with TransferEngine(
+        lay, gpu_pool=gpu_pool, host_blocks=8, device=device, file_dir=tmp_path, file_blocks=8
+    ) as engine:
         pool = engine.pool(Tier.GPU)
         assert isinstance(pool, pk.ChunkedPool)
         expected = {b: ref(b) for b in range(N)}

@@ -35,7 +35,9 @@ class EngineMachine(RuleBasedStateMachine):
         self.shadow = {}
         for tier in (Tier.GPU, Tier.HOST):
             pool = self.engine.pool(tier).tensor
-            pool.view(-1).view(torch.uint8).copy_(torch.randint(0, 256, (pool.numel() * 2,), dtype=torch.uint8, generator=gen))
+            pool.view(-1).view(torch.uint8).copy_(
+                torch.randint(0, 256, (pool.numel() * 2,), dtype=torch.uint8, generator=gen)
+            )
             self.shadow[tier] = pool.clone()
         self.pending: list = []
 
@@ -82,7 +84,9 @@ class EngineMachine(RuleBasedStateMachine):
         stats = self.engine.statistics()
         assert stats.in_flight == 0 and stats.fences.fenced_blocks == 0 and stats.failed == 0
         for tier, expected in self.shadow.items():
-            assert torch.equal(_bytes(self.engine.pool(tier).tensor), _bytes(expected)), f"{tier} differs from the model"
+            assert torch.equal(_bytes(self.engine.pool(tier).tensor), _bytes(expected)), (
+                f"{tier} differs from the model"
+            )
 
     @invariant()
     def accounting(self):
@@ -97,8 +101,9 @@ class EngineMachine(RuleBasedStateMachine):
 
 
 TestEngineMachine = EngineMachine.TestCase
-TestEngineMachine.settings = settings(max_examples=40, stateful_step_count=25, deadline=None,
-                                      suppress_health_check=[HealthCheck.too_slow])
+TestEngineMachine.settings = settings(
+    max_examples=40, stateful_step_count=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 # ------------------------------------------------------------------------------------------ fuzzing
@@ -201,7 +206,11 @@ def _in_temp_dir():
 
 
 @settings(max_examples=60, deadline=None)
-@given(directory=paths, blocks=st.one_of(st.integers(-2, 4), junk), name=st.one_of(st.sampled_from(["kv", "", ".x", "a/b"]), junk))
+@given(
+    directory=paths,
+    blocks=st.one_of(st.integers(-2, 4), junk),
+    name=st.one_of(st.sampled_from(["kv", "", ".x", "a/b"]), junk),
+)
 def test_file_tier_config_fuzz(directory, blocks, name):
     from tiered_kv.file import FileTierConfig
 
@@ -220,7 +229,9 @@ def test_engine_with_a_bad_file_dir_fails_cleanly(directory):
     before = {t.ident for t in threading.enumerate()}
     with _in_temp_dir():
         try:
-            engine = TransferEngine(LAYOUT, gpu_blocks=2, host_blocks=2, device="cpu", file_dir=directory, file_blocks=2)
+            engine = TransferEngine(
+                LAYOUT, gpu_blocks=2, host_blocks=2, device="cpu", file_dir=directory, file_blocks=2
+            )
         except (ValueError, TypeError, OSError):
             leaked = [t.name for t in threading.enumerate() if t.ident not in before and t.name.startswith("tiered_kv")]
             assert not leaked, leaked  # a failed constructor leaves no thread behind
@@ -235,7 +246,11 @@ requests = st.one_of(
 
 
 @settings(max_examples=150, deadline=None)
-@given(batch=requests, seq=st.one_of(st.integers(-3, 5), junk), tokens=st.one_of(st.lists(st.integers(-3, 2**33), max_size=5), junk))
+@given(
+    batch=requests,
+    seq=st.one_of(st.integers(-3, 5), junk),
+    tokens=st.one_of(st.lists(st.integers(-3, 2**33), max_size=5), junk),
+)
 def test_cache_fuzz_only_documented_errors_and_no_state_change(batch, seq, tokens):
     from tiered_kv import CacheFullError, TieredKVCache
 

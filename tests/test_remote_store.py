@@ -22,7 +22,16 @@ from tiered_kv.slab import HEADER_SIZE
 
 def test_urls_parse():
     u = parse_store_url("redis://127.0.0.1:6379/3?timeout=0.5&ttl=60", environ={PASSWORD_ENV: "pw"})
-    assert (u.kind, u.host, u.port, u.db, u.timeout, u.ttl, u.password, u.tls) == ("redis", "127.0.0.1", 6379, 3, 0.5, 60, "pw", False)
+    assert (u.kind, u.host, u.port, u.db, u.timeout, u.ttl, u.password, u.tls) == (
+        "redis",
+        "127.0.0.1",
+        6379,
+        3,
+        0.5,
+        60,
+        "pw",
+        False,
+    )
     assert "pw" not in repr(u) and str(u) == "redis://127.0.0.1:6379/3"
     assert parse_store_url("rediss://cache.internal:6380", environ={}).tls
     assert parse_store_url("redis+cluster://10.0.0.1:7000", environ={}).scheme == "redis+cluster"
@@ -74,7 +83,10 @@ def test_object_round_trip_and_every_corruption_is_caught():
     hdr[40] ^= 1
     assert verify_object(hdr, FP, 0, name, LAYOUT.bytes_per_block) == "header checksum mismatch"
     other = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, tokens_per_block=8, dtype=torch.bfloat16)
-    assert verify_object(obj, bytes.fromhex(other.fingerprint), 0, name, LAYOUT.bytes_per_block) == "written for another block layout"
+    assert (
+        verify_object(obj, bytes.fromhex(other.fingerprint), 0, name, LAYOUT.bytes_per_block)
+        == "written for another block layout"
+    )
     assert verify_object(obj, FP, 1, name, LAYOUT.bytes_per_block) == "header names another block"
     assert verify_object(obj, FP, 0, object_name(0, b"j" * 16), LAYOUT.bytes_per_block) == "header names another block"
     assert "expected" in verify_object(obj[:-1], FP, 0, name, LAYOUT.bytes_per_block)

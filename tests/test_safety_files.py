@@ -187,8 +187,12 @@ def test_doctor_says_when_a_directory_is_not_safe(tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     shared.mkdir()
     os.chmod(shared, 0o777)
-    out = subprocess.run([sys.executable, "-m", "tiered_kv", "doctor", "--dir", str(shared), "--json", str(tmp_path / "d.json")],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "tiered_kv", "doctor", "--dir", str(shared), "--json", str(tmp_path / "d.json")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     checks = {c["check"]: c for c in json.loads((tmp_path / "d.json").read_text())}
     safe = checks["directory safe for a file tier"]
     assert not safe["ok"] and "writable by other users" in safe["found"], out.stdout

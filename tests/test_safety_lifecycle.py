@@ -40,7 +40,9 @@ def settle(before: tuple[int, int]) -> tuple[int, int]:
 # ---------------------------------------------------------------------------------------- finding 4
 
 
-def test_a_cache_constructor_that_fails_leaves_nothing(small: KVLayout, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_cache_constructor_that_fails_leaves_nothing(
+    small: KVLayout, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Finding 4: ``max_seqs=0`` with ``file_dir`` left 3 threads, fds and the slab lock; the corrected retry
     failed with SlabInUseError. Both an argument error and a failure after the engine was built release all."""
     before = resources()
@@ -55,7 +57,9 @@ def test_a_cache_constructor_that_fails_leaves_nothing(small: KVLayout, tmp_path
 
     monkeypatch.setattr(cache_mod, "BlockOffsetTable", broken)  # fails after the engine and its file tier exist
     with pytest.raises(RuntimeError, match="injected"):
-        TieredKVCache(small, gpu_blocks=4, host_blocks=4, file_blocks=4, file_dir=tmp_path, device="cpu", block_offsets=True)
+        TieredKVCache(
+            small, gpu_blocks=4, host_blocks=4, file_blocks=4, file_dir=tmp_path, device="cpu", block_offsets=True
+        )
     monkeypatch.undo()
     assert settle(before) == before
     cache = TieredKVCache(small, gpu_blocks=4, host_blocks=4, file_blocks=4, file_dir=tmp_path, device="cpu")

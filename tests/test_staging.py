@@ -84,7 +84,9 @@ def fill_slot(table: BlockOffsetTable, slot: int, rng: np.random.Generator) -> N
         table.set_row(slot, pool, rng.integers(0, 10_000, size=count))
 
 
-def reference(table: BlockOffsetTable, slots: list[int], width: int, mode: str, scale=None, v_offset=None) -> torch.Tensor:
+def reference(
+    table: BlockOffsetTable, slots: list[int], width: int, mode: str, scale=None, v_offset=None
+) -> torch.Tensor:
     """What the device table must hold, computed independently (numpy, element by element rules)."""
     host = table.host.numpy()[:, slots, :, :width].astype(np.int64)
     if mode == "copy":
@@ -185,7 +187,9 @@ def run_mutation_scenario(dev: Device, stream: Stream, mode: str, inplace: bool,
 
 @pytest.mark.parametrize("container", ["torch", "numpy"])
 @pytest.mark.parametrize("mode", MODES)
-def test_mutating_inputs_after_enqueue_does_not_change_output(dev: Device, stream: Stream, mode: str, container: str) -> None:
+def test_mutating_inputs_after_enqueue_does_not_change_output(
+    dev: Device, stream: Stream, mode: str, container: str
+) -> None:
     assert run_mutation_scenario(dev, stream, mode, inplace=False, container=container)
 
 
@@ -595,14 +599,21 @@ def test_gather_adapter_matches_elementwise_rule(kv: int) -> None:
     idx = torch.tensor([6, 0, 3, 3], dtype=torch.int32)
     scale = torch.tensor([2, 3, -1], dtype=torch.int32)
     v_offset = torch.tensor([5, 7, 9], dtype=torch.int32)
-    for dst in (torch.full((3, 4, kv, 8), -7, dtype=torch.int32), torch.full((3, 6, kv, 8), -7, dtype=torch.int32)[:, :4]):
+    for dst in (
+        torch.full((3, 4, kv, 8), -7, dtype=torch.int32),
+        torch.full((3, 6, kv, 8), -7, dtype=torch.int32)[:, :4],
+    ):
         gather_block_offsets(dst, src, idx, scale, v_offset, 4, -1)  # contiguous, then a strided view
         for p in range(3):
             for s in range(4):
                 for k in range(kv):
                     for j in range(8):
                         v = int(src[p, idx[s], k, j]) if j < 4 else None
-                        want = -7 if v is None else (v if v == -1 else int(scale[p]) * v + (int(v_offset[p]) if k == 1 else 0))
+                        want = (
+                            -7
+                            if v is None
+                            else (v if v == -1 else int(scale[p]) * v + (int(v_offset[p]) if k == 1 else 0))
+                        )
                         assert int(dst[p, s, k, j]) == want
 
 

@@ -69,12 +69,16 @@ async def test_another_layout_is_refused(small, tmp_path):
     await run(small, tmp_path)
     wider = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, tokens_per_block=TPB, dtype=torch.float16)
     with pytest.raises(LayoutMismatchError):
-        TieredKVCache(wider, gpu_blocks=16, host_blocks=8, file_blocks=96, file_dir=tmp_path, device="cpu", model_id="m")
+        TieredKVCache(
+            wider, gpu_blocks=16, host_blocks=8, file_blocks=96, file_dir=tmp_path, device="cpu", model_id="m"
+        )
 
 
 async def test_adopted_block_is_served_from_its_slot_and_verified(small, tmp_path, device):
     prompt = np.arange(3 * TPB + 1, dtype=np.int64)
-    async with TieredKVCache(small, gpu_blocks=4, host_blocks=4, file_blocks=8, file_dir=tmp_path, device=device) as cache:
+    async with TieredKVCache(
+        small, gpu_blocks=4, host_blocks=4, file_blocks=8, file_dir=tmp_path, device=device
+    ) as cache:
         [adm] = await cache.add_sequences([prompt])
         for b in cache.blocks.sequence_blocks(adm.seq_id):
             cache.engine.block(Tier.GPU, b.slot).fill_(float(b.tokens[0]))
@@ -84,7 +88,9 @@ async def test_adopted_block_is_served_from_its_slot_and_verified(small, tmp_pat
         for tier in (Tier.GPU, Tier.HOST):
             await cache.evict(tier, 4)
         assert len(cache.engine.file_tier.entries()) == 4  # 3 full blocks + the 1-token tail (partial key)
-    async with TieredKVCache(small, gpu_blocks=4, host_blocks=4, file_blocks=8, file_dir=tmp_path, device=device) as cache:
+    async with TieredKVCache(
+        small, gpu_blocks=4, host_blocks=4, file_blocks=8, file_dir=tmp_path, device=device
+    ) as cache:
         reused, by_tier = cache.match(prompt)
         assert reused == 3 * TPB and by_tier["file"] == 3
         assert cache.blocks.statistics().adopted == 3
@@ -108,7 +114,9 @@ async def test_corrupt_adopted_block_is_never_served(small, tmp_path):
     from tiered_kv.slab import HEADER_SIZE
 
     prompt = np.arange(3 * TPB + 1, dtype=np.int64)
-    async with TieredKVCache(small, gpu_blocks=4, host_blocks=4, file_blocks=8, file_dir=tmp_path, device="cpu") as cache:
+    async with TieredKVCache(
+        small, gpu_blocks=4, host_blocks=4, file_blocks=8, file_dir=tmp_path, device="cpu"
+    ) as cache:
         [adm] = await cache.add_sequences([prompt])
         for b in cache.blocks.sequence_blocks(adm.seq_id):
             cache.engine.block(Tier.GPU, b.slot).fill_(float(b.tokens[0]) + 1)
@@ -118,8 +126,12 @@ async def test_corrupt_adopted_block_is_never_served(small, tmp_path):
             await cache.evict(tier, 4)
         second = cache.blocks.lookup(cache.hasher.chain(prompt)[1]).slot
         slot_size = cache.engine.file_tier.slot_size
-    _overwrite(tmp_path / "kv.slab", HEADER_SIZE + second * slot_size + HEADER_SIZE + 8, b"\x00" * 16)  # tear its payload
-    async with TieredKVCache(small, gpu_blocks=4, host_blocks=4, file_blocks=8, file_dir=tmp_path, device="cpu") as cache:
+    _overwrite(
+        tmp_path / "kv.slab", HEADER_SIZE + second * slot_size + HEADER_SIZE + 8, b"\x00" * 16
+    )  # tear its payload
+    async with TieredKVCache(
+        small, gpu_blocks=4, host_blocks=4, file_blocks=8, file_dir=tmp_path, device="cpu"
+    ) as cache:
         with pytest.raises(TransferError):  # the read of the torn block fails verification: the batch fails
             await cache.add_sequences([prompt])
         assert cache.statistics().poisoned >= 1

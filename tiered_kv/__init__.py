@@ -8,7 +8,9 @@ from typing import TYPE_CHECKING, Any
 # package is imported straight from a checkout (PYTHONPATH=., or `python -m tiered_kv` in the repo root)
 # nothing maps it, so let the package path reach the repository root for that one subpackage.
 _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
-if not _os.path.isdir(_os.path.join(__path__[0], "backends")) and _os.path.isfile(_os.path.join(_root, "backends", "__init__.py")):
+if not _os.path.isdir(_os.path.join(__path__[0], "backends")) and _os.path.isfile(
+    _os.path.join(_root, "backends", "__init__.py")
+):
     __path__.append(_root)
 
 if TYPE_CHECKING:

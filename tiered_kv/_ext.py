@@ -95,7 +95,9 @@ def find_cuda_home() -> str | None:
         except OSError:
             head = b""
         if head.startswith(b"#!"):  # a wrapper script: the toolkit is the nvcc it execs
-            candidates += [Path(m).parent.parent for m in re.findall(r"(/[^\s\"']+/bin/nvcc)\b", head.decode(errors="replace"))]
+            candidates += [
+                Path(m).parent.parent for m in re.findall(r"(/[^\s\"']+/bin/nvcc)\b", head.decode(errors="replace"))
+            ]
         candidates.append(real.parent.parent)
     candidates.append(Path("/usr/local/cuda"))
     for root in candidates:
@@ -118,7 +120,9 @@ def _nvcc_version(root: str | None) -> str | None:
     if root is None:
         return None
     try:
-        out = subprocess.run([str(Path(root) / "bin" / "nvcc"), "--version"], capture_output=True, text=True, timeout=60).stdout
+        out = subprocess.run(
+            [str(Path(root) / "bin" / "nvcc"), "--version"], capture_output=True, text=True, timeout=60
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     m = re.search(r"release (\d+\.\d+)", out)
@@ -161,7 +165,9 @@ def _build_key(arch: str) -> str:
     d = _kernels_dir()
     for f in sorted([*d.glob("*.cu"), *d.glob("*.cpp"), *d.glob("*.cuh"), *d.glob("*.h")]):
         h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
-    h.update(f"{torch.__version__}|{torch.version.cuda}|{arch}|{_CXX_FLAGS}|{_NVCC_FLAGS}|{sys.version_info[:2]}".encode())
+    h.update(
+        f"{torch.__version__}|{torch.version.cuda}|{arch}|{_CXX_FLAGS}|{_NVCC_FLAGS}|{sys.version_info[:2]}".encode()
+    )
     return h.hexdigest()[:16]
 
 
@@ -304,7 +310,9 @@ def _build_and_load(verbose: bool = False) -> Path:
         if not so.exists():
             from torch.utils import cpp_extension
 
-            log.info("tiered_kv: compiling the CUDA extension (%d sources, arch %s) into %s", len(sources), arch, build_dir)
+            log.info(
+                "tiered_kv: compiling the CUDA extension (%d sources, arch %s) into %s", len(sources), arch, build_dir
+            )
             builder = os.environ.get("TIERED_KV_EXT_BUILDER", "auto")
             if builder not in ("auto", "ninja", "direct"):
                 raise ExtensionBuildError(f"TIERED_KV_EXT_BUILDER must be auto, ninja or direct, got {builder!r}")
@@ -385,7 +393,9 @@ def load() -> bool:
         _state["loaded"] = False
         if not _state["logged"]:
             _state["logged"] = True
-            log.warning("tiered_kv: CUDA kernels unavailable (%s); using the CPU reference / pure-torch copy paths", reason)
+            log.warning(
+                "tiered_kv: CUDA kernels unavailable (%s); using the CPU reference / pure-torch copy paths", reason
+            )
     return False
 
 

@@ -140,7 +140,16 @@ class Copier:
             on_cuda = src_t[0].is_cuda or dst_t[0].is_cuda
             layered = isinstance(src_pool, LayerSlice) or isinstance(dst_pool, LayerSlice)
             info = _PairInfo(
-                src_pool, dst_pool, src_t, dst_t, groups, rows, width * src_pool.layout.itemsize, dense, on_cuda, layered
+                src_pool,
+                dst_pool,
+                src_t,
+                dst_t,
+                groups,
+                rows,
+                width * src_pool.layout.itemsize,
+                dense,
+                on_cuda,
+                layered,
             )
             self._pairs[key] = info
         return info
@@ -152,8 +161,10 @@ class Copier:
             ValueError: a chunked pool (engine layouts: a layer is not one region), or a bad range.
         """
         if isinstance(pool, pool_kinds.ChunkedPool):
-            raise ValueError("layer-wise copies (layers=) are not supported for chunked GPU pools (engine layouts); "
-                             "copy whole blocks")
+            raise ValueError(
+                "layer-wise copies (layers=) are not supported for chunked GPU pools (engine layouts); "
+                "copy whole blocks"
+            )
         key = (id(pool), start, stop)
         view = self._slices.get(key)
         if view is None or view.pool is not pool:
@@ -187,8 +198,16 @@ class Copier:
         path = choose_path(piece, self.config, on_cuda=info.on_cuda, kernels=self.kernels)
         return CopyPlan(path, piece, info.groups, runs)
 
-    def build(self, src_pool: Side, s: np.ndarray | list[int], dst_pool: Side, d: np.ndarray | list[int],
-              num_tokens: int | None, *, stream: Stream | None = None) -> Op:
+    def build(
+        self,
+        src_pool: Side,
+        s: np.ndarray | list[int],
+        dst_pool: Side,
+        d: np.ndarray | list[int],
+        num_tokens: int | None,
+        *,
+        stream: Stream | None = None,
+    ) -> Op:
         """One op copying blocks ``s`` of ``src_pool`` to blocks ``d`` of ``dst_pool`` (validated by the caller).
 
         The op enqueues work on the current CUDA stream (the engine runs it under its copy stream), or runs
@@ -206,8 +225,9 @@ class Copier:
                 ``explicit_stream = True`` for :meth:`~tiered_kv.device.Stream.submit`).
         """
         if isinstance(src_pool, pool_kinds.ChunkedPool) or isinstance(dst_pool, pool_kinds.ChunkedPool):
-            return self._chunked_op(src_pool, np.asarray(s, dtype=np.int64), dst_pool, np.asarray(d, dtype=np.int64),
-                                    num_tokens)
+            return self._chunked_op(
+                src_pool, np.asarray(s, dtype=np.int64), dst_pool, np.asarray(d, dtype=np.int64), num_tokens
+            )
         layout = src_pool.layout
         n = layout.tokens_per_block if num_tokens is None else num_tokens
         info = self._pair(src_pool, dst_pool, n)
@@ -252,7 +272,9 @@ class Copier:
         on_cuda = any(t.is_cuda for t in (*pool_kinds.chunk_tensors(src_pool), *pool_kinds.chunk_tensors(dst_pool)))
         ref = src_pool if isinstance(src_pool, pool_kinds.ChunkedPool) else dst_pool
         assert isinstance(ref, pool_kinds.ChunkedPool)
-        return CopyPlan(choose_path(piece, self.config, on_cuda=on_cuda, kernels=self.kernels), piece, ref.num_chunks, int(s.size))
+        return CopyPlan(
+            choose_path(piece, self.config, on_cuda=on_cuda, kernels=self.kernels), piece, ref.num_chunks, int(s.size)
+        )
 
     def _chunked_op(self, src_pool: Side, s: np.ndarray, dst_pool: Side, d: np.ndarray, num_tokens: int | None) -> Op:
         """A copy involving a :class:`~tiered_kv.pool_kinds.ChunkedPool`: one ``copy_chunks`` call."""
@@ -268,6 +290,7 @@ class Copier:
         method = ops.METHOD_DMA if plan.path == "dma" else ops.METHOD_KERNEL
         op = torch.ops.tiered_kv.copy_chunks
         if plan.path == "torch":  # CUDA without the extension: the reference op runs on CUDA tensors too
+
             def run_ref() -> None:
                 opdefs.copy_chunks_ref(dst_t, src_t, table, method)
 

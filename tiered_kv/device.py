@@ -314,7 +314,9 @@ class CudaStream:
                             self._signal = _HostFuncSignal()
                         except (OSError, AttributeError, RuntimeError) as exc:
                             log.info("CUDA host-function completion unavailable (%s); waiting on events instead", exc)
-                    self._waiter = threading.Thread(target=self._wait_loop, name=f"tiered_kv-cuda-{self.name}", daemon=True)
+                    self._waiter = threading.Thread(
+                        target=self._wait_loop, name=f"tiered_kv-cuda-{self.name}", daemon=True
+                    )
                     self._waiter.start()
         event = self.record()  # other streams wait on it stream-side
         self._waits.put((event, callback))

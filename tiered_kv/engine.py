@@ -66,14 +66,18 @@ ORPHAN_TIMEOUT = 30.0
 Indices = Iterable[int] | np.ndarray | torch.Tensor
 
 
-def _allocate(empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor], what: str, blocks: int, layout: KVLayout) -> torch.Tensor:
+def _allocate(
+    empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor], what: str, blocks: int, layout: KVLayout
+) -> torch.Tensor:
     nbytes = blocks * layout.bytes_per_block
     if nbytes >= 2**62:
         raise ValueError(f"{what} pool of {blocks} blocks ({nbytes} bytes) is larger than any machine's memory")
     try:
         return empty((blocks, *layout.block_shape), layout.dtype)
     except (RuntimeError, MemoryError) as exc:  # torch reports allocation failures as RuntimeError
-        raise MemoryError(f"cannot allocate the {what} pool: {blocks} blocks x {layout.bytes_per_block} bytes = {nbytes / 2**30:.1f} GiB ({exc})") from exc
+        raise MemoryError(
+            f"cannot allocate the {what} pool: {blocks} blocks x {layout.bytes_per_block} bytes = {nbytes / 2**30:.1f} GiB ({exc})"
+        ) from exc
 
 
 class TransferEngine:
@@ -137,9 +141,13 @@ class TransferEngine:
             if isinstance(gpu_pool, (list, tuple)):
                 gpu_pool = as_gpu_pool(layout, gpu_pool)  # classic layer-major, or an engine's layout kind
             if not isinstance(gpu_pool, (torch.Tensor, LayerMajorPool)):
-                raise TypeError(f"gpu_pool must be a torch.Tensor, a LayerMajorPool or a list of tensors, got {type(gpu_pool).__name__}")
+                raise TypeError(
+                    f"gpu_pool must be a torch.Tensor, a LayerMajorPool or a list of tensors, got {type(gpu_pool).__name__}"
+                )
             if gpu_pool.device.type != self.device.torch_device.type:
-                raise ValueError(f"gpu_pool is on {gpu_pool.device}, but the engine's device is {self.device.torch_device}")
+                raise ValueError(
+                    f"gpu_pool is on {gpu_pool.device}, but the engine's device is {self.device.torch_device}"
+                )
             if isinstance(gpu_pool, LayerMajorPool):
                 if gpu_pool.layout != layout or gpu_pool.tier is not Tier.GPU:
                     raise ValueError("the LayerMajorPool must be a GPU pool with the engine's layout")
@@ -151,7 +159,9 @@ class TransferEngine:
         if host_pool is not None:  # caller's memory (e.g. shared with another process); pinned on CUDA
             self._pools[Tier.HOST] = BlockPool(Tier.HOST, layout, host_pool)
         elif host_blocks:
-            self._pools[Tier.HOST] = BlockPool(Tier.HOST, layout, _allocate(self.device.empty_host, "host", host_blocks, layout))
+            self._pools[Tier.HOST] = BlockPool(
+                Tier.HOST, layout, _allocate(self.device.empty_host, "host", host_blocks, layout)
+            )
 
         if file_config is None and file_dir is not None and file_blocks:
             file_config = FileTierConfig.from_env(file_dir, file_blocks)
@@ -173,7 +183,9 @@ class TransferEngine:
             raise
         # The routing table: every (source tier, destination tier) pair has exactly one handler.
         self._routes = Routes(owned=self._pools)
-        builtin: list[TransferHandler] = [StreamCopier(self._pools, self._streams, self.copier, self.config.host_threads)]
+        builtin: list[TransferHandler] = [
+            StreamCopier(self._pools, self._streams, self.copier, self.config.host_threads)
+        ]
         if file_tier is not None:
             builtin.append(FileHandler(file_tier, self._pools, self._streams, self.copier))
         try:
@@ -188,7 +200,9 @@ class TransferEngine:
         self._media: dict[Tier, Medium] = {**self._pools, **self._routes.media}
         self._fences = FenceTable()
         self._inflight: set[Marker] = set()
-        self._meta: dict[Marker, tuple[str, int, int, float]] = {}  # in-flight marker -> (direction, bytes, blocks, submitted at)
+        self._meta: dict[
+            Marker, tuple[str, int, int, float]
+        ] = {}  # in-flight marker -> (direction, bytes, blocks, submitted at)
         # The engine owns its deferred enqueues (copies waiting on the loop for an off-lane dependency): each
         # task leaves this set when it ends, and close() waits for the set to empty before stopping anything.
         self._deferred: set[asyncio.Task[None]] = set()
@@ -234,8 +248,10 @@ class TransferEngine:
         loop = asyncio.get_running_loop()
         if self._loop is not None and self._loop is not loop:
             if self._loop.is_running():
-                raise RuntimeError("this TransferEngine is bound to an event loop that is still running in another "
-                                   "thread; close it from that loop (run_coroutine_threadsafe(engine.close(), loop))")
+                raise RuntimeError(
+                    "this TransferEngine is bound to an event loop that is still running in another "
+                    "thread; close it from that loop (run_coroutine_threadsafe(engine.close(), loop))"
+                )
             await self._take_over_completions()  # its loop ended: nobody else will hear of these copies
         else:
             await self.drain()
@@ -281,8 +297,11 @@ class TransferEngine:
     def __del__(self) -> None:
         if getattr(self, "_closed", True):
             return
-        warnings.warn(f"unclosed {self!r}: use 'async with' or await close(); releasing its threads and slab lock",
-                      ResourceWarning, stacklevel=2)
+        warnings.warn(
+            f"unclosed {self!r}: use 'async with' or await close(); releasing its threads and slab lock",
+            ResourceWarning,
+            stacklevel=2,
+        )
         try:
             self._release_resources()
         except Exception:  # interpreter shutdown: nothing more can be done
@@ -332,7 +351,9 @@ class TransferEngine:
         pool = self._pools.get(t)
         if pool is None:
             if t in self._media:
-                raise TypeError(f"{t.value} blocks have no in-memory view; copy the block to the host tier to inspect it")
+                raise TypeError(
+                    f"{t.value} blocks have no in-memory view; copy the block to the host tier to inspect it"
+                )
             raise ValueError(f"this engine has no {t.value} pool (give it {t.value}_blocks)")
         return pool
 
@@ -496,7 +517,9 @@ class TransferEngine:
             ValueError: the engine already has an owner (one cache per engine).
         """
         if self._owner is not None:
-            raise ValueError(f"this TransferEngine already belongs to {self._owner}; give each cache an engine of its own")
+            raise ValueError(
+                f"this TransferEngine already belongs to {self._owner}; give each cache an engine of its own"
+            )
         self._owner = owner
         return self._copy
 
@@ -522,7 +545,11 @@ class TransferEngine:
         src_pool, dst_pool = self.medium(src_t), self.medium(dst_t)
         handler = self.route(src_t, dst_t)
         memory = isinstance(handler, StreamCopier)
-        small = small_pairs(src_indices, dst_indices, src_pool.num_blocks, dst_pool.num_blocks, src_pool is dst_pool) if memory else None
+        small = (
+            small_pairs(src_indices, dst_indices, src_pool.num_blocks, dst_pool.num_blocks, src_pool is dst_pool)
+            if memory
+            else None
+        )
         s: np.ndarray | list[int]
         d: np.ndarray | list[int]
         if small is not None:  # the per-call fast path: valid small int lists, no numpy
@@ -568,7 +595,12 @@ class TransferEngine:
             self._enqueue(marker, job, stream_deps)
         self._fences.register(marker, reads, writes)
         self._inflight.add(marker)
-        self._meta[marker] = (f"{src_t.value}->{dst_t.value}", transfer.nbytes, transfer.num_blocks, transfer.submitted_at)
+        self._meta[marker] = (
+            f"{src_t.value}->{dst_t.value}",
+            transfer.nbytes,
+            transfer.num_blocks,
+            transfer.submitted_at,
+        )
         return transfer
 
     @staticmethod
@@ -645,7 +677,9 @@ class TransferEngine:
         except BaseException as exc:  # reported to whoever awaits the transfer
             done(exc)
 
-    async def _enqueue_after(self, marker: Marker, job: Job, stream_deps: list[Marker], loop_deps: list[Marker]) -> None:
+    async def _enqueue_after(
+        self, marker: Marker, job: Job, stream_deps: list[Marker], loop_deps: list[Marker]
+    ) -> None:
         """Wait on the loop for off-stream dependencies, then enqueue.
 
         Cancellation: only happens when the loop shuts down under a live engine; the marker is then

@@ -93,7 +93,11 @@ class FaultyBackend:
         self.inner = inner
         self.name = f"faulty({inner.name})"
         self.device_io = inner.device_io
-        self._write_errors = ((enospc_on_write, errno.ENOSPC), (eio_on_write, errno.EIO), (einval_on_write, errno.EINVAL))
+        self._write_errors = (
+            (enospc_on_write, errno.ENOSPC),
+            (eio_on_write, errno.EIO),
+            (einval_on_write, errno.EINVAL),
+        )
         self._read_errors = ((eio_on_read, errno.EIO),)
         self._short_write_on = short_write_on
         self._short_read_on = short_read_on
@@ -136,13 +140,23 @@ class FaultyBackend:
 
         return self._pool.submit(work)
 
-    def pwrite(self, buffers: Sequence[Buffer], offset: int, *, before: Callable[[], object] | None = None,
-               ) -> concurrent.futures.Future[int]:
+    def pwrite(
+        self,
+        buffers: Sequence[Buffer],
+        offset: int,
+        *,
+        before: Callable[[], object] | None = None,
+    ) -> concurrent.futures.Future[int]:
         """Write through the wrapped backend, with the faults configured for this call."""
         return self._run(True, buffers, offset, before)
 
-    def pread(self, buffers: Sequence[Buffer], offset: int, *, after: Callable[[int], object] | None = None,
-              ) -> concurrent.futures.Future[int]:
+    def pread(
+        self,
+        buffers: Sequence[Buffer],
+        offset: int,
+        *,
+        after: Callable[[int], object] | None = None,
+    ) -> concurrent.futures.Future[int]:
         """Read through the wrapped backend, with the faults configured for this call."""
         return self._run(False, buffers, offset, after)
 
@@ -186,7 +200,9 @@ def random_faults(inner: FileBackend, seed: int, rate: float) -> FaultyBackend:
     r = rate / 3  # three kinds per direction
     return FaultyBackend(
         inner,
-        eio_on_write=RandomFaults(seed, r, "eio-w"), enospc_on_write=RandomFaults(seed, r, "enospc-w"),
+        eio_on_write=RandomFaults(seed, r, "eio-w"),
+        enospc_on_write=RandomFaults(seed, r, "enospc-w"),
         short_write_on=RandomFaults(seed, r, "short-w"),
-        eio_on_read=RandomFaults(seed, r, "eio-r"), short_read_on=RandomFaults(seed, r, "short-r"),
+        eio_on_read=RandomFaults(seed, r, "eio-r"),
+        short_read_on=RandomFaults(seed, r, "short-r"),
     )

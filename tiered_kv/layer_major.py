@@ -59,7 +59,9 @@ class LayerMajorPool:
             )
         first = tensors[0]
         if first.dim() != 1 + len(inner) or tuple(first.shape[1:]) != inner:
-            raise ValueError(f"layer-major tensors must be [num_blocks, {', '.join(map(str, inner))}], got {list(first.shape)}")
+            raise ValueError(
+                f"layer-major tensors must be [num_blocks, {', '.join(map(str, inner))}], got {list(first.shape)}"
+            )
         for t in tensors:
             if t.dtype != layout.dtype:
                 raise TypeError(f"layer-major tensor dtype {t.dtype} does not match the layout dtype {layout.dtype}")
@@ -75,7 +77,13 @@ class LayerMajorPool:
 
     @classmethod
     def allocate(
-        cls, layout: KVLayout, num_blocks: int, device: torch.device | str, *, split_kv: bool = False, tier: Tier = Tier.GPU
+        cls,
+        layout: KVLayout,
+        num_blocks: int,
+        device: torch.device | str,
+        *,
+        split_kv: bool = False,
+        tier: Tier = Tier.GPU,
     ) -> LayerMajorPool:
         """A new pool of ``num_blocks`` blocks on ``device`` (one tensor per layer, or per layer and K/V)."""
         L, kv, H, T, D = layout.block_shape
@@ -107,7 +115,9 @@ class LayerMajorPool:
         if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
             raise TypeError(f"block index must be an int, got {type(index).__name__}")
         if not 0 <= index < self.num_blocks:
-            raise ValueError(f"block index {index} is out of range for the {self.name} pool of {self.num_blocks} blocks")
+            raise ValueError(
+                f"block index {index} is out of range for the {self.name} pool of {self.num_blocks} blocks"
+            )
         parts = torch.stack([t[index] for t in self.tensors])
         return parts.view(self.layout.block_shape)
 
@@ -142,7 +152,9 @@ class LayerSlice:
     def __init__(self, pool: BlockPool | LayerMajorPool, start: int, stop: int) -> None:
         layers = pool.layout.num_layers
         if not 0 <= start < stop <= layers:
-            raise ValueError(f"layers must be a range (start, stop) with 0 <= start < stop <= {layers}, got ({start}, {stop})")
+            raise ValueError(
+                f"layers must be a range (start, stop) with 0 <= start < stop <= {layers}, got ({start}, {stop})"
+            )
         self.pool = pool
         self.start, self.stop = start, stop
         self.tier: Tier = pool.tier

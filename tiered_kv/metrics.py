@@ -63,8 +63,12 @@ class PrometheusCollector:
         engine: EngineStatistics = stats if isinstance(stats, EngineStatistics) else stats.engine
 
         nbytes = CounterMetricFamily(f"{p}_transfer_bytes", "Bytes moved by completed transfers", labels=["src", "dst"])
-        blocks = CounterMetricFamily(f"{p}_transfer_blocks", "Blocks moved by completed transfers", labels=["src", "dst"])
-        latency = HistogramMetricFamily(f"{p}_transfer_seconds", "copy() to device completion, per transfer", labels=["src", "dst"])
+        blocks = CounterMetricFamily(
+            f"{p}_transfer_blocks", "Blocks moved by completed transfers", labels=["src", "dst"]
+        )
+        latency = HistogramMetricFamily(
+            f"{p}_transfer_seconds", "copy() to device completion, per transfer", labels=["src", "dst"]
+        )
         for direction, value in engine.bytes_by_direction.items():
             labels = list(_directions(direction))
             nbytes.add_metric(labels, value)
@@ -78,17 +82,25 @@ class PrometheusCollector:
         yield nbytes
         yield blocks
         yield latency
-        yield GaugeMetricFamily(f"{p}_transfers_in_flight", "Transfers submitted and not completed", value=engine.in_flight)
-        yield GaugeMetricFamily(f"{p}_fenced_blocks", "Blocks with a pending read or write", value=engine.fences.fenced_blocks)
+        yield GaugeMetricFamily(
+            f"{p}_transfers_in_flight", "Transfers submitted and not completed", value=engine.in_flight
+        )
+        yield GaugeMetricFamily(
+            f"{p}_fenced_blocks", "Blocks with a pending read or write", value=engine.fences.fenced_blocks
+        )
         yield CounterMetricFamily(f"{p}_transfers_failed", "Transfers that failed", value=engine.failed)
 
         if isinstance(stats, EngineStatistics):
             return
-        hits = CounterMetricFamily(f"{p}_cache_hit_blocks", "Reused full blocks, by the tier they were found in", labels=["tier"])
+        hits = CounterMetricFamily(
+            f"{p}_cache_hit_blocks", "Reused full blocks, by the tier they were found in", labels=["tier"]
+        )
         for tier, value in stats.hits.items():
             hits.add_metric([tier], value)
         yield hits
-        evictions = CounterMetricFamily(f"{p}_cache_evictions", "Evicted blocks, by source and destination", labels=["src", "dst"])
+        evictions = CounterMetricFamily(
+            f"{p}_cache_evictions", "Evicted blocks, by source and destination", labels=["src", "dst"]
+        )
         for direction, value in stats.evictions.items():
             evictions.add_metric(list(_directions(direction)), value)
         yield evictions
@@ -98,7 +110,9 @@ class PrometheusCollector:
                 occupancy.add_metric([tier, state], value)
         yield occupancy
         yield CounterMetricFamily(f"{p}_cache_tokens_requested", "Prompt tokens admitted", value=stats.tokens_requested)
-        yield CounterMetricFamily(f"{p}_cache_tokens_reused", "Prompt tokens reused from the cache", value=stats.tokens_reused)
+        yield CounterMetricFamily(
+            f"{p}_cache_tokens_reused", "Prompt tokens reused from the cache", value=stats.tokens_reused
+        )
         remote = getattr(stats, "remote", None)
         if remote is not None:
             yield from _remote_families(p, remote)
@@ -108,7 +122,9 @@ def _remote_families(p: str, remote: Any) -> Iterator[Any]:
     """The remote tier's families: blocks/bytes/round trips by op, a batch latency histogram, errors, availability."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-    blocks = CounterMetricFamily(f"{p}_remote_blocks", "Remote tier blocks by outcome (get, miss, bad, put, put_dropped)", labels=["outcome"])
+    blocks = CounterMetricFamily(
+        f"{p}_remote_blocks", "Remote tier blocks by outcome (get, miss, bad, put, put_dropped)", labels=["outcome"]
+    )
     for outcome, value in remote.blocks.items():
         blocks.add_metric([outcome], value)
     yield blocks
@@ -127,11 +143,16 @@ def _remote_families(p: str, remote: Any) -> Iterator[Any]:
     yield batches
     yield latency
     yield CounterMetricFamily(f"{p}_remote_errors", "Remote store errors and timeouts", value=remote.errors)
-    yield GaugeMetricFamily(f"{p}_remote_available", "1 while the remote store is connected and not backing off",
-                            value=1 if remote.available else 0)
+    yield GaugeMetricFamily(
+        f"{p}_remote_available",
+        "1 while the remote store is connected and not backing off",
+        value=1 if remote.available else 0,
+    )
 
 
-def register_prometheus(source: TransferEngine | TieredKVCache, registry: Any = None, prefix: str = "tiered_kv") -> PrometheusCollector:
+def register_prometheus(
+    source: TransferEngine | TieredKVCache, registry: Any = None, prefix: str = "tiered_kv"
+) -> PrometheusCollector:
     """Register a :class:`PrometheusCollector` (default registry unless ``registry`` is given).
 
     Raises:
@@ -142,7 +163,9 @@ def register_prometheus(source: TransferEngine | TieredKVCache, registry: Any = 
     except ImportError:
         from .errors import BackendUnavailable
 
-        raise BackendUnavailable("Prometheus export needs prometheus-client: pip install 'tiered-kv[metrics]'") from None
+        raise BackendUnavailable(
+            "Prometheus export needs prometheus-client: pip install 'tiered-kv[metrics]'"
+        ) from None
     collector = PrometheusCollector(source, prefix)
     (registry or REGISTRY).register(collector)
     return collector

@@ -45,7 +45,9 @@ _lib.define(
     "gather_block_offsets(Tensor(a!) dst, Tensor src, Tensor idx, Tensor? scale, Tensor? v_offset, "
     "int max_blocks, int sentinel) -> ()"
 )
-_lib.define("copy_blocks(Tensor(a!)[] dst, Tensor[] src, Tensor src_blocks, Tensor dst_blocks, int num_tokens, int method) -> ()")
+_lib.define(
+    "copy_blocks(Tensor(a!)[] dst, Tensor[] src, Tensor src_blocks, Tensor dst_blocks, int num_tokens, int method) -> ()"
+)
 _lib.define("copy_chunks(Tensor(a!)[] dst, Tensor[] src, Tensor chunks, int method) -> ()")
 # The engine's per-call path: indices as int lists (no index tensors per call), an explicit raw stream handle
 # (0 = the current stream); the CUDA version checks the indices against both pools and launches in one call.
@@ -53,7 +55,6 @@ _lib.define(
     "copy_blocks_list(Tensor(a!)[] dst, Tensor[] src, int[] src_blocks, int[] dst_blocks, int num_tokens, int method, "
     "int stream) -> ()"
 )
-
 
 
 # --------------------------------------------------------------------------------------------- references
@@ -71,7 +72,9 @@ def gather_block_offsets_ref(
     """CPU reference of ``gather_block_offsets`` (see :func:`tiered_kv.ops.gather_block_offsets`)."""
     if idx.numel() == 0 or max_blocks == 0:
         return
-    rows = src.index_select(1, idx.to(device=src.device, dtype=torch.int64))[..., :max_blocks]  # [pools, seqs, kv, max_blocks]
+    rows = src.index_select(1, idx.to(device=src.device, dtype=torch.int64))[
+        ..., :max_blocks
+    ]  # [pools, seqs, kv, max_blocks]
     out = rows.clone()
     if scale is not None:
         out *= scale.to(out).view(-1, 1, 1, 1)
@@ -94,7 +97,9 @@ def normalize_groups(tensors: Sequence[torch.Tensor], groups: int, rows: int) ->
     return out
 
 
-def block_geometry(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], num_tokens: int) -> tuple[int, int, int, int]:
+def block_geometry(
+    dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], num_tokens: int
+) -> tuple[int, int, int, int]:
     """``(groups, rows per group, row elements, elements to copy per row)`` shared by both sides."""
     t = src[0]
     tokens, head_dim = t.shape[-2], t.shape[-1]
@@ -128,13 +133,21 @@ def copy_blocks_ref(
 
 
 def copy_blocks_list_ref(
-    dst: list[torch.Tensor], src: list[torch.Tensor], src_blocks: list[int], dst_blocks: list[int], num_tokens: int,
-    method: int, stream: int,
+    dst: list[torch.Tensor],
+    src: list[torch.Tensor],
+    src_blocks: list[int],
+    dst_blocks: list[int],
+    num_tokens: int,
+    method: int,
+    stream: int,
 ) -> None:
     """CPU reference of ``copy_blocks_list``: ``copy_blocks`` with int-list indices (``stream`` is unused)."""
     if len(src_blocks) != len(dst_blocks):
         raise ValueError(f"copy_blocks_list: {len(src_blocks)} source and {len(dst_blocks)} destination blocks")
-    for name, blocks, limit in (("src_blocks", src_blocks, src[0].shape[0]), ("dst_blocks", dst_blocks, dst[0].shape[0])):
+    for name, blocks, limit in (
+        ("src_blocks", src_blocks, src[0].shape[0]),
+        ("dst_blocks", dst_blocks, dst[0].shape[0]),
+    ):
         if blocks and (min(blocks) < 0 or max(blocks) >= limit):
             raise ValueError(f"copy_blocks_list: {name} holds an index out of range for a pool of {limit} blocks")
     s = torch.tensor(src_blocks, dtype=torch.int64)
@@ -172,18 +185,27 @@ _lib.impl("copy_chunks", copy_chunks_ref, "CPU")
 _lib.impl("copy_blocks_list", copy_blocks_list_ref, "CPU")
 
 
-def _gather_fake(dst: Tensor, src: Tensor, idx: Tensor, scale: Tensor | None, v_offset: Tensor | None,
-                 max_blocks: int, sentinel: int) -> None:
+def _gather_fake(
+    dst: Tensor, src: Tensor, idx: Tensor, scale: Tensor | None, v_offset: Tensor | None, max_blocks: int, sentinel: int
+) -> None:
     return None
 
 
-def _copy_blocks_fake(dst: list[Tensor], src: list[Tensor], src_blocks: Tensor, dst_blocks: Tensor, num_tokens: int,
-                      method: int) -> None:
+def _copy_blocks_fake(
+    dst: list[Tensor], src: list[Tensor], src_blocks: Tensor, dst_blocks: Tensor, num_tokens: int, method: int
+) -> None:
     return None
 
 
-def _copy_blocks_list_fake(dst: list[Tensor], src: list[Tensor], src_blocks: list[int], dst_blocks: list[int],
-                           num_tokens: int, method: int, stream: int) -> None:
+def _copy_blocks_list_fake(
+    dst: list[Tensor],
+    src: list[Tensor],
+    src_blocks: list[int],
+    dst_blocks: list[int],
+    num_tokens: int,
+    method: int,
+    stream: int,
+) -> None:
     return None
 
 
@@ -199,5 +221,3 @@ torch.library.register_fake("tiered_kv::copy_blocks_list", _copy_blocks_list_fak
 
 
 # --------------------------------------------------------------------------------------------- validation
-
-

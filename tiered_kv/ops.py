@@ -49,7 +49,15 @@ from .opdefs import (
     normalize_groups,
 )
 
-_COPY_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.uint8)
+_COPY_DTYPES = (
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.int8,
+    torch.uint8,
+)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -143,18 +151,26 @@ def gather_block_offsets(
                 f"gather_block_offsets: {name} must be [pools, seqs/rows, kv, max_blocks], got shape {list(t.shape)}"
             )
     if idx.dtype not in _INDEX_DTYPES or idx.dim() != 1:
-        raise TypeError(f"gather_block_offsets: idx must be a 1-D int32/int64 tensor, got {idx.dtype} of shape {list(idx.shape)}")
+        raise TypeError(
+            f"gather_block_offsets: idx must be a 1-D int32/int64 tensor, got {idx.dtype} of shape {list(idx.shape)}"
+        )
     pools, seqs, kv, dst_cols = dst.shape
     if src.shape[0] != pools or src.shape[2] != kv:
-        raise ValueError(f"gather_block_offsets: src {list(src.shape)} and dst {list(dst.shape)} disagree on pools or kv")
+        raise ValueError(
+            f"gather_block_offsets: src {list(src.shape)} and dst {list(dst.shape)} disagree on pools or kv"
+        )
     if idx.shape[0] != seqs:
         raise ValueError(f"gather_block_offsets: idx has {idx.shape[0]} entries but dst has {seqs} sequences")
     for name, opt in (("scale", scale), ("v_offset", v_offset)):
         if opt is not None and (opt.dtype != torch.int32 or tuple(opt.shape) != (pools,)):
-            raise TypeError(f"gather_block_offsets: {name} must be int32 [{pools}], got {opt.dtype} of shape {list(opt.shape)}")
+            raise TypeError(
+                f"gather_block_offsets: {name} must be int32 [{pools}], got {opt.dtype} of shape {list(opt.shape)}"
+            )
     cols = dst_cols if max_blocks is None else max_blocks
     if isinstance(cols, bool) or not isinstance(cols, int) or not 0 <= cols <= min(dst_cols, src.shape[3]):
-        raise ValueError(f"gather_block_offsets: max_blocks must be in 0..{min(dst_cols, src.shape[3])}, got {max_blocks!r}")
+        raise ValueError(
+            f"gather_block_offsets: max_blocks must be in 0..{min(dst_cols, src.shape[3])}, got {max_blocks!r}"
+        )
     if not -(2**31) <= sentinel < 2**31:
         raise ValueError(f"gather_block_offsets: sentinel must fit in int32, got {sentinel}")
     if not dst.is_contiguous() or not src.is_contiguous():
@@ -252,14 +268,18 @@ def copy_blocks(
     if s_dtype != d_dtype:
         raise TypeError(f"copy_blocks: src dtype {s_dtype} and dst dtype {d_dtype} differ")
     if _logical_elems(s_logical) != _logical_elems(d_logical) or s_logical[-2:] != d_logical[-2:]:
-        raise ValueError(f"copy_blocks: src blocks {list(s_logical)} and dst blocks {list(d_logical)} have different geometry")
+        raise ValueError(
+            f"copy_blocks: src blocks {list(s_logical)} and dst blocks {list(d_logical)} have different geometry"
+        )
     tokens = s_logical[-2]
     n = tokens if num_tokens is None else num_tokens
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= tokens:
         raise ValueError(f"copy_blocks: num_tokens must be in 1..{tokens}, got {num_tokens!r}")
     groups = max(len(src), len(dst))
     if groups % len(src) or groups % len(dst):
-        raise ValueError(f"copy_blocks: {len(src)} source and {len(dst)} destination tensors do not split a block evenly")
+        raise ValueError(
+            f"copy_blocks: {len(src)} source and {len(dst)} destination tensors do not split a block evenly"
+        )
     for name, b in (("src_blocks", src_blocks), ("dst_blocks", dst_blocks)):
         if not isinstance(b, torch.Tensor) or b.dtype not in _INDEX_DTYPES or b.dim() != 1:
             raise TypeError(f"copy_blocks: {name} must be a 1-D int32/int64 tensor")
@@ -274,10 +294,14 @@ def copy_blocks(
         if b.device.type == "cpu" and b.numel():
             lo, hi = int(b.min()), int(b.max())
             if lo < 0 or hi >= limit:
-                raise ValueError(f"copy_blocks: {name} holds {lo if lo < 0 else hi}, out of range for a pool of {limit} blocks")
+                raise ValueError(
+                    f"copy_blocks: {name} holds {lo if lo < 0 else hi}, out of range for a pool of {limit} blocks"
+                )
     _check_method(method)
     if device.type == "cuda" and method == METHOD_DMA and src_blocks.device.type != "cpu":
-        raise ValueError("copy_blocks: METHOD_DMA needs the block indices on the CPU (the copy calls are issued by the host)")
+        raise ValueError(
+            "copy_blocks: METHOD_DMA needs the block indices on the CPU (the copy calls are issued by the host)"
+        )
     _check_method(method)
     if _use_reference(device):
         copy_blocks_ref(list(dst), list(src), src_blocks, dst_blocks, n, method)
@@ -305,7 +329,9 @@ def copy_chunks(
         ValueError: a tensor index or byte range is out of bounds, or a tensor the kernel cannot reach.
     """
     if not isinstance(chunks, torch.Tensor) or chunks.dtype != torch.int64 or chunks.dim() != 2 or chunks.shape[1] != 5:
-        raise TypeError("copy_chunks: chunks must be an int64 tensor [n, 5] of (src, src_offset, dst, dst_offset, nbytes)")
+        raise TypeError(
+            "copy_chunks: chunks must be an int64 tensor [n, 5] of (src, src_offset, dst, dst_offset, nbytes)"
+        )
     if chunks.device.type != "cpu":
         raise ValueError("copy_chunks: the chunk table must be on the CPU (it is validated before launch)")
     if not src or not dst:

@@ -204,7 +204,9 @@ def _side(pool: object) -> tuple[list[torch.Tensor], int]:
         return [pool.tensor], pool.layout.bytes_per_block
     if isinstance(pool, _Flat):
         return [pool.tensor], pool.tensor.numel() * pool.tensor.element_size()
-    raise TypeError(f"a chunked pool copies to or from a block-major pool or another chunked pool, not {type(pool).__name__}")
+    raise TypeError(
+        f"a chunked pool copies to or from a block-major pool or another chunked pool, not {type(pool).__name__}"
+    )
 
 
 def chunk_table(src: object, s: np.ndarray, dst: object, d: np.ndarray) -> np.ndarray:
@@ -242,7 +244,11 @@ def chunk_tensors(pool: object) -> list[torch.Tensor]:
 
 
 def from_views(
-    layout: KVLayout, views: Sequence[torch.Tensor], *, kind: str = "views", tensors: Sequence[torch.Tensor] | None = None
+    layout: KVLayout,
+    views: Sequence[torch.Tensor],
+    *,
+    kind: str = "views",
+    tensors: Sequence[torch.Tensor] | None = None,
 ) -> ChunkedPool:
     """A chunked pool from per-block views: ``views[i][b]`` is block ``b``'s part ``i`` (any shape, any strides).
 
@@ -273,7 +279,9 @@ def from_views(
     cn: list[int] = []
     for v in views:
         if v.shape[0] != num_blocks:
-            raise ValueError(f"every {kind} tensor must hold the same number of blocks ({num_blocks}), got {v.shape[0]}")
+            raise ValueError(
+                f"every {kind} tensor must hold the same number of blocks ({num_blocks}), got {v.shape[0]}"
+            )
         if v.device != device:
             raise ValueError(f"every {kind} tensor must be on one device ({device}), got {v.device}")
         key = _storage_key(v)
@@ -301,8 +309,15 @@ def from_views(
     )
 
 
-def _check(layout: KVLayout, tensors: Sequence[torch.Tensor], count: int, shape: tuple[int, ...], kind: str, pattern: str,
-           block_dim: int = 0) -> int:
+def _check(
+    layout: KVLayout,
+    tensors: Sequence[torch.Tensor],
+    count: int,
+    shape: tuple[int, ...],
+    kind: str,
+    pattern: str,
+    block_dim: int = 0,
+) -> int:
     """Check ``count`` tensors of ``shape`` (``-1`` = the block count) and the layout dtype; return the block count."""
     tensors = list(tensors)
     if len(tensors) != count:
@@ -360,8 +375,9 @@ def vllm_views(layout: KVLayout, tensors: Sequence[torch.Tensor]) -> ChunkedPool
     return from_views(layout, tensors, kind="vllm")
 
 
-def sglang_token_major(layout: KVLayout, k_buffers: Sequence[torch.Tensor],
-                       v_buffers: Sequence[torch.Tensor] | None = None) -> ChunkedPool:
+def sglang_token_major(
+    layout: KVLayout, k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor] | None = None
+) -> ChunkedPool:
     """SGLang's token-major ``(tokens, H, D)`` per-layer K and V buffers as a pool.
 
     A page (block) is ``tokens_per_block`` consecutive tokens, page ``b`` = tokens ``[b * T, (b + 1) * T)``. MLA (``kv_factor=1``): ``k_buffers`` are
@@ -370,8 +386,12 @@ def sglang_token_major(layout: KVLayout, k_buffers: Sequence[torch.Tensor],
     """
     L, kv, H, T, D = layout.block_shape
     if (kv == 1) != (v_buffers is None):
-        raise ValueError("sglang_token_major takes K and V buffers for kv_factor=2, only the latent buffers for kv_factor=1")
-    bufs = list(k_buffers) if v_buffers is None else [b for pair in zip(k_buffers, v_buffers, strict=True) for b in pair]
+        raise ValueError(
+            "sglang_token_major takes K and V buffers for kv_factor=2, only the latent buffers for kv_factor=1"
+        )
+    bufs = (
+        list(k_buffers) if v_buffers is None else [b for pair in zip(k_buffers, v_buffers, strict=True) for b in pair]
+    )
     if len(list(k_buffers)) != L:
         raise ValueError(f"an sglang pool needs {L} per-layer buffers, got {len(list(k_buffers))}")
     _check(layout, bufs, L * kv, (-1, H, D), "sglang", "[tokens, H, D]")
@@ -402,9 +422,12 @@ def pages_layout(page_bytes: Sequence[int]) -> KVLayout:
     if not sizes or min(sizes) < 1:
         raise ValueError(f"page sizes must be positive, got {sizes}")
     if len(set(sizes)) == 1:
-        return KVLayout(num_layers=len(sizes), num_kv_heads=1, head_dim=sizes[0], tokens_per_block=1,
-                        dtype=torch.uint8, kv_factor=1)
-    return KVLayout(num_layers=1, num_kv_heads=1, head_dim=sum(sizes), tokens_per_block=1, dtype=torch.uint8, kv_factor=1)
+        return KVLayout(
+            num_layers=len(sizes), num_kv_heads=1, head_dim=sizes[0], tokens_per_block=1, dtype=torch.uint8, kv_factor=1
+        )
+    return KVLayout(
+        num_layers=1, num_kv_heads=1, head_dim=sum(sizes), tokens_per_block=1, dtype=torch.uint8, kv_factor=1
+    )
 
 
 def pages(tensors: Sequence[torch.Tensor], layout: KVLayout | None = None) -> ChunkedPool:
@@ -417,15 +440,22 @@ def pages(tensors: Sequence[torch.Tensor], layout: KVLayout | None = None) -> Ch
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"a pages pool is made of tensors, got {type(t).__name__}")
         if t.dim() != 2 or t.dtype not in (torch.int8, torch.uint8) or (t.shape[0] and t.stride(1) != 1):
-            raise ValueError(f"pages must be int8/uint8 (num_blocks, page_bytes) views with dense rows, got {t.dtype} {list(t.shape)}")
+            raise ValueError(
+                f"pages must be int8/uint8 (num_blocks, page_bytes) views with dense rows, got {t.dtype} {list(t.shape)}"
+            )
     if not tensors:
         raise ValueError("a pages pool needs at least one tensor")
     lay = pages_layout([t.shape[1] for t in tensors]) if layout is None else layout
     return from_views(lay, tensors, kind="pages")
 
 
-_CONSTRUCTORS = {"flash_attn": flash_attn, "flashinfer": flashinfer, "split_kv": split_kv, "vllm": vllm_views,
-                 "mla": mla}
+_CONSTRUCTORS = {
+    "flash_attn": flash_attn,
+    "flashinfer": flashinfer,
+    "split_kv": split_kv,
+    "vllm": vllm_views,
+    "mla": mla,
+}
 
 
 def as_gpu_pool(layout: KVLayout, tensors: Sequence[torch.Tensor], kind: str = "auto") -> LayerMajorPool:
@@ -477,4 +507,3 @@ def check_compatible(src: object, dst: object) -> None:
     for p in (src, dst):
         if isinstance(p, LayerMajorPool) and not isinstance(p, ChunkedPool):
             raise ValueError("a chunked pool copies to or from a block-major pool or another chunked pool")
-

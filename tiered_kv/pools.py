@@ -58,7 +58,9 @@ class BlockPool:
     def __init__(self, tier: Tier, layout: KVLayout, tensor: torch.Tensor) -> None:
         expected = layout.block_shape
         if tensor.dim() != 6 or tuple(tensor.shape[1:]) != expected:
-            raise ValueError(f"{tier.value} pool must have shape [num_blocks, *{list(expected)}], got {list(tensor.shape)}")
+            raise ValueError(
+                f"{tier.value} pool must have shape [num_blocks, *{list(expected)}], got {list(tensor.shape)}"
+            )
         if tensor.dtype != layout.dtype:
             raise TypeError(f"{tier.value} pool dtype {tensor.dtype} does not match the layout dtype {layout.dtype}")
         if not tensor.is_contiguous():
@@ -74,7 +76,9 @@ class BlockPool:
         if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
             raise TypeError(f"block index must be an int, got {type(index).__name__}")
         if not 0 <= index < self.num_blocks:
-            raise ValueError(f"block index {index} is out of range for the {self.name} pool of {self.num_blocks} blocks")
+            raise ValueError(
+                f"block index {index} is out of range for the {self.name} pool of {self.num_blocks} blocks"
+            )
         return self.tensor[index]
 
     def check(self, indices: np.ndarray, what: str) -> None:
@@ -110,7 +114,13 @@ def as_indices(value: Iterable[int] | np.ndarray | torch.Tensor, what: str) -> n
         raise TypeError(f"{what} must be a sequence of block indices, got {type(value).__name__}")
     else:
         try:
-            arr = value if isinstance(value, np.ndarray) else np.fromiter(value, dtype=np.int64) if isinstance(value, range) else np.asarray(list(value))
+            arr = (
+                value
+                if isinstance(value, np.ndarray)
+                else np.fromiter(value, dtype=np.int64)
+                if isinstance(value, range)
+                else np.asarray(list(value))
+            )
         except TypeError as exc:
             raise TypeError(f"{what} must be a sequence of block indices, got {type(value).__name__}") from exc
     if arr.ndim != 1:
@@ -122,7 +132,9 @@ def as_indices(value: Iterable[int] | np.ndarray | torch.Tensor, what: str) -> n
     return arr.astype(np.int64, copy=False)
 
 
-def small_pairs(src: object, dst: object, src_blocks: int, dst_blocks: int, same_pool: bool) -> tuple[list[int], list[int]] | None:
+def small_pairs(
+    src: object, dst: object, src_blocks: int, dst_blocks: int, same_pool: bool
+) -> tuple[list[int], list[int]] | None:
     """The per-call fast path of index validation: ``(src list, dst list)`` when both are valid, else ``None``.
 
     Valid means: lists of plain ints (or 1-D integer numpy arrays) of the same length, 1..``SMALL_CALL_BLOCKS``

@@ -143,8 +143,19 @@ def pack_header(out: memoryview, fingerprint: bytes, slot: int, generation: int,
     """Write a slot header into ``out`` (a writable 4096-byte buffer)."""
     tag, raw = encode_key(key)
     out[:HEADER_SIZE] = _ZEROS  # a reused buffer's stale bytes would be hashed
-    head = _SLOT.pack(SLOT_MAGIC, SLAB_VERSION, HEADER_SIZE, fingerprint, slot, generation, payload_length, checksum,
-                      CHECKSUM_XXH3_128, tag, len(raw))
+    head = _SLOT.pack(
+        SLOT_MAGIC,
+        SLAB_VERSION,
+        HEADER_SIZE,
+        fingerprint,
+        slot,
+        generation,
+        payload_length,
+        checksum,
+        CHECKSUM_XXH3_128,
+        tag,
+        len(raw),
+    )
     end = len(head) + len(raw)
     out[: len(head)] = head
     out[len(head) : end] = raw
@@ -188,8 +199,16 @@ class Superblock:
     def pack(self) -> bytes:
         """The superblock's bytes."""
         text = self.layout.encode()[:1024]
-        head = _SUPER.pack(SLAB_MAGIC, SLAB_VERSION, HEADER_SIZE, self.fingerprint, self.num_slots, self.slot_size,
-                           self.payload_length, len(text))
+        head = _SUPER.pack(
+            SLAB_MAGIC,
+            SLAB_VERSION,
+            HEADER_SIZE,
+            self.fingerprint,
+            self.num_slots,
+            self.slot_size,
+            self.payload_length,
+            len(text),
+        )
         body = bytearray(HEADER_SIZE)
         body[: len(head)] = head
         body[len(head) : len(head) + len(text)] = text

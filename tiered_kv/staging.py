@@ -270,11 +270,15 @@ def gather_block_offsets(
         sentinel: the "no block" value, written unchanged (not scaled or offset).
     """
     if dst.is_contiguous():
-        ops.gather_block_offsets(dst, src, idx, scale=scale, v_offset=v_offset, max_blocks=max_blocks, sentinel=sentinel)
+        ops.gather_block_offsets(
+            dst, src, idx, scale=scale, v_offset=v_offset, max_blocks=max_blocks, sentinel=sentinel
+        )
     else:
         # The op wants a contiguous dst; a batch smaller than the device table is a strided view of it.
         tmp = torch.empty((*dst.shape[:3], max_blocks), dtype=dst.dtype, device=dst.device)
-        ops.gather_block_offsets(tmp, src, idx, scale=scale, v_offset=v_offset, max_blocks=max_blocks, sentinel=sentinel)
+        ops.gather_block_offsets(
+            tmp, src, idx, scale=scale, v_offset=v_offset, max_blocks=max_blocks, sentinel=sentinel
+        )
         dst[..., :max_blocks].copy_(tmp)
 
 
@@ -345,7 +349,11 @@ class BlockOffsetTable:
         depth: int = 4,
         sentinel: int = NO_BLOCK,
     ) -> None:
-        for name, value in (("num_pools", num_pools), ("max_seqs", max_seqs), ("max_blocks_per_seq", max_blocks_per_seq)):
+        for name, value in (
+            ("num_pools", num_pools),
+            ("max_seqs", max_seqs),
+            ("max_blocks_per_seq", max_blocks_per_seq),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if kv_factor not in (1, 2) or isinstance(kv_factor, bool):
@@ -624,7 +632,9 @@ class BlockOffsetTable:
         if isinstance(slots, np.ndarray) and slots.ndim == 1 and slots.dtype.kind in "iu":
             # Fast path for the usual scheduler input; numpy reductions are cheaper than torch ones.
             if slots.size and (int(slots.min()) < 0 or int(slots.max()) >= self.max_seqs):
-                raise ValueError(f"slots must be in [0, {self.max_seqs}), got values in [{int(slots.min())}, {int(slots.max())}]")
+                raise ValueError(
+                    f"slots must be in [0, {self.max_seqs}), got values in [{int(slots.min())}, {int(slots.max())}]"
+                )
             if slots.size > self.max_seqs:
                 raise ValueError(f"{slots.size} slots exceed max_seqs={self.max_seqs}")
             return torch.from_numpy(slots.astype(np.int64, copy=True))  # private copy: the caller may mutate its own
@@ -659,7 +669,9 @@ class BlockOffsetTable:
         if dst.device != self.device.torch_device:
             raise ValueError(f"dst is on {dst.device}, but this table ships to {self.device.torch_device}")
         if dst.dim() != 4 or dst.shape[0] != self.num_pools or dst.shape[2] != self.kv_factor:
-            raise ValueError(f"dst must have shape [{self.num_pools}, seqs, {self.kv_factor}, blocks], got {list(dst.shape)}")
+            raise ValueError(
+                f"dst must have shape [{self.num_pools}, seqs, {self.kv_factor}, blocks], got {list(dst.shape)}"
+            )
         if dst.shape[1] < n or dst.shape[3] < width:
             raise ValueError(f"dst {list(dst.shape)} is too small for {n} sequences x {width} blocks")
 

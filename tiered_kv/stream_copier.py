@@ -94,7 +94,9 @@ class StreamCopier:
         host_threads: how many threads run HOST->HOST copies.
     """
 
-    def __init__(self, pools: Mapping[Tier, Pool], streams: Mapping[str, Stream], copier: Copier, host_threads: int) -> None:
+    def __init__(
+        self, pools: Mapping[Tier, Pool], streams: Mapping[str, Stream], copier: Copier, host_threads: int
+    ) -> None:
         self._pools = pools
         self._streams = streams
         self.copier = copier
@@ -135,8 +137,9 @@ class StreamCopier:
             return _HostJob(self._threads, op)
         return _StreamJob(self._streams[lane], op)
 
-    def build_op(self, src_pool: Side, s: np.ndarray | list[int], dst_pool: Side, d: np.ndarray | list[int],
-                 n: int | None) -> Op:
+    def build_op(
+        self, src_pool: Side, s: np.ndarray | list[int], dst_pool: Side, d: np.ndarray | list[int], n: int | None
+    ) -> Op:
         """The op of one copy call: DMA or the copy kernel, chosen per call by :mod:`tiered_kv.copyops`.
 
         The op knows its stream (a small call names it by handle, see :meth:`Copier.build`).

@@ -101,4 +101,6 @@ def assert_blocks_equal(actual: torch.Tensor, expected: torch.Tensor, what: str 
     diff = (a != e).nonzero()
     if diff.numel():
         first = int(diff[0])
-        raise AssertionError(f"{what}: {diff.numel()} of {a.numel()} bytes differ; first at byte {first} ({int(a[first])} != {int(e[first])})")
+        raise AssertionError(
+            f"{what}: {diff.numel()} of {a.numel()} bytes differ; first at byte {first} ({int(a[first])} != {int(e[first])})"
+        )

@@ -104,7 +104,9 @@ class Transfer:
         if error is not None:
             if isinstance(error, TransferError):
                 raise error
-            raise TransferError(f"{self.src_tier.value}->{self.dst_tier.value} copy of {self.num_blocks} blocks failed: {error!r}") from error
+            raise TransferError(
+                f"{self.src_tier.value}->{self.dst_tier.value} copy of {self.num_blocks} blocks failed: {error!r}"
+            ) from error
         done_at = self._marker.done_at or self.submitted_at
         return TransferResult(self.src_tier, self.dst_tier, self.num_blocks, self.nbytes, done_at - self.submitted_at)
 

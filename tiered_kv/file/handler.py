@@ -42,7 +42,9 @@ class FileHandler:
         copier: the engine's copier (gathers/scatters layer-major GPU blocks through staging).
     """
 
-    def __init__(self, tier: FileTier, pools: Mapping[Tier, Pool], streams: Mapping[str, Stream], copier: Copier) -> None:
+    def __init__(
+        self, tier: FileTier, pools: Mapping[Tier, Pool], streams: Mapping[str, Stream], copier: Copier
+    ) -> None:
         self.tier = tier
         self._pools = pools
         self._streams = streams
@@ -67,7 +69,9 @@ class FileHandler:
         if self.tier.closed:
             raise ValueError("the file tier is closed")
         if batch.num_tokens is not None:
-            raise ValueError("num_tokens is not supported for copies to or from the file tier: file slots hold whole blocks")
+            raise ValueError(
+                "num_tokens is not supported for copies to or from the file tier: file slots hold whole blocks"
+            )
         keys = batch.keys
         norm: tuple[Key, ...] | None = None
         if keys is not None:
@@ -78,8 +82,10 @@ class FileHandler:
                 raise ValueError(f"got {len(norm)} keys for {batch.size} blocks; give one content key per block")
         if batch.dst_tier is Tier.FILE:
             if norm is None and batch.size:
-                raise ValueError("copies into the file tier need keys=[content key per block]: the key is written into "
-                                 "each slot's header and is how the block is found again (also after a restart)")
+                raise ValueError(
+                    "copies into the file tier need keys=[content key per block]: the key is written into "
+                    "each slot's header and is how the block is found again (also after a restart)"
+                )
             if norm is not None and len(set(norm)) != len(norm):
                 raise ValueError("keys contain duplicates; one slot per content key")
         else:
@@ -89,7 +95,9 @@ class FileHandler:
     def prepare(self, batch: Batch) -> FileCopy:
         """Writes claim their slots now (pending: lookups stop returning them); the copy starts later."""
         if batch.dst_tier is Tier.FILE:
-            keys: list[Key] = [k for k in batch.keys or () if isinstance(k, (bytes, str, int))]  # normalized by validate()
+            keys: list[Key] = [
+                k for k in batch.keys or () if isinstance(k, (bytes, str, int))
+            ]  # normalized by validate()
             assert len(keys) == batch.size
             stream = self._streams["offload"] if batch.src_tier is Tier.GPU else None
             src, dst = batch.lists()

@@ -109,7 +109,9 @@ class SlotIndex:
         with self._lock:
             for j, slot in enumerate(slots):
                 if self._state[slot] == _EMPTY:
-                    raise ValueError(f"file slot {slot} holds no block (never written, discarded or failed verification)")
+                    raise ValueError(
+                        f"file slot {slot} holds no block (never written, discarded or failed verification)"
+                    )
                 if keys is not None and self._keys[slot] != keys[j]:
                     raise ValueError(f"file slot {slot} holds key {self._keys[slot]!r}, not {keys[j]!r}")
 

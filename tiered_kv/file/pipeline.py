@@ -257,7 +257,9 @@ class FileCopy:
         with self._cuda_device():
             if self.layer_major is not None:  # scatter into the block's layers*kv chunks
                 assert self.copier is not None and buf is not None
-                self.copier.build(self.io.ring().pool, np.array([buf]), self.layer_major, np.array([self.blocks[j]]), None)()
+                self.copier.build(
+                    self.io.ring().pool, np.array([buf]), self.layer_major, np.array([self.blocks[j]]), None
+                )()
             else:
                 self._gpu_block(j).copy_(self._staging(buf), non_blocking=True)
 
@@ -272,8 +274,15 @@ class FileCopy:
         io, geo, hdr = self.io, self.io.geometry, self._hdrs[j]
 
         def fill_header() -> None:
-            pack_header(hdr.data, geo.fingerprint, self.slots[j], self.gens[j], self.keys[j],
-                        geo.payload_bytes, payload_checksum(host_payload))
+            pack_header(
+                hdr.data,
+                geo.fingerprint,
+                self.slots[j],
+                self.gens[j],
+                self.keys[j],
+                geo.payload_bytes,
+                payload_checksum(host_payload),
+            )
 
         bufs = [hdr, payload] + ([io.zero_pad] if io.zero_pad is not None else [])
         if prehash:
@@ -293,7 +302,9 @@ class FileCopy:
 
         def check(n: int) -> None:
             if n < HEADER_SIZE + geo.payload_bytes:
-                raise IntegrityError(f"file slot {self.slots[j]}: short read ({n} of {geo.slot_size} bytes; the file is truncated)")
+                raise IntegrityError(
+                    f"file slot {self.slots[j]}: short read ({n} of {geo.slot_size} bytes; the file is truncated)"
+                )
 
         bufs = [hdr, payload] + ([io.trash_pad] if io.trash_pad is not None else [])
         fut = io.backend.pread(bufs, geo.offset(self.slots[j]), after=check)
@@ -302,7 +313,12 @@ class FileCopy:
             return
         # Verify on a tier worker, not on the I/O thread: the I/O threads keep as many reads in flight as raw
         # preadv would while earlier blocks are checksummed.
-        self._then(fut, j, buf, lambda _: self._then(io.workers.submit(self._verify, j, hdr, verify_with), j, buf, lambda _: then(j, buf)))
+        self._then(
+            fut,
+            j,
+            buf,
+            lambda _: self._then(io.workers.submit(self._verify, j, hdr, verify_with), j, buf, lambda _: then(j, buf)),
+        )
 
     def _verify(self, j: int, hdr: np.ndarray, payload: Buffer) -> None:
         geo = self.io.geometry
@@ -328,9 +344,13 @@ class FileCopy:
         elif payload_checksum(payload) != h.checksum:
             why = "payload checksum mismatch"
         if why is not None:
-            raise IntegrityError(f"file slot {slot} failed verification: {why}; the slot was dropped and its data not served")
+            raise IntegrityError(
+                f"file slot {slot} failed verification: {why}; the slot was dropped and its data not served"
+            )
 
-    def _then(self, fut: Completion | concurrent.futures.Future[Any], j: int, buf: int | None, fn: Callable[[Any], None]) -> None:
+    def _then(
+        self, fut: Completion | concurrent.futures.Future[Any], j: int, buf: int | None, fn: Callable[[Any], None]
+    ) -> None:
         """When ``fut`` is done: ``fn(result)`` on success, else finish job ``j`` with the error."""
 
         def cb(f: Any) -> None:
@@ -380,8 +400,9 @@ class FileCopy:
             if truncated is not None:
                 # Backends disagree on a read past the end of the file (POSIX returns a short count, kvikio raises):
                 # a truncated slab is damage, the same IntegrityError on every backend (issue 11, finding 10).
-                err: BaseException = IntegrityError(f"file slot {slot}: short read ({truncated}); the slot was dropped and "
-                                                    "its data not served")
+                err: BaseException = IntegrityError(
+                    f"file slot {slot}: short read ({truncated}); the slot was dropped and its data not served"
+                )
                 err.__cause__ = exc
                 return err
         what = "writing" if self.write else "reading"

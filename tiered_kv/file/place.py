@@ -73,8 +73,10 @@ def directory_problem(directory: str | os.PathLike[str]) -> str | None:
     if not stat.S_ISDIR(st.st_mode):
         return f"{path} exists and is not a directory: give file_dir a directory"
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
-        return (f"{path} is writable by other users (mode {st.st_mode & 0o7777:o}) and not sticky: another user could "
-                "replace the slab or plant a symlink; chmod go-w it (or +t), or use a directory of your own")
+        return (
+            f"{path} is writable by other users (mode {st.st_mode & 0o7777:o}) and not sticky: another user could "
+            "replace the slab or plant a symlink; chmod go-w it (or +t), or use a directory of your own"
+        )
     return None
 
 
@@ -112,8 +114,11 @@ def open_owned(path: str, flags: int, mode: int = 0o600) -> int:
     st = os.fstat(fd)
     if st.st_uid != os.geteuid():
         os.close(fd)
-        raise StorageError(errno.EPERM, f"{path} belongs to another user (uid {st.st_uid}, this process runs as uid "
-                                        f"{os.geteuid()}): it is never opened; remove it or use a directory of your own")
+        raise StorageError(
+            errno.EPERM,
+            f"{path} belongs to another user (uid {st.st_uid}, this process runs as uid "
+            f"{os.geteuid()}): it is never opened; remove it or use a directory of your own",
+        )
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
         raise StorageError(errno.EINVAL, f"{path} is not a regular file: remove it or use another directory")
@@ -133,8 +138,11 @@ def check_space(slab_path: str, slab_bytes: int, num_slots: int, existing_bytes:
     except (ValueError, OSError):
         memory = 0
     if memory and index_bytes > memory:
-        raise StorageError(errno.ENOMEM, f"file_blocks={num_slots} needs about {_gib(index_bytes)} of memory for the slot "
-                                         f"index, more than this machine has ({_gib(memory)}): lower file_blocks")
+        raise StorageError(
+            errno.ENOMEM,
+            f"file_blocks={num_slots} needs about {_gib(index_bytes)} of memory for the slot "
+            f"index, more than this machine has ({_gib(memory)}): lower file_blocks",
+        )
     try:
         vfs = os.statvfs(path)
     except OSError as exc:
@@ -142,6 +150,9 @@ def check_space(slab_path: str, slab_bytes: int, num_slots: int, existing_bytes:
     free = vfs.f_bavail * vfs.f_frsize
     grow = slab_bytes - existing_bytes
     if grow > free:
-        raise StorageError(errno.ENOSPC, f"the slab {slab_path} needs {_gib(slab_bytes)} "
-                                         f"(file_blocks={num_slots}) but the filesystem has {_gib(free)} free: "
-                                         "free space there or lower file_blocks")
+        raise StorageError(
+            errno.ENOSPC,
+            f"the slab {slab_path} needs {_gib(slab_bytes)} "
+            f"(file_blocks={num_slots}) but the filesystem has {_gib(free)} free: "
+            "free space there or lower file_blocks",
+        )

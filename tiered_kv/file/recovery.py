@@ -71,11 +71,15 @@ def take_lock(config: FileTierConfig, path: str) -> int:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise SlabInUseError(f"{path} is in use by another file tier (this or another process); close it first") from None
+        raise SlabInUseError(
+            f"{path} is in use by another file tier (this or another process); close it first"
+        ) from None
     return fd
 
 
-def open_slab(path: str, layout: KVLayout, geometry: SlabGeometry, config: FileTierConfig, index: SlotIndex) -> OpenReport:
+def open_slab(
+    path: str, layout: KVLayout, geometry: SlabGeometry, config: FileTierConfig, index: SlotIndex
+) -> OpenReport:
     """Create or reopen the slab at ``path``; recovered slots go into ``index``.
 
     Raises:
@@ -92,7 +96,9 @@ def open_slab(path: str, layout: KVLayout, geometry: SlabGeometry, config: FileT
 
 
 class _Opener:
-    def __init__(self, path: str, layout: KVLayout, geometry: SlabGeometry, config: FileTierConfig, index: SlotIndex) -> None:
+    def __init__(
+        self, path: str, layout: KVLayout, geometry: SlabGeometry, config: FileTierConfig, index: SlotIndex
+    ) -> None:
         self.path = path
         self.layout = layout
         self.config = config
@@ -106,7 +112,9 @@ class _Opener:
     def open(self) -> OpenReport:
         t0 = time.perf_counter()
         cfg = self.config
-        want = Superblock(self._fingerprint, self.num_blocks, self.slot_size, self.payload_bytes, layout_text(self.layout))
+        want = Superblock(
+            self._fingerprint, self.num_blocks, self.slot_size, self.payload_bytes, layout_text(self.layout)
+        )
         size = HEADER_SIZE + self.num_blocks * self.slot_size
         discarded = False
         existing = os.path.lexists(self.path)
@@ -128,20 +136,29 @@ class _Opener:
                 # checksum, this layout's fingerprint, its own slot number), so the scan below keeps exactly the
                 # verified slots of this layout and the superblock is written again.
                 slots_on_disk = max(0, (os.path.getsize(self.path) - HEADER_SIZE) // self.slot_size)
-                log.warning("%s has a zeroed superblock; keeping the slots that verify (%d on disk) and rewriting it",
-                            self.path, slots_on_disk)
+                log.warning(
+                    "%s has a zeroed superblock; keeping the slots that verify (%d on disk) and rewriting it",
+                    self.path,
+                    slots_on_disk,
+                )
                 sb = Superblock(self._fingerprint, slots_on_disk, self.slot_size, self.payload_bytes, want.layout)
                 rewrite = True
             elif isinstance(sb, str):
                 problem = f"{self.path} is not a tiered_kv slab: {sb}"
-            elif sb.fingerprint != self._fingerprint or sb.slot_size != self.slot_size or sb.payload_length != self.payload_bytes:
+            elif (
+                sb.fingerprint != self._fingerprint
+                or sb.slot_size != self.slot_size
+                or sb.payload_length != self.payload_bytes
+            ):
                 problem = (
                     f"{self.path} was written for another layout ({sb.layout}, fingerprint {sb.fingerprint.hex()}); "
                     f"this tier has {want.layout} (fingerprint {self._fingerprint.hex()})"
                 )
             if problem is not None:
                 if not cfg.discard_mismatch:
-                    raise LayoutMismatchError(f"{problem}. Pass discard_mismatch=True (or TIERED_KV_FILE_DISCARD=1) to discard it.")
+                    raise LayoutMismatchError(
+                        f"{problem}. Pass discard_mismatch=True (or TIERED_KV_FILE_DISCARD=1) to discard it."
+                    )
                 log.warning("%s; discarding it", problem)
                 os.unlink(self.path)
                 existing, discarded = False, True
@@ -182,7 +199,19 @@ class _Opener:
         scanned, recovered, empty, bad, foreign, stale = counts
         empty += max(0, self.num_blocks - old_slots)
         created = rewrite and recovered == 0  # a zeroed superblock over nothing: an interrupted creation
-        return OpenReport(self.path, created, False, "existing", scanned, recovered, empty, bad, foreign, stale, time.perf_counter() - t0)
+        return OpenReport(
+            self.path,
+            created,
+            False,
+            "existing",
+            scanned,
+            recovered,
+            empty,
+            bad,
+            foreign,
+            stale,
+            time.perf_counter() - t0,
+        )
 
     def _scan(self, fd: int, nslots: int) -> tuple[int, int, int, int, int, int]:
         """Rebuild the index from slot headers (and payloads with ``verify_on_open="full"``)."""
@@ -204,7 +233,9 @@ class _Opener:
                 return "foreign"
             if h.payload_length != self.payload_bytes:
                 return "bad"
-            if payload is not None and (len(payload) < self.payload_bytes or payload_checksum(payload[: self.payload_bytes]) != h.checksum):
+            if payload is not None and (
+                len(payload) < self.payload_bytes or payload_checksum(payload[: self.payload_bytes]) != h.checksum
+            ):
                 return "bad"
             return h
 

@@ -165,12 +165,30 @@ class FileTier:
         if zero_pad is not None:
             zero_pad[:] = 0
         trash_pad = aligned_empty(self.pad_bytes).numpy() if self.pad_bytes else None
-        self._io = SlabIO(self.geometry, self.backend, self._workers, self._staging_ring, self.durability, self.device,
-                          self.index, self._counters, zero_pad, trash_pad)
+        self._io = SlabIO(
+            self.geometry,
+            self.backend,
+            self._workers,
+            self._staging_ring,
+            self.durability,
+            self.device,
+            self.index,
+            self._counters,
+            zero_pad,
+            trash_pad,
+        )
         r = self.open_report
         log.info(
             "file tier %s: %d slots of %d bytes, backend %s (direct=%s), recovered %d, bad %d, foreign %d, %.3f s",
-            self.path, self.num_blocks, self.slot_size, self.backend.name, self.direct, r.recovered, r.bad, r.foreign, r.seconds,
+            self.path,
+            self.num_blocks,
+            self.slot_size,
+            self.backend.name,
+            self.direct,
+            r.recovered,
+            r.bad,
+            r.foreign,
+            r.seconds,
         )
 
     # ------------------------------------------------------------------------------------ opening
@@ -263,8 +281,15 @@ class FileTier:
 
     # ------------------------------------------------------------------------------------ batches
 
-    def write_batch(self, pool: BlockPool | LayerMajorPool, blocks: list[int], slots: list[int], keys: list[Key],
-                    stream: Stream | None, copier: Copier | None) -> FileCopy:
+    def write_batch(
+        self,
+        pool: BlockPool | LayerMajorPool,
+        blocks: list[int],
+        slots: list[int],
+        keys: list[Key],
+        stream: Stream | None,
+        copier: Copier | None,
+    ) -> FileCopy:
         """Claim ``slots`` for ``keys`` (pending from now on) and return the copy that writes ``blocks`` into them.
 
         Args:
@@ -278,8 +303,14 @@ class FileTier:
         gens = self.index.claim(slots, keys)
         return FileCopy(self._io, True, pool, blocks, slots, keys, gens, stream, copier)
 
-    def read_batch(self, pool: BlockPool | LayerMajorPool, blocks: list[int], slots: list[int],
-                   stream: Stream | None, copier: Copier | None) -> FileCopy:
+    def read_batch(
+        self,
+        pool: BlockPool | LayerMajorPool,
+        blocks: list[int],
+        slots: list[int],
+        stream: Stream | None,
+        copier: Copier | None,
+    ) -> FileCopy:
         """The copy that reads ``slots`` (checked readable) into ``blocks`` of ``pool``, verifying each."""
         keys, gens = self.index.expected(slots)
         return FileCopy(self._io, False, pool, blocks, slots, keys, gens, stream, copier)
@@ -305,8 +336,11 @@ class FileTier:
     def __del__(self) -> None:
         if getattr(self, "_closed", True) or not hasattr(self, "_workers"):
             return
-        warnings.warn(f"unclosed file tier {getattr(self, 'path', '?')}: close() it; releasing its threads and slab lock",
-                      ResourceWarning, stacklevel=2)
+        warnings.warn(
+            f"unclosed file tier {getattr(self, 'path', '?')}: close() it; releasing its threads and slab lock",
+            ResourceWarning,
+            stacklevel=2,
+        )
         try:
             self.close()
         except Exception:  # interpreter shutdown: nothing more can be done
@@ -321,11 +355,28 @@ class FileTier:
         """A snapshot: index occupancy and I/O counters."""
         c = self._counters.snapshot()
         valid, pending = self.index.counts()
-        return FileTierStatistics(self.path, self.backend.name, self.direct, self.durability.value, self.num_blocks, valid,
-                                  pending, c["nw"], c["nr"], c["bw"], c["br"], c["wf"], c["rf"], c["if"], self.open_report)
+        return FileTierStatistics(
+            self.path,
+            self.backend.name,
+            self.direct,
+            self.durability.value,
+            self.num_blocks,
+            valid,
+            pending,
+            c["nw"],
+            c["nr"],
+            c["bw"],
+            c["br"],
+            c["wf"],
+            c["rf"],
+            c["if"],
+            self.open_report,
+        )
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         s = self.statistics()
-        return (f"<FileTier {self.path} [{state}, valid:{s.valid}, pending:{s.pending}, slots:{self.num_blocks}] "
-                f"backend={self.backend.name} direct={self.direct}>")
+        return (
+            f"<FileTier {self.path} [{state}, valid:{s.valid}, pending:{s.pending}, slots:{self.num_blocks}] "
+            f"backend={self.backend.name} direct={self.direct}>"
+        )

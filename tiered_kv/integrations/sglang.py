@@ -40,7 +40,9 @@ __all__ = ["TieredKVHiCacheStorage"]
 
 
 def _bytes_layout(page_bytes: int) -> KVLayout:
-    return KVLayout(num_layers=1, num_kv_heads=1, head_dim=page_bytes, tokens_per_block=1, dtype=torch.uint8, kv_factor=1)
+    return KVLayout(
+        num_layers=1, num_kv_heads=1, head_dim=page_bytes, tokens_per_block=1, dtype=torch.uint8, kv_factor=1
+    )
 
 
 class TieredKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
@@ -66,9 +68,11 @@ class TieredKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self.file_blocks = int(extra["file_blocks"])
         self.staging_blocks = staging
         self.directory = Path(extra["file_dir"]) / f"tp{c.tp_rank}of{c.tp_size}-pp{c.pp_rank}of{c.pp_size}"
-        self._salt = (f"tiered_kv-sglang|model={c.model_name}|tp={c.tp_rank}/{c.tp_size}|pp={c.pp_rank}/{c.pp_size}"
-                      f"|cp={c.attn_cp_rank}/{c.attn_cp_size}|mla={c.is_mla_model}|page_first={c.is_page_first_layout}"
-                      f"|dp={getattr(c, 'dp_rank', 0)}").encode()
+        self._salt = (
+            f"tiered_kv-sglang|model={c.model_name}|tp={c.tp_rank}/{c.tp_size}|pp={c.pp_rank}/{c.pp_size}"
+            f"|cp={c.attn_cp_rank}/{c.attn_cp_size}|mla={c.is_mla_model}|page_first={c.is_page_first_layout}"
+            f"|dp={getattr(c, 'dp_rank', 0)}"
+        ).encode()
         self._lock = threading.RLock()
         self._loop = LoopThread("tiered_kv-sglang")
         self._engine: TransferEngine | None = None
@@ -89,18 +93,25 @@ class TieredKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         with self._lock:
             if self._engine is not None:
                 if self._engine.layout.bytes_per_block != page_bytes:
-                    raise ValueError(f"pages of {page_bytes} bytes, but this storage holds {self._engine.layout.bytes_per_block}")
+                    raise ValueError(
+                        f"pages of {page_bytes} bytes, but this storage holds {self._engine.layout.bytes_per_block}"
+                    )
                 return self._engine
             self.directory.mkdir(parents=True, exist_ok=True)
-            engine = TransferEngine(_bytes_layout(page_bytes), host_blocks=self.staging_blocks, device="cpu",
-                                    file_dir=self.directory, file_blocks=self.file_blocks)
+            engine = TransferEngine(
+                _bytes_layout(page_bytes),
+                host_blocks=self.staging_blocks,
+                device="cpu",
+                file_dir=self.directory,
+                file_blocks=self.file_blocks,
+            )
             tier = engine.file_tier
             used: set[int] = set()
             tag = self._tag()
             for slot in range(self.file_blocks):  # warm restart: pages the slab verified at open are found again
                 key = tier.key_of(slot)
                 if isinstance(key, bytes) and key.startswith(b"sg:") and key.endswith(tag):
-                    self._index[key[3:-len(tag)].decode()] = slot
+                    self._index[key[3 : -len(tag)].decode()] = slot
                     used.add(slot)
             self._free = [s for s in range(self.file_blocks - 1, -1, -1) if s not in used]
             self._engine = engine
@@ -148,7 +159,7 @@ class TieredKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         staging = engine.pool(Tier.HOST).tensor.view(self.staging_blocks, -1)
         out: list[bool] = []
         for start in range(0, len(keys), self.staging_blocks):
-            batch = keys[start:start + self.staging_blocks]
+            batch = keys[start : start + self.staging_blocks]
             rows = list(range(len(batch)))
             fill(staging, rows, start)
             slots = []
@@ -158,10 +169,15 @@ class TieredKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 slots.append(slot)
 
             async def go(rows: list[int], slots: list[int | None], batch: list[str]) -> list[BaseException | None]:
-                ts = [engine.copy(Tier.HOST, [r], Tier.FILE, [s], keys=[self._content(k)])
-                      for r, s, k in zip(rows, slots, batch, strict=True) if s is not None]
-                return [None if not isinstance(x, BaseException) else x
-                        for x in await asyncio.gather(*ts, return_exceptions=True)]
+                ts = [
+                    engine.copy(Tier.HOST, [r], Tier.FILE, [s], keys=[self._content(k)])
+                    for r, s, k in zip(rows, slots, batch, strict=True)
+                    if s is not None
+                ]
+                return [
+                    None if not isinstance(x, BaseException) else x
+                    for x in await asyncio.gather(*ts, return_exceptions=True)
+                ]
 
             results = iter(self._loop.run(go(rows, slots, batch)))
             for k, s in zip(batch, slots, strict=True):
@@ -182,12 +198,15 @@ class TieredKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         staging = engine.pool(Tier.HOST).tensor.view(self.staging_blocks, -1)
         out: list[bool] = []
         for start in range(0, len(keys), self.staging_blocks):
-            batch = keys[start:start + self.staging_blocks]
+            batch = keys[start : start + self.staging_blocks]
             slots = [self._index.get(k) for k in batch]
 
             async def go(slots: list[int | None], batch: list[str]) -> list[bool]:
-                ts = [engine.copy(Tier.FILE, [s], Tier.HOST, [r], keys=[self._content(k)])
-                      for r, (s, k) in enumerate(zip(slots, batch, strict=True)) if s is not None]
+                ts = [
+                    engine.copy(Tier.FILE, [s], Tier.HOST, [r], keys=[self._content(k)])
+                    for r, (s, k) in enumerate(zip(slots, batch, strict=True))
+                    if s is not None
+                ]
                 res = await asyncio.gather(*ts, return_exceptions=True)
                 return [not isinstance(x, BaseException) for x in res]
 
@@ -239,10 +258,19 @@ class TieredKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
             def fill(staging: torch.Tensor, rows: list[int], start: int) -> None:
                 sel = np.arange(start * per, (start + len(rows)) * per)
-                table = np.stack([which[sel], offs[sel], np.zeros(sel.size, dtype=np.int64),
-                                  (np.repeat(np.asarray(rows, dtype=np.int64), per) * staging.shape[1]
-                                   + np.tile(np.arange(per, dtype=np.int64) * piece, len(rows))),
-                                  np.full(sel.size, piece, dtype=np.int64)], axis=1)
+                table = np.stack(
+                    [
+                        which[sel],
+                        offs[sel],
+                        np.zeros(sel.size, dtype=np.int64),
+                        (
+                            np.repeat(np.asarray(rows, dtype=np.int64), per) * staging.shape[1]
+                            + np.tile(np.arange(per, dtype=np.int64) * piece, len(rows))
+                        ),
+                        np.full(sel.size, piece, dtype=np.int64),
+                    ],
+                    axis=1,
+                )
                 ops.copy_chunks([staging], flat, torch.from_numpy(np.ascontiguousarray(table)))
 
             return self._write(list(keys), fill)
@@ -262,9 +290,17 @@ class TieredKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 idx = np.asarray([start + i for i, _ in rows], dtype=np.int64)
                 r = np.asarray([row for _, row in rows], dtype=np.int64)
                 sel = (idx[:, None] * per + np.arange(per)[None, :]).reshape(-1)
-                src_off = (np.repeat(r, per) * staging.shape[1] + np.tile(np.arange(per, dtype=np.int64) * piece, r.size))
-                table = np.stack([np.zeros(sel.size, dtype=np.int64), src_off, which[sel], offs[sel],
-                                  np.full(sel.size, piece, dtype=np.int64)], axis=1)
+                src_off = np.repeat(r, per) * staging.shape[1] + np.tile(np.arange(per, dtype=np.int64) * piece, r.size)
+                table = np.stack(
+                    [
+                        np.zeros(sel.size, dtype=np.int64),
+                        src_off,
+                        which[sel],
+                        offs[sel],
+                        np.full(sel.size, piece, dtype=np.int64),
+                    ],
+                    axis=1,
+                )
                 ops.copy_chunks(flat, [staging], torch.from_numpy(np.ascontiguousarray(table)))
 
             return self._read(list(keys), drain)
@@ -274,8 +310,9 @@ class TieredKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
         return self.batch_set([key], [value])
 
-    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
-                  target_sizes: Any = None) -> bool:
+    def batch_set(
+        self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None
+    ) -> bool:
         """Store whole pages given as tensors (any dtype; their bytes are stored)."""
         if not keys:
             return True
@@ -293,7 +330,9 @@ class TieredKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         [out] = self.batch_get([key], [target_location] if target_location is not None else None)
         return out
 
-    def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list[torch.Tensor | None]:
+    def batch_get(
+        self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
+    ) -> list[torch.Tensor | None]:
         """Verified pages into ``target_locations`` (tensors of the page's size), or new uint8 tensors; a miss is ``None``."""
         out: list[torch.Tensor | None] = [None] * len(keys)
         with self._lock:

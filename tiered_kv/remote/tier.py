@@ -381,6 +381,7 @@ class RemoteTier:
         """Copy pool blocks into staging and write their headers (GPU: copy on the offload stream; host: a worker)."""
         loop = asyncio.get_running_loop()
         if tier is Tier.GPU:
+
             def copy() -> None:
                 for src, i in zip(slots, staging, strict=True):
                     block = pool.tensor[src] if isinstance(pool, BlockPool) else pool.block(src)
@@ -389,6 +390,7 @@ class RemoteTier:
             await self._on_lane("offload", copy)
             await loop.run_in_executor(None, self._encode, staging, names)
         else:
+
             def host_copy() -> None:
                 for src, i in zip(slots, staging, strict=True):
                     self._payload(i).copy_(pool.tensor[src])
@@ -398,6 +400,7 @@ class RemoteTier:
 
     async def _stage_in(self, tier: Tier, pool: BlockPool, slots: list[int], staging: list[int]) -> None:
         """Copy verified staging payloads into pool blocks (GPU: on the onboard stream)."""
+
         def copy() -> None:
             for dst, i in zip(slots, staging, strict=True):
                 pool.tensor[dst].copy_(self._payload(i), non_blocking=tier is Tier.GPU)
@@ -430,8 +433,16 @@ class RemoteTier:
         loop = asyncio.get_running_loop()
         pending.add_done_callback(lambda _: loop.call_soon_threadsafe(self._staging.release, staging))
 
-    async def _run_put(self, transfer: RemoteTransfer, fence: Marker, deps: set[Marker], tier: Tier, pool: Any,
-                       slots: list[int], names: list[str]) -> None:
+    async def _run_put(
+        self,
+        transfer: RemoteTransfer,
+        fence: Marker,
+        deps: set[Marker],
+        tier: Tier,
+        pool: Any,
+        slots: list[int],
+        names: list[str],
+    ) -> None:
         failure: BaseException | None = None
         try:
             for dep in deps:
@@ -442,8 +453,15 @@ class RemoteTier:
         self._release_fence(fence)
         self._finish(transfer._marker, failure)
 
-    async def _put_blocks(self, tier: Tier, pool: Any, slots: list[int], names: list[str], found: list[bool],
-                          staged_all: Callable[[], None] | None = None) -> None:
+    async def _put_blocks(
+        self,
+        tier: Tier,
+        pool: Any,
+        slots: list[int],
+        names: list[str],
+        found: list[bool],
+        staged_all: Callable[[], None] | None = None,
+    ) -> None:
         """Stage ``slots`` chunk by chunk and put each chunk (a round trip overlapping the next chunk's staging).
 
         ``staged_all()`` is called once every block is staged (or abandoned): the pool blocks are free again.
@@ -505,8 +523,16 @@ class RemoteTier:
         finally:
             self._release_later(staging, pending)
 
-    async def _run_get(self, transfer: RemoteTransfer, fence: Marker, deps: set[Marker], tier: Tier, pool: BlockPool,
-                       slots: list[int], names: list[str]) -> None:
+    async def _run_get(
+        self,
+        transfer: RemoteTransfer,
+        fence: Marker,
+        deps: set[Marker],
+        tier: Tier,
+        pool: BlockPool,
+        slots: list[int],
+        names: list[str],
+    ) -> None:
         failure: BaseException | None = None
         try:
             await self._get_blocks(tier, pool, slots, names, transfer.found, deps)
@@ -516,18 +542,38 @@ class RemoteTier:
         self._release_fence(fence)
         self._finish(transfer._marker, failure)
 
-    async def _get_blocks(self, tier: Tier, pool: BlockPool, slots: list[int], names: list[str], found: list[bool],
-                          deps: Iterable[Marker] = ()) -> None:
+    async def _get_blocks(
+        self,
+        tier: Tier,
+        pool: BlockPool,
+        slots: list[int],
+        names: list[str],
+        found: list[bool],
+        deps: Iterable[Marker] = (),
+    ) -> None:
         """Read, verify and copy in every chunk concurrently (after ``deps``); raises the first failure."""
         deps = list(deps)
-        results = await asyncio.gather(*(self._get_chunk(found, deps, tier, pool, slots, names, start)
-                                         for start in range(0, len(names), self._chunk)), return_exceptions=True)
+        results = await asyncio.gather(
+            *(
+                self._get_chunk(found, deps, tier, pool, slots, names, start)
+                for start in range(0, len(names), self._chunk)
+            ),
+            return_exceptions=True,
+        )
         failure = next((r for r in results if isinstance(r, BaseException)), None)
         if failure is not None:
             raise failure
 
-    async def _get_chunk(self, found: list[bool], deps: list[Marker], tier: Tier, pool: BlockPool, slots: list[int],
-                         names: list[str], start: int) -> None:
+    async def _get_chunk(
+        self,
+        found: list[bool],
+        deps: list[Marker],
+        tier: Tier,
+        pool: BlockPool,
+        slots: list[int],
+        names: list[str],
+        start: int,
+    ) -> None:
         chunk_names = names[start : start + self._chunk]
         staging = await self._staging.acquire(len(chunk_names))
         pending = None
@@ -558,8 +604,13 @@ class RemoteTier:
                     if size < 0:
                         out.append(None)
                         continue
-                    v = verify_object(self._staging.array[i][:size] if size <= self.object_size else b"",
-                                      self._fingerprint, self.rank, name, length)
+                    v = verify_object(
+                        self._staging.array[i][:size] if size <= self.object_size else b"",
+                        self._fingerprint,
+                        self.rank,
+                        name,
+                        length,
+                    )
                     out.append(v if isinstance(v, str) else "")
                 return out
 
@@ -593,13 +644,19 @@ class RemoteTier:
         """A snapshot of the counters (see :class:`RemoteStatistics`)."""
         url = self.store.url
         return RemoteStatistics(
-            url=str(url), kind=self.store.kind, available=self.available, batches=dict(self._batches),
-            blocks=dict(self._blocks), bytes=dict(self._bytes), errors=self._errors, timeouts=self._timeouts,
-            seconds=dict(self._seconds), latency_counts={k: tuple(v) for k, v in self._latency.items()},
+            url=str(url),
+            kind=self.store.kind,
+            available=self.available,
+            batches=dict(self._batches),
+            blocks=dict(self._blocks),
+            bytes=dict(self._bytes),
+            errors=self._errors,
+            timeouts=self._timeouts,
+            seconds=dict(self._seconds),
+            latency_counts={k: tuple(v) for k, v in self._latency.items()},
             bad_reasons=dict(self._bad),
         )
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("available" if self.available else "unavailable")
         return f"<RemoteTier {self.store.url} rank={self.rank} [{state}, in_flight:{len(self._tasks)}]>"
-

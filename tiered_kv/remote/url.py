@@ -102,7 +102,9 @@ def parse_store_url(url: str, environ: dict[str, str] | None = None) -> StoreURL
     parts = urllib.parse.urlsplit(url)
     scheme = parts.scheme.lower()
     if scheme not in SCHEMES:
-        raise ValueError(f"unknown remote store URL {url!r}: use one of {', '.join(s + '://host:port' for s in SCHEMES)}")
+        raise ValueError(
+            f"unknown remote store URL {url!r}: use one of {', '.join(s + '://host:port' for s in SCHEMES)}"
+        )
     if parts.password is not None:
         raise ValueError(f"do not put the password in the URL; set the environment variable {PASSWORD_ENV}")
     try:
@@ -115,7 +117,9 @@ def parse_store_url(url: str, environ: dict[str, str] | None = None) -> StoreURL
     db = 0
     if path:
         if scheme in ("mooncake", "redis+cluster") or not path.isdigit():
-            raise ValueError(f"remote store URL {url!r}: the path must be a Redis database number (redis://host:port/0)")
+            raise ValueError(
+                f"remote store URL {url!r}: the path must be a Redis database number (redis://host:port/0)"
+            )
         db = int(path)
     fields: dict[str, object] = {}
     for name, values in urllib.parse.parse_qs(parts.query, keep_blank_values=True).items():
@@ -136,8 +140,17 @@ def parse_store_url(url: str, environ: dict[str, str] | None = None) -> StoreURL
                     raise ValueError
                 fields[name] = value
             else:
-                raise ValueError(f"unknown parameter {name!r} in remote store URL {url!r} (timeout, ttl, segment, protocol)")
+                raise ValueError(
+                    f"unknown parameter {name!r} in remote store URL {url!r} (timeout, ttl, segment, protocol)"
+                )
         except ValueError as exc:
             raise ValueError(str(exc) or f"bad value {value!r} for {name!r} in remote store URL {url!r}") from None
-    return StoreURL(scheme, parts.hostname, port, db, password=env.get(PASSWORD_ENV) or None,
-                    user=parts.username or env.get(USER_ENV) or None, **fields)  # type: ignore[arg-type]
+    return StoreURL(
+        scheme,
+        parts.hostname,
+        port,
+        db,
+        password=env.get(PASSWORD_ENV) or None,
+        user=parts.username or env.get(USER_ENV) or None,
+        **fields,
+    )  # type: ignore[arg-type]

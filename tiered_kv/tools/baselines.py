@@ -28,7 +28,9 @@ from ..staging import BlockOffsetTable, Mode, gather_block_offsets
 __all__ = ["InplaceShipper", "add_sequences_one_phase"]
 
 
-async def add_sequences_one_phase(cache: TieredKVCache, requests: Iterable[Request | Sequence[int] | np.ndarray]) -> list[Admission]:
+async def add_sequences_one_phase(
+    cache: TieredKVCache, requests: Iterable[Request | Sequence[int] | np.ndarray]
+) -> list[Admission]:
     """:meth:`TieredKVCache.add_sequences` with the one-phase admission order (see the module docstring).
 
     Cancellation: as :meth:`TieredKVCache.add_sequences`.

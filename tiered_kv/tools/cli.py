@@ -57,9 +57,17 @@ async def _demo(args: argparse.Namespace) -> int:
     check_outputs(args.plot, args.json)  # before a minute of work, not after it
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: no CUDA device here (use --device cpu or auto)")
-    config = DemoConfig(device=args.device, seed=args.seed, conversations=args.conversations, max_new_tokens=args.max_new_tokens,
-                        gpu_blocks=args.gpu_blocks, host_blocks=args.host_blocks, file_blocks=args.file_blocks, directory=args.dir,
-                        remote=args.remote)
+    config = DemoConfig(
+        device=args.device,
+        seed=args.seed,
+        conversations=args.conversations,
+        max_new_tokens=args.max_new_tokens,
+        gpu_blocks=args.gpu_blocks,
+        host_blocks=args.host_blocks,
+        file_blocks=args.file_blocks,
+        directory=args.dir,
+        remote=args.remote,
+    )
     with tqdm(desc="chat turns through a real model", unit="turn", disable=args.quiet) as bar:
 
         def progress(done: int, total: int) -> None:
@@ -159,11 +167,23 @@ def _doctor_checks(directory: str) -> list[tuple[str, bool, str, str]]:
             pass
         checks.append(("CUDA device", True, f"{props.name}, {props.total_memory / 2**30:.0f} GiB{driver}", ""))
     elif torch.version.cuda:  # a CUDA build is installed: the driver or the device is what is missing
-        checks.append(("CUDA device", False, f"none visible to this CUDA {torch.version.cuda} build of torch (the emulated device is used)",
-                       "check the NVIDIA driver (`nvidia-smi`) and CUDA_VISIBLE_DEVICES; torch itself is fine"))
+        checks.append(
+            (
+                "CUDA device",
+                False,
+                f"none visible to this CUDA {torch.version.cuda} build of torch (the emulated device is used)",
+                "check the NVIDIA driver (`nvidia-smi`) and CUDA_VISIBLE_DEVICES; torch itself is fine",
+            )
+        )
     else:
-        checks.append(("CUDA device", False, "none: torch is a CPU-only build (the emulated device is used)",
-                       "install a CUDA build of torch (pip install torch --index-url https://download.pytorch.org/whl/cu130) and an NVIDIA driver"))
+        checks.append(
+            (
+                "CUDA device",
+                False,
+                "none: torch is a CPU-only build (the emulated device is used)",
+                "install a CUDA build of torch (pip install torch --index-url https://download.pytorch.org/whl/cu130) and an NVIDIA driver",
+            )
+        )
     try:
         import uvloop
 
@@ -175,45 +195,84 @@ def _doctor_checks(directory: str) -> list[tuple[str, bool, str, str]]:
 
         checks.append(("kvikio", True, getattr(kvikio, "__version__", "installed"), ""))
     except Exception as exc:
-        checks.append(("kvikio", False, f"not usable ({type(exc).__name__})", "pip install 'tiered-kv[gds]' for GPUDirect Storage"))
+        checks.append(
+            (
+                "kvikio",
+                False,
+                f"not usable ({type(exc).__name__})",
+                "pip install 'tiered-kv[gds]' for GPUDirect Storage",
+            )
+        )
     from .. import _ext
 
     ext = _ext.status()
     if ext["built"] or ext["loaded"]:
         checks.append(("CUDA extension", True, f"built in {ext['cache_dir']}", ""))
     elif ext["torch_cuda"] and ext["nvcc"]:
-        checks.append(("CUDA extension", False, f"not built yet (nvcc {ext['nvcc_version']}, arch {ext['arch']})",
-                       "it builds on first use; `tiered-kv build-ext` builds it now"))
+        checks.append(
+            (
+                "CUDA extension",
+                False,
+                f"not built yet (nvcc {ext['nvcc_version']}, arch {ext['arch']})",
+                "it builds on first use; `tiered-kv build-ext` builds it now",
+            )
+        )
     else:
         missing = "a CUDA build of torch" if not ext["torch_cuda"] else "nvcc (the CUDA toolkit; set CUDA_HOME)"
-        checks.append(("CUDA extension", False, f"cannot build: no {missing}; the CPU reference ops are used",
-                       f"install {missing} for the batched-copy, partial-copy and gather kernels"))
+        checks.append(
+            (
+                "CUDA extension",
+                False,
+                f"cannot build: no {missing}; the CPU reference ops are used",
+                f"install {missing} for the batched-copy, partial-copy and gather kernels",
+            )
+        )
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+
     def fmt(v: int) -> str:
         return "unlimited" if v == resource.RLIM_INFINITY else f"{v / 2**20:.0f} MiB"
 
     small = soft != resource.RLIM_INFINITY and soft < MEMLOCK_WARN_BYTES
-    checks.append(("pinned memory (ulimit -l)", not small, f"soft {fmt(soft)}, hard {fmt(hard)}"
-                   + (f" (below {MEMLOCK_WARN_BYTES >> 20} MiB)" if small else ""),
-                   "raise the locked-memory limit (`ulimit -l unlimited`, or memlock in /etc/security/limits.conf / "
-                   "--ulimit memlock=-1 for containers): GDS buffer registration and large pinned host pools need it"))
+    checks.append(
+        (
+            "pinned memory (ulimit -l)",
+            not small,
+            f"soft {fmt(soft)}, hard {fmt(hard)}" + (f" (below {MEMLOCK_WARN_BYTES >> 20} MiB)" if small else ""),
+            "raise the locked-memory limit (`ulimit -l unlimited`, or memlock in /etc/security/limits.conf / "
+            "--ulimit memlock=-1 for containers): GDS buffer registration and large pinned host pools need it",
+        )
+    )
     writable = os.path.isdir(directory) and os.access(directory, os.W_OK)
     checks.append(("directory", writable, directory, "pass --dir with a writable directory"))
     from ..file.place import directory_problem
 
     problem = directory_problem(directory)  # shared directories: symlinks, other users' files (issue 11)
-    checks.append(("directory safe for a file tier", problem is None, "yes" if problem is None else problem,
-                   "use a directory of your own (0700), or a sticky one (chmod +t) like /tmp"))
+    checks.append(
+        (
+            "directory safe for a file tier",
+            problem is None,
+            "yes" if problem is None else problem,
+            "use a directory of your own (0700), or a sticky one (chmod +t) like /tmp",
+        )
+    )
     if writable:
         from ..backends.gds import select_backend
         from ..backends.posix import direct_io_supported
 
         direct = direct_io_supported(directory)
-        checks.append(("O_DIRECT in directory", direct, "yes" if direct else "no (page cache)",
-                       "put the file tier on a filesystem that supports O_DIRECT (ext4, xfs) for full disk speed"))
+        checks.append(
+            (
+                "O_DIRECT in directory",
+                direct,
+                "yes" if direct else "no (page cache)",
+                "put the file tier on a filesystem that supports O_DIRECT (ext4, xfs) for full disk speed",
+            )
+        )
         try:
             kind, probe = select_backend(None)
-            checks.append(("file tier I/O (TIERED_KV_GDS)", True, f"{kind}: {probe.reason if probe else 'GDS off'}", ""))
+            checks.append(
+                ("file tier I/O (TIERED_KV_GDS)", True, f"{kind}: {probe.reason if probe else 'GDS off'}", "")
+            )
         except Exception as exc:
             checks.append(("file tier I/O (TIERED_KV_GDS)", False, str(exc), "use TIERED_KV_GDS=auto or off"))
     return checks
@@ -233,8 +292,14 @@ def _doctor(args: argparse.Namespace) -> int:
     failed = [c[0] for c in checks if not c[1] and c[0] in REQUIRED_CHECKS]
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([{"check": c[0], "ok": c[1], "required": c[0] in REQUIRED_CHECKS, "found": c[2], "fix": c[3]}
-                       for c in checks], f, indent=2)
+            json.dump(
+                [
+                    {"check": c[0], "ok": c[1], "required": c[0] in REQUIRED_CHECKS, "found": c[2], "fix": c[3]}
+                    for c in checks
+                ],
+                f,
+                indent=2,
+            )
     if failed:
         print(f"\nfailed: {', '.join(failed)} (XX: needed to run; --: optional, with what to do)")
         return 1
@@ -268,10 +333,14 @@ async def _soak(args: argparse.Namespace) -> int:
             print(f"FAILED: {failure}", file=sys.stderr)
             return 1
     if args.file_blocks:
-        print(f"file tier: all 8 routes, {report.failed} copies failed by injected file faults, {report.refused} reads "
-              "of emptied slots refused; what they wrote was never checked as valid, everything else was")
-    print(f"ok: {report.ops} ops, {report.checked_blocks} block checks, {report.cancelled} cancelled waits, "
-          f"{report.forgotten} unawaited, {report.stalls} stalls in {report.seconds:.1f} s; close() {report.close_seconds * 1e3:.1f} ms")
+        print(
+            f"file tier: all 8 routes, {report.failed} copies failed by injected file faults, {report.refused} reads "
+            "of emptied slots refused; what they wrote was never checked as valid, everything else was"
+        )
+    print(
+        f"ok: {report.ops} ops, {report.checked_blocks} block checks, {report.cancelled} cancelled waits, "
+        f"{report.forgotten} unawaited, {report.stalls} stalls in {report.seconds:.1f} s; close() {report.close_seconds * 1e3:.1f} ms"
+    )
     return 0
 
 
@@ -283,8 +352,9 @@ async def _cache_soak(args: argparse.Namespace, device: str) -> int:
     from .cache_soak import CacheSoakConfig, CacheSoakFailure, cache_soak
 
     logging.getLogger("tiered_kv").setLevel(logging.ERROR)  # injected faults fail copies by the hundred: expected
-    config = CacheSoakConfig(ops=args.ops, seed=args.seed, tasks=args.tasks, device=device,
-                             min_verified_tokens=args.reused_tokens)
+    config = CacheSoakConfig(
+        ops=args.ops, seed=args.seed, tasks=args.tasks, device=device, min_verified_tokens=args.reused_tokens
+    )
     total = max(args.reused_tokens, 1)
     desc = f"cache soak seed={args.seed} on {device}"
     with tqdm(total=total, unit="tok", desc=desc, disable=args.quiet) as bar:
@@ -294,10 +364,12 @@ async def _cache_soak(args: argparse.Namespace, device: str) -> int:
             print(f"FAILED: {failure}", file=sys.stderr)
             return 1
     hits = ", ".join(f"{t} {n}" for t, n in report.hits.items())
-    print(f"ok: {report.admissions} admissions, {report.verified_tokens} reused tokens verified, {report.wrong_tokens} wrong "
-          f"(hits per tier: {hits}); {report.faults} file faults injected, {report.transfer_errors} admissions failed "
-          f"with TransferError, {report.poisoned} blocks poisoned, {report.cancelled} cancelled, {report.cache_full} "
-          f"retried when full, {report.appended} tokens appended, in {report.seconds:.1f} s")
+    print(
+        f"ok: {report.admissions} admissions, {report.verified_tokens} reused tokens verified, {report.wrong_tokens} wrong "
+        f"(hits per tier: {hits}); {report.faults} file faults injected, {report.transfer_errors} admissions failed "
+        f"with TransferError, {report.poisoned} blocks poisoned, {report.cancelled} cancelled, {report.cache_full} "
+        f"retried when full, {report.appended} tokens appended, in {report.seconds:.1f} s"
+    )
     return 0
 
 
@@ -354,24 +426,45 @@ def _positive(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tiered-kv", description="Awaitable, fenced KV-cache block transfers: GPU <-> host <-> NVMe.")
+    parser = argparse.ArgumentParser(
+        prog="tiered-kv", description="Awaitable, fenced KV-cache block transfers: GPU <-> host <-> NVMe."
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="a real model (random weights) answers a seeded multi-turn chat through GPU, host and file tiers; "
-                                        "every reused token's KV checked against a recompute; TTFT with vs without the cache")
+    demo = sub.add_parser(
+        "demo",
+        help="a real model (random weights) answers a seeded multi-turn chat through GPU, host and file tiers; "
+        "every reused token's KV checked against a recompute; TTFT with vs without the cache",
+    )
     demo.add_argument("--device", default="auto", help="auto (CUDA if present, else emulated) | cpu | cuda[:N]")
-    demo.add_argument("--dir", type=_writable_dir, help="directory of the file tier (default: a temporary directory, removed afterwards)")
-    demo.add_argument("--conversations", type=_positive, default=24, help="conversations to replay (default: %(default)s)")
+    demo.add_argument(
+        "--dir",
+        type=_writable_dir,
+        help="directory of the file tier (default: a temporary directory, removed afterwards)",
+    )
+    demo.add_argument(
+        "--conversations", type=_positive, default=24, help="conversations to replay (default: %(default)s)"
+    )
     demo.add_argument("--max-new-tokens", type=_positive, default=24, help="longest reply (default: %(default)s)")
     demo.add_argument("--seed", type=int, default=0, help="workload and weights seed (default: %(default)s)")
-    demo.add_argument("--gpu-blocks", type=_positive, default=80, help="GPU tier blocks of 16 tokens (default: %(default)s)")
+    demo.add_argument(
+        "--gpu-blocks", type=_positive, default=80, help="GPU tier blocks of 16 tokens (default: %(default)s)"
+    )
     demo.add_argument("--host-blocks", type=_positive, default=64, help="host tier blocks (default: %(default)s)")
-    demo.add_argument("--file-blocks", type=_non_negative, default=1024, help="file tier blocks; 0 for none (default: %(default)s)")
-    demo.add_argument("--plot", metavar="FILE.png", help="draw hit rate and hits per tier, tier occupancy, TTFT with vs without (needs matplotlib)")
+    demo.add_argument(
+        "--file-blocks", type=_non_negative, default=1024, help="file tier blocks; 0 for none (default: %(default)s)"
+    )
+    demo.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="draw hit rate and hits per tier, tier occupancy, TTFT with vs without (needs matplotlib)",
+    )
     demo.add_argument("--json", metavar="FILE.json", help="also write the figures as JSON")
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
-    demo.add_argument("--remote", metavar="URL", help="share blocks through a store: redis://host:port/0 or mooncake://host:port")
+    demo.add_argument(
+        "--remote", metavar="URL", help="share blocks through a store: redis://host:port/0 or mooncake://host:port"
+    )
     demo.set_defaults(func=lambda a: _run_loop(_demo(a)))
 
     bench = sub.add_parser("bench", help="run every benchmark next to its same-run baseline; one table, one JSON")
@@ -379,37 +472,67 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     bench.add_argument("--json", default="bench-tiered-kv.json", help="output file (default: %(default)s)")
     bench.add_argument("--only", nargs="+", metavar="NAME", help=f"run only these ({', '.join(BENCHMARKS)})")
-    bench.add_argument("--compare", metavar="OLD_JSON", help="compare each judged row with the same row of an earlier run's JSON")
+    bench.add_argument(
+        "--compare", metavar="OLD_JSON", help="compare each judged row with the same row of an earlier run's JSON"
+    )
     bench.set_defaults(func=_bench)
 
-    soak = sub.add_parser("soak", help="randomized soak with stalls and cancellations; every byte checked against a shadow model")
+    soak = sub.add_parser(
+        "soak", help="randomized soak with stalls and cancellations; every byte checked against a shadow model"
+    )
     soak.add_argument("--ops", type=_positive, default=20_000, help="copies to issue (default: %(default)s)")
     soak.add_argument("--seed", type=int, default=0, help="seed of the op sequence (default: %(default)s)")
     soak.add_argument("--tasks", type=_positive, default=16, help="concurrent tasks (default: %(default)s)")
     soak.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     soak.add_argument("--quiet", action="store_true", help="no progress bar")
-    soak.add_argument("--cache", action="store_true",
-                      help="soak the prefix cache over GPU, host and file tiers with file faults; every reused token checked "
-                           "(--ops counts admissions)")
-    soak.add_argument("--file-blocks", type=int, default=0, metavar="N",
-                      help="engine soak: add a file tier of N slots (all 8 routes, random file faults; default: none)")
-    soak.add_argument("--reused-tokens", type=int, default=0, metavar="N",
-                      help="with --cache: keep going until N reused tokens were verified (default: %(default)s)")
+    soak.add_argument(
+        "--cache",
+        action="store_true",
+        help="soak the prefix cache over GPU, host and file tiers with file faults; every reused token checked "
+        "(--ops counts admissions)",
+    )
+    soak.add_argument(
+        "--file-blocks",
+        type=int,
+        default=0,
+        metavar="N",
+        help="engine soak: add a file tier of N slots (all 8 routes, random file faults; default: none)",
+    )
+    soak.add_argument(
+        "--reused-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --cache: keep going until N reused tokens were verified (default: %(default)s)",
+    )
     soak.set_defaults(func=lambda a: _run_loop(_soak(a)))
 
-    crash = sub.add_parser("crash", help="SIGKILL a process spilling to the file tier at random points; reopen and verify every block")
-    crash.add_argument("--seeds", type=_positive, default=6, help="kills (one child process each; default: %(default)s)")
-    crash.add_argument("--tear", type=_non_negative, default=2, help="slots damaged after each kill, as a power cut might (default: %(default)s)")
+    crash = sub.add_parser(
+        "crash", help="SIGKILL a process spilling to the file tier at random points; reopen and verify every block"
+    )
+    crash.add_argument(
+        "--seeds", type=_positive, default=6, help="kills (one child process each; default: %(default)s)"
+    )
+    crash.add_argument(
+        "--tear",
+        type=_non_negative,
+        default=2,
+        help="slots damaged after each kill, as a power cut might (default: %(default)s)",
+    )
     crash.add_argument("--dir", type=_writable_dir, help="where the slabs go (default: a temporary directory)")
     crash.set_defaults(func=_crash)
 
     build = sub.add_parser("build-ext", help="build the CUDA extension now (ahead of first use)")
     build.set_defaults(func=_build_ext)
 
-    doctor = sub.add_parser("doctor", help="report CUDA, kvikio/GDS, pinned-memory limits, uvloop; what to do if missing")
+    doctor = sub.add_parser(
+        "doctor", help="report CUDA, kvikio/GDS, pinned-memory limits, uvloop; what to do if missing"
+    )
     doctor.add_argument("--dir", default=os.getcwd(), help="directory to check for the file tier (default: cwd)")
     doctor.add_argument("--json", help="also write the checks as JSON")
-    doctor.add_argument("--remote", metavar="URL", help="also probe a remote store: reachability, round trip, bandwidth")
+    doctor.add_argument(
+        "--remote", metavar="URL", help="also probe a remote store: reachability, round trip, bandwidth"
+    )
     doctor.set_defaults(func=_doctor)
     return parser
 
@@ -417,7 +540,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``tiered-kv`` with ``argv``; the exit status (2 for bad input, one line on stderr)."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     from ..errors import BackendUnavailable, SlabInUseError, TieredKVError
 
     try:

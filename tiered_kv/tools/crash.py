@@ -266,8 +266,15 @@ def _tear(path: str, slot_size: int, slots: Iterable[int], rng: random.Random) -
             f.write(new)
 
 
-async def verify_reopen(directory: str, file_blocks: int, log_begun: set[str], promised: set[str], *,
-                        verify_on_open: str = "header", torn_slots: Iterable[int] = ()) -> dict[str, int]:
+async def verify_reopen(
+    directory: str,
+    file_blocks: int,
+    log_begun: set[str],
+    promised: set[str],
+    *,
+    verify_on_open: str = "header",
+    torn_slots: Iterable[int] = (),
+) -> dict[str, int]:
     """Reopen the slab in ``directory`` and read every indexed block back through the engine.
 
     Args:
@@ -289,7 +296,9 @@ async def verify_reopen(directory: str, file_blocks: int, log_begun: set[str], p
 
     layout = CRASH_LAYOUT
     cfg = FileTierConfig(directory, file_blocks, verify_on_open=verify_on_open, io_threads=2, staging_blocks=2)
-    c = dict.fromkeys(("indexed", "bad_at_open", "bad_on_read", "served", "mismatched", "unknown", "missing", "torn_served"), 0)
+    c = dict.fromkeys(
+        ("indexed", "bad_at_open", "bad_on_read", "served", "mismatched", "unknown", "missing", "torn_served"), 0
+    )
     torn = set(torn_slots)
     served: set[str] = set()
     async with TransferEngine(layout, host_blocks=1, device="cpu", file_config=cfg) as engine:
@@ -318,8 +327,17 @@ async def verify_reopen(directory: str, file_blocks: int, log_begun: set[str], p
     return c
 
 
-def crash_once(directory: str | os.PathLike[str], seed: int, *, durability: str = "none", file_blocks: int = 24,
-               max_kill_after: int = 12, tear: int = 0, verify_on_open: str = "header", timeout: float = 60.0) -> CrashRun:
+def crash_once(
+    directory: str | os.PathLike[str],
+    seed: int,
+    *,
+    durability: str = "none",
+    file_blocks: int = 24,
+    max_kill_after: int = 12,
+    tear: int = 0,
+    verify_on_open: str = "header",
+    timeout: float = 60.0,
+) -> CrashRun:
     """Spill in a child, SIGKILL it at a seeded random point, tear ``tear`` slots, reopen and verify.
 
     Args:
@@ -340,8 +358,19 @@ def crash_once(directory: str | os.PathLike[str], seed: int, *, durability: str 
     rng = random.Random(seed * 7919 + 17)
     kill_after = rng.randint(0, max_kill_after)
     delay = rng.uniform(0.0, 0.02)
-    cmd = [sys.executable, "-m", "tiered_kv.tools.crash", "--child", directory, "--seed", str(seed),
-           "--durability", durability, "--file-blocks", str(file_blocks)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tiered_kv.tools.crash",
+        "--child",
+        directory,
+        "--seed",
+        str(seed),
+        "--durability",
+        durability,
+        "--file-blocks",
+        str(file_blocks),
+    ]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     log = _Log()
@@ -383,21 +412,55 @@ def crash_once(directory: str | os.PathLike[str], seed: int, *, durability: str 
         # and the writes in flight at the kill: a torn one may carry a new header over an old payload
         in_flight = log.in_flight_slots()
         torn_in_flight = rng.sample(in_flight, min(tear, len(in_flight)))
-        _tear(os.path.join(directory, "kv.slab"), HEADER_SIZE + slot_payload_size(CRASH_LAYOUT),
-              torn_slots + torn_in_flight, rng)
+        _tear(
+            os.path.join(directory, "kv.slab"),
+            HEADER_SIZE + slot_payload_size(CRASH_LAYOUT),
+            torn_slots + torn_in_flight,
+            rng,
+        )
         for slot in torn_slots:
             del owned[slot]
     promised = set(owned.values())  # a key spilled twice stays promised while one intact slot holds it
-    counts = asyncio.run(verify_reopen(directory, file_blocks, log.begun, promised, verify_on_open=verify_on_open,
-                                       torn_slots=torn_slots + torn_in_flight))
-    return CrashRun(seed, durability, verify_on_open, kill_after, len(log.spills), len(log.completed), len(promised),
-                    len(torn_slots), counts["indexed"], counts["bad_at_open"], counts["bad_on_read"], counts["served"],
-                    counts["mismatched"], counts["unknown"], counts["missing"], counts["torn_served"], time.perf_counter() - t0)
+    counts = asyncio.run(
+        verify_reopen(
+            directory,
+            file_blocks,
+            log.begun,
+            promised,
+            verify_on_open=verify_on_open,
+            torn_slots=torn_slots + torn_in_flight,
+        )
+    )
+    return CrashRun(
+        seed,
+        durability,
+        verify_on_open,
+        kill_after,
+        len(log.spills),
+        len(log.completed),
+        len(promised),
+        len(torn_slots),
+        counts["indexed"],
+        counts["bad_at_open"],
+        counts["bad_on_read"],
+        counts["served"],
+        counts["mismatched"],
+        counts["unknown"],
+        counts["missing"],
+        counts["torn_served"],
+        time.perf_counter() - t0,
+    )
 
 
-def run_crash_test(directory: str | os.PathLike[str], seeds: Sequence[int] | int = 4, *,
-                   durabilities: Sequence[str] = ("none", "flush", "fsync"), tear: int = 2,
-                   file_blocks: int = 24, max_kill_after: int = 12) -> CrashReport:
+def run_crash_test(
+    directory: str | os.PathLike[str],
+    seeds: Sequence[int] | int = 4,
+    *,
+    durabilities: Sequence[str] = ("none", "flush", "fsync"),
+    tear: int = 2,
+    file_blocks: int = 24,
+    max_kill_after: int = 12,
+) -> CrashReport:
     """Kill-and-reopen runs, one per seed, cycling through ``durabilities`` and the two open-scan modes.
 
     Args:
@@ -422,9 +485,17 @@ def run_crash_test(directory: str | os.PathLike[str], seeds: Sequence[int] | int
     for i, seed in enumerate(seeds):
         sub = os.path.join(os.fspath(directory), f"run-{seed}")
         os.makedirs(sub, exist_ok=True)
-        runs.append(crash_once(sub, seed, durability=durabilities[i % len(durabilities)], file_blocks=file_blocks,
-                               max_kill_after=max_kill_after, tear=tear,
-                               verify_on_open=("header", "full")[(i // len(durabilities)) % 2]))
+        runs.append(
+            crash_once(
+                sub,
+                seed,
+                durability=durabilities[i % len(durabilities)],
+                file_blocks=file_blocks,
+                max_kill_after=max_kill_after,
+                tear=tear,
+                verify_on_open=("header", "full")[(i // len(durabilities)) % 2],
+            )
+        )
     return CrashReport(tuple(runs))
 
 

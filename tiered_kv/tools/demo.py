@@ -253,12 +253,26 @@ async def run_demo(cfg: DemoConfig, progress: Callable[[int, int], None] | None 
             reuse = dataclasses.asdict(cost.statistics())
     capacity = {t: n for t, n in stats.blocks.capacity.items() if n}
     return DemoReport(
-        device=device_name, emulated=emulated, model=description, turns=len(turns),
-        prompt_tokens=stats.tokens_requested, reused_tokens=stats.tokens_reused, hit_rate=stats.hit_rate,
-        hits={t: stats.hits.get(t, 0) for t in (*capacity, *(("remote",) if stats.remote else ()))}, capacity=capacity, evictions=dict(stats.evictions),
-        bytes_moved=dict(stats.bytes_moved), verified_tokens=verified, mismatched_tokens=mismatched,
-        max_kv_diff=max_diff, first_token_agree=agree, ttft_with=ttft_with, ttft_without=ttft_without, wall_s=wall,
-        reuse=reuse, samples=samples,
+        device=device_name,
+        emulated=emulated,
+        model=description,
+        turns=len(turns),
+        prompt_tokens=stats.tokens_requested,
+        reused_tokens=stats.tokens_reused,
+        hit_rate=stats.hit_rate,
+        hits={t: stats.hits.get(t, 0) for t in (*capacity, *(("remote",) if stats.remote else ()))},
+        capacity=capacity,
+        evictions=dict(stats.evictions),
+        bytes_moved=dict(stats.bytes_moved),
+        verified_tokens=verified,
+        mismatched_tokens=mismatched,
+        max_kv_diff=max_diff,
+        first_token_agree=agree,
+        ttft_with=ttft_with,
+        ttft_without=ttft_without,
+        wall_s=wall,
+        reuse=reuse,
+        samples=samples,
         remote=dataclasses.asdict(stats.remote) if stats.remote is not None else None,
     )
 
@@ -268,38 +282,67 @@ def print_report(report: DemoReport) -> None:
     where = report.device + (" -- CPU figures, not comparable to GPU targets" if report.emulated else "")
     print(f"\n{report.model} on {where}")
     print_table(
-        [{"tier": t, "capacity_blocks": c, "block_hits": report.hits.get(t, 0),
-          "evicted_from": sum(v for k, v in report.evictions.items() if k.startswith(t + "->"))}
-         for t, c in report.capacity.items()],
+        [
+            {
+                "tier": t,
+                "capacity_blocks": c,
+                "block_hits": report.hits.get(t, 0),
+                "evicted_from": sum(v for k, v in report.evictions.items() if k.startswith(t + "->")),
+            }
+            for t, c in report.capacity.items()
+        ],
         f"\n{report.turns} turns, {report.prompt_tokens} prompt tokens, {report.reused_tokens} reused "
         f"(hit rate {report.hit_rate:.0%})",
     )
-    print(f"\nreused KV checked against a recompute without the cache: {report.verified_tokens} tokens, "
-          f"{report.mismatched_tokens} wrong (largest difference {report.max_kv_diff:.1e}, "
-          f"tolerance {KV_TOLERANCE:g}); "
-          f"first token equal to the recompute's in {report.first_token_agree} of {report.turns} turns")
+    print(
+        f"\nreused KV checked against a recompute without the cache: {report.verified_tokens} tokens, "
+        f"{report.mismatched_tokens} wrong (largest difference {report.max_kv_diff:.1e}, "
+        f"tolerance {KV_TOLERANCE:g}); "
+        f"first token equal to the recompute's in {report.first_token_agree} of {report.turns} turns"
+    )
     rows = []
     for q in (50, 90):
         w, wo = percentile(report.ttft_with, q), percentile(report.ttft_without, q)
-        rows.append({"TTFT": f"p{q}", "with the cache (ms)": w * 1e3, "recomputing the prompt (ms)": wo * 1e3,
-                     "speed-up": wo / w if w > 0 else float("nan")})
+        rows.append(
+            {
+                "TTFT": f"p{q}",
+                "with the cache (ms)": w * 1e3,
+                "recomputing the prompt (ms)": wo * 1e3,
+                "speed-up": wo / w if w > 0 else float("nan"),
+            }
+        )
     print_table(rows, "\ntime to first token")
-    print_table([{"direction": d, "MiB": b / 2**20} for d, b in sorted(report.bytes_moved.items())],
-                "\nbytes moved per direction")
+    print_table(
+        [{"direction": d, "MiB": b / 2**20} for d, b in sorted(report.bytes_moved.items())],
+        "\nbytes moved per direction",
+    )
     r = report.reuse
     measured = ", ".join(f"{t}->gpu {bw / 1e9:.2f} GB/s" for t, bw in r["bandwidth"].items()) or "none yet"
     skipped = ", ".join(f"{t} {n}" for t, n in r["skipped_blocks"].items()) or "none"
-    print(f"\ncost-aware reuse: {r['decisions']} admissions priced (measured {measured}; prefill "
-          f"{r['prefill_s_per_token'] * 1e6:.1f} us/token); blocks left to recompute: {skipped}; estimated time saved "
-          f"{r['saved_vs_reuse_all_s'] * 1e3:.1f} ms against reusing everything, {r['saved_vs_recompute_s']:.2f} s "
-          "against recomputing everything")
+    print(
+        f"\ncost-aware reuse: {r['decisions']} admissions priced (measured {measured}; prefill "
+        f"{r['prefill_s_per_token'] * 1e6:.1f} us/token); blocks left to recompute: {skipped}; estimated time saved "
+        f"{r['saved_vs_reuse_all_s'] * 1e3:.1f} ms against reusing everything, {r['saved_vs_recompute_s']:.2f} s "
+        "against recomputing everything"
+    )
     if report.remote is not None:
         r = report.remote
-        rows = [{"op": op, "round trips": r["batches"][op], "objects": r["blocks"][op], "MiB": r["bytes"][op] / 2**20,
-                 "mean ms per batch": r["seconds"][op] / r["batches"][op] * 1e3 if r["batches"][op] else 0.0} for op in ("get", "put")]
-        print_table(rows, f"\nremote tier {r['url']} ({'available' if r['available'] else 'UNAVAILABLE'}): "
-                          f"{report.hits.get('remote', 0)} block hits, {r['blocks']['miss']} misses, "
-                          f"{r['blocks']['bad']} objects failed verification, {r['errors']} errors")
+        rows = [
+            {
+                "op": op,
+                "round trips": r["batches"][op],
+                "objects": r["blocks"][op],
+                "MiB": r["bytes"][op] / 2**20,
+                "mean ms per batch": r["seconds"][op] / r["batches"][op] * 1e3 if r["batches"][op] else 0.0,
+            }
+            for op in ("get", "put")
+        ]
+        print_table(
+            rows,
+            f"\nremote tier {r['url']} ({'available' if r['available'] else 'UNAVAILABLE'}): "
+            f"{report.hits.get('remote', 0)} block hits, {r['blocks']['miss']} misses, "
+            f"{r['blocks']['bad']} objects failed verification, {r['errors']} errors",
+        )
     print(f"\nwall {report.wall_s:.1f} s")
 
 

@@ -88,7 +88,9 @@ class SoakConfig:
     file_fault_rate: float = 0.01
     pristine_blocks: int = 8
     layout: KVLayout = dataclasses.field(
-        default_factory=lambda: KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, tokens_per_block=4, dtype=torch.float16)
+        default_factory=lambda: KVLayout(
+            num_layers=2, num_kv_heads=2, head_dim=8, tokens_per_block=4, dtype=torch.float16
+        )
     )
 
 
@@ -114,7 +116,10 @@ class SoakFailure(AssertionError):
     """A block differed from the shadow model (or something was left behind); carries the reproducer."""
 
     def __init__(self, message: str, seed: int, op_log: list[str]):
-        super().__init__(f"{message}\n  seed={seed}; shortest failing op log ({len(op_log)} ops):\n    " + "\n    ".join(op_log[-40:]))
+        super().__init__(
+            f"{message}\n  seed={seed}; shortest failing op log ({len(op_log)} ops):\n    "
+            + "\n    ".join(op_log[-40:])
+        )
         self.seed = seed
         self.op_log = op_log
 
@@ -171,7 +176,9 @@ def generate_ops(config: SoakConfig) -> list[_Op]:
         if rng.random() < config.stall_prob:
             stall_spec = (rng.choice(("offload", "onboard", "local")), rng.random() * config.stall_max)
         r = rng.random()
-        mode = "cancel" if r < config.cancel_prob else "forget" if r < config.cancel_prob + config.forget_prob else "await"
+        mode = (
+            "cancel" if r < config.cancel_prob else "forget" if r < config.cancel_prob + config.forget_prob else "await"
+        )
         ops.append(_Op(src, tuple(src_idx), dst, tuple(dst_idx), num_tokens, stall_spec, mode, keys))
     return ops
 
@@ -198,7 +205,9 @@ class _Shadow:
         made_of: dict[int, set[tuple[int, Tier, int]]] = {}
         unknown: set[int] = set()
         for s_i, d_i in zip(op.src_idx, idx, strict=True):
-            parts = [(op.src, s_i)] + ([(op.dst, d_i)] if op.num_tokens is not None else [])  # a partial copy keeps the rest
+            parts = [(op.src, s_i)] + (
+                [(op.dst, d_i)] if op.num_tokens is not None else []
+            )  # a partial copy keeps the rest
             made_of[d_i] = {(self.last_writer[p], *p) for p in parts if p in self.last_writer}
             if any(p in self.unknown for p in parts):
                 unknown.add(d_i)
@@ -238,8 +247,13 @@ async def _run(config: SoakConfig, ops: list[_Op]) -> SoakReport:
 
         file_config = FileTierConfig(tmp.name, config.file_blocks, backend_factory=faulty, io_threads=2)
     host_blocks = config.host_blocks + (config.pristine_blocks if config.file_blocks else 0)
-    engine = TransferEngine(config.layout, gpu_blocks=config.gpu_blocks, host_blocks=host_blocks, device=config.device,
-                            file_config=file_config)
+    engine = TransferEngine(
+        config.layout,
+        gpu_blocks=config.gpu_blocks,
+        host_blocks=host_blocks,
+        device=config.device,
+        file_config=file_config,
+    )
     tiers = [Tier.GPU, Tier.HOST]
     gen = torch.Generator().manual_seed(config.seed)
     for t in tiers:
@@ -250,13 +264,25 @@ async def _run(config: SoakConfig, ops: list[_Op]) -> SoakReport:
         torch.cuda.synchronize()
     shadow = _Shadow(engine, tiers, config.file_blocks)
     failures: list[str] = []
-    counts = {"completed": 0, "awaited": 0, "cancelled": 0, "forgotten": 0, "stalls": 0, "checked": 0, "failed": 0, "refused": 0}
+    counts = {
+        "completed": 0,
+        "awaited": 0,
+        "cancelled": 0,
+        "forgotten": 0,
+        "stalls": 0,
+        "checked": 0,
+        "failed": 0,
+        "refused": 0,
+    }
     undefined: set[tuple[int, Tier, int]] = set()  # (op, tier, block): what that op wrote there is undefined
     next_op = 0
     t0 = time.perf_counter()
 
-    def checker(op_id: int, op: _Op, applied: tuple[dict[int, torch.Tensor], dict[int, set[tuple[int, Tier, int]]]],
-                ) -> Callable[[Transfer], None]:
+    def checker(
+        op_id: int,
+        op: _Op,
+        applied: tuple[dict[int, torch.Tensor], dict[int, set[tuple[int, Tier, int]]]],
+    ) -> Callable[[Transfer], None]:
         expected, made_of = applied
 
         def check(transfer: Transfer) -> None:
@@ -328,7 +354,8 @@ async def _run(config: SoakConfig, ops: list[_Op]) -> SoakReport:
             for t in tiers:
                 actual = engine.pool(t).tensor.detach().cpu()
                 failures.extend(
-                    f"end: {t.name} block {i} differs from the shadow" for i in range(actual.shape[0])
+                    f"end: {t.name} block {i} differs from the shadow"
+                    for i in range(actual.shape[0])
                     if (t, i) not in shadow.unknown and not _same(actual[i], shadow.pools[t][i])
                 )
         stats = engine.statistics()
@@ -347,9 +374,20 @@ async def _run(config: SoakConfig, ops: list[_Op]) -> SoakReport:
         failures.append(f"close() took {close_seconds:.1f} s")
     if failures:
         raise _Failed(failures[0], next_op)
-    return SoakReport(config.seed, len(ops), counts["completed"], counts["awaited"], counts["cancelled"], counts["forgotten"],
-                      counts["stalls"], counts["checked"], time.perf_counter() - t0, close_seconds, counts["failed"],
-                      counts["refused"])
+    return SoakReport(
+        config.seed,
+        len(ops),
+        counts["completed"],
+        counts["awaited"],
+        counts["cancelled"],
+        counts["forgotten"],
+        counts["stalls"],
+        counts["checked"],
+        time.perf_counter() - t0,
+        close_seconds,
+        counts["failed"],
+        counts["refused"],
+    )
 
 
 async def _await(transfer: Transfer) -> Any:
@@ -363,7 +401,9 @@ class _Failed(Exception):
         self.issued = issued
 
 
-async def soak(config: SoakConfig, *, minimize: bool = True, progress: Callable[[int], None] | None = None) -> SoakReport:
+async def soak(
+    config: SoakConfig, *, minimize: bool = True, progress: Callable[[int], None] | None = None
+) -> SoakReport:
     """Run the soak; raise :class:`SoakFailure` (with seed and shortest failing op log) on any mismatch.
 
     Args:
@@ -475,6 +515,7 @@ async def load(tasks: int = 10_000, *, device: str = "cpu", blocks: int = 256, s
     finally:
         tracemalloc.stop()
     latencies.sort()
+
     def pick(q: float) -> float:
         return latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1e3
 

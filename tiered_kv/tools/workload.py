@@ -134,7 +134,9 @@ class ChatWorkload:
             conv = int(rng.choice(sorted(open_convs)))
             state = open_convs[conv]
             user = rng.integers(0, self.vocab, int(rng.integers(self.user_tokens[0], self.user_tokens[1] + 1)), dtype=np.int64)
-            out = rng.integers(0, self.vocab, int(rng.integers(self.output_tokens[0], self.output_tokens[1] + 1)), dtype=np.int64)
+            out = rng.integers(
+                0, self.vocab, int(rng.integers(self.output_tokens[0], self.output_tokens[1] + 1)), dtype=np.int64
+            )
             prompt = np.concatenate((state[1], user))
             yield ChatTurn(index, conv, state[3], state[0], prompt, out)
             index += 1
@@ -145,7 +147,9 @@ class ChatWorkload:
                 del open_convs[conv]
 
     def __repr__(self) -> str:
-        return f"<ChatWorkload seed={self.seed} conversations={self.conversations} system_prompts={self.system_prompts}>"
+        return (
+            f"<ChatWorkload seed={self.seed} conversations={self.conversations} system_prompts={self.system_prompts}>"
+        )
 
 
 # ---------------------------------------------------------------------------------------- content
@@ -210,7 +214,7 @@ def verify_expected(cache: TieredKVCache, seq_id: int, start: int, stop: int) ->
     for a, b in _spans(tpb, start, stop):
         expected = expected_tokens(cache.hasher, tokens, a, b)
         actual = pool[table[a // tpb], :, :, :, a % tpb : a % tpb + (b - a), :].cpu()
-        eq = (actual.contiguous().view(torch.uint8) == expected.view(torch.uint8))
+        eq = actual.contiguous().view(torch.uint8) == expected.view(torch.uint8)
         ok = eq.reshape(-1, b - a, eq.shape[-1]).all(dim=2).all(dim=0)  # per token
         bad.extend(a + int(i) for i in torch.nonzero(~ok).flatten())
     return bad

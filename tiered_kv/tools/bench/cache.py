@@ -72,7 +72,9 @@ def bench_lookup(quick: bool) -> list[dict[str, Any]]:
     total_blocks = 10_000 if quick else 100_000
     blocks_per_prompt = 256
     hasher = KeyHasher(layout, "bench")
-    bm = BlockManager(hasher, {Tier.GPU: total_blocks + blocks_per_prompt}, max_seqs=4, max_blocks_per_seq=blocks_per_prompt + 1)
+    bm = BlockManager(
+        hasher, {Tier.GPU: total_blocks + blocks_per_prompt}, max_seqs=4, max_blocks_per_seq=blocks_per_prompt + 1
+    )
     rng = np.random.default_rng(0)
     prompts = []
     naive: dict[bytes, int] = {}
@@ -131,8 +133,14 @@ async def _admission_case(layout: KVLayout, device: str, n_req: int, tokens: int
     reqs = [np.concatenate((h, rng.integers(0, 32000, tokens - len(h), dtype=np.int64))) for h in hists]
     if mode == "no reuse":
         reqs = [np.concatenate(([i + 1], r[1:])) for i, r in enumerate(reqs)]
-    async with TieredKVCache(layout, gpu_blocks=gpu, host_blocks=host, device=device, max_seqs=n_req + 1,
-                             max_blocks_per_seq=blocks_per_req + 1) as cache:
+    async with TieredKVCache(
+        layout,
+        gpu_blocks=gpu,
+        host_blocks=host,
+        device=device,
+        max_seqs=n_req + 1,
+        max_blocks_per_seq=blocks_per_req + 1,
+    ) as cache:
 
         async def seen(prompts: list[np.ndarray]) -> None:
             for a in await cache.add_sequences(prompts):
@@ -165,7 +173,10 @@ async def _admission_case(layout: KVLayout, device: str, n_req: int, tokens: int
 def bench_add_sequences(quick: bool, device: str) -> list[dict[str, Any]]:
     layout = _tiny_layout()
     n_req, tokens = (32, 1024) if quick else (256, 4096)
-    rows = [asyncio.run(_admission_case(layout, device, n_req, tokens, mode)) for mode in ("two-phase", "one-phase", "no reuse")]
+    rows = [
+        asyncio.run(_admission_case(layout, device, n_req, tokens, mode))
+        for mode in ("two-phase", "one-phase", "no reuse")
+    ]
     ours = rows[0]["seconds"]
     for r in rows:
         r["vs two-phase"] = r["seconds"] / ours
@@ -175,7 +186,9 @@ def bench_add_sequences(quick: bool, device: str) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------------------------------- chat replay
 
 
-async def _chat_case(layout: KVLayout, device: str, gpu: int, host: int, file: int, wl: ChatWorkload) -> dict[str, Any] | None:
+async def _chat_case(
+    layout: KVLayout, device: str, gpu: int, host: int, file: int, wl: ChatWorkload
+) -> dict[str, Any] | None:
     kwargs: dict[str, Any] = {}
     tmp = None
     if file:
@@ -209,7 +222,8 @@ async def _chat_case(layout: KVLayout, device: str, gpu: int, host: int, file: i
         "file_MB": sum(v for k, v in stats.bytes_moved.items() if "file" in k) / 1e6,
         "add_seconds": report.add_seconds,
         "brought_back_GBps": (stats.bytes_moved.get("host->gpu", 0) + stats.bytes_moved.get("file->gpu", 0))
-        / 1e9 / max(report.add_seconds, 1e-9),
+        / 1e9
+        / max(report.add_seconds, 1e-9),
         "recompute_proxy_s": far_tokens * RECOMPUTE_US_PER_TOKEN / 1e6,
         "wall_s": wall,
     }
@@ -218,14 +232,16 @@ async def _chat_case(layout: KVLayout, device: str, gpu: int, host: int, file: i
 def bench_chat(quick: bool, device: str) -> list[dict[str, Any]]:
     if quick or device == "cpu":  # the emulated device gets the small setup: the 8B layout needs ~10 GiB
         layout = _tiny_layout()
-        wl = ChatWorkload(seed=7, conversations=24, system_tokens=512, user_tokens=(32, 128), output_tokens=(16, 64),
-                          concurrency=8)
+        wl = ChatWorkload(
+            seed=7, conversations=24, system_tokens=512, user_tokens=(32, 128), output_tokens=(16, 64), concurrency=8
+        )
         gpu, host, file = 96, 384, 1024
     else:
         # Llama-3-8B-like KV: 32 layers x 8 KV heads x 128, bf16, 16 tokens per block = 2 MiB per block
         layout = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, tokens_per_block=16, dtype=torch.bfloat16)
-        wl = ChatWorkload(seed=7, conversations=64, system_tokens=2048, user_tokens=(64, 512), output_tokens=(64, 256),
-                          concurrency=16)
+        wl = ChatWorkload(
+            seed=7, conversations=64, system_tokens=2048, user_tokens=(64, 512), output_tokens=(64, 256), concurrency=16
+        )
         gpu, host, file = 1024, 4096, 4096
     rows = []
     for h, f in ((0, 0), (host, 0), (host, file)):

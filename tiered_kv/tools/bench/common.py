@@ -62,8 +62,10 @@ def percentile(values: Sequence[float], q: float) -> float:
         return float("nan")
     if len(values) == 1:
         return float(values[0])
-    return float(statistics.quantiles(values, n=100, method="inclusive")[max(0, min(98, round(q) - 1))]) if 0 < q < 100 else (
-        float(min(values)) if q <= 0 else float(max(values))
+    return (
+        float(statistics.quantiles(values, n=100, method="inclusive")[max(0, min(98, round(q) - 1))])
+        if 0 < q < 100
+        else (float(min(values)) if q <= 0 else float(max(values)))
     )
 
 
@@ -109,7 +111,10 @@ def print_grouped(result: dict[str, Any]) -> None:
     for row in result["rows"]:
         groups.setdefault(str(row.get("bench", result["name"])), []).append(row)
     for kind, rows in groups.items():
-        print_table([{k: v for k, v in r.items() if k not in ("bench", "id")} for r in rows], f"\n{result['name']} / {kind} on {result['machine']['device']}")
+        print_table(
+            [{k: v for k, v in r.items() if k not in ("bench", "id")} for r in rows],
+            f"\n{result['name']} / {kind} on {result['machine']['device']}",
+        )
 
 
 def write_json(path: str, payload: dict[str, Any]) -> None:
@@ -120,7 +125,9 @@ def write_json(path: str, payload: dict[str, Any]) -> None:
 
 def bench_main(name: str, run: Callable[[bool, str], dict[str, Any]], argv: Sequence[str] | None = None) -> int:
     """Standard command line of one benchmark module: ``--quick``, ``--device``, ``--json``."""
-    parser = argparse.ArgumentParser(prog=f"python -m tiered_kv.tools.bench.{name}", description=f"tiered_kv {name} benchmark")
+    parser = argparse.ArgumentParser(
+        prog=f"python -m tiered_kv.tools.bench.{name}", description=f"tiered_kv {name} benchmark"
+    )
     parser.add_argument("--quick", action="store_true", help="CPU-sized run (seconds, not minutes)")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default: auto)")
     parser.add_argument("--json", default=f"bench-{name}.json", help="where to write the JSON (default: %(default)s)")

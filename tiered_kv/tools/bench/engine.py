@@ -237,7 +237,9 @@ def _baseline_copy(dst: torch.Tensor, src: torch.Tensor, device: str, repeat: in
     return statistics.median(times[1:])
 
 
-def _baseline_both(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor], device: str, repeat: int) -> float:
+def _baseline_both(
+    a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor], device: str, repeat: int
+) -> float:
     """Seconds of two contiguous copies at once on two streams (CUDA), or back to back (emulated)."""
     times = []
     streams = (torch.cuda.Stream(), torch.cuda.Stream()) if device.startswith("cuda") else None
@@ -264,7 +266,9 @@ async def _bandwidth(device: str, block_mib: Sequence[int], blocks: int, repeat:
         tokens = 16 * mib // 2 if mib >= 2 else 8
         layout = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, tokens_per_block=tokens, dtype=torch.float16)
         if mib < 2:  # quick CPU-sized run
-            layout = KVLayout(num_layers=4, num_kv_heads=4, head_dim=128, tokens_per_block=64 * mib, dtype=torch.float16)
+            layout = KVLayout(
+                num_layers=4, num_kv_heads=4, head_dim=128, tokens_per_block=64 * mib, dtype=torch.float16
+            )
         async with TransferEngine(layout, gpu_blocks=2 * blocks, host_blocks=2 * blocks, device=device) as engine:
             gpu, host = engine.pool(Tier.GPU).tensor, engine.pool(Tier.HOST).tensor
             gpu.view(torch.uint8).fill_(7)
@@ -302,8 +306,17 @@ async def _bandwidth(device: str, block_mib: Sequence[int], blocks: int, repeat:
     return rows
 
 
-def _bw_row(engine: TransferEngine, mib: int, blocks: int, pattern: str, direction: str, nbytes: int,
-            ours: float, base: float, target: float) -> dict[str, Any]:
+def _bw_row(
+    engine: TransferEngine,
+    mib: int,
+    blocks: int,
+    pattern: str,
+    direction: str,
+    nbytes: int,
+    ours: float,
+    base: float,
+    target: float,
+) -> dict[str, Any]:
     return {
         "bench": "bandwidth",
         "device": engine.device.kind,

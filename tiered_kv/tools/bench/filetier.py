@@ -63,7 +63,9 @@ class _Raw:
         self.buf = aligned_empty(block_bytes * nblocks)
         self.buf.random_(0, 255)
         self.block_bytes = block_bytes
-        self.views = [memoryview(self.buf[i * block_bytes : (i + 1) * block_bytes].numpy().data) for i in range(nblocks)]
+        self.views = [
+            memoryview(self.buf[i * block_bytes : (i + 1) * block_bytes].numpy().data) for i in range(nblocks)
+        ]
         self.ex = concurrent.futures.ThreadPoolExecutor(threads)
 
     def gbps(self, write: bool) -> float:
@@ -81,12 +83,20 @@ class _Raw:
         os.unlink(self.path)
 
 
-async def _measure(directory: str, device: str, gds: str, block_bytes: int, nblocks: int, repeat: int, gpu: bool,
-                   raw: _Raw | None) -> dict[str, Any]:
+async def _measure(
+    directory: str, device: str, gds: str, block_bytes: int, nblocks: int, repeat: int, gpu: bool, raw: _Raw | None
+) -> dict[str, Any]:
     """Best-of-``repeat`` GB/s of ours (and of raw, interleaved with ours so both see the same disk weather)."""
     layout = _layout(block_bytes)
-    cfg = FileTierConfig(directory, nblocks, name=f"bench-{gds}", gds=gds, io_threads=THREADS,
-                         staging_blocks=max(4, min(32, (256 << 20) // layout.bytes_per_block)), discard_mismatch=True)
+    cfg = FileTierConfig(
+        directory,
+        nblocks,
+        name=f"bench-{gds}",
+        gds=gds,
+        io_threads=THREADS,
+        staging_blocks=max(4, min(32, (256 << 20) // layout.bytes_per_block)),
+        discard_mismatch=True,
+    )
     n = nblocks
     out: dict[str, Any] = {"write": 0.0, "read": 0.0, "raw_write": 0.0, "raw_read": 0.0}
     async with TransferEngine(layout, host_blocks=n, gpu_blocks=n if gpu else 0, device=device, file_config=cfg) as eng:
@@ -138,8 +148,13 @@ def _reopen(directory: str, slots: int, populate: int) -> dict[str, Any]:
             eng.pool(Tier.HOST).tensor.view(torch.uint8).random_(0, 255)
             for first in range(0, populate, 4096):
                 k = min(4096, populate - first)
-                await eng.copy(Tier.HOST, range(k), Tier.FILE, range(first, first + k),
-                               keys=[(first + i).to_bytes(8, "little") for i in range(k)])
+                await eng.copy(
+                    Tier.HOST,
+                    range(k),
+                    Tier.FILE,
+                    range(first, first + k),
+                    keys=[(first + i).to_bytes(8, "little") for i in range(k)],
+                )
             return eng.file_tier.path
 
     path = asyncio.run(fill())
@@ -158,8 +173,13 @@ def _reopen(directory: str, slots: int, populate: int) -> dict[str, Any]:
     bare = time.perf_counter() - t0
     os.unlink(path)
     return {
-        "row": "reopen", "slots": slots, "populated": populate, "recovered": report.recovered,
-        "seconds": statistics.median(times), "baseline": "sequential read of the slab", "baseline seconds": bare,
+        "row": "reopen",
+        "slots": slots,
+        "populated": populate,
+        "recovered": report.recovered,
+        "seconds": statistics.median(times),
+        "baseline": "sequential read of the slab",
+        "baseline seconds": bare,
         "file MiB": size >> 20,
     }
 
@@ -195,24 +215,46 @@ def run(quick: bool = False, device: str = "auto", directory: str | None = None)
             try:
                 for gds in backends:
                     ours = asyncio.run(_measure(directory, device, gds, block, n, repeat, False, raw))
-                    for direction, mine, base, name in (("host->file", ours["write"], ours["raw_write"], "pwritev"),
-                                                        ("file->host", ours["read"], ours["raw_read"], "preadv")):
-                        rows.append({
-                            "row": direction, "backend": ours["backend"], "block MiB": block / 2**20, "blocks": n,
-                            "threads": THREADS, "GB/s": mine, "baseline": f"raw {'O_DIRECT ' if direct else ''}{name}",
-                            "baseline GB/s": base, "ratio": mine / base, "target": 0.9,
-                        })
+                    for direction, mine, base, name in (
+                        ("host->file", ours["write"], ours["raw_write"], "pwritev"),
+                        ("file->host", ours["read"], ours["raw_read"], "preadv"),
+                    ):
+                        rows.append(
+                            {
+                                "row": direction,
+                                "backend": ours["backend"],
+                                "block MiB": block / 2**20,
+                                "blocks": n,
+                                "threads": THREADS,
+                                "GB/s": mine,
+                                "baseline": f"raw {'O_DIRECT ' if direct else ''}{name}",
+                                "baseline GB/s": base,
+                                "ratio": mine / base,
+                                "target": 0.9,
+                            }
+                        )
                     if cuda:
                         g = asyncio.run(_measure(directory, device, gds, block, n, repeat, True, None))
                         d2h, h2d = _pcie(block * n, device)
-                        for direction, mine, pcie, disk in (("gpu->file", g["write"], d2h, ours["raw_write"]),
-                                                            ("file->gpu", g["read"], h2d, ours["raw_read"])):
+                        for direction, mine, pcie, disk in (
+                            ("gpu->file", g["write"], d2h, ours["raw_write"]),
+                            ("file->gpu", g["read"], h2d, ours["raw_read"]),
+                        ):
                             bound = min(pcie, disk)
-                            rows.append({
-                                "row": direction, "backend": g["backend"], "block MiB": block / 2**20, "blocks": n,
-                                "threads": THREADS, "GB/s": mine, "baseline": f"min(PCIe {pcie:.1f}, raw disk {disk:.2f})",
-                                "baseline GB/s": bound, "ratio": mine / bound, "target": 0.85,
-                            })
+                            rows.append(
+                                {
+                                    "row": direction,
+                                    "backend": g["backend"],
+                                    "block MiB": block / 2**20,
+                                    "blocks": n,
+                                    "threads": THREADS,
+                                    "GB/s": mine,
+                                    "baseline": f"min(PCIe {pcie:.1f}, raw disk {disk:.2f})",
+                                    "baseline GB/s": bound,
+                                    "ratio": mine / bound,
+                                    "target": 0.85,
+                                }
+                            )
             finally:
                 raw.close()
         rows.append(_reopen(directory, 65536, 8192 if quick else 65536))

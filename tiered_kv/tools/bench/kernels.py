@@ -112,8 +112,12 @@ async def _engine_seconds(
 def _layout_for_chunk(chunk: int, layers: int) -> KVLayout:
     """bf16, 16 tokens x 128 head_dim per head (4 KiB): heads = chunk / 4 KiB; fp32 halves for 2 KiB."""
     if chunk < 4096:
-        return KVLayout(num_layers=layers, num_kv_heads=1, head_dim=chunk // 64, tokens_per_block=16, dtype=torch.float32)
-    return KVLayout(num_layers=layers, num_kv_heads=chunk // 4096, head_dim=128, tokens_per_block=16, dtype=torch.bfloat16)
+        return KVLayout(
+            num_layers=layers, num_kv_heads=1, head_dim=chunk // 64, tokens_per_block=16, dtype=torch.float32
+        )
+    return KVLayout(
+        num_layers=layers, num_kv_heads=chunk // 4096, head_dim=128, tokens_per_block=16, dtype=torch.bfloat16
+    )
 
 
 def _fill(pool: LayerMajorPool, random: bool) -> None:
@@ -128,7 +132,9 @@ def _fill(pool: LayerMajorPool, random: bool) -> None:
 # ------------------------------------------------------------------------------------------ layer-major
 
 
-async def _layer_major(device: str, chunk: int, layers: int, blocks: int, repeat: int, loop_repeat: int) -> list[dict[str, Any]]:
+async def _layer_major(
+    device: str, chunk: int, layers: int, blocks: int, repeat: int, loop_repeat: int
+) -> list[dict[str, Any]]:
     cuda = device.startswith("cuda")
     layout = _layout_for_chunk(chunk, layers)
     pool = LayerMajorPool.allocate(layout, blocks, device if cuda else "cpu", split_kv=True)
@@ -157,11 +163,14 @@ async def _layer_major(device: str, chunk: int, layers: int, blocks: int, repeat
 
         loop_d2h = _median_seconds(python_loop_d2h, loop_repeat, cuda)
         table = torch.tensor(
-            [[c, b * chunk, 0, (b * chunks + c) * chunk, chunk] for b in range(blocks) for c in range(chunks)], dtype=torch.int64
+            [[c, b * chunk, 0, (b * chunks + c) * chunk, chunk] for b in range(blocks) for c in range(chunks)],
+            dtype=torch.int64,
         )
         cxx_loop = float("nan")
         if cuda and engine.copier.kernels:
-            cxx_loop = _median_seconds(lambda: ops.copy_chunks([host], pool.tensors, table, method=ops.METHOD_DMA), repeat, cuda)
+            cxx_loop = _median_seconds(
+                lambda: ops.copy_chunks([host], pool.tensors, table, method=ops.METHOD_DMA), repeat, cuda
+            )
     for direction, ours, base in (("offload", off, contig_d2h), ("onboard", on, contig_h2d)):
         rows.append(
             {
@@ -230,7 +239,9 @@ async def _sweep(device: str, sizes: Sequence[int], total: int, repeat: int) -> 
 
 async def _partial(device: str, blocks: int, repeat: int) -> list[dict[str, Any]]:
     cuda = device.startswith("cuda")
-    layout = KVLayout(num_layers=32 if cuda else 2, num_kv_heads=8, head_dim=128, tokens_per_block=16, dtype=torch.bfloat16)
+    layout = KVLayout(
+        num_layers=32 if cuda else 2, num_kv_heads=8, head_dim=128, tokens_per_block=16, dtype=torch.bfloat16
+    )
     rows = []
     idx = np.arange(blocks)
     half = blocks // 2
@@ -331,7 +342,12 @@ def _gather(device: str, seqs: int, pools: int, max_blocks: int, repeat: int) ->
                 e1.synchronize()
                 dev_times.append(e0.elapsed_time(e1) / 1e3)
         result.append(
-            (name, statistics.median(host_times), statistics.median(dev_times) if dev_times else float("nan"), end_to_end)
+            (
+                name,
+                statistics.median(host_times),
+                statistics.median(dev_times) if dev_times else float("nan"),
+                end_to_end,
+            )
         )
     _sync(cuda)
     assert torch.equal(dst.cpu(), dst_ref.cpu()), "gather result differs from the plain torch path"
@@ -382,7 +398,10 @@ def run(quick: bool = False, device: str = "auto") -> dict[str, Any]:
             section("sweep", lambda: _sweep(device, sizes, (64 if quick else 256) << 20, 3 if quick else 10))
             section("partial", lambda: _partial(device, 256, 3 if quick else 10))
             section("gather", lambda: _gather(device, 512, 2, 256, 20 if quick else 100))
-            section("layouts", lambda: layouts.rows(device, 64 << 10, 8 if quick else 32, 64 if quick else 128, 3 if quick else 10))
+            section(
+                "layouts",
+                lambda: layouts.rows(device, 64 << 10, 8 if quick else 32, 64 if quick else 128, 3 if quick else 10),
+            )
         else:
             section("layer_major", lambda: _layer_major(device, 4096, 4, 8, 5, 1))
             section("sweep", lambda: _sweep(device, [4 << 10, 64 << 10, 1 << 20], 2 << 20, 3))

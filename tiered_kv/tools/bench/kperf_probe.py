@@ -48,7 +48,9 @@ def child() -> dict[str, float]:
     blocks = 256
 
     def layer_major(chunk: int) -> None:  # a function, so its pools are freed before the next size
-        layout = KVLayout(num_layers=32, num_kv_heads=chunk // 4096, head_dim=128, tokens_per_block=16, dtype=torch.bfloat16)
+        layout = KVLayout(
+            num_layers=32, num_kv_heads=chunk // 4096, head_dim=128, tokens_per_block=16, dtype=torch.bfloat16
+        )
         pool = LayerMajorPool.allocate(layout, blocks, "cuda", split_kv=True)
         host = torch.empty((blocks, *layout.block_shape), dtype=layout.dtype, pin_memory=True)
         idx = torch.arange(blocks)

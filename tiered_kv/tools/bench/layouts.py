@@ -35,7 +35,9 @@ __all__ = ["KINDS", "kind_pool", "main", "rows", "run"]
 KINDS = ("flash_attn", "flashinfer", "split_kv", "vllm_nhd", "vllm_cross_layer", "sglang", "mla", "pages")
 
 
-def kind_pool(kind: str, piece: int, layers: int, blocks: int, device: str) -> tuple[pk.ChunkedPool, list[torch.Tensor]]:
+def kind_pool(
+    kind: str, piece: int, layers: int, blocks: int, device: str
+) -> tuple[pk.ChunkedPool, list[torch.Tensor]]:
     """A chunked pool of ``kind`` whose smallest chunk is ``piece`` bytes (fp16), and its physical tensors."""
     hd = piece // 64  # heads * head_dim at 32 tokens of fp16 per chunk
     heads = 8 if hd >= 1024 else 1
@@ -66,7 +68,9 @@ def kind_pool(kind: str, piece: int, layers: int, blocks: int, device: str) -> t
     if kind == "sglang":
         ks = [new(blocks * 32 + 32, heads, dim) for _ in range(layers)]
         vs = [new(blocks * 32 + 32, heads, dim) for _ in range(layers)]
-        return pk.sglang_token_major(lay(32), ks, vs), [b[: blocks * 32] for b in ks + vs]  # the padding page is no block
+        return pk.sglang_token_major(lay(32), ks, vs), [
+            b[: blocks * 32] for b in ks + vs
+        ]  # the padding page is no block
     if kind == "mla":
         ts = [new(blocks, 32, hd) for _ in range(layers)]
         return pk.mla(lay(32, kv=1, h=1, d=hd), ts), ts
@@ -140,14 +144,24 @@ async def _one(kind: str, device: str, piece: int, layers: int, blocks: int, rep
     for direction, ours, base in (("offload", off, base_off), ("onboard", on, base_on)):
         ratio = base / ours
         target = cuda and pool.min_chunk_bytes >= 65536
-        out.append({
-            "bench": "layouts", "device": "cuda" if cuda else "emulated", "kind": kind, "direction": direction,
-            "piece_KiB": pool.min_chunk_bytes / 1024, "chunks_per_block": pool.num_chunks, "blocks": blocks,
-            "path": path, "engine_GBps": nbytes / ours / 1e9, "contiguous_GBps": nbytes / base / 1e9,
-            "vs_contiguous": ratio, "bit_exact": exact,
-            "target": ">=0.85x contig" if target else "(no target: emulated or < 64 KiB)",
-            "met": (ratio >= 0.85 and exact) if target else exact,
-        })
+        out.append(
+            {
+                "bench": "layouts",
+                "device": "cuda" if cuda else "emulated",
+                "kind": kind,
+                "direction": direction,
+                "piece_KiB": pool.min_chunk_bytes / 1024,
+                "chunks_per_block": pool.num_chunks,
+                "blocks": blocks,
+                "path": path,
+                "engine_GBps": nbytes / ours / 1e9,
+                "contiguous_GBps": nbytes / base / 1e9,
+                "vs_contiguous": ratio,
+                "bit_exact": exact,
+                "target": ">=0.85x contig" if target else "(no target: emulated or < 64 KiB)",
+                "met": (ratio >= 0.85 and exact) if target else exact,
+            }
+        )
     return out
 
 

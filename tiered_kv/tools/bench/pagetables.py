@@ -142,7 +142,11 @@ def run(quick: bool, device: str) -> dict[str, Any]:
     scale, v_offset = [2, 2], [1, 1]
     if dev.is_cuda:
         _ext.load()  # the extension loads on first use; load it before asking what is registered
-    gather_impl = "tiered_kv.ops CUDA kernel" if _ext.cuda_kernels_registered().get("gather_block_offsets") else "tiered_kv.ops reference (no CUDA kernel)"
+    gather_impl = (
+        "tiered_kv.ops CUDA kernel"
+        if _ext.cuda_kernels_registered().get("gather_block_offsets")
+        else "tiered_kv.ops reference (no CUDA kernel)"
+    )
 
     def refill() -> None:  # the scheduler refilling one slot per step, as the block manager does
         slot = int(rng.integers(0, max(sizes)))
@@ -168,7 +172,9 @@ def run(quick: bool, device: str) -> dict[str, Any]:
                 ) -> None:
                     table.copy_batch_block_offsets(dst, slots, stream=stream, mode=mode, max_blocks=max_blocks, **kw)
 
-                def racy(mode: Mode = mode, kw: dict[str, Any] = kw, slots: np.ndarray = slots, dst: torch.Tensor = dst) -> None:
+                def racy(
+                    mode: Mode = mode, kw: dict[str, Any] = kw, slots: np.ndarray = slots, dst: torch.Tensor = dst
+                ) -> None:
                     naive.ship(dst, slots, stream=stream, mode=mode, max_blocks=max_blocks, **kw)
 
                 (host_ours, dev_ours), (host_racy, dev_racy) = _measure(dev, stream, [staged, racy], iters, refill)

