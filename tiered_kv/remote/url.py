@@ -152,5 +152,5 @@ def parse_store_url(url: str, environ: dict[str, str] | None = None) -> StoreURL
         db,
         password=env.get(PASSWORD_ENV) or None,
         user=parts.username or env.get(USER_ENV) or None,
-        **fields,
-    )  # type: ignore[arg-type]
+        **fields,  # type: ignore[arg-type]
+    )
