@@ -139,7 +139,9 @@ async def test_plugged_in_tier_is_fenced_and_counted(layout: KVLayout, device: s
 
 
 async def test_a_pair_or_medium_claimed_twice_is_refused(layout: KVLayout, tmp_path: object) -> None:
-    async with TransferEngine(layout, gpu_blocks=2, host_blocks=2, device="cpu", file_dir=str(tmp_path), file_blocks=4) as engine:
+    async with TransferEngine(
+        layout, gpu_blocks=2, host_blocks=2, device="cpu", file_dir=str(tmp_path), file_blocks=4
+    ) as engine:
         host = engine.pool(Tier.HOST).tensor
         with pytest.raises(ValueError, match="host->file is already routed"):
             engine.add_handler(DictHandler(host, DictMedium(4)))

@@ -57,7 +57,8 @@ class EngineConfig:
         host_threads: threads that run host-only work (host-to-host copies). Env: ``TIERED_KV_HOST_THREADS``.
         dma_min_chunk_bytes: on CUDA, copies whose contiguous pieces are at least this big go to the DMA
             engine (``cudaMemcpy(2D)Async`` per run), smaller ones to the copy kernel. Default 2 MiB: in the
-            H200 measurement (``tiered-kv bench``, kernels) one DMA call per chunk trails the kernel at 1 MiB (47 vs 51 GB/s)
+            H200 measurement (``tiered-kv bench``, kernels) one DMA call per chunk trails the kernel at 1 MiB
+            (47 vs 51 GB/s)
             and leads it at 4 MiB (52.5 vs 51); the engine issues one call per chunk, not a batch.
             Env: ``TIERED_KV_DMA_MIN_CHUNK``.
         copy_path: ``"auto"`` (by ``dma_min_chunk_bytes``), ``"dma"`` or ``"kernel"`` (forced).

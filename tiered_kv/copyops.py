@@ -21,7 +21,8 @@ Paths:
 
 The choice: a copy whose contiguous pieces (one (layer, kv) chunk for layer-major pools, a run of whole
 blocks for block-major ones, ``num_tokens * head_dim`` elements for partial copies) are at least
-``EngineConfig.dma_min_chunk_bytes`` (2 MiB) goes to DMA, smaller ones to the kernel (measured on an H200 by ``tiered-kv bench``: the kernel
+``EngineConfig.dma_min_chunk_bytes`` (2 MiB) goes to DMA, smaller ones to the kernel (measured on an H200 by
+``tiered-kv bench``: the kernel
 is up to 36x faster than one DMA call per chunk for small chunks and still ahead at 1 MiB; at 4 MiB DMA
 matches it and leaves the SMs to compute). ``EngineConfig.copy_path`` forces one path.
 
@@ -308,7 +309,8 @@ class Copier:
 
     def __repr__(self) -> str:
         kernels = "kernels" if self.kernels else ("no kernels" if self.device.is_cuda else "emulated")
-        return f"<Copier {kernels} dma>={self.config.dma_min_chunk_bytes}B path={self.config.copy_path} calls={self._calls}>"
+        cfg = self.config
+        return f"<Copier {kernels} dma>={cfg.dma_min_chunk_bytes}B path={cfg.copy_path} calls={self._calls}>"
 
 
 def choose_path(piece_bytes: int, config: EngineConfig, *, on_cuda: bool, kernels: bool) -> str:

@@ -3,7 +3,8 @@
 Primitives:
 
 * :class:`TieredKVError` -- the base of every runtime error.
-* :class:`TransferError` -- a copy failed (its destination holds undefined data); :class:`IntegrityError` -- a file slot failed verification.
+* :class:`TransferError` -- a copy failed (its destination holds undefined data).
+* :class:`IntegrityError` -- a file slot failed verification.
 * :class:`EngineClosedError`, :class:`OwnedEngineError` -- the engine is closed / belongs to a cache.
 * :class:`LayoutMismatchError`, :class:`SlabInUseError`, :class:`BackendUnavailable` -- opening the file tier.
 
@@ -56,7 +57,7 @@ class EngineClosedError(TieredKVError, RuntimeError):
 
 
 class OwnedEngineError(TieredKVError, ValueError):
-    """A copy through an engine whose blocks belong to a cache: only the cache may change them (nothing was enqueued)."""
+    """A copy through an engine whose blocks belong to a cache: only the cache may change them (nothing enqueued)."""
 
 
 class StorageError(TieredKVError, OSError):

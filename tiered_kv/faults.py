@@ -2,7 +2,8 @@
 
 Primitives:
 
-* :class:`FaultyBackend` -- a :class:`~tiered_kv.backends.FileBackend` wrapper injecting ENOSPC, EIO, EINVAL, short transfers and stalls on chosen calls.
+* :class:`FaultyBackend` -- a :class:`~tiered_kv.backends.FileBackend` wrapper injecting ENOSPC, EIO, EINVAL,
+  short transfers and stalls on chosen calls.
 
 :class:`FaultyBackend` wraps a real :class:`~tiered_kv.backends.FileBackend` and, on chosen calls, fails
 with an ``OSError`` (ENOSPC, EIO, EINVAL as O_DIRECT gives it), transfers only part of the bytes, or

@@ -2,8 +2,10 @@
 
 Primitives:
 
-* :class:`LayerMajorPool` -- per-layer (or per-layer-and-K/V) GPU tensors seen as one pool of blocks: ``allocate``, ``block``, ``layer``, ``check``.
-* :class:`LayerSlice` -- layers ``[start, stop)`` of a block-major or layer-major pool, as the copier sees them (a view).
+* :class:`LayerMajorPool` -- per-layer (or per-layer-and-K/V) GPU tensors seen as one pool of blocks:
+  ``allocate``, ``block``, ``layer``, ``check``.
+* :class:`LayerSlice` -- layers ``[start, stop)`` of a block-major or layer-major pool, as the copier sees
+  them (a view).
 
 A block of a layer-major pool is ``layers * kv`` chunks scattered over the per-layer tensors; the host and
 file tiers still store it contiguously (block-major), so offload gathers and onboard scatters. The copies are

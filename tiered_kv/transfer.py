@@ -116,7 +116,8 @@ class Transfer:
 
     def __repr__(self) -> str:
         state = "pending" if not self.done() else ("failed" if self._marker.error else "done")
-        return f"<Transfer {self.src_tier.value}->{self.dst_tier.value} blocks={self.num_blocks} bytes={self.nbytes} [{state}]>"
+        direction = f"{self.src_tier.value}->{self.dst_tier.value}"
+        return f"<Transfer {direction} blocks={self.num_blocks} bytes={self.nbytes} [{state}]>"
 
 
 #: Upper bounds (seconds) of the per-direction transfer latency histogram (Prometheus-style buckets).

@@ -136,7 +136,8 @@ class SlabGeometry:
     @classmethod
     def of(cls, layout: KVLayout, num_slots: int) -> SlabGeometry:
         """The geometry of ``num_slots`` slots of ``layout``."""
-        return cls(bytes.fromhex(layout.fingerprint), num_slots, layout.bytes_per_block, HEADER_SIZE + slot_payload_size(layout))
+        slot_size = HEADER_SIZE + slot_payload_size(layout)
+        return cls(bytes.fromhex(layout.fingerprint), num_slots, layout.bytes_per_block, slot_size)
 
     @property
     def pad_bytes(self) -> int:

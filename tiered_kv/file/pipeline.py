@@ -248,7 +248,8 @@ class FileCopy:
         with self._cuda_device():
             if self.layer_major is not None:  # gather the block's layers*kv chunks with the engine's copier
                 assert self.copier is not None and buf is not None
-                self.copier.build(self.layer_major, np.array([self.blocks[j]]), self.io.ring().pool, np.array([buf]), None)()
+                at, sb = np.array([self.blocks[j]]), np.array([buf])
+                self.copier.build(self.layer_major, at, self.io.ring().pool, sb, None)()
             else:
                 self._staging(buf).copy_(self._gpu_block(j), non_blocking=True)
 

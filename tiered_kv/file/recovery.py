@@ -274,7 +274,8 @@ class _Opener:
 
         # Newest generation wins for a key seen twice (a crash between writing the new slot and reusing the old)
         # -- the newest whose payload verifies: a write torn by the crash may have left a new header over a bad
-        # payload, and must not shadow the intact older copy (the crash harness found this: a SIGKILL in the middle of a spill left such a header).
+        # payload, and must not shadow the intact older copy (the crash harness found this: a SIGKILL in the
+        # middle of a spill left such a header).
         max_gen = max((h.generation for h in headers.values()), default=0)  # torn ones included: never reused
         by_key: dict[Key, list[int]] = {}
         for i, h in headers.items():

@@ -157,7 +157,9 @@ class FileTier:
             raise
         inner = getattr(self.backend, "inner", self.backend)  # see through test wrappers
         self.direct = bool(getattr(inner, "direct", False) or getattr(inner, "gds", False))
-        self._workers = concurrent.futures.ThreadPoolExecutor(config.io_threads, thread_name_prefix="tiered_kv-filetier")
+        self._workers = concurrent.futures.ThreadPoolExecutor(
+            config.io_threads, thread_name_prefix="tiered_kv-filetier"
+        )
         self._ring: StagingRing | None = None
         self._ring_lock = threading.Lock()
         # Padding after a payload whose size is not a multiple of 4096: zeros written, bytes read discarded.

@@ -2,7 +2,8 @@
 
 Primitives:
 
-* :func:`soak` -- the seeded soak (:class:`SoakConfig` -> :class:`SoakReport`, or :class:`SoakFailure`); :func:`generate_ops`.
+* :func:`soak` -- the seeded soak (:class:`SoakConfig` -> :class:`SoakReport`, or :class:`SoakFailure`).
+* :func:`generate_ops` -- the seeded op sequence.
 * :func:`load` -- many tasks awaiting copies at once (:class:`LoadReport`).
 
 Many tasks issue random copies among the engine's tiers (full and partial), with random stalls on every

@@ -2,7 +2,8 @@
 
 Primitives:
 
-* :func:`run` -- ``run(quick, device) -> dict`` (rows next to their same-run baselines); :func:`main` -- the command line.
+* :func:`run` -- ``run(quick, device) -> dict`` (rows next to their same-run baselines).
+* :func:`main` -- the command line.
 
 ``python -m tiered_kv.tools.bench.cache [--quick] [--device auto|cpu|cuda] [--json F]``
 

@@ -2,7 +2,8 @@
 
 Primitives:
 
-* :func:`run` -- ``run(quick, device) -> dict`` (rows next to their same-run baselines); :func:`main` -- the command line.
+* :func:`run` -- ``run(quick, device) -> dict`` (rows next to their same-run baselines).
+* :func:`main` -- the command line.
 
 Rows, each next to a baseline measured in the same run, on the same directory:
 

@@ -2,7 +2,8 @@
 
 Primitives:
 
-* :func:`run` -- ``run(quick, device) -> dict`` (rows next to their same-run baselines); :func:`main` -- the command line.
+* :func:`run` -- ``run(quick, device) -> dict`` (rows next to their same-run baselines).
+* :func:`main` -- the command line.
 
 For 64, 256 and 1,024 sequences, in copy mode and gather mode, it measures per call:
 
