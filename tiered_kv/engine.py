@@ -23,7 +23,7 @@ The per-call fast path: a copy between memory pools of at most ``SMALL_CALL_BLOC
 lists or small integer arrays is validated on plain lists (:func:`~tiered_kv.pools.small_pairs`, no numpy)
 and becomes one ``copy_blocks_list`` call on its stream (:mod:`tiered_kv.copyops`).
 
-Size: about 670 lines, much of it the public API's documentation and the lifecycle rules (ownership by a
+Size: about 780 lines (formatted at 120 columns), much of it the public API's documentation and the lifecycle rules (ownership by a
 cache, close from another loop, release on failed construction); the copy path itself (validate, route,
 fence, start, complete) is kept in one class so the fence and marker life cycle reads in one place.
 """

@@ -24,6 +24,9 @@ What each durability policy promises (:class:`~tiered_kv.file.Durability`):
 Primitives: :func:`run_crash_test` (many seeds) -> :class:`CrashReport`; :func:`crash_once` (one seed) ->
 :class:`CrashRun`; :func:`verify_reopen` (reopen a directory and check it against the child's log);
 :func:`block_content`.
+
+Size: a little over 500 lines: the child that spills, the kill schedule and the verifying reopen are one
+harness whose parts share the log format.
 """
 
 from __future__ import annotations
