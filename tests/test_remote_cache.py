@@ -260,9 +260,15 @@ async def test_soak_random_caches_policies_and_store_faults(redis_server):  # no
 
 
 async def test_remote_tier_object_can_be_passed_in(redis_server):  # noqa: F811
-    cache = _cache(None, _model("obj"))
-    tier = RemoteTier(cache.engine, store_url(redis_server))
-    cache2 = TieredKVCache(LAYOUT, device="cpu", gpu_blocks=96, host_blocks=64, engine=cache.engine, remote=tier)
-    async with cache2:
-        assert cache2.remote.tier is tier and tier.available
+    from tiered_kv import TransferEngine
+
+    async with TransferEngine(LAYOUT, gpu_blocks=96, host_blocks=64, device="cpu") as engine:
+        tier = RemoteTier(engine, store_url(redis_server))
+        async with TieredKVCache(LAYOUT, device="cpu", gpu_blocks=96, host_blocks=64, engine=engine, remote=tier) as cache:
+            assert cache.remote.tier is tier and tier.available
+            r = await replay(cache, _workload(12))
+            assert r.mismatched_tokens == 0
+        with pytest.raises(ValueError, match="over the cache's engine"):
+            async with TransferEngine(LAYOUT, gpu_blocks=96, host_blocks=64, device="cpu") as other:
+                TieredKVCache(LAYOUT, device="cpu", gpu_blocks=96, host_blocks=64, engine=other, remote=tier)
     assert object_name(0, b"\x01") == "tkv1/0/01"

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..blocks import Admission, Block, Request
+from ..blocks import Admission, Block, Plan, Request
 from ..errors import TransferError
 from ..keys import ContentKey, as_token_array
 from ..pools import Tier
@@ -197,9 +197,16 @@ class RemoteLink:
         if self._queue and (self._putter is None or self._putter.done()):
             self._putter = asyncio.get_running_loop().create_task(self._drain_queue())
 
-    def _on_evict(self, block: Block) -> None:
-        if block.tier is Tier.HOST and block.key is not None and block.key not in self._known:
-            self._evicted.append(block)
+    def _on_evict(self, block: Block, plan: Plan) -> None:
+        if block.tier is not Tier.HOST or block.key is None or block.key in self._known:
+            return
+        slot = block.slot
+        if any(m.dst_tier is Tier.HOST and m.dst_slot == slot for m in plan.moves):
+            # its data arrives by a copy of this very plan, not issued yet: a read fenced now would not wait
+            # for it (and would read the slot's old bytes), so this block is not put
+            self.put_skipped += 1
+            return
+        self._evicted.append(block)
 
     def _before_issue(self) -> None:
         """Evict policy: put the host victims of the decision just made, before the plan's copies reuse their slots."""
