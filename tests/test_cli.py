@@ -49,9 +49,33 @@ def test_bench_quick_writes_one_json_with_every_benchmark(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     payload = json.loads(out.read_text())
     names = [b["name"] for b in payload["benchmarks"]]
-    assert names == ["engine", "kernels", "pagetables", "filetier", "cache"]
+    assert names == ["engine", "kernels", "overlap", "pagetables", "filetier", "cache", "remote", "model"]
     assert all(b["rows"] for b in payload["benchmarks"])
     assert payload["machine"]["device"] == "emulated (CPU)"
+    assert payload["schema"] == "tiered_kv.bench/2"
+    for bench in payload["benchmarks"]:  # every row shows its target (or "") and whether it is met
+        ids = [row["id"] for row in bench["rows"]]
+        assert len(ids) == len(set(ids)), bench["name"]
+        for row in bench["rows"]:
+            assert {"bench", "id", "target", "met"} <= row.keys() and row["met"] in (True, False, None)
+            assert (row["met"] is None) == (row["target"] == "") or row["met"] is None
+    judged = {b["name"]: [r for r in b["rows"] if r["target"]] for b in payload["benchmarks"]}
+    assert judged["engine"] and judged["kernels"] and judged["filetier"] and judged["pagetables"]
+    overlap = payload["benchmarks"][2]["rows"]
+    assert overlap and all(r["same_output"] for r in overlap)  # layer-by-layer compute saw the loaded layers
+    assert "targets met" in r.stdout
+
+
+def test_bench_compare_matches_rows_of_an_earlier_run(tmp_path):
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    assert tkv("bench", "--quick", "--device", "cpu", "--only", "engine", "--json", str(old), timeout=300).returncode == 0
+    r = tkv("bench", "--quick", "--device", "cpu", "--only", "engine", "--json", str(new), "--compare", str(old), timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"compared with {old}" in r.stdout
+    for rid in ("call/loop=uvloop", "wakeup/loop=asyncio", "bandwidth/block_MiB=0.5/blocks=64/indices=scattered/direction=both"):
+        assert rid in r.stdout
+    bad = tkv("bench", "--quick", "--only", "engine", "--compare", str(tmp_path / "missing.json"))
+    assert bad.returncode == 2 and "cannot read" in bad.stderr
 
 
 def test_soak_command():
@@ -74,6 +98,27 @@ def test_doctor_reports_every_check(tmp_path):
     assert "CUDA device" in r.stdout
 
 
+def test_doctor_exits_1_when_a_needed_check_fails_and_advises_for_the_installed_torch(tmp_path):
+    r = tkv("doctor", "--dir", str(tmp_path / "missing"), "--json", str(tmp_path / "d.json"))
+    assert r.returncode == 1 and "failed: directory" in r.stdout
+    checks = {c["check"]: c for c in json.loads((tmp_path / "d.json").read_text())}
+    assert checks["directory"]["required"] and not checks["directory"]["ok"]
+    assert not checks["CUDA device"]["required"]
+    import torch
+
+    if not torch.cuda.is_available():
+        cuda = checks["CUDA device"]
+        if torch.version.cuda:  # a CUDA build is installed: the advice is about the driver, not reinstalling torch
+            assert "nvidia-smi" in cuda["fix"] and "install a CUDA build" not in cuda["fix"]
+        else:
+            assert "install a CUDA build of torch" in cuda["fix"]
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+    small = soft != resource.RLIM_INFINITY and soft < 64 << 20
+    assert checks["pinned memory (ulimit -l)"]["ok"] is (not small)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -82,12 +127,24 @@ def test_doctor_reports_every_check(tmp_path):
         (["bench", "--only", "nope"], "unknown benchmark"),
         (["frobnicate"], "invalid choice"),
         (["demo", "--no-such-flag"], "unrecognized arguments"),
+        (["crash", "--tear", "-1"], "expected a non-negative integer"),
+        (["demo", "--file-blocks", "-1"], "expected a non-negative integer"),
     ],
 )
 def test_bad_flags_are_one_line_errors(args, message):
     r = tkv(*args)
     assert r.returncode == 2
     assert message in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message of a machine without CUDA")
+@pytest.mark.parametrize("command", [["soak", "--ops", "10", "--quiet"], ["bench", "--only", "engine", "--quick"],
+                                     ["demo", "--quiet"]])
+def test_asking_for_cuda_without_it_is_one_line(command):
+    r = tkv(*command, "--device", "cuda", timeout=120)
+    lines = [line for line in r.stderr.splitlines() if line.startswith("error")]
+    assert r.returncode == 2 and len(lines) == 1 and "CUDA" in lines[0], r.stderr
     assert "Traceback" not in r.stderr
 
 

@@ -338,6 +338,9 @@ class BlockManager:
         self.compute_last_token = bool(compute_last_token)
         self.on_page_table = on_page_table
         self.file_index = file_index if caps[Tier.FILE] else None
+        #: ``reuse_limit(match, prompt_tokens) -> blocks`` (cost-aware reuse, :mod:`tiered_kv.cost_model`): how many
+        #: of a match's full blocks an admission reuses; the rest (and the partial block) are recomputed.
+        self.reuse_limit: Callable[[Match, int], int] | None = None
         #: ``callback(block, plan)`` just before a cached block is evicted from its tier (it is still at its slot;
         #: ``plan`` holds the moves decided so far in this call, not yet issued)
         self.on_evict: Callable[[Block, Plan], None] | None = None
@@ -413,6 +416,19 @@ class BlockManager:
                 partial = (best, best_n)
         return Match(tuple(blocks), partial, tuple(keys), m * tpb + (partial[1] if partial else 0), by_tier)
 
+    def _limited(self, match: Match, num_tokens: int) -> Match:
+        """``match`` cut to the blocks :attr:`reuse_limit` says are worth reusing (all of them without a limit)."""
+        if self.reuse_limit is None or not match.blocks:
+            return match
+        keep = max(0, min(len(match.blocks), int(self.reuse_limit(match, num_tokens))))
+        if keep == len(match.blocks):
+            return match
+        blocks = match.blocks[:keep]
+        by_tier = {t.value: 0 for t in TIER_ORDER}
+        for b in blocks:
+            by_tier[b.tier.value] += 1  # type: ignore[union-attr]
+        return Match(blocks, None, match.keys, keep * self.tokens_per_block, by_tier)
+
     def _adopt(self, key: ContentKey, parent_key: ContentKey, tokens: np.ndarray) -> Block | None:
         """Warm restart: a block of an earlier run that the file tier's index holds under ``key``, now cached.
 
@@ -459,7 +475,7 @@ class BlockManager:
                 or there are not enough free sequence slots. Nothing was changed.
         """
         reqs = self._validate(requests)
-        matches = [self._match(tokens) for tokens, _ in reqs]
+        matches = [self._limited(self._match(tokens), len(tokens)) for tokens, _ in reqs]
         self._check_fits(reqs, matches)
         # Phase 1: claim every matched block of every request before anything can evict.
         for match, (_, prio) in zip(matches, reqs, strict=True):
@@ -480,7 +496,7 @@ class BlockManager:
         admissions: list[Admission] = []
         try:
             for tokens, prio in reqs:
-                match = self._match(tokens)
+                match = self._limited(self._match(tokens), len(tokens))
                 self._check_fits([(tokens, prio)], [match])
                 self._claim(match, prio)
                 admissions.append(self._realize(tokens, prio, match, plan))

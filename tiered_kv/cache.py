@@ -545,7 +545,8 @@ class TieredKVCache:
         return transfers
 
     def _on_file_slot_dropped(self, event: SlotEvent) -> None:
-        if self.blocks.file_slot_dropped(event.slot, event.key) is not None:
+        # the cache writes content keys (bytes) only; a slot another writer keyed otherwise is none of its blocks
+        if isinstance(event.key, bytes) and self.blocks.file_slot_dropped(event.slot, event.key) is not None:
             self._poisoned += 1
 
     def _issue_group(self, group: list[Move]) -> Transfer:

@@ -21,7 +21,7 @@ from typing import Any
 __all__ = ["main"]
 
 # Benchmarks run by `tiered-kv bench`, in order (modules under tiered_kv.tools.bench).
-BENCHMARKS = ["engine", "kernels", "pagetables", "filetier", "cache", "remote"]
+BENCHMARKS = ["engine", "kernels", "overlap", "pagetables", "filetier", "cache", "remote", "model"]
 
 
 def _writable_dir(path: str) -> str:
@@ -45,6 +45,7 @@ def _run_loop(coro: Any) -> Any:
 
 async def _demo(args: argparse.Namespace) -> int:
     """A real model (random weights) answers a seeded multi-turn chat through GPU, host and file tiers."""
+    import torch
     from tqdm import tqdm
 
     from .demo import DemoConfig, check_outputs, plot_report, print_report, run_demo, write_json
@@ -79,30 +80,63 @@ async def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .bench.common import machine_info, print_grouped, write_json
+    from .bench.common import machine_info, print_grouped, print_table, write_json
+    from .bench.targets import SCHEMA, compare, finalize
 
     names = args.only or BENCHMARKS
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:
         print(f"error: unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)}", file=sys.stderr)
         return 2
+    old = None
+    if args.compare:
+        try:
+            with open(args.compare) as f:
+                old = json.load(f)
+        except (OSError, ValueError) as exc:
+            print(f"error: cannot read {args.compare}: {exc}", file=sys.stderr)
+            return 2
     results = []
-    for name in names:
+    for i, name in enumerate(names, 1):
+        print(f"[{i}/{len(names)}] running bench.{name} ...", flush=True)  # each takes seconds to minutes
         module = importlib.import_module(f"tiered_kv.tools.bench.{name}")
         t0 = time.perf_counter()
-        result = module.run(args.quick, args.device)
+        result = finalize(module.run(args.quick, args.device))
         result["seconds"] = time.perf_counter() - t0
+        if result.get("machine", {}).get("device") == "emulated (CPU)":
+            result.setdefault("notes", []).append("emulated device: CPU figures, not comparable to the GPU targets")
         print_grouped(result)
         for note in result.get("notes", []):
             print(f"  note: {note}")
         results.append(result)
-    payload = {"machine": machine_info(args.device), "quick": args.quick, "benchmarks": results}
+    payload = {"schema": SCHEMA, "machine": machine_info(args.device), "quick": args.quick, "benchmarks": results}
     write_json(args.json, payload)
     print(f"\nwrote {args.json}")
+    _print_verdicts(payload)
+    if old is not None:
+        rows = compare(old, payload)
+        print_table(rows, f"\ncompared with {args.compare} ({old.get('machine', {}).get('device', '?')})")
+        if not rows:
+            print("no row of this run has a counterpart with a target in the old file")
     return 0
 
 
+def _print_verdicts(payload: dict[str, Any]) -> None:
+    """One line per benchmark: rows with a target, met, missed (and which)."""
+    for bench in payload["benchmarks"]:
+        judged = [r for r in bench["rows"] if r.get("met") is not None]
+        missed = [r["id"] for r in judged if r["met"] is False]
+        line = f"{bench['name']}: {len(judged) - len(missed)}/{len(judged)} targets met"
+        print(line + (f"; missed: {', '.join(missed)}" if missed else ""))
+
+
 # ------------------------------------------------------------------------------------------ doctor
+
+
+#: doctor checks without which tiered_kv cannot run here (the others are optional features).
+REQUIRED_CHECKS = frozenset({"python", "torch", "directory", "file tier I/O (TIERED_KV_GDS)"})
+#: a locked-memory limit below this is flagged.
+MEMLOCK_WARN_BYTES = 64 << 20
 
 
 def _doctor_checks(directory: str) -> list[tuple[str, bool, str, str]]:
@@ -120,9 +154,12 @@ def _doctor_checks(directory: str) -> list[tuple[str, bool, str, str]]:
         except Exception:
             pass
         checks.append(("CUDA device", True, f"{props.name}, {props.total_memory / 2**30:.0f} GiB{driver}", ""))
+    elif torch.version.cuda:  # a CUDA build is installed: the driver or the device is what is missing
+        checks.append(("CUDA device", False, f"none visible to this CUDA {torch.version.cuda} build of torch (the emulated device is used)",
+                       "check the NVIDIA driver (`nvidia-smi`) and CUDA_VISIBLE_DEVICES; torch itself is fine"))
     else:
-        checks.append(("CUDA device", False, "none (the emulated device is used)",
-                       "install a CUDA build of torch and an NVIDIA driver to use a GPU"))
+        checks.append(("CUDA device", False, "none: torch is a CPU-only build (the emulated device is used)",
+                       "install a CUDA build of torch (pip install torch --index-url https://download.pytorch.org/whl/cu130) and an NVIDIA driver"))
     try:
         import uvloop
 
@@ -151,10 +188,18 @@ def _doctor_checks(directory: str) -> list[tuple[str, bool, str, str]]:
     def fmt(v: int) -> str:
         return "unlimited" if v == resource.RLIM_INFINITY else f"{v / 2**20:.0f} MiB"
 
-    checks.append(("pinned memory (ulimit -l)", True, f"soft {fmt(soft)}, hard {fmt(hard)}",
-                   "raise `ulimit -l` if pinning the host pool fails"))
+    small = soft != resource.RLIM_INFINITY and soft < MEMLOCK_WARN_BYTES
+    checks.append(("pinned memory (ulimit -l)", not small, f"soft {fmt(soft)}, hard {fmt(hard)}"
+                   + (f" (below {MEMLOCK_WARN_BYTES >> 20} MiB)" if small else ""),
+                   "raise the locked-memory limit (`ulimit -l unlimited`, or memlock in /etc/security/limits.conf / "
+                   "--ulimit memlock=-1 for containers): GDS buffer registration and large pinned host pools need it"))
     writable = os.path.isdir(directory) and os.access(directory, os.W_OK)
     checks.append(("directory", writable, directory, "pass --dir with a writable directory"))
+    from ..file.place import directory_problem
+
+    problem = directory_problem(directory)  # shared directories: symlinks, other users' files (issue 11)
+    checks.append(("directory safe for a file tier", problem is None, "yes" if problem is None else problem,
+                   "use a directory of your own (0700), or a sticky one (chmod +t) like /tmp"))
     if writable:
         from ..backends.gds import select_backend
         from ..backends.posix import direct_io_supported
@@ -171,6 +216,7 @@ def _doctor_checks(directory: str) -> list[tuple[str, bool, str, str]]:
 
 
 def _doctor(args: argparse.Namespace) -> int:
+    """Exit 1 when a check that running needs fails (REQUIRED_CHECKS); missing optional features only advise."""
     checks = _doctor_checks(args.dir)
     if args.remote:
         from ..remote.doctor import remote_checks
@@ -178,11 +224,17 @@ def _doctor(args: argparse.Namespace) -> int:
         checks += _run_loop(remote_checks(args.remote))
     width = max(len(c[0]) for c in checks)
     for name, ok, found, fix in checks:
-        mark = "ok " if ok else "-- "
+        mark = "ok " if ok else ("XX " if name in REQUIRED_CHECKS else "-- ")
         print(f"{mark} {name.ljust(width)}  {found}" + (f"\n    {' ' * width}  -> {fix}" if not ok and fix else ""))
+    failed = [c[0] for c in checks if not c[1] and c[0] in REQUIRED_CHECKS]
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([{"check": c[0], "ok": c[1], "found": c[2], "fix": c[3]} for c in checks], f, indent=2)
+            json.dump([{"check": c[0], "ok": c[1], "required": c[0] in REQUIRED_CHECKS, "found": c[2], "fix": c[3]}
+                       for c in checks], f, indent=2)
+    if failed:
+        print(f"\nfailed: {', '.join(failed)} (XX: needed to run; --: optional, with what to do)")
+        return 1
+    print("\nready (--: optional features missing, with what to do)" if any(not c[1] for c in checks) else "\nready")
     return 0
 
 
@@ -200,13 +252,20 @@ async def _soak(args: argparse.Namespace) -> int:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.cache:
         return await _cache_soak(args, device)
-    config = SoakConfig(ops=args.ops, seed=args.seed, tasks=args.tasks, device=device)
+    if args.file_blocks:
+        import logging
+
+        logging.getLogger("tiered_kv").setLevel(logging.ERROR)  # injected file faults fail copies: expected
+    config = SoakConfig(ops=args.ops, seed=args.seed, tasks=args.tasks, device=device, file_blocks=args.file_blocks)
     with tqdm(total=args.ops, unit="op", desc=f"soak seed={args.seed} on {device}", disable=args.quiet) as bar:
         try:
             report = await soak(config, progress=lambda done: bar.update(done - bar.n))
         except SoakFailure as failure:
             print(f"FAILED: {failure}", file=sys.stderr)
             return 1
+    if args.file_blocks:
+        print(f"file tier: all 8 routes, {report.failed} copies failed by injected file faults, {report.refused} reads "
+              "of emptied slots refused; what they wrote was never checked as valid, everything else was")
     print(f"ok: {report.ops} ops, {report.checked_blocks} block checks, {report.cancelled} cancelled waits, "
           f"{report.forgotten} unawaited, {report.stalls} stalls in {report.seconds:.1f} s; close() {report.close_seconds * 1e3:.1f} ms")
     return 0
@@ -316,6 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     bench.add_argument("--json", default="bench-tiered-kv.json", help="output file (default: %(default)s)")
     bench.add_argument("--only", nargs="+", metavar="NAME", help=f"run only these ({', '.join(BENCHMARKS)})")
+    bench.add_argument("--compare", metavar="OLD_JSON", help="compare each judged row with the same row of an earlier run's JSON")
     bench.set_defaults(func=_bench)
 
     soak = sub.add_parser("soak", help="randomized soak with stalls and cancellations; every byte checked against a shadow model")
@@ -327,13 +387,15 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--cache", action="store_true",
                       help="soak the prefix cache over GPU, host and file tiers with file faults; every reused token checked "
                            "(--ops counts admissions)")
+    soak.add_argument("--file-blocks", type=int, default=0, metavar="N",
+                      help="engine soak: add a file tier of N slots (all 8 routes, random file faults; default: none)")
     soak.add_argument("--reused-tokens", type=int, default=0, metavar="N",
                       help="with --cache: keep going until N reused tokens were verified (default: %(default)s)")
     soak.set_defaults(func=lambda a: _run_loop(_soak(a)))
 
     crash = sub.add_parser("crash", help="SIGKILL a process spilling to the file tier at random points; reopen and verify every block")
     crash.add_argument("--seeds", type=_positive, default=6, help="kills (one child process each; default: %(default)s)")
-    crash.add_argument("--tear", type=int, default=2, help="slots damaged after each kill, as a power cut might (default: %(default)s)")
+    crash.add_argument("--tear", type=_non_negative, default=2, help="slots damaged after each kill, as a power cut might (default: %(default)s)")
     crash.add_argument("--dir", type=_writable_dir, help="where the slabs go (default: a temporary directory)")
     crash.set_defaults(func=_crash)
 
@@ -352,10 +414,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``tiered-kv`` with ``argv``; the exit status (2 for bad input, one line on stderr)."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from ..errors import BackendUnavailable, SlabInUseError, TieredKVError
+
     try:
         return int(args.func(args))
-    except (ValueError, TypeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except (ValueError, TypeError, BackendUnavailable, SlabInUseError) as exc:  # the user can fix these: one line
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
+    except (OSError, TieredKVError) as exc:  # the machine: a full disk, a failed device -- one line, no traceback
+        what = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        where = f": {exc.filename}" if isinstance(exc, OSError) and exc.filename else ""
+        print(f"error: {type(exc).__name__}: {' '.join(what.split())}{where}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130

@@ -1,0 +1,26 @@
+"""The model TTFT benchmark's logic at tiny size on CPU: every path measured, the prefix found in its tier."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from tiered_kv.tools.bench import model
+
+
+def test_quick_run_measures_every_path_and_marks_emulated_rows():
+    result = model.run(quick=True, device="cpu")
+    rows = result["rows"]
+    assert {(r["prefix_tokens"], r["path"]) for r in rows} == {
+        (n, p) for n in (512, 2048) for p in ("recompute", "cold", "gpu", "host", "file")
+    }
+    for r in rows:
+        assert r["ttft_ms"] > 0 and r["vs_recompute"] > 0
+        if r["path"] in ("gpu", "host", "file"):
+            assert r["tokens_reused"] == r["prefix_tokens"]  # the whole prefix, none of the new tokens
+        else:
+            assert r["tokens_reused"] == 0
+        if r["path"] == "host":
+            assert r["target"] == ">= 10x" and r["met"] == "n/a (emulated)"
+    assert any("not comparable" in n for n in result["notes"])

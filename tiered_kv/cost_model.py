@@ -1,0 +1,240 @@
+"""Cost-aware reuse: bring a cached prefix back from a tier only where that beats recomputing it.
+
+Primitives:
+
+* :class:`CostModel` -- per tier, the cost per byte of bringing blocks to the GPU, fitted from the cache's own
+  completed admissions (``observe_admission``: how long each took against the bytes it brought from each
+  tier; the fit's intercept takes what every admission pays anyway, such as evictions) or given as a
+  bandwidth; the model's prefill time per token, fitted from the generator's own prefill timings
+  (``observe_prefill``) or given. ``CachedGenerator(..., cost_model=...)`` feeds both.
+  :meth:`CostModel.attach` installs it as the block manager's ``reuse_limit``: at every admission, for the
+  request's matched blocks (in prefix order, each in its tier) it picks the number ``k`` of leading blocks
+  that minimises ``onboard(blocks[:k]) + prefill(tokens not reused)``, counting the tokens left to compute;
+  the other matched blocks stay where they are and their tokens are recomputed.
+* :class:`ReuseStatistics` -- admissions decided, those that skipped blocks, blocks skipped per tier, and the
+  estimated seconds the decisions saved against reusing every matched block and against recomputing all.
+
+So on a slow disk a short prefix in the file tier is recomputed while a long one (or a large model's) is
+still read back; while a tier has no measurement yet, or nothing is known of the model's speed, everything
+matched is reused (the first transfers measure the tier).
+
+Example::
+
+    cost = CostModel(cache).attach()
+    generator = CachedGenerator(model, cache, cost_model=cost)
+    ...
+    print(cost.statistics().saved_vs_reuse_all_s)
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .pools import Tier
+
+if TYPE_CHECKING:
+    from .blocks import Match
+    from .cache import TieredKVCache
+
+__all__ = ["CostModel", "ReuseStatistics"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReuseStatistics:
+    """What a :class:`CostModel` decided.
+
+    Attributes:
+        decisions: admissions with matched blocks outside the GPU tier that the model could price.
+        skipped_admissions: those where some matched blocks were not reused (recomputed instead).
+        skipped_blocks: matched blocks left unused, per tier.
+        saved_vs_reuse_all_s: estimated seconds saved against reusing every matched block.
+        saved_vs_recompute_s: estimated seconds saved against recomputing every prompt token.
+        bandwidth: bytes per second bringing blocks to the GPU, per tier (fitted or given; absent: unknown).
+        prefill_s_per_token: the model's marginal prefill time per token (0: unknown).
+    """
+
+    decisions: int
+    skipped_admissions: int
+    skipped_blocks: dict[str, int]
+    saved_vs_reuse_all_s: float
+    saved_vs_recompute_s: float
+    bandwidth: dict[str, float]
+    prefill_s_per_token: float
+
+
+class CostModel:
+    """Prices reuse per tier against recomputing; the block manager's ``reuse_limit``.
+
+    Args:
+        cache: the cache whose transfers are measured (and whose block manager :meth:`attach` hooks).
+        prefill_tokens_per_s: the model's prefill rate, if known; otherwise fitted from :meth:`observe_prefill`.
+        bandwidth: bytes per second per tier (``"host"``, ``"file"``) to use instead of measurements.
+        window: prefill observations kept for the fit.
+
+    Raises:
+        ValueError: a rate or bandwidth that is not a positive number, an unknown tier.
+    """
+
+    def __init__(
+        self,
+        cache: TieredKVCache,
+        *,
+        prefill_tokens_per_s: float | None = None,
+        bandwidth: Mapping[str, float] | None = None,
+        window: int = 64,
+    ) -> None:
+        if prefill_tokens_per_s is not None and not prefill_tokens_per_s > 0:
+            raise ValueError(f"prefill_tokens_per_s must be a positive number, got {prefill_tokens_per_s!r}")
+        given: dict[str, float] = {}
+        for tier, bw in (bandwidth or {}).items():
+            name = Tier.coerce(tier).value
+            if name == "gpu" or not isinstance(bw, (int, float)) or not bw > 0:
+                raise ValueError(f"bandwidth must map 'host'/'file' to positive bytes per second, got {tier!r}: {bw!r}")
+            given[name] = float(bw)
+        self.cache = cache
+        self._given_rate = prefill_tokens_per_s
+        self._given_bw = given
+        self._observations: collections.deque[tuple[int, float]] = collections.deque(maxlen=window)
+        self._admissions: collections.deque[tuple[float, float, float]] = collections.deque(maxlen=4 * window)
+        self._fit: dict[str, float] | None = None  # tier -> seconds per byte (refitted lazily)
+        self._decisions = self._skipped_admissions = 0
+        self._skipped: dict[str, int] = {}
+        self._saved_all = self._saved_none = 0.0
+
+    def attach(self) -> CostModel:
+        """Install as the cache's ``reuse_limit`` (every admission from now on is priced). Returns ``self``."""
+        self.cache.blocks.reuse_limit = self.limit
+        return self
+
+    def detach(self) -> None:
+        """Stop pricing admissions (everything matched is reused again)."""
+        if self.cache.blocks.reuse_limit == self.limit:
+            self.cache.blocks.reuse_limit = None
+
+    # ------------------------------------------------------------------------------------ inputs
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """One prompt forward of ``tokens`` tokens took ``seconds`` (``CachedGenerator(on_prefill=...)``)."""
+        if tokens > 0 and seconds > 0:
+            self._observations.append((int(tokens), float(seconds)))
+
+    def observe_admission(self, bytes_from: Mapping[str, int], seconds: float) -> None:
+        """An admission brought ``bytes_from[tier]`` bytes from host/file to the GPU and took ``seconds``."""
+        if seconds > 0:
+            self._admissions.append((float(bytes_from.get("host", 0)), float(bytes_from.get("file", 0)), float(seconds)))
+            self._fit = None
+
+    def _per_byte(self) -> dict[str, float]:
+        """Seconds per byte per tier: least squares of ``seconds = a + b_host * host + b_file * file``."""
+        if self._fit is not None:
+            return self._fit
+        fit: dict[str, float] = {}
+        rows = list(self._admissions)
+        if len(rows) >= 8:
+            cols = [i for i in (0, 1) if len({r[i] for r in rows}) > 1]
+            if cols:
+                x = np.array([[1.0, *(r[i] for i in cols)] for r in rows])
+                y = np.array([r[2] for r in rows])
+                coef = np.linalg.lstsq(x, y, rcond=None)[0]
+                for i, b in zip(cols, coef[1:], strict=True):
+                    fit[("host", "file")[i]] = max(0.0, float(b))
+        self._fit = fit
+        return fit
+
+    def prefill_seconds_per_token(self) -> float | None:
+        """Marginal prefill seconds per token (``None`` while unknown).
+
+        Given, else the slope of ``seconds = a + b * tokens`` over the recent prefills (the fixed cost ``a``
+        is paid whatever is reused), else the average rate when one prompt size was seen.
+        """
+        if self._given_rate is not None:
+            return 1.0 / self._given_rate
+        obs = self._observations
+        if not obs:
+            return None
+        n = len(obs)
+        mean_x = sum(t for t, _ in obs) / n
+        mean_y = sum(s for _, s in obs) / n
+        var = sum((t - mean_x) ** 2 for t, _ in obs)
+        if var > 0:
+            slope = sum((t - mean_x) * (s - mean_y) for t, s in obs) / var
+            if slope > 0:
+                return slope
+        return sum(s for _, s in obs) / sum(t for t, _ in obs)  # one size seen: the average rate
+
+    def bandwidth(self, tier: Tier | str) -> float | None:
+        """Bytes per second of bringing blocks of ``tier`` to the GPU (given, or fitted; ``None``: unknown)."""
+        name = Tier.coerce(tier).value
+        if name in self._given_bw:
+            return self._given_bw[name]
+        slope = self._per_byte().get(name)
+        return 1.0 / slope if slope else None
+
+    def _onboard_cost(self, tier: str) -> Callable[[int], float]:
+        """``nbytes -> seconds`` to bring that many bytes of ``tier`` to the GPU in one admission.
+
+        Given a bandwidth: ``nbytes / bandwidth``. Otherwise the per-byte slope fitted from the admissions seen
+        (a copy's own duration is not used: it includes waiting for the evictions ahead of it, which an
+        admission pays whether it reuses or recomputes). Unknown yet: free (the first admissions measure it).
+        """
+        if tier in self._given_bw:
+            bw = self._given_bw[tier]
+            return lambda nbytes: nbytes / bw
+        slope = self._per_byte().get(tier, 0.0)
+        return lambda nbytes: nbytes * slope
+
+    # ------------------------------------------------------------------------------------ the decision
+
+    def limit(self, match: Match, num_tokens: int) -> int:
+        """How many leading blocks of ``match`` to reuse for a prompt of ``num_tokens`` tokens (see the module)."""
+        blocks = match.blocks
+        per_token = self.prefill_seconds_per_token()
+        if not blocks or per_token is None:
+            return len(blocks)
+        tiers = [b.tier.value for b in blocks]  # type: ignore[union-attr]
+        slow = {t for t in tiers if t != "gpu"}
+        if not slow:
+            return len(blocks)  # all on the GPU: nothing to decide
+        bytes_per_block = self.cache.layout.bytes_per_block
+        tpb = self.cache.layout.tokens_per_block
+        cost = {t: self._onboard_cost(t) for t in slow}
+        moved = dict.fromkeys(slow, 0)
+        recompute_all = num_tokens * per_token
+        best_k, best_t, t = 0, recompute_all, recompute_all
+        for i, tier in enumerate(tiers):
+            if tier != "gpu":
+                moved[tier] += bytes_per_block
+            t = sum(cost[x](moved[x]) for x in slow) + (num_tokens - (i + 1) * tpb) * per_token
+            if t <= best_t:  # ties reuse
+                best_k, best_t = i + 1, t
+        reuse_all = t
+        self._decisions += 1
+        self._saved_all += reuse_all - best_t
+        self._saved_none += recompute_all - best_t
+        if best_k < len(blocks):
+            self._skipped_admissions += 1
+            for tier in tiers[best_k:]:
+                self._skipped[tier] = self._skipped.get(tier, 0) + 1
+        return best_k
+
+    def statistics(self) -> ReuseStatistics:
+        """A snapshot of the decisions and the current estimates."""
+        bw = {t: v for t in ("host", "file") if (v := self.bandwidth(t)) is not None}
+        return ReuseStatistics(
+            decisions=self._decisions,
+            skipped_admissions=self._skipped_admissions,
+            skipped_blocks=dict(self._skipped),
+            saved_vs_reuse_all_s=self._saved_all,
+            saved_vs_recompute_s=self._saved_none,
+            bandwidth=bw,
+            prefill_s_per_token=self.prefill_seconds_per_token() or 0.0,
+        )
+
+    def __repr__(self) -> str:
+        s = self.statistics()
+        return f"<CostModel decisions={s.decisions} skipped={s.skipped_blocks} saved={s.saved_vs_reuse_all_s:.3f}s>"

@@ -1,0 +1,171 @@
+"""Time to first token with a real model: a long prefix reused from GPU, host or file vs recomputed, same run.
+
+``python -m tiered_kv.tools.bench.model [--quick] [--device auto|cpu|cuda] [--json F]`` (also
+``tiered-kv bench --only model``).
+
+A randomly initialised Llama (8B-shaped in bf16 on CUDA: 32 layers, 32 heads, 8 KV heads, head_dim 128;
+weights made on the ``meta`` device and filled on the GPU, nothing downloaded; a tiny fp32 one for
+``--quick`` or the emulated device) answers a prompt made of a long prefix (8k and 32k tokens; 512 and 2048
+in ``--quick``) plus 32 new tokens. Rows, per prefix length:
+
+* ``recompute``: the baseline -- plain transformers runs the whole prompt (no tiered_kv), first token.
+* ``cold``: the same through :class:`~tiered_kv.integrations.transformers.CachedGenerator` with nothing
+  cached (the cost of writing every computed token's KV into the cache's blocks).
+* ``gpu`` / ``host`` / ``file``: the prefix cached in that tier (evicted there just before), so its KV is
+  brought back (host: pinned DMA; file: read and verified) and only the 32 new tokens are run.
+
+TTFT is the median of ``repeats`` runs (each from the call to the first token on the host: admission,
+onboarding, prefill, sampling). Target: with the prefix in host, TTFT at least 10x faster than recomputing
+(each row shows its speed-up; the host row says met/missed). Rows of the emulated device are CPU figures,
+not comparable to the target.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from ...cache import TieredKVCache
+from ...device import resolve_device
+from ...pools import Tier
+from .common import bench_main, machine_info
+
+__all__ = ["HOST_TARGET", "main", "run"]
+
+#: TTFT with the prefix in host must be at least this many times faster than recomputing it.
+HOST_TARGET = 10.0
+SUFFIX = 32  # new tokens after the cached prefix
+
+
+def _setup(quick: bool, device: str) -> tuple[Any, list[int], int, bool]:
+    """``(model, prefix lengths, repeats, emulated)``."""
+    from ...integrations.models import llama_8b_config, random_causal_lm, tiny_llama_config
+
+    dev = resolve_device(device)
+    if dev.is_cuda and not quick:
+        model = random_causal_lm(llama_8b_config(), dtype=torch.bfloat16, device=dev.torch_device, seed=0)
+        return model, [8192, 32768], 3, False
+    config = tiny_llama_config(layers=4, hidden=256, heads=4, kv_heads=2, intermediate=512, vocab=4096)
+    model = random_causal_lm(config, dtype=torch.float32, device=dev.torch_device, seed=0)
+    return model, [512, 2048], 2, not dev.is_cuda
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+async def _measure(model: Any, lengths: list[int], repeats: int, directory: str) -> list[dict[str, Any]]:
+    from ...integrations.transformers import CachedGenerator, layout_for, reference_generate
+
+    device = next(model.parameters()).device
+    layout = layout_for(model, 16)
+    vocab = int(model.config.vocab_size)
+    rng = np.random.default_rng(0)
+    rows: list[dict[str, Any]] = []
+    for length in lengths:
+        blocks = -(-(length + SUFFIX + 16) // 16)
+        prefix = rng.integers(0, vocab, length).tolist()
+
+        def fresh(prefix: list[int] = prefix) -> list[int]:  # new tokens after the prefix: only it can be reused
+            return prefix + [int(t) for t in rng.integers(0, vocab, SUFFIX)]
+
+        warm = rng.integers(0, vocab, 64).tolist()
+        times: dict[str, list[float]] = {k: [] for k in ("recompute", "cold", "gpu", "host", "file")}
+        reused: dict[str, int] = {}
+        async with TieredKVCache(layout, gpu_blocks=blocks + 8, host_blocks=blocks + 8, file_blocks=blocks + 8,
+                                 file_dir=directory, device=str(device) if device.type == "cuda" else "cpu",
+                                 model_id=f"bench-model-{length}") as cache:
+            gen = CachedGenerator(model, cache)
+            try:
+                await gen.generate(warm, max_new_tokens=1)  # warm up kernels and the model thread
+                reference_generate(model, warm, max_new_tokens=1)
+                for _ in range(repeats):
+                    _sync(device)
+                    _, _, ttft = reference_generate(model, fresh(), max_new_tokens=1)
+                    times["recompute"].append(ttft)
+                # cold: nothing cached (a fresh model_id per repeat would grow the file tier; evict instead)
+                for _ in range(repeats):
+                    await _drop_everything(cache)
+                    out = await gen.generate(fresh(), max_new_tokens=1)
+                    times["cold"].append(out.ttft_s)
+                for tier in ("host", "file", "gpu"):
+                    for _ in range(repeats):
+                        await _place(cache, tier)
+                        out = await gen.generate(fresh(), max_new_tokens=1)
+                        times[tier].append(out.ttft_s)
+                        reused[tier] = out.tokens_reused
+                        if out.blocks_from.get(tier, 0) * 16 < length - 16:
+                            raise RuntimeError(f"the prefix was not found in the {tier} tier: {out.blocks_from}")
+            finally:
+                gen.close()
+        base = statistics.median(times["recompute"])
+        for path, values in times.items():
+            ttft = statistics.median(values)
+            row: dict[str, Any] = {
+                "bench": "ttft", "prefix_tokens": length, "path": path, "ttft_ms": ttft * 1e3,
+                "vs_recompute": base / ttft, "tokens_reused": reused.get(path, 0),
+            }
+            if path == "host":
+                row["target"] = f">= {HOST_TARGET:g}x"
+                row["met"] = base / ttft >= HOST_TARGET
+            rows.append(row)
+    return rows
+
+
+async def _drop_everything(cache: TieredKVCache) -> None:
+    """Evict every unused cached block out of every tier (GPU -> host -> file -> dropped)."""
+    for tier in (Tier.GPU, Tier.HOST, Tier.FILE):
+        capacity = cache.blocks.capacity[tier]
+        if capacity:
+            await cache.evict(tier, capacity)
+    for tier in (Tier.GPU, Tier.HOST, Tier.FILE):
+        if cache.blocks.capacity[tier]:
+            await cache.evict(tier, cache.blocks.capacity[tier])
+
+
+async def _place(cache: TieredKVCache, tier: str) -> None:
+    """Move the cached prefix down to ``tier`` (it is on the GPU after the previous request)."""
+    if tier in ("host", "file"):
+        await cache.evict(Tier.GPU, cache.blocks.capacity[Tier.GPU])
+    if tier == "file":
+        await cache.evict(Tier.HOST, cache.blocks.capacity[Tier.HOST])
+
+
+def run(quick: bool = False, device: str = "auto") -> dict[str, Any]:
+    """Measure every row (see the module docstring); returns the benchmark dict of :mod:`.common`."""
+    t0 = time.perf_counter()
+    model, lengths, repeats, emulated = _setup(quick, device)
+    built = time.perf_counter() - t0
+    directory = os.environ.get("TIERED_KV_BENCH_DIR") or None
+    with tempfile.TemporaryDirectory(prefix="tiered-kv-bench-model-", dir=directory) as tmp:
+        rows = asyncio.run(_measure(model, lengths, repeats, tmp))
+    layers = model.config.num_hidden_layers
+    params = sum(p.numel() for p in model.parameters())
+    notes = [
+        f"model: random Llama, {layers} layers, {params / 1e6:,.0f}M parameters, {next(model.parameters()).dtype}, "
+        f"built in {built:.1f} s; {SUFFIX} new tokens after each prefix; median of {repeats} runs",
+    ]
+    if emulated:
+        notes.append("emulated device: CPU figures, not comparable to the target")
+        for row in rows:
+            if "met" in row:
+                row["met"] = "n/a (emulated)"
+    return {"name": "model", "machine": machine_info(device), "rows": rows, "notes": notes}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m tiered_kv.tools.bench.model``: run, print the table, write the JSON."""
+    return bench_main("model", run, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
