@@ -68,6 +68,7 @@ async def test_another_model_or_rank_never_sees_the_blocks(server):  # noqa: F81
                 assert r.hits["remote"] == 0 and r.mismatched_tokens == 0
 
 
+@pytest.mark.timeout(400)
 @pytest.mark.parametrize("store", ["redis", "mooncake"])
 def test_two_processes_share_a_prefix_through_the_store(store, request):
     srv = request.getfixturevalue(f"{store}_server")
@@ -217,6 +218,7 @@ async def test_two_writers_of_the_same_prefixes_at_once(server):  # noqa: F811
     assert rc.hits["remote"] > 0
 
 
+@pytest.mark.timeout(400)
 async def test_soak_random_caches_policies_and_store_faults(redis_server):  # noqa: F811
     """Randomized: several caches on one store, small tiers, random policies, store paused and restarted."""
     rng = np.random.default_rng(2026)

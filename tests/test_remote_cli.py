@@ -32,6 +32,7 @@ def _remote_hits(out: str) -> int:
     return int(line.split("): ")[1].split(" block hits")[0])
 
 
+@pytest.mark.timeout(600)  # two real-model demo runs
 @pytest.mark.parametrize("store", ["redis", "mooncake"])
 def test_demo_run_twice_the_second_process_reuses_the_first_ones_prefixes(store, request):
     srv = request.getfixturevalue(f"{store}_server")
@@ -92,6 +93,7 @@ async def test_prometheus_exports_remote_hits_bytes_and_latency(redis_server):  
     assert "tiered_kv_remote_available 1.0" in text
 
 
+@pytest.mark.timeout(300)
 def test_readme_many_nodes_example_runs():
     import pathlib
     import re
