@@ -74,7 +74,7 @@ class RemoteLink:
         self.policy = policy
         self.max_pending = max_pending
         self._queue: collections.OrderedDict[ContentKey, Block] = collections.OrderedDict()  # commit policy
-        self._evicted: list[Block] = []  # evict policy: host victims of the decision being made
+        self._evicted: list[tuple[int, bytes]] = []  # evict policy: (host slot, key) of the decision's victims
         self._known: collections.OrderedDict[ContentKey, None] = collections.OrderedDict()  # in the store
         self._putter: asyncio.Task[None] | None = None
         self._fresh: set[int] = set()  # ids of blocks adopted by the prefetch of the batch being admitted
@@ -206,15 +206,15 @@ class RemoteLink:
             # for it (and would read the slot's old bytes), so this block is not put
             self.put_skipped += 1
             return
-        self._evicted.append(block)
+        self._evicted.append((slot, block.key))  # the slot now: by the time the plan is issued the block has moved
 
     def _before_issue(self) -> None:
         """Evict policy: put the host victims of the decision just made, before the plan's copies reuse their slots."""
         if not self._evicted:
             return
         victims, self._evicted = self._evicted, []
-        slots = [b.slot for b in victims]
-        keys: list[bytes] = [b.key for b in victims]  # type: ignore[misc]  # filtered in _on_evict
+        slots = [slot for slot, _ in victims]
+        keys = [key for _, key in victims]
         for k in keys:
             self._remember(k)
         self.tier.put(Tier.HOST, slots, keys)  # fenced now; runs in the background, counted in the tier
