@@ -1,7 +1,8 @@
 """Where the host time of one awaited 1-block ``copy()`` goes: timings, cProfile, torch profiler, pieces.
 
-Run: ``python scripts/percall_probe.py [--device cuda|cpu] [--out DIR]``. Writes ``percall.json``,
-``percall-cprofile.txt`` and (CUDA) ``percall-torchprof.txt`` under ``--out`` and prints a summary.
+Run: ``python scripts/percall_probe.py [--device cuda|cpu] [--out DIR]``. Writes ONE file,
+``percall-<device>.json`` under ``--out`` (timings, pieces, and the cProfile and torch-profiler tables as text:
+a GPU machine that returns few files returns it whole), and prints the timings and pieces.
 Each "piece" is timed alone in a loop of N calls (median of 5 loops, per call), so the pieces add up
 only approximately to the whole.
 """
@@ -49,6 +50,7 @@ def per_call(fn: Callable[[], object], n: int = 2000, loops: int = 5, sync: Call
 
 
 async def awaited_copies(engine: TransferEngine, n: int) -> dict[str, float]:
+    """Medians of ``n`` awaited 1-block GPU->host copies, one at a time (microseconds)."""
     sub, seen, res = [], [], []
     for _ in range(n):
         t0 = time.perf_counter()
@@ -63,6 +65,7 @@ async def awaited_copies(engine: TransferEngine, n: int) -> dict[str, float]:
 
 
 async def probe(device: str, out: str) -> dict[str, Any]:
+    """Time, profile and take apart the per-call path on ``device``."""
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, tokens_per_block=4)
     result: dict[str, Any] = {"device": device}
     cuda = device.startswith("cuda")
@@ -93,8 +96,7 @@ async def probe(device: str, out: str) -> dict[str, Any]:
         s = io.StringIO()
         pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(40)
         pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(40)
-        with open(os.path.join(out, f"percall-cprofile-{device.split(':')[0]}.txt"), "w") as f:  # noqa: ASYNC230
-            f.write(s.getvalue())
+        result["cprofile"] = s.getvalue()
 
         if cuda:
             from torch.profiler import ProfilerActivity, profile
@@ -102,8 +104,7 @@ async def probe(device: str, out: str) -> dict[str, Any]:
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for _ in range(200):
                     await engine.copy(Tier.GPU, [0], Tier.HOST, [1])
-            with open(os.path.join(out, "percall-torchprof.txt"), "w") as f:  # noqa: ASYNC230
-                f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
+            result["torch_profiler"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
 
         # ---- pieces
         pieces: dict[str, float] = {}
@@ -195,6 +196,7 @@ async def probe(device: str, out: str) -> dict[str, Any]:
 
 
 def main() -> None:
+    """Command line (see the module docstring)."""
     p = argparse.ArgumentParser()
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=".")
@@ -207,9 +209,9 @@ def main() -> None:
         res = uvloop.run(probe(a.device, a.out))
     else:
         res = asyncio.run(probe(a.device, a.out))
-    print(json.dumps(res, indent=2))
     with open(os.path.join(a.out, f"percall-{a.device.split(':')[0]}.json"), "w") as f:
         json.dump(res, f, indent=2)
+    print(json.dumps({k: v for k, v in res.items() if k not in ("cprofile", "torch_profiler")}, indent=2))
 
 
 if __name__ == "__main__":

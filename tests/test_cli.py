@@ -98,6 +98,27 @@ def test_doctor_reports_every_check(tmp_path):
     assert "CUDA device" in r.stdout
 
 
+def test_doctor_exits_1_when_a_needed_check_fails_and_advises_for_the_installed_torch(tmp_path):
+    r = tkv("doctor", "--dir", str(tmp_path / "missing"), "--json", str(tmp_path / "d.json"))
+    assert r.returncode == 1 and "failed: directory" in r.stdout
+    checks = {c["check"]: c for c in json.loads((tmp_path / "d.json").read_text())}
+    assert checks["directory"]["required"] and not checks["directory"]["ok"]
+    assert not checks["CUDA device"]["required"]
+    import torch
+
+    if not torch.cuda.is_available():
+        cuda = checks["CUDA device"]
+        if torch.version.cuda:  # a CUDA build is installed: the advice is about the driver, not reinstalling torch
+            assert "nvidia-smi" in cuda["fix"] and "install a CUDA build" not in cuda["fix"]
+        else:
+            assert "install a CUDA build of torch" in cuda["fix"]
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+    small = soft != resource.RLIM_INFINITY and soft < 64 << 20
+    assert checks["pinned memory (ulimit -l)"]["ok"] is (not small)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -106,12 +127,24 @@ def test_doctor_reports_every_check(tmp_path):
         (["bench", "--only", "nope"], "unknown benchmark"),
         (["frobnicate"], "invalid choice"),
         (["demo", "--no-such-flag"], "unrecognized arguments"),
+        (["crash", "--tear", "-1"], "expected a non-negative integer"),
+        (["demo", "--file-blocks", "-1"], "expected a non-negative integer"),
     ],
 )
 def test_bad_flags_are_one_line_errors(args, message):
     r = tkv(*args)
     assert r.returncode == 2
     assert message in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message of a machine without CUDA")
+@pytest.mark.parametrize("command", [["soak", "--ops", "10", "--quiet"], ["bench", "--only", "engine", "--quick"],
+                                     ["demo", "--quiet"]])
+def test_asking_for_cuda_without_it_is_one_line(command):
+    r = tkv(*command, "--device", "cuda", timeout=120)
+    lines = [line for line in r.stderr.splitlines() if line.startswith("error")]
+    assert r.returncode == 2 and len(lines) == 1 and "CUDA" in lines[0], r.stderr
     assert "Traceback" not in r.stderr
 
 

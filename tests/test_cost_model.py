@@ -67,25 +67,26 @@ async def test_the_gpu_part_of_a_prefix_is_kept_and_the_slow_rest_recomputed(tmp
         cache.blocks.check()
 
 
-async def test_bandwidth_is_measured_from_the_caches_own_transfers_and_unknowns_reuse(tmp_path):
-    async with TieredKVCache(LAYOUT, gpu_blocks=64, host_blocks=64, device="cpu") as cache:
+async def test_per_byte_costs_are_fitted_from_admissions_and_unknowns_reuse(tmp_path):
+    async with TieredKVCache(
+        LAYOUT, gpu_blocks=64, host_blocks=64, file_blocks=64, file_dir=tmp_path, device="cpu"
+    ) as cache:
         cost = CostModel(cache).attach()
-        assert cost.bandwidth("host") is None and cost.prefill_seconds_per_token() is None
-        prompt = _tokens(5, 96)
-        await _cached_in(cache, prompt, "host")
-        [adm] = await cache.add_sequences([[*prompt, 1]])  # no prefill rate known: everything is reused
-        assert adm.tokens_reused == 96
+        assert cost.bandwidth("file") is None and cost.prefill_seconds_per_token() is None
+        prompt = _tokens(5, 160)
+        await _cached_in(cache, prompt, "file")
+        [adm] = await cache.add_sequences([[*prompt, 1]])  # nothing known yet: everything matched is reused
+        assert adm.tokens_reused == 160 and cost.statistics().decisions == 0
         cache.free(adm.seq_id)
-        assert cost.statistics().decisions == 0
-        measured = cost.bandwidth("host")
-        stats = cache.engine.statistics()
-        assert measured == stats.bytes_by_direction["host->gpu"] / stats.seconds_by_direction["host->gpu"] > 0
-        for tokens, seconds in ((1, 0.0101), (100, 0.020), (1000, 0.110)):  # 10 ms + 0.1 ms per token
-            cost.observe_prefill(tokens, seconds)
-        assert cost.prefill_seconds_per_token() == pytest.approx(1e-4, rel=1e-6)  # the slope, not 0.14 s / 1101 tokens
-        await _cached_in(cache, prompt, "host")
-        [adm] = await cache.add_sequences([[*prompt, 2]])  # host memcpy is far faster than 0.1 ms per token
-        assert adm.tokens_reused == 96 and cost.statistics().decisions == 1
+        # admissions: 5 ms each (evictions, bookkeeping) + 2 ns per host byte + 100 ns per file byte
+        for host, file in ((0, 0), (4096, 0), (0, 8192), (40960, 4096), (8192, 40960), (0, 4096), (81920, 0), (4096, 4096)):
+            cost.observe_admission({"host": host, "file": file}, 0.005 + 2e-9 * host + 1e-7 * file)
+        assert cost.bandwidth("host") == pytest.approx(5e8, rel=1e-6)
+        assert cost.bandwidth("file") == pytest.approx(1e7, rel=1e-6)  # the 5 ms every admission pays are not the file's
+        cost.observe_prefill(1000, 0.01)  # 10 us per token: 0.16 ms per block, against 0.41 ms to read one
+        await _cached_in(cache, prompt, "file")
+        [adm] = await cache.add_sequences([[*prompt, 2]])
+        assert adm.tokens_reused == 0 and cost.statistics().skipped_blocks == {"file": 10}
         cache.free(adm.seq_id)
 
 

@@ -130,3 +130,18 @@ async def test_readme_layerwise_snippet_runs_in_order(layout) -> None:
         compute_stream.close()
         for i in range(layout.num_layers):
             assert same(seen[i][0], h[2][i]) and same(seen[i][1], h[0][i]), i
+
+
+async def test_layer_slice_runs_count_as_one_piece(layout) -> None:
+    """A run of consecutive blocks of one layer range is one piece (one 2-D DMA call on CUDA); scattered is not."""
+    async with TransferEngine(layout, gpu_blocks=8, host_blocks=8, device="cpu") as engine:
+        copier = engine.copier
+        host, gpu = copier.layer_slice(engine.pool(Tier.HOST), 1, 2), copier.layer_slice(engine.pool(Tier.GPU), 1, 2)
+        assert copier.layer_slice(engine.pool(Tier.HOST), 1, 2) is host  # made once per range
+        layer_bytes = layout.bytes_per_block // layout.num_layers
+        run = copier.plan(host, np.arange(8), gpu, np.arange(8), None)
+        assert (run.runs, run.piece_bytes) == (1, 8 * layer_bytes)
+        scattered = copier.plan(host, np.array([0, 2, 4, 6]), gpu, np.array([1, 3, 5, 7]), None)
+        assert (scattered.runs, scattered.piece_bytes) == (4, layer_bytes)
+        whole = copier.plan(engine.pool(Tier.HOST), np.arange(8), engine.pool(Tier.GPU), np.arange(8), None)
+        assert whole.piece_bytes == 8 * layout.bytes_per_block

@@ -180,6 +180,7 @@ def test_copy_blocks_list_cuda_matches_reference(src_kind, dst_kind, pairs, meth
     n = src[0].shape[-2] if num_tokens is None else num_tokens
     ops.copy_blocks(want, [t.cpu() for t in src], torch.tensor(s), torch.tensor(d), num_tokens=num_tokens)
     stream = torch.cuda.Stream()
+    torch.cuda.synchronize()  # the sides were filled on the default stream
     torch.cuda._sleep(50_000_000)  # the default stream is busy: the op must not run on it
     torch.ops.tiered_kv.copy_blocks_list(dst, src, s, d, n, method, stream.cuda_stream)
     stream.synchronize()
@@ -211,3 +212,25 @@ async def test_engine_small_calls_use_the_list_op_on_their_stream(layout) -> Non
         host = engine.pool(Tier.HOST).tensor.cpu()
         for i in range(big):
             assert same(host[big - 1 - i], g[i]), i
+
+
+async def test_cancelled_transfer_await_forgets_its_waiter(layout) -> None:
+    """Transfer.__await__ waits through Marker.wait_steps: a cancelled await leaves no waiter behind."""
+    from tiered_kv.testing import stall
+
+    async with TransferEngine(layout, gpu_blocks=2, host_blocks=2, device="cpu") as engine:
+        stall(engine.stream("offload"), 0.2)
+        t = engine.copy(Tier.GPU, [0], Tier.HOST, [1])
+
+        async def wait() -> None:
+            await t
+
+        tasks = [asyncio.create_task(wait()) for _ in range(3)]
+        await asyncio.sleep(0.01)
+        assert len(t._marker._waiters) == 3
+        tasks[0].cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await tasks[0]
+        assert len(t._marker._waiters) == 2 and not t.done()
+        await asyncio.gather(*tasks[1:])
+        assert t.done() and t._marker._waiters == [] and (await t).num_blocks == 1

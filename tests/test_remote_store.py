@@ -77,7 +77,7 @@ def test_object_round_trip_and_every_corruption_is_caught():
     assert verify_object(obj, bytes.fromhex(other.fingerprint), 0, name, LAYOUT.bytes_per_block) == "written for another block layout"
     assert verify_object(obj, FP, 1, name, LAYOUT.bytes_per_block) == "header names another block"
     assert verify_object(obj, FP, 0, object_name(0, b"j" * 16), LAYOUT.bytes_per_block) == "header names another block"
-    assert "expected" in verify_object(obj[:-1], FP, 0, name, LAYOUT.bytes_per_block)  # type: ignore[operator]
+    assert "expected" in verify_object(obj[:-1], FP, 0, name, LAYOUT.bytes_per_block)
     assert verify_object(np.zeros_like(obj), FP, 0, name, LAYOUT.bytes_per_block) == "empty header"
 
 

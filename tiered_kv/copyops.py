@@ -24,6 +24,11 @@ blocks for block-major ones, ``num_tokens * head_dim`` elements for partial copi
 ``EngineConfig.dma_min_chunk_bytes`` (2 MiB) goes to DMA, smaller ones to the kernel (measured on an H200 by ``tiered-kv bench``: the kernel
 is up to 36x faster than one DMA call per chunk for small chunks and still ahead at 1 MiB; at 4 MiB DMA
 matches it and leaves the SMs to compute). ``EngineConfig.copy_path`` forces one path.
+
+Layer-by-layer copies (``copy(..., layers=)``, :mod:`tiered_kv.layerwise`) count a run of consecutive blocks
+as one piece too: DMA moves it in one ``cudaMemcpy2DAsync`` (a row per block), and a load that is meant to
+overlap compute must not take the SMs (measured on an H100: with the kernel, per-layer loads of a 32-layer
+prefill did not overlap the compute at all, 1.02-1.05x the serial time; see notes/issue-14.md).
 """
 
 from __future__ import annotations
@@ -88,6 +93,7 @@ class _PairInfo:
     width_bytes: int
     dense: bool
     on_cuda: bool
+    layered: bool  # a side is a LayerSlice (layer-by-layer copy)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -133,7 +139,10 @@ class Copier:
             groups, rows, _row, width = opdefs.block_geometry(dst_t, src_t, n)
             dense = all(t.stride(0) == math.prod(t.shape[1:]) for t in (src_t[0], dst_t[0]))
             on_cuda = src_t[0].is_cuda or dst_t[0].is_cuda
-            info = _PairInfo(src_pool, dst_pool, src_t, dst_t, groups, rows, width * src_pool.layout.itemsize, dense, on_cuda)
+            layered = isinstance(src_pool, LayerSlice) or isinstance(dst_pool, LayerSlice)
+            info = _PairInfo(
+                src_pool, dst_pool, src_t, dst_t, groups, rows, width * src_pool.layout.itemsize, dense, on_cuda, layered
+            )
             self._pairs[key] = info
         return info
 
@@ -165,8 +174,10 @@ class Copier:
         else:
             runs = int(np.count_nonzero((np.diff(s) != 1) | (np.diff(d) != 1))) + 1
         piece = info.width_bytes
-        if info.rows == 1 and info.groups == 1 and info.dense and runs:
-            piece *= max(1, size // runs)  # a run of whole blocks is one contiguous piece
+        if info.rows == 1 and info.groups == 1 and (info.dense or info.layered) and runs:
+            # a run of whole blocks is one contiguous piece; a run of one layer range of consecutive blocks is
+            # one 2-D DMA call (rows = blocks), which leaves the SMs to the compute a layer-by-layer load overlaps
+            piece *= max(1, size // runs)
         path = choose_path(piece, self.config, on_cuda=info.on_cuda, kernels=self.kernels)
         return CopyPlan(path, piece, info.groups, runs)
 

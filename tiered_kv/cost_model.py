@@ -2,9 +2,11 @@
 
 Primitives:
 
-* :class:`CostModel` -- per tier, the bandwidth of bringing blocks to the GPU, measured from the cache's own
-  completed transfers (``engine.statistics()``: bytes and seconds per direction) or given; the model's
-  prefill time per token, fitted from the generator's own prefill timings (``observe_prefill``) or given.
+* :class:`CostModel` -- per tier, the cost per byte of bringing blocks to the GPU, fitted from the cache's own
+  completed admissions (``observe_admission``: how long each took against the bytes it brought from each
+  tier; the fit's intercept takes what every admission pays anyway, such as evictions) or given as a
+  bandwidth; the model's prefill time per token, fitted from the generator's own prefill timings
+  (``observe_prefill``) or given. ``CachedGenerator(..., cost_model=...)`` feeds both.
   :meth:`CostModel.attach` installs it as the block manager's ``reuse_limit``: at every admission, for the
   request's matched blocks (in prefix order, each in its tier) it picks the number ``k`` of leading blocks
   that minimises ``onboard(blocks[:k]) + prefill(tokens not reused)``, counting the tokens left to compute;
@@ -19,7 +21,7 @@ matched is reused (the first transfers measure the tier).
 Example::
 
     cost = CostModel(cache).attach()
-    generator = CachedGenerator(model, cache, on_prefill=cost.observe_prefill)
+    generator = CachedGenerator(model, cache, cost_model=cost)
     ...
     print(cost.statistics().saved_vs_reuse_all_s)
 """
@@ -28,8 +30,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from .pools import Tier
 
@@ -50,7 +54,7 @@ class ReuseStatistics:
         skipped_blocks: matched blocks left unused, per tier.
         saved_vs_reuse_all_s: estimated seconds saved against reusing every matched block.
         saved_vs_recompute_s: estimated seconds saved against recomputing every prompt token.
-        bandwidth: bytes per second bringing blocks to the GPU, per tier (measured or given; absent: unknown).
+        bandwidth: bytes per second bringing blocks to the GPU, per tier (fitted or given; absent: unknown).
         prefill_s_per_token: the model's marginal prefill time per token (0: unknown).
     """
 
@@ -96,6 +100,8 @@ class CostModel:
         self._given_rate = prefill_tokens_per_s
         self._given_bw = given
         self._observations: collections.deque[tuple[int, float]] = collections.deque(maxlen=window)
+        self._admissions: collections.deque[tuple[float, float, float]] = collections.deque(maxlen=4 * window)
+        self._fit: dict[str, float] | None = None  # tier -> seconds per byte (refitted lazily)
         self._decisions = self._skipped_admissions = 0
         self._skipped: dict[str, int] = {}
         self._saved_all = self._saved_none = 0.0
@@ -116,6 +122,29 @@ class CostModel:
         """One prompt forward of ``tokens`` tokens took ``seconds`` (``CachedGenerator(on_prefill=...)``)."""
         if tokens > 0 and seconds > 0:
             self._observations.append((int(tokens), float(seconds)))
+
+    def observe_admission(self, bytes_from: Mapping[str, int], seconds: float) -> None:
+        """An admission brought ``bytes_from[tier]`` bytes from host/file to the GPU and took ``seconds``."""
+        if seconds > 0:
+            self._admissions.append((float(bytes_from.get("host", 0)), float(bytes_from.get("file", 0)), float(seconds)))
+            self._fit = None
+
+    def _per_byte(self) -> dict[str, float]:
+        """Seconds per byte per tier: least squares of ``seconds = a + b_host * host + b_file * file``."""
+        if self._fit is not None:
+            return self._fit
+        fit: dict[str, float] = {}
+        rows = list(self._admissions)
+        if len(rows) >= 8:
+            cols = [i for i in (0, 1) if len({r[i] for r in rows}) > 1]
+            if cols:
+                x = np.array([[1.0, *(r[i] for i in cols)] for r in rows])
+                y = np.array([r[2] for r in rows])
+                coef = np.linalg.lstsq(x, y, rcond=None)[0]
+                for i, b in zip(cols, coef[1:], strict=True):
+                    fit[("host", "file")[i]] = max(0.0, float(b))
+        self._fit = fit
+        return fit
 
     def prefill_seconds_per_token(self) -> float | None:
         """Marginal prefill seconds per token (``None`` while unknown).
@@ -139,15 +168,25 @@ class CostModel:
         return sum(s for _, s in obs) / sum(t for t, _ in obs)  # one size seen: the average rate
 
     def bandwidth(self, tier: Tier | str) -> float | None:
-        """Bytes per second of bringing blocks of ``tier`` to the GPU (given, measured, or ``None``)."""
+        """Bytes per second of bringing blocks of ``tier`` to the GPU (given, or fitted; ``None``: unknown)."""
         name = Tier.coerce(tier).value
         if name in self._given_bw:
             return self._given_bw[name]
-        stats = self.cache.engine.statistics()
-        direction = f"{name}->gpu"
-        nbytes = stats.bytes_by_direction.get(direction, 0)
-        seconds = stats.seconds_by_direction.get(direction, 0.0)
-        return nbytes / seconds if nbytes and seconds > 0 else None
+        slope = self._per_byte().get(name)
+        return 1.0 / slope if slope else None
+
+    def _onboard_cost(self, tier: str) -> Callable[[int], float]:
+        """``nbytes -> seconds`` to bring that many bytes of ``tier`` to the GPU in one admission.
+
+        Given a bandwidth: ``nbytes / bandwidth``. Otherwise the per-byte slope fitted from the admissions seen
+        (a copy's own duration is not used: it includes waiting for the evictions ahead of it, which an
+        admission pays whether it reuses or recomputes). Unknown yet: free (the first admissions measure it).
+        """
+        if tier in self._given_bw:
+            bw = self._given_bw[tier]
+            return lambda nbytes: nbytes / bw
+        slope = self._per_byte().get(tier, 0.0)
+        return lambda nbytes: nbytes * slope
 
     # ------------------------------------------------------------------------------------ the decision
 
@@ -157,37 +196,29 @@ class CostModel:
         per_token = self.prefill_seconds_per_token()
         if not blocks or per_token is None:
             return len(blocks)
+        tiers = [b.tier.value for b in blocks]  # type: ignore[union-attr]
+        slow = {t for t in tiers if t != "gpu"}
+        if not slow:
+            return len(blocks)  # all on the GPU: nothing to decide
         bytes_per_block = self.cache.layout.bytes_per_block
         tpb = self.cache.layout.tokens_per_block
-        rates: dict[str, float | None] = {}
-        costs: list[float] = []
-        for b in blocks:
-            tier = b.tier.value  # type: ignore[union-attr]
-            if tier == "gpu":
-                costs.append(0.0)
-                continue
-            if tier not in rates:
-                rates[tier] = self.bandwidth(tier)
-            bw = rates[tier]
-            costs.append(0.0 if bw is None else bytes_per_block / bw)  # unmeasured: optimistic (measure it)
-        if not rates:
-            return len(blocks)  # all on the GPU: nothing to decide
+        cost = {t: self._onboard_cost(t) for t in slow}
+        moved = dict.fromkeys(slow, 0)
         recompute_all = num_tokens * per_token
-        best_k, best_t = 0, recompute_all
-        onboard = 0.0
-        for i, c in enumerate(costs):
-            onboard += c
-            t = onboard + (num_tokens - (i + 1) * tpb) * per_token
+        best_k, best_t, t = 0, recompute_all, recompute_all
+        for i, tier in enumerate(tiers):
+            if tier != "gpu":
+                moved[tier] += bytes_per_block
+            t = sum(cost[x](moved[x]) for x in slow) + (num_tokens - (i + 1) * tpb) * per_token
             if t <= best_t:  # ties reuse
                 best_k, best_t = i + 1, t
-        reuse_all = onboard + (num_tokens - len(blocks) * tpb) * per_token
+        reuse_all = t
         self._decisions += 1
         self._saved_all += reuse_all - best_t
         self._saved_none += recompute_all - best_t
         if best_k < len(blocks):
             self._skipped_admissions += 1
-            for b in blocks[best_k:]:
-                tier = b.tier.value  # type: ignore[union-attr]
+            for tier in tiers[best_k:]:
                 self._skipped[tier] = self._skipped.get(tier, 0) + 1
         return best_k
 

@@ -52,6 +52,7 @@ from ..pools import BlockPool, Tier
 
 if TYPE_CHECKING:
     from ..cache import TieredKVCache
+    from ..cost_model import CostModel
 
 __all__ = [
     "CachedGenerator",
@@ -311,6 +312,8 @@ class CachedGenerator:
         on_reuse: ``callback(seq_ids, kv)`` on the model thread, before a prompt forward that reuses tokens:
             ``kv`` is, per layer, the ``(keys, values)`` ``[rows, kv_heads, tokens_reused, head_dim]`` the model
             is about to attend to (read it, do not keep or change it; e.g. to verify it against a recompute).
+        cost_model: a :class:`~tiered_kv.cost_model.CostModel` to feed: every admission's time against the bytes
+            it brought per tier, every prefill's time against its tokens (attach it to the cache to use it).
 
     Raises:
         TypeError: not a transformers model, or the cache is not a ``TieredKVCache``.
@@ -333,6 +336,7 @@ class CachedGenerator:
         offload_compute: bool = True,
         on_prefill: Callable[[int, float], None] | None = None,
         on_reuse: Callable[[list[int], list[tuple[torch.Tensor, torch.Tensor]]], None] | None = None,
+        cost_model: CostModel | None = None,
     ) -> None:
         from ..cache import TieredKVCache
 
@@ -364,6 +368,7 @@ class CachedGenerator:
         self.device = device
         self.on_prefill = on_prefill
         self.on_reuse = on_reuse
+        self.cost_model = cost_model
         self._views = _pool_views(pool, layers)
         self._tpb = layout.tokens_per_block
         self._executor = (
@@ -459,7 +464,7 @@ class CachedGenerator:
         arrays = self._check_prompts(prompts, max_new_tokens)
         results: list[Generation | None] = [None] * len(arrays)
         t0 = time.perf_counter()
-        admissions = await self.cache.add_sequences([Request(a, priority=priority) for a in arrays])
+        admissions = await self._admit([Request(a, priority=priority) for a in arrays], t0)
         try:
             groups: dict[tuple[int, int], list[int]] = {}
             for i, (a, adm) in enumerate(zip(arrays, admissions, strict=True)):
@@ -596,7 +601,7 @@ class CachedGenerator:
     async def _stream_one(self, array: np.ndarray, sampling: _Sampling) -> AsyncIterator[int | Generation]:
         results: list[Generation | None] = [None]
         t0 = time.perf_counter()
-        admissions = await self.cache.add_sequences([Request(array, priority=sampling.priority)])
+        admissions = await self._admit([Request(array, priority=sampling.priority)], t0)
         try:
             async for token in self._run_group([0], [array], admissions, sampling, t0, results):
                 yield token
@@ -604,6 +609,14 @@ class CachedGenerator:
             self._free_all(admissions)
         assert results[0] is not None
         yield results[0]
+
+    async def _admit(self, requests: list[Request], t0: float) -> list[Admission]:
+        admissions = await self.cache.add_sequences(requests)
+        if self.cost_model is not None:
+            per_block = self.cache.layout.bytes_per_block
+            moved = {t: sum(a.blocks_from.get(t, 0) for a in admissions) * per_block for t in ("host", "file")}
+            self.cost_model.observe_admission(moved, time.perf_counter() - t0)
+        return admissions
 
     def _free_all(self, admissions: list[Admission]) -> None:
         live = self.cache.blocks.live_sequences
@@ -685,6 +698,8 @@ class CachedGenerator:
         self._requests += len(rows)
         if self.on_prefill is not None:
             self.on_prefill((n - reused) * len(rows), seconds)
+        if self.cost_model is not None:
+            self.cost_model.observe_prefill((n - reused) * len(rows), seconds)
 
         live = list(range(len(rows)))  # positions (in this group) still generating
         stored = [n] * len(rows)  # tokens whose KV is in each sequence's blocks

@@ -241,6 +241,7 @@ class RemoteLink:
     # ------------------------------------------------------------------------------------ inspection
 
     def statistics(self) -> RemoteStatistics:
+        """The remote tier's snapshot."""
         return self.tier.statistics()
 
     def __repr__(self) -> str:

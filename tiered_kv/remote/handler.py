@@ -46,6 +46,7 @@ class RemoteMedium:
     num_blocks = REMOTE_INDICES
 
     def check(self, indices: np.ndarray, what: str) -> None:
+        """Raise ``ValueError`` unless every index is in ``[0, 2**40)``."""
         check_indices(indices, REMOTE_INDICES, what, "the remote tier")
 
 
@@ -99,10 +100,12 @@ class RemoteHandler:
 
     @property
     def routes(self) -> Sequence[tuple[Tier, Tier]]:
+        """``gpu/host -> remote`` and back, for the pools the engine has."""
         return self._routes
 
     @property
     def media(self) -> Mapping[Tier, Medium]:
+        """The remote medium (this handler owns it)."""
         return {Tier.REMOTE: self._medium}
 
     def validate(self, batch: Batch) -> Batch:
@@ -124,6 +127,7 @@ class RemoteHandler:
         return dataclasses.replace(batch, keys=tuple(bytes(k) for k in keys if isinstance(k, (bytes, bytearray))), num_tokens=None)
 
     def prepare(self, batch: Batch) -> _RemoteJob:
+        """A job that puts or gets the batch on the event loop when the engine starts it."""
         return _RemoteJob(self, batch)
 
     def close(self) -> None:

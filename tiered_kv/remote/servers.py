@@ -82,6 +82,7 @@ class LocalServer:
 
     @property
     def pid(self) -> int | None:
+        """The process id, ``None`` once stopped."""
         return self._proc.pid if self._proc is not None else None
 
     def start(self, timeout: float = 30.0) -> None:
@@ -197,6 +198,7 @@ def start_redis(port: int | None = None, *, password: str | None = None, workdir
     """A ``redis-server`` on 127.0.0.1 (no persistence) on ``port`` (a free one by default).
 
     Args:
+        port: its port (a free one by default).
         password: ``requirepass``; clients then need ``TIERED_KV_REMOTE_PASSWORD``.
         workdir: its directory (a new temporary one by default).
         extra: more ``redis-server`` arguments.
@@ -215,7 +217,10 @@ def start_mooncake_master(port: int | None = None, *, lease_ms: int = 5000, work
     """A ``mooncake_master`` with RPC and metrics on 127.0.0.1 (no etcd, no HA) on ``port`` (a free one by default).
 
     Args:
+        port: its RPC port (a free one by default).
         lease_ms: ``default_kv_lease_ttl``: how long a read lease protects an object from removal.
+        workdir: its directory (a new temporary one by default).
+        extra: more ``mooncake_master`` arguments.
     """
     port = port or free_port()
     wd = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="tiered_kv-mooncake-"))
@@ -233,6 +238,7 @@ def start_mooncake_client(master: LocalServer | str, segment: str = "256MB", por
         master: the master (a :class:`LocalServer` or ``"host:port"``).
         segment: memory it mounts, e.g. ``"256MB"``, ``"4GB"``.
         port: its service port (a free one by default).
+        workdir: its directory (a new temporary one by default).
     """
     address = f"127.0.0.1:{master.port}" if isinstance(master, LocalServer) else master
     port = port or free_port()

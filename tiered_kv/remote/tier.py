@@ -590,6 +590,7 @@ class RemoteTier:
     # ------------------------------------------------------------------------------------ inspection
 
     def statistics(self) -> RemoteStatistics:
+        """A snapshot of the counters (see :class:`RemoteStatistics`)."""
         url = self.store.url
         return RemoteStatistics(
             url=str(url), kind=self.store.kind, available=self.available, batches=dict(self._batches),

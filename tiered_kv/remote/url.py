@@ -76,10 +76,12 @@ class StoreURL:
 
     @property
     def tls(self) -> bool:
+        """``rediss://``: TLS."""
         return self.scheme == "rediss"
 
     @property
     def address(self) -> str:
+        """``host:port``."""
         return f"{self.host}:{self.port}"
 
     def __str__(self) -> str:

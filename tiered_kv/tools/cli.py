@@ -133,6 +133,12 @@ def _print_verdicts(payload: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------------------------ doctor
 
 
+#: doctor checks without which tiered_kv cannot run here (the others are optional features).
+REQUIRED_CHECKS = frozenset({"python", "torch", "directory", "file tier I/O (TIERED_KV_GDS)"})
+#: a locked-memory limit below this is flagged.
+MEMLOCK_WARN_BYTES = 64 << 20
+
+
 def _doctor_checks(directory: str) -> list[tuple[str, bool, str, str]]:
     """(check, ok, what was found, what to do if not ok)."""
     import torch
@@ -148,9 +154,12 @@ def _doctor_checks(directory: str) -> list[tuple[str, bool, str, str]]:
         except Exception:
             pass
         checks.append(("CUDA device", True, f"{props.name}, {props.total_memory / 2**30:.0f} GiB{driver}", ""))
+    elif torch.version.cuda:  # a CUDA build is installed: the driver or the device is what is missing
+        checks.append(("CUDA device", False, f"none visible to this CUDA {torch.version.cuda} build of torch (the emulated device is used)",
+                       "check the NVIDIA driver (`nvidia-smi`) and CUDA_VISIBLE_DEVICES; torch itself is fine"))
     else:
-        checks.append(("CUDA device", False, "none (the emulated device is used)",
-                       "install a CUDA build of torch and an NVIDIA driver to use a GPU"))
+        checks.append(("CUDA device", False, "none: torch is a CPU-only build (the emulated device is used)",
+                       "install a CUDA build of torch (pip install torch --index-url https://download.pytorch.org/whl/cu130) and an NVIDIA driver"))
     try:
         import uvloop
 
@@ -179,8 +188,11 @@ def _doctor_checks(directory: str) -> list[tuple[str, bool, str, str]]:
     def fmt(v: int) -> str:
         return "unlimited" if v == resource.RLIM_INFINITY else f"{v / 2**20:.0f} MiB"
 
-    checks.append(("pinned memory (ulimit -l)", True, f"soft {fmt(soft)}, hard {fmt(hard)}",
-                   "raise `ulimit -l` if pinning the host pool fails"))
+    small = soft != resource.RLIM_INFINITY and soft < MEMLOCK_WARN_BYTES
+    checks.append(("pinned memory (ulimit -l)", not small, f"soft {fmt(soft)}, hard {fmt(hard)}"
+                   + (f" (below {MEMLOCK_WARN_BYTES >> 20} MiB)" if small else ""),
+                   "raise the locked-memory limit (`ulimit -l unlimited`, or memlock in /etc/security/limits.conf / "
+                   "--ulimit memlock=-1 for containers): GDS buffer registration and large pinned host pools need it"))
     writable = os.path.isdir(directory) and os.access(directory, os.W_OK)
     checks.append(("directory", writable, directory, "pass --dir with a writable directory"))
     from ..file.place import directory_problem
@@ -204,6 +216,7 @@ def _doctor_checks(directory: str) -> list[tuple[str, bool, str, str]]:
 
 
 def _doctor(args: argparse.Namespace) -> int:
+    """Exit 1 when a check that running needs fails (REQUIRED_CHECKS); missing optional features only advise."""
     checks = _doctor_checks(args.dir)
     if args.remote:
         from ..remote.doctor import remote_checks
@@ -211,11 +224,17 @@ def _doctor(args: argparse.Namespace) -> int:
         checks += _run_loop(remote_checks(args.remote))
     width = max(len(c[0]) for c in checks)
     for name, ok, found, fix in checks:
-        mark = "ok " if ok else "-- "
+        mark = "ok " if ok else ("XX " if name in REQUIRED_CHECKS else "-- ")
         print(f"{mark} {name.ljust(width)}  {found}" + (f"\n    {' ' * width}  -> {fix}" if not ok and fix else ""))
+    failed = [c[0] for c in checks if not c[1] and c[0] in REQUIRED_CHECKS]
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([{"check": c[0], "ok": c[1], "found": c[2], "fix": c[3]} for c in checks], f, indent=2)
+            json.dump([{"check": c[0], "ok": c[1], "required": c[0] in REQUIRED_CHECKS, "found": c[2], "fix": c[3]}
+                       for c in checks], f, indent=2)
+    if failed:
+        print(f"\nfailed: {', '.join(failed)} (XX: needed to run; --: optional, with what to do)")
+        return 1
+    print("\nready (--: optional features missing, with what to do)" if any(not c[1] for c in checks) else "\nready")
     return 0
 
 
@@ -376,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     crash = sub.add_parser("crash", help="SIGKILL a process spilling to the file tier at random points; reopen and verify every block")
     crash.add_argument("--seeds", type=_positive, default=6, help="kills (one child process each; default: %(default)s)")
-    crash.add_argument("--tear", type=int, default=2, help="slots damaged after each kill, as a power cut might (default: %(default)s)")
+    crash.add_argument("--tear", type=_non_negative, default=2, help="slots damaged after each kill, as a power cut might (default: %(default)s)")
     crash.add_argument("--dir", type=_writable_dir, help="where the slabs go (default: a temporary directory)")
     crash.set_defaults(func=_crash)
 
@@ -395,10 +414,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``tiered-kv`` with ``argv``; the exit status (2 for bad input, one line on stderr)."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from ..errors import BackendUnavailable, SlabInUseError, TieredKVError
+
     try:
         return int(args.func(args))
-    except (ValueError, TypeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except (ValueError, TypeError, BackendUnavailable, SlabInUseError) as exc:  # the user can fix these: one line
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
+    except (OSError, TieredKVError) as exc:  # the machine: a full disk, a failed device -- one line, no traceback
+        what = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        where = f": {exc.filename}" if isinstance(exc, OSError) and exc.filename else ""
+        print(f"error: {type(exc).__name__}: {' '.join(what.split())}{where}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130

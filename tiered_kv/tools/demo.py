@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from ..cache import TieredKVCache
+from ..cost_model import CostModel
 from .bench.common import percentile, print_table
 from .workload import ChatWorkload
 
@@ -83,6 +84,8 @@ class DemoReport:
         first_token_agree: turns whose first generated token equals the recompute's greedy token.
         ttft_with, ttft_without: seconds to the first token per turn, through the cache / recomputing it all.
         wall_s: seconds of the replay.
+        reuse: the cost model's decisions (:class:`~tiered_kv.cost_model.ReuseStatistics` as a dict): blocks
+            skipped per tier, estimated seconds saved, measured bandwidth per tier, prefill time per token.
         samples: one dict per turn (time, hits, occupancy per tier, TTFTs) for plots.
         remote: the remote tier's statistics (a dict), if the run had one.
     """
@@ -105,6 +108,7 @@ class DemoReport:
     ttft_with: list[float]
     ttft_without: list[float]
     wall_s: float
+    reuse: dict[str, Any]
     samples: list[dict[str, Any]]
     remote: dict[str, Any] | None = None
 
@@ -200,7 +204,8 @@ async def run_demo(cfg: DemoConfig, progress: Callable[[int, int], None] | None 
             model_id=f"tiered-kv-demo/{description}/seed={cfg.seed}",
             remote=cfg.remote,
         ) as cache:
-            generator = CachedGenerator(model, cache, on_reuse=on_reuse)
+            cost = CostModel(cache).attach()  # reuse a tier's blocks only where that beats recomputing them
+            generator = CachedGenerator(model, cache, on_reuse=on_reuse, cost_model=cost)
             history: dict[int, np.ndarray] = {}  # conversation -> what the model has seen and said so far
             scripted: dict[int, int] = {}  # conversation -> length of the workload's own history
             t_start = time.perf_counter()
@@ -245,6 +250,7 @@ async def run_demo(cfg: DemoConfig, progress: Callable[[int, int], None] | None 
                 generator.close()
             wall = time.perf_counter() - t_start
             stats = cache.statistics()
+            reuse = dataclasses.asdict(cost.statistics())
     capacity = {t: n for t, n in stats.blocks.capacity.items() if n}
     return DemoReport(
         device=device_name, emulated=emulated, model=description, turns=len(turns),
@@ -252,7 +258,8 @@ async def run_demo(cfg: DemoConfig, progress: Callable[[int, int], None] | None 
         hits={t: stats.hits.get(t, 0) for t in (*capacity, *(("remote",) if stats.remote else ()))}, capacity=capacity, evictions=dict(stats.evictions),
         bytes_moved=dict(stats.bytes_moved), verified_tokens=verified, mismatched_tokens=mismatched,
         max_kv_diff=max_diff, first_token_agree=agree, ttft_with=ttft_with, ttft_without=ttft_without, wall_s=wall,
-        samples=samples, remote=dataclasses.asdict(stats.remote) if stats.remote is not None else None,
+        reuse=reuse, samples=samples,
+        remote=dataclasses.asdict(stats.remote) if stats.remote is not None else None,
     )
 
 
@@ -279,6 +286,13 @@ def print_report(report: DemoReport) -> None:
     print_table(rows, "\ntime to first token")
     print_table([{"direction": d, "MiB": b / 2**20} for d, b in sorted(report.bytes_moved.items())],
                 "\nbytes moved per direction")
+    r = report.reuse
+    measured = ", ".join(f"{t}->gpu {bw / 1e9:.2f} GB/s" for t, bw in r["bandwidth"].items()) or "none yet"
+    skipped = ", ".join(f"{t} {n}" for t, n in r["skipped_blocks"].items()) or "none"
+    print(f"\ncost-aware reuse: {r['decisions']} admissions priced (measured {measured}; prefill "
+          f"{r['prefill_s_per_token'] * 1e6:.1f} us/token); blocks left to recompute: {skipped}; estimated time saved "
+          f"{r['saved_vs_reuse_all_s'] * 1e3:.1f} ms against reusing everything, {r['saved_vs_recompute_s']:.2f} s "
+          "against recomputing everything")
     if report.remote is not None:
         r = report.remote
         rows = [{"op": op, "round trips": r["batches"][op], "objects": r["blocks"][op], "MiB": r["bytes"][op] / 2**20,

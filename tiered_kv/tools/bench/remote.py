@@ -84,7 +84,7 @@ async def _one_store(kind: str, url: str, layout: KVLayout, n: int, repeat: int,
                     get_base.append(time.perf_counter() - t0)
                     assert sizes == [size] * n and (out == objs).all(), "baseline: objects did not come back intact"
                     if kind == "redis":  # (Mooncake objects stay: removal waits out read leases; the segment holds them all)
-                        await raw.delete([*base_names, *(object_name(0, k) for k in keys)])  # type: ignore[attr-defined]
+                        await raw.delete([*base_names, *(object_name(0, k) for k in keys)])
                 for direction, ours, base in ((f"{src.value}->{kind}", put_ours, put_base), (f"{kind}->{src.value}", get_ours, get_base)):
                     ours_gbps = n * size / statistics.median(ours[1:]) / 1e9
                     base_gbps = n * size / statistics.median(base[1:]) / 1e9
