@@ -329,3 +329,23 @@ async def test_the_equality_checks_catch_one_wrong_block(model32, tmp_path):
     )
     assert logits is not None and out.logits is not None
     assert (out.logits - logits).abs().max().item() > 100 * FP32_TOL
+
+
+async def test_the_cost_model_is_fed_by_the_generator_and_its_choice_keeps_the_output(model32, tmp_path):
+    from tiered_kv.cost_model import CostModel
+
+    prompt = _tokens(23, 96)
+    async with _cache(model32, tmp_path) as cache:
+        cost = CostModel(cache, bandwidth={"host": 1e3}).attach()  # an absurdly slow host tier: recompute wins
+        gen = CachedGenerator(model32, cache, cost_model=cost)
+        try:
+            await gen.generate(prompt, max_new_tokens=2)
+            assert cost.prefill_seconds_per_token() is not None  # fed by the generator's prefill
+            await _move_all(cache, "host")
+            out = await gen.generate(prompt, max_new_tokens=4)
+        finally:
+            gen.close()
+    assert out.tokens_reused == 0 and cost.statistics().skipped_blocks == {"host": 5}
+    assert cost.statistics().saved_vs_reuse_all_s > 0
+    tokens, _, _ = reference_generate(model32, prompt, max_new_tokens=4)
+    assert list(out.tokens) == tokens
