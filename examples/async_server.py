@@ -32,6 +32,7 @@ import torch
 from aiohttp import web
 
 from tiered_kv import CacheFullError, KVLayout, Request, TieredKVCache
+from tiered_kv.keys import MAX_TOKEN_ID
 from tiered_kv.tools.workload import verify_expected, write_expected
 
 log = logging.getLogger("tiered_kv.examples.server")
@@ -102,16 +103,25 @@ async def generate(request: web.Request) -> web.Response:
         body: Any = await request.json()
     except ValueError:
         raise _bad_request("body must be JSON") from None
+    except RecursionError:  # hostile input: [[[[...]]]] deeper than the parser's stack
+        raise _bad_request("body is nested too deeply") from None
     if not isinstance(body, dict):
         raise _bad_request("body must be a JSON object")
     prompt = body.get("prompt")
-    if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
-        raise _bad_request("prompt must be a non-empty list of non-negative token ids")
+    if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        raise _bad_request("prompt must be a non-empty list of token ids (integers)")
+    if not all(0 <= t <= MAX_TOKEN_ID for t in prompt):
+        raise _bad_request("prompt token ids must be in 0..2**63-1")
     if len(prompt) > config.max_prompt_tokens:
         raise _bad_request(f"prompt has {len(prompt)} tokens; at most {config.max_prompt_tokens}")
     max_new = body.get("max_new_tokens", 16)
     if not isinstance(max_new, int) or isinstance(max_new, bool) or not 0 <= max_new <= config.max_new_tokens:
         raise _bad_request(f"max_new_tokens must be an int in 0..{config.max_new_tokens}")
+    tpb = cache.layout.tokens_per_block
+    need = -(-(len(prompt) + max_new) // tpb)
+    if need > cache.blocks.max_blocks_per_seq:
+        raise _bad_request(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new}) needs {need} blocks of {tpb} "
+                           f"tokens; a sequence may hold {cache.blocks.max_blocks_per_seq}")
     priority = body.get("priority", 50)
     if not isinstance(priority, int) or isinstance(priority, bool) or not 0 <= priority <= 100:
         raise _bad_request("priority must be an int in 0..100")

@@ -2,7 +2,9 @@
 //
 // Both sides are reduced to one geometry (groups x rows x width, see tkv_kernels.cuh); the kernel path is
 // one launch, the DMA path is one cudaMemcpy(2D)Async per run of blocks contiguous on both sides and per
-// group, issued here in C++ (never a Python loop).
+// group, issued here in C++ (never a Python loop). copy_blocks_list is the engine's per-call path: int-list
+// indices, an explicit stream, and (when they fit) bases and indices passed by value in the kernel's
+// parameters, so a small copy is one launch with no allocation and no H2D copy of its metadata.
 #include <torch/library.h>
 
 #include <algorithm>
@@ -36,14 +38,12 @@ void check_side(at::TensorList side, const char* what) {
   if (f.size(0) > 0) TORCH_CHECK(f[0].is_contiguous(), "copy_blocks: the blocks of ", what, " must be dense");
 }
 
-void copy_blocks_cuda(at::TensorList dst, at::TensorList src, const at::Tensor& src_blocks, const at::Tensor& dst_blocks,
-                      int64_t num_tokens, int64_t method) {
+BlockCopyGeometry geometry_of(at::TensorList dst, at::TensorList src, int64_t num_pairs, int64_t num_tokens) {
   check_side(src, "src");
   check_side(dst, "dst");
   const at::Tensor& s0 = src[0];
   const at::Tensor& d0 = dst[0];
   TORCH_CHECK(s0.scalar_type() == d0.scalar_type(), "copy_blocks: src and dst dtypes differ");
-  TORCH_CHECK(src_blocks.dim() == 1 && src_blocks.sizes() == dst_blocks.sizes(), "copy_blocks: block index shapes differ");
   const int64_t isz = static_cast<int64_t>(s0.element_size());
   const int64_t tokens = s0.size(-2), head_dim = s0.size(-1);
   TORCH_CHECK(d0.size(-2) == tokens && d0.size(-1) == head_dim, "copy_blocks: token / head_dim geometry differs");
@@ -58,7 +58,7 @@ void copy_blocks_cuda(at::TensorList dst, at::TensorList src, const at::Tensor& 
   TORCH_CHECK(groups % ks == 0 && groups % kd == 0, "copy_blocks: tensor counts do not split a block evenly");
 
   BlockCopyGeometry g{};
-  g.num_pairs = src_blocks.numel();
+  g.num_pairs = num_pairs;
   g.groups = groups;
   g.group_bytes = total / groups;
   if (num_tokens == tokens) {
@@ -74,79 +74,155 @@ void copy_blocks_cuda(at::TensorList dst, at::TensorList src, const at::Tensor& 
   g.dst_tensors = kd;
   g.src_block_stride = s0.stride(0) * isz;
   g.dst_block_stride = d0.stride(0) * isz;
-  if (g.num_pairs == 0) return;
+  return g;
+}
 
-  const at::Device device = s0.is_cuda() ? s0.device() : d0.device();
+at::Device run_device(at::TensorList dst, at::TensorList src) {
+  const at::Device device = src[0].is_cuda() ? src[0].device() : dst[0].device();
   TORCH_CHECK(device.is_cuda(), "copy_blocks: one side must be on a CUDA device");
+  return device;
+}
+
+// One cudaMemcpy(2D)Async per run of blocks contiguous on both sides and per group.
+void issue_dma(const BlockCopyGeometry& g, at::TensorList dst, at::TensorList src, const int64_t* sb, const int64_t* db,
+               cudaStream_t stream) {
+  const int64_t ks = g.src_tensors, kd = g.dst_tensors, groups = g.groups;
+  const int64_t sper = groups / ks, dper = groups / kd;
+  std::vector<char*> sbase, dbase;
+  for (const at::Tensor& t : src) sbase.push_back(static_cast<char*>(t.data_ptr()));
+  for (const at::Tensor& t : dst) dbase.push_back(static_cast<char*>(t.data_ptr()));
+  auto addr = [&](bool is_src, int64_t block, int64_t group) {
+    const int64_t per = is_src ? sper : dper;
+    char* base = is_src ? sbase[group / per] : dbase[group / per];
+    return base + block * (is_src ? g.src_block_stride : g.dst_block_stride) + (group % per) * g.group_bytes;
+  };
+  const size_t n = static_cast<size_t>(g.num_pairs);
+  size_t i = 0;
+  while (i < n) {
+    size_t j = i + 1;  // a run: consecutive blocks on both sides
+    if (g.rows == 1) {
+      while (j < n && sb[j] == sb[j - 1] + 1 && db[j] == db[j - 1] + 1) ++j;
+    }
+    const int64_t run = static_cast<int64_t>(j - i);
+    for (int64_t grp = 0; grp < groups; ++grp) {
+      char* d = addr(false, db[i], grp);
+      const char* s = addr(true, sb[i], grp);
+      cudaError_t err;
+      if (g.rows == 1 && g.width == g.src_block_stride && g.width == g.dst_block_stride) {
+        err = cudaMemcpyAsync(d, s, run * g.width, cudaMemcpyDefault, stream);  // dense run: one 1-D copy
+      } else if (g.rows == 1) {
+        err = cudaMemcpy2DAsync(d, g.dst_block_stride, s, g.src_block_stride, g.width, run, cudaMemcpyDefault, stream);
+      } else {
+        err = cudaMemcpy2DAsync(d, g.row_pitch, s, g.row_pitch, g.width, g.rows, cudaMemcpyDefault, stream);
+      }
+      check_launch(err, "copy_blocks DMA");
+    }
+    i = j;
+  }
+}
+
+// Kernel bases: source tensors then destination tensors, as the kernel addresses them.
+std::vector<int64_t> kernel_bases(at::TensorList dst, at::TensorList src, size_t extra) {
+  std::vector<int64_t> bases;
+  bases.reserve(src.size() + dst.size() + extra);
+  for (const at::Tensor& t : src) bases.push_back(reinterpret_cast<int64_t>(device_view(t, "a src tensor")));
+  for (const at::Tensor& t : dst) bases.push_back(reinterpret_cast<int64_t>(device_view(t, "a dst tensor")));
+  return bases;
+}
+
+bool all_aligned16(const std::vector<int64_t>& bases, size_t count) {
+  bool aligned16 = true;
+  for (size_t i = 0; i < count; ++i) aligned16 = aligned16 && (bases[i] & 15) == 0;
+  return aligned16;
+}
+
+// Kernel launch with host-side indices: by value in the kernel's parameters when bases and indices fit
+// (no allocation, no H2D copy: the small-call path), else one pinned H2D of bases + indices on `stream`.
+void issue_kernel_host_indices(const BlockCopyGeometry& g, at::TensorList dst, at::TensorList src, const int64_t* sb,
+                               const int64_t* db, const at::Device& device, cudaStream_t stream) {
+  const size_t nb = src.size() + dst.size(), pairs = static_cast<size_t>(g.num_pairs);
+  std::vector<int64_t> bases = kernel_bases(dst, src, 2 * pairs);
+  const bool aligned16 = all_aligned16(bases, nb);
+  if (nb + 2 * pairs <= static_cast<size_t>(kInlineSlots)) {
+    InlineMeta meta{};
+    std::copy(bases.begin(), bases.end(), meta.v);
+    std::copy_n(sb, pairs, meta.v + nb);
+    std::copy_n(db, pairs, meta.v + nb + pairs);
+    meta.src_index = static_cast<int64_t>(nb);
+    meta.dst_index = static_cast<int64_t>(nb + pairs);
+    check_launch(launch_copy_blocks_inline(g, meta, aligned16, stream), "copy_blocks kernel launch");
+    return;
+  }
+  bases.insert(bases.end(), sb, sb + pairs);
+  bases.insert(bases.end(), db, db + pairs);
+  // the caching allocators tie the pinned staging buffer and the device copy to the current stream: make it ours
+  const c10::cuda::CUDAStreamGuard stream_guard(c10::cuda::getStreamFromExternal(stream, device.index()));
+  const at::Tensor meta = to_device_pinned(bases, device);
+  const int64_t* base_ptr = meta.data_ptr<int64_t>();
+  check_launch(launch_copy_blocks(g, base_ptr, base_ptr + nb, base_ptr + nb + pairs, aligned16, stream),
+               "copy_blocks kernel launch");
+}
+
+void copy_blocks_cuda(at::TensorList dst, at::TensorList src, const at::Tensor& src_blocks, const at::Tensor& dst_blocks,
+                      int64_t num_tokens, int64_t method) {
+  TORCH_CHECK(src_blocks.dim() == 1 && src_blocks.sizes() == dst_blocks.sizes(), "copy_blocks: block index shapes differ");
+  const BlockCopyGeometry g = geometry_of(dst, src, src_blocks.numel(), num_tokens);
+  if (g.num_pairs == 0) return;
+  const at::Device device = run_device(dst, src);
   const c10::cuda::CUDAGuard guard(device);
-  auto stream = c10::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
 
   if (method == 1) {  // DMA
     TORCH_CHECK(src_blocks.device().is_cpu() && dst_blocks.device().is_cpu(), "copy_blocks: DMA needs host indices");
     const std::vector<int64_t> sb = indices_on_host(src_blocks), db = indices_on_host(dst_blocks);
-    std::vector<char*> sbase, dbase;
-    for (const at::Tensor& t : src) sbase.push_back(static_cast<char*>(t.data_ptr()));
-    for (const at::Tensor& t : dst) dbase.push_back(static_cast<char*>(t.data_ptr()));
-    const int64_t sper = groups / ks, dper = groups / kd;
-    auto addr = [&](bool is_src, int64_t block, int64_t group) {
-      const int64_t per = is_src ? sper : dper;
-      char* base = is_src ? sbase[group / per] : dbase[group / per];
-      return base + block * (is_src ? g.src_block_stride : g.dst_block_stride) + (group % per) * g.group_bytes;
-    };
-    size_t i = 0;
-    while (i < sb.size()) {
-      size_t j = i + 1;  // a run: consecutive blocks on both sides
-      if (g.rows == 1) {
-        while (j < sb.size() && sb[j] == sb[j - 1] + 1 && db[j] == db[j - 1] + 1) ++j;
-      }
-      const int64_t run = static_cast<int64_t>(j - i);
-      for (int64_t grp = 0; grp < groups; ++grp) {
-        char* d = addr(false, db[i], grp);
-        const char* s = addr(true, sb[i], grp);
-        cudaError_t err;
-        if (g.rows == 1 && g.width == g.src_block_stride && g.width == g.dst_block_stride) {
-          err = cudaMemcpyAsync(d, s, run * g.width, cudaMemcpyDefault, stream);  // dense run: one 1-D copy
-        } else if (g.rows == 1) {
-          err = cudaMemcpy2DAsync(d, g.dst_block_stride, s, g.src_block_stride, g.width, run, cudaMemcpyDefault, stream);
-        } else {
-          err = cudaMemcpy2DAsync(d, g.row_pitch, s, g.row_pitch, g.width, g.rows, cudaMemcpyDefault, stream);
-        }
-        check_launch(err, "copy_blocks DMA");
-      }
-      i = j;
-    }
+    issue_dma(g, dst, src, sb.data(), db.data(), stream);
     return;
   }
-
-  std::vector<int64_t> bases;
-  bases.reserve(static_cast<size_t>(ks + kd + 2 * g.num_pairs));
-  for (const at::Tensor& t : src) bases.push_back(reinterpret_cast<int64_t>(device_view(t, "a src tensor")));
-  for (const at::Tensor& t : dst) bases.push_back(reinterpret_cast<int64_t>(device_view(t, "a dst tensor")));
-  at::Tensor meta, sb_dev, db_dev;
-  const int64_t *sb_ptr, *db_ptr;
   if (src_blocks.device().is_cpu() && dst_blocks.device().is_cpu()) {
-    // One H2D for bases and both index lists.
     const std::vector<int64_t> sb = indices_on_host(src_blocks), db = indices_on_host(dst_blocks);
-    bases.insert(bases.end(), sb.begin(), sb.end());
-    bases.insert(bases.end(), db.begin(), db.end());
-    meta = to_device_pinned(bases, device);
-    sb_ptr = meta.data_ptr<int64_t>() + ks + kd;
-    db_ptr = sb_ptr + g.num_pairs;
-  } else {
-    meta = to_device_pinned(bases, device);
-    sb_dev = src_blocks.to(device, at::kLong).contiguous();
-    db_dev = dst_blocks.to(device, at::kLong).contiguous();
-    sb_ptr = sb_dev.data_ptr<int64_t>();
-    db_ptr = db_dev.data_ptr<int64_t>();
+    issue_kernel_host_indices(g, dst, src, sb.data(), db.data(), device, stream);
+    return;
   }
-  bool aligned16 = true;
-  for (int64_t i = 0; i < ks + kd; ++i) aligned16 = aligned16 && (bases[static_cast<size_t>(i)] & 15) == 0;
-  check_launch(launch_copy_blocks(g, meta.data_ptr<int64_t>(), sb_ptr, db_ptr, aligned16, stream),
+  const std::vector<int64_t> bases = kernel_bases(dst, src, 0);
+  const at::Tensor meta = to_device_pinned(bases, device);
+  const at::Tensor sb_dev = src_blocks.to(device, at::kLong).contiguous();
+  const at::Tensor db_dev = dst_blocks.to(device, at::kLong).contiguous();
+  check_launch(launch_copy_blocks(g, meta.data_ptr<int64_t>(), sb_dev.data_ptr<int64_t>(), db_dev.data_ptr<int64_t>(),
+                                  all_aligned16(bases, bases.size()), stream),
                "copy_blocks kernel launch");
+}
+
+// The engine's per-call path: block indices as int lists (no index tensors), the stream as its raw handle
+// (0: the current stream), indices checked against both pools here. One C++ call validates and launches.
+void copy_blocks_list_cuda(at::TensorList dst, at::TensorList src, at::IntArrayRef src_blocks,
+                           at::IntArrayRef dst_blocks, int64_t num_tokens, int64_t method, int64_t stream_handle) {
+  TORCH_CHECK(src_blocks.size() == dst_blocks.size(), "copy_blocks_list: ", src_blocks.size(), " source and ",
+              dst_blocks.size(), " destination blocks");
+  const BlockCopyGeometry g = geometry_of(dst, src, static_cast<int64_t>(src_blocks.size()), num_tokens);
+  const int64_t ns = src[0].size(0), nd = dst[0].size(0);
+  for (size_t i = 0; i < src_blocks.size(); ++i) {
+    TORCH_CHECK(src_blocks[i] >= 0 && src_blocks[i] < ns, "copy_blocks_list: src_blocks holds ", src_blocks[i],
+                ", out of range for a pool of ", ns, " blocks");
+    TORCH_CHECK(dst_blocks[i] >= 0 && dst_blocks[i] < nd, "copy_blocks_list: dst_blocks holds ", dst_blocks[i],
+                ", out of range for a pool of ", nd, " blocks");
+  }
+  if (g.num_pairs == 0) return;
+  const at::Device device = run_device(dst, src);
+  const c10::cuda::CUDAGuard guard(device);
+  const cudaStream_t stream = stream_handle != 0 ? reinterpret_cast<cudaStream_t>(stream_handle)
+                                                 : static_cast<cudaStream_t>(c10::cuda::getCurrentCUDAStream());
+  if (method == 1) {
+    issue_dma(g, dst, src, src_blocks.data(), dst_blocks.data(), stream);
+  } else {
+    issue_kernel_host_indices(g, dst, src, src_blocks.data(), dst_blocks.data(), device, stream);
+  }
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(tiered_kv, CUDA, m) { m.impl("copy_blocks", &copy_blocks_cuda); }
+TORCH_LIBRARY_IMPL(tiered_kv, CUDA, m) {
+  m.impl("copy_blocks", &copy_blocks_cuda);
+  m.impl("copy_blocks_list", &copy_blocks_list_cuda);
+}
 
 }  // namespace tiered_kv

@@ -78,10 +78,27 @@ CopyWork plan_copy_work(const BlockCopyGeometry& g, bool bases_aligned16, int64_
 // loads per KiB) or one piece of at most kSegmentBytes of one row (full copies). When every row start and
 // the width are 16-byte aligned on both sides (w.vec16, checked by the launcher) a lane issues kUnroll
 // independent 16-byte loads across the batch's rows before its stores: up to 4 KiB in flight per warp.
-template <typename Index, int kUnroll = 8>
-__global__ void copy_blocks_kernel(BlockCopyGeometry g, const int64_t* __restrict__ bases,
-                                   const int64_t* __restrict__ src_blocks, const int64_t* __restrict__ dst_blocks,
-                                   CopyWork w) {
+//
+// Meta says where bases and block indices live: PtrMeta (device-readable arrays) or InlineMeta (the kernel's
+// own parameters, read in place: __grid_constant__ keeps the compiler from copying them per thread).
+struct PtrMeta {
+  const int64_t* __restrict__ bases;
+  const int64_t* __restrict__ src_blocks;
+  const int64_t* __restrict__ dst_blocks;
+  __host__ __device__ __forceinline__ int64_t base(int64_t i) const { return bases[i]; }
+  __host__ __device__ __forceinline__ int64_t src(int64_t p) const { return src_blocks[p]; }
+  __host__ __device__ __forceinline__ int64_t dst(int64_t p) const { return dst_blocks[p]; }
+};
+
+__host__ __device__ __forceinline__ int64_t meta_base(const PtrMeta& m, int64_t i) { return m.base(i); }
+__host__ __device__ __forceinline__ int64_t meta_src(const PtrMeta& m, int64_t p) { return m.src(p); }
+__host__ __device__ __forceinline__ int64_t meta_dst(const PtrMeta& m, int64_t p) { return m.dst(p); }
+__host__ __device__ __forceinline__ int64_t meta_base(const InlineMeta& m, int64_t i) { return m.v[i]; }
+__host__ __device__ __forceinline__ int64_t meta_src(const InlineMeta& m, int64_t p) { return m.v[m.src_index + p]; }
+__host__ __device__ __forceinline__ int64_t meta_dst(const InlineMeta& m, int64_t p) { return m.v[m.dst_index + p]; }
+
+template <typename Index, typename Meta, int kUnroll = 8>
+__global__ void copy_blocks_kernel(BlockCopyGeometry g, const __grid_constant__ Meta meta, CopyWork w) {
   const int lane = threadIdx.x & 31;
   const Index warps = static_cast<Index>(gridDim.x) * kWarpsPerBlock;
   const Index total = static_cast<Index>(w.items), pieces = static_cast<Index>(w.pieces);
@@ -103,10 +120,11 @@ __global__ void copy_blocks_kernel(BlockCopyGeometry g, const int64_t* __restric
     int64_t nrows = g.rows - row0;
     if (nrows > w.batch) nrows = w.batch;
     const int64_t within = row0 * g.row_pitch + off;
-    const char* s = reinterpret_cast<const char*>(bases[group / src_per]) + src_blocks[pair] * g.src_block_stride +
-                    static_cast<int64_t>(group % src_per) * g.group_bytes + within;
-    char* d = reinterpret_cast<char*>(bases[g.src_tensors + group / dst_per]) + dst_blocks[pair] * g.dst_block_stride +
-              static_cast<int64_t>(group % dst_per) * g.group_bytes + within;
+    const char* s = reinterpret_cast<const char*>(meta_base(meta, group / src_per)) +
+                    meta_src(meta, pair) * g.src_block_stride + static_cast<int64_t>(group % src_per) * g.group_bytes +
+                    within;
+    char* d = reinterpret_cast<char*>(meta_base(meta, g.src_tensors + group / dst_per)) +
+              meta_dst(meta, pair) * g.dst_block_stride + static_cast<int64_t>(group % dst_per) * g.group_bytes + within;
     if (w.vec16) {
       const uint32_t nvec = static_cast<uint32_t>(len >> 4);
       const uint32_t count = nvec * static_cast<uint32_t>(nrows);
@@ -177,18 +195,28 @@ int max_ctas() {
   return cached[dev];
 }
 
-cudaError_t launch_copy_blocks(const BlockCopyGeometry& g, const int64_t* bases, const int64_t* src_blocks,
-                               const int64_t* dst_blocks, bool bases_aligned16, cudaStream_t stream) {
+template <typename Meta>
+cudaError_t launch_with(const BlockCopyGeometry& g, const Meta& meta, bool bases_aligned16, cudaStream_t stream) {
   if (g.num_pairs == 0 || g.width == 0) return cudaSuccess;
   const CopyWork w = plan_copy_work(g, bases_aligned16);
   const unsigned grid = grid_for(w.items, max_ctas());
   // the 32-bit variant needs every item index (up to items + one grid of warps) to fit
   if (w.items + static_cast<int64_t>(grid) * kWarpsPerBlock < (int64_t{1} << 32)) {
-    copy_blocks_kernel<uint32_t><<<grid, kThreads, 0, stream>>>(g, bases, src_blocks, dst_blocks, w);
+    copy_blocks_kernel<uint32_t, Meta><<<grid, kThreads, 0, stream>>>(g, meta, w);
   } else {
-    copy_blocks_kernel<int64_t><<<grid, kThreads, 0, stream>>>(g, bases, src_blocks, dst_blocks, w);
+    copy_blocks_kernel<int64_t, Meta><<<grid, kThreads, 0, stream>>>(g, meta, w);
   }
   return cudaGetLastError();
+}
+
+cudaError_t launch_copy_blocks(const BlockCopyGeometry& g, const int64_t* bases, const int64_t* src_blocks,
+                               const int64_t* dst_blocks, bool bases_aligned16, cudaStream_t stream) {
+  return launch_with(g, PtrMeta{bases, src_blocks, dst_blocks}, bases_aligned16, stream);
+}
+
+cudaError_t launch_copy_blocks_inline(const BlockCopyGeometry& g, const InlineMeta& meta, bool bases_aligned16,
+                                      cudaStream_t stream) {
+  return launch_with(g, meta, bases_aligned16, stream);
 }
 
 cudaError_t launch_copy_segments(const int64_t* segments, int64_t count, cudaStream_t stream) {

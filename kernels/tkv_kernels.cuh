@@ -48,6 +48,19 @@ struct CopyWork {
 cudaError_t launch_copy_blocks(const BlockCopyGeometry& g, const int64_t* bases, const int64_t* src_blocks,
                                const int64_t* dst_blocks, bool bases_aligned16, cudaStream_t stream);
 
+// Bases and block indices passed by value in the kernel's parameters (the small-call path: no allocation,
+// no H2D copy): v[0, src_tensors + dst_tensors) are the bases, v[src_index + p] / v[dst_index + p] the
+// block indices of pair p. 96 slots keep the parameters under 1 KiB (the limit is 4 KiB).
+constexpr int kInlineSlots = 96;
+struct InlineMeta {
+  int64_t v[kInlineSlots];
+  int64_t src_index;
+  int64_t dst_index;
+};
+
+cudaError_t launch_copy_blocks_inline(const BlockCopyGeometry& g, const InlineMeta& meta, bool bases_aligned16,
+                                      cudaStream_t stream);
+
 // segments: [count, 3] int64 rows (src address, dst address, nbytes), device-readable; any alignment.
 cudaError_t launch_copy_segments(const int64_t* segments, int64_t count, cudaStream_t stream);
 

@@ -34,22 +34,43 @@ extern "C" {
 
 // geometry: num_pairs, groups, rows, row_pitch, width, group_bytes, src_tensors, dst_tensors,
 // src_block_stride, dst_block_stride (the BlockCopyGeometry fields, in order)
+// use_inline: pass bases and indices as an InlineMeta (the kernel's parameters); returns without copying
+// when they do not fit (the caller checks with emu_inline_slots)
 void emu_copy_blocks(const int64_t* geometry, const int64_t* bases, const int64_t* src_blocks, const int64_t* dst_blocks,
-                     int max_grid, int index64, int force_unaligned) {
+                     int max_grid, int index64, int force_unaligned, int use_inline) {
   tiered_kv::BlockCopyGeometry g{geometry[0], geometry[1], geometry[2], geometry[3], geometry[4],
                                  geometry[5], geometry[6], geometry[7], geometry[8], geometry[9]};
   if (g.num_pairs == 0 || g.width == 0) return;
   bool aligned16 = true;  // what kernels/copy_blocks.cpp computes from the host view of the bases
   for (int64_t i = 0; i < g.src_tensors + g.dst_tensors; ++i) aligned16 = aligned16 && (bases[i] & 15) == 0;
   const tiered_kv::CopyWork w = tiered_kv::plan_copy_work(g, aligned16 && !force_unaligned);
+  const tiered_kv::PtrMeta ptrs{bases, src_blocks, dst_blocks};
+  tiered_kv::InlineMeta inline_meta{};
+  const int64_t nb = g.src_tensors + g.dst_tensors;
+  if (use_inline) {  // what kernels/copy_blocks.cpp does when bases and indices fit the kernel's parameters
+    if (nb + 2 * g.num_pairs > tiered_kv::kInlineSlots) return;
+    for (int64_t i = 0; i < nb; ++i) inline_meta.v[i] = bases[i];
+    for (int64_t p = 0; p < g.num_pairs; ++p) {
+      inline_meta.v[nb + p] = src_blocks[p];
+      inline_meta.v[nb + g.num_pairs + p] = dst_blocks[p];
+    }
+    inline_meta.src_index = nb;
+    inline_meta.dst_index = nb + g.num_pairs;
+  }
   run_grid(capped(tiered_kv::grid_for(w.items), max_grid), tiered_kv::kThreads, [&] {
-    if (index64) {
-      tiered_kv::copy_blocks_kernel<int64_t>(g, bases, src_blocks, dst_blocks, w);
+    if (use_inline && index64) {
+      tiered_kv::copy_blocks_kernel<int64_t, tiered_kv::InlineMeta>(g, inline_meta, w);
+    } else if (use_inline) {
+      tiered_kv::copy_blocks_kernel<uint32_t, tiered_kv::InlineMeta>(g, inline_meta, w);
+    } else if (index64) {
+      tiered_kv::copy_blocks_kernel<int64_t, tiered_kv::PtrMeta>(g, ptrs, w);
     } else {
-      tiered_kv::copy_blocks_kernel<uint32_t>(g, bases, src_blocks, dst_blocks, w);
+      tiered_kv::copy_blocks_kernel<uint32_t, tiered_kv::PtrMeta>(g, ptrs, w);
     }
   });
 }
+
+int emu_inline_slots() { return tiered_kv::kInlineSlots; }
 
 void emu_copy_segments(const int64_t* segments, int64_t count, int max_grid) {
   if (count == 0) return;

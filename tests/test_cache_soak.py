@@ -45,3 +45,49 @@ def test_cli_cache_soak() -> None:
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "reused tokens verified, 0 wrong" in out.stdout
+
+
+# ---------------------------------------------------------------------------------------- engine soak + file tier
+
+
+async def test_engine_soak_with_the_file_tier_all_routes_faults_on() -> None:
+    from tiered_kv.tools.soak import SoakConfig, generate_ops, soak
+
+    config = SoakConfig(ops=6_000, seed=2027, file_blocks=24)
+    routes = {(op.src, op.dst) for op in generate_ops(config)}
+    assert len(routes) == 8, routes  # every pair of GPU, host, file but file -> file
+    report = await soak(config)
+    assert report.completed + report.refused == 6_000
+    assert report.failed > 0, "no injected file fault surfaced"
+    assert report.checked_blocks > 3_000
+
+
+async def test_engine_soak_with_the_file_tier_catches_missing_fences(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tiered_kv import FenceTable
+    from tiered_kv.tools.soak import SoakConfig, SoakFailure, soak
+
+    monkeypatch.setattr(FenceTable, "dependencies", lambda self, reads, writes: set())
+    with pytest.raises(SoakFailure, match="seed=3"):
+        await soak(SoakConfig(ops=3_000, seed=3, file_blocks=24, stall_prob=0.2, stall_max=0.003), minimize=False)
+
+
+def test_cli_engine_soak_with_a_file_tier() -> None:
+    out = subprocess.run([sys.executable, "-m", "tiered_kv", "soak", "--ops", "1500", "--file-blocks", "16", "--device", "cpu",
+                          "--quiet"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "all 8 routes" in out.stdout and out.stdout.rstrip().splitlines()[-1].startswith("ok: 1500 ops")
+
+
+@pytest.mark.gpu
+async def test_cache_soak_cuda() -> None:
+    report = await cache_soak(CacheSoakConfig(ops=2_000, seed=9, device="cuda"))
+    assert report.wrong_tokens == 0 and report.verified_tokens > 10_000
+    assert report.faults > 0 and all(report.hits[t] > 0 for t in ("gpu", "host", "file"))
+
+
+@pytest.mark.gpu
+async def test_engine_soak_with_the_file_tier_cuda() -> None:
+    from tiered_kv.tools.soak import SoakConfig, soak
+
+    report = await soak(SoakConfig(ops=20_000, seed=8, device="cuda", file_blocks=24, stall_max=0.001))
+    assert report.completed + report.refused == 20_000 and report.checked_blocks > 10_000

@@ -49,9 +49,33 @@ def test_bench_quick_writes_one_json_with_every_benchmark(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     payload = json.loads(out.read_text())
     names = [b["name"] for b in payload["benchmarks"]]
-    assert names == ["engine", "kernels", "pagetables", "filetier", "cache", "model"]
+    assert names == ["engine", "kernels", "overlap", "pagetables", "filetier", "cache", "remote", "model"]
     assert all(b["rows"] for b in payload["benchmarks"])
     assert payload["machine"]["device"] == "emulated (CPU)"
+    assert payload["schema"] == "tiered_kv.bench/2"
+    for bench in payload["benchmarks"]:  # every row shows its target (or "") and whether it is met
+        ids = [row["id"] for row in bench["rows"]]
+        assert len(ids) == len(set(ids)), bench["name"]
+        for row in bench["rows"]:
+            assert {"bench", "id", "target", "met"} <= row.keys() and row["met"] in (True, False, None)
+            assert (row["met"] is None) == (row["target"] == "") or row["met"] is None
+    judged = {b["name"]: [r for r in b["rows"] if r["target"]] for b in payload["benchmarks"]}
+    assert judged["engine"] and judged["kernels"] and judged["filetier"] and judged["pagetables"]
+    overlap = payload["benchmarks"][2]["rows"]
+    assert overlap and all(r["same_output"] for r in overlap)  # layer-by-layer compute saw the loaded layers
+    assert "targets met" in r.stdout
+
+
+def test_bench_compare_matches_rows_of_an_earlier_run(tmp_path):
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    assert tkv("bench", "--quick", "--device", "cpu", "--only", "engine", "--json", str(old), timeout=300).returncode == 0
+    r = tkv("bench", "--quick", "--device", "cpu", "--only", "engine", "--json", str(new), "--compare", str(old), timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"compared with {old}" in r.stdout
+    for rid in ("call/loop=uvloop", "wakeup/loop=asyncio", "bandwidth/block_MiB=0.5/blocks=64/indices=scattered/direction=both"):
+        assert rid in r.stdout
+    bad = tkv("bench", "--quick", "--only", "engine", "--compare", str(tmp_path / "missing.json"))
+    assert bad.returncode == 2 and "cannot read" in bad.stderr
 
 
 def test_soak_command():

@@ -59,12 +59,14 @@ def _geometry(dst: list[torch.Tensor], src: list[torch.Tensor], n: int, pairs: i
     return [pairs, groups, rows, pitch, width, group_bytes, len(src), len(dst), s0.stride(0) * isz, d0.stride(0) * isz]
 
 
-def _emu_copy_blocks(emu, dst, src, s, d, n, max_grid=0, index64=False, force_unaligned=False) -> None:
+def _emu_copy_blocks(emu, dst, src, s, d, n, max_grid=0, index64=False, force_unaligned=False, use_inline=False) -> None:
     geom = _i64(_geometry(dst, src, n, len(s)))
+    if use_inline:
+        assert len(src) + len(dst) + 2 * len(s) <= emu.emu_inline_slots(), "the case does not fit the kernel's parameters"
     bases = _i64([t.data_ptr() for t in src] + [t.data_ptr() for t in dst])
     s_t, d_t = _i64(s), _i64(d)  # named: a temporary would be freed before the call reads it
     emu.emu_copy_blocks(_ptr(geom), _ptr(bases), _ptr(s_t), _ptr(d_t), ctypes.c_int(max_grid), ctypes.c_int(index64),
-                        ctypes.c_int(force_unaligned))
+                        ctypes.c_int(force_unaligned), ctypes.c_int(use_inline))
 
 
 @pytest.mark.parametrize("src_kind", KINDS)
@@ -72,15 +74,32 @@ def _emu_copy_blocks(emu, dst, src, s, d, n, max_grid=0, index64=False, force_un
 @pytest.mark.parametrize("num_tokens", [None, 1, 3])
 @pytest.mark.parametrize("pad", [0, 3])
 @pytest.mark.parametrize("index64", [False, True])
-def test_copy_blocks_kernel_matches_reference(emu, src_kind, dst_kind, num_tokens, pad, index64) -> None:
+@pytest.mark.parametrize("use_inline", [False, True])
+def test_copy_blocks_kernel_matches_reference(emu, src_kind, dst_kind, num_tokens, pad, index64, use_inline) -> None:
     src, _ = _make_side(src_kind, GEOM["n"], torch.float16, "cpu", pad)
     dst, _ = _make_side(dst_kind, GEOM["n"] + 1, torch.float16, "cpu", pad)
     want = [t.clone() for t in dst]
     s, d = [0, 1, 2, 5, 4], [2, 3, 4, 0, 6]
     n = GEOM["T"] if num_tokens is None else num_tokens
     ops.copy_blocks(want, src, _i64(s), _i64(d), num_tokens=num_tokens)
-    _emu_copy_blocks(emu, dst, src, s, d, n, max_grid=2, index64=index64)  # two CTAs: every warp loops over many items
+    # two CTAs: every warp loops over many items; use_inline: bases and indices in the kernel's parameters
+    _emu_copy_blocks(emu, dst, src, s, d, n, max_grid=2, index64=index64, use_inline=use_inline)
     assert_blocks_equal(_logical(dst_kind, dst), _logical(dst_kind, want), f"{src_kind}->{dst_kind} n={num_tokens} pad={pad}")
+
+
+@pytest.mark.parametrize("num_tokens", [None, 2])
+def test_copy_blocks_kernel_inline_parameters_many_pairs(emu, num_tokens) -> None:
+    # 40 pairs from a layer-and-K/V pool (6 tensors) into a block-major one: 7 bases + 80 indices, near the
+    # 96 slots of the kernel's inline parameters; each pair must read its own slots
+    src, _ = _make_side("layerkv", 48, torch.float16, "cpu")
+    dst, _ = _make_side("block", 50, torch.float16, "cpu")
+    want = [t.clone() for t in dst]
+    s = list(range(47, 7, -1))
+    d = [(7 * i + 3) % 50 for i in range(40)]
+    n = GEOM["T"] if num_tokens is None else num_tokens
+    ops.copy_blocks(want, src, _i64(s), _i64(d), num_tokens=num_tokens)
+    _emu_copy_blocks(emu, dst, src, s, d, n, max_grid=3, use_inline=True)
+    assert_blocks_equal(_logical("block", dst), _logical("block", want), f"inline n={num_tokens}")
 
 
 @pytest.mark.parametrize("num_tokens", [1, 2, 3, 4, 13, 16])

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
         LayoutMismatchError,
         OwnedEngineError,
         SlabInUseError,
+        StorageError,
         TieredKVError,
         TransferError,
     )
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from .file import Durability, FileTier, FileTierConfig, FileTierStatistics, OpenReport
     from .keys import KeyHasher
     from .layer_major import LayerMajorPool
+    from .layerwise import LayerwiseTransfer, copy_layerwise
     from .layout import FORMAT_VERSION, KVLayout
     from .pools import BlockPool, Tier
     from .staging import NO_BLOCK, BlockOffsetTable, StagingPool, copy_batch_block_offsets
@@ -59,12 +61,14 @@ _EXPORTS: dict[str, str] = {
     "KVLayout": "layout",
     "KeyHasher": "keys",
     "LayerMajorPool": "layer_major",
+    "LayerwiseTransfer": "layerwise",
     "LayoutMismatchError": "errors",
     "NO_BLOCK": "staging",
     "OpenReport": "file",
     "OwnedEngineError": "errors",
     "Request": "blocks",
     "SlabInUseError": "errors",
+    "StorageError": "errors",
     "StagingPool": "staging",
     "Tier": "pools",
     "TieredKVCache": "cache",
@@ -74,6 +78,7 @@ _EXPORTS: dict[str, str] = {
     "TransferError": "errors",
     "TransferResult": "engine",
     "copy_batch_block_offsets": "staging",
+    "copy_layerwise": "layerwise",
     "resolve_device": "device",
 }
 
@@ -101,12 +106,14 @@ __all__ = [
     "KVLayout",
     "KeyHasher",
     "LayerMajorPool",
+    "LayerwiseTransfer",
     "LayoutMismatchError",
     "OpenReport",
     "OwnedEngineError",
     "Request",
     "SlabInUseError",
     "StagingPool",
+    "StorageError",
     "Tier",
     "TieredKVCache",
     "TieredKVError",
@@ -115,6 +122,7 @@ __all__ = [
     "TransferError",
     "TransferResult",
     "copy_batch_block_offsets",
+    "copy_layerwise",
     "resolve_device",
 ]
 

@@ -55,7 +55,7 @@ __all__ = ["OPS", "ExtensionBuildError", "build", "cuda_kernels_registered", "fi
 log = logging.getLogger(__name__)
 
 #: The operators the extension implements for CUDA.
-OPS = ("gather_block_offsets", "copy_blocks", "copy_chunks")
+OPS = ("gather_block_offsets", "copy_blocks", "copy_chunks", "copy_blocks_list")
 
 _CXX_FLAGS = ["-O3"]
 _NVCC_FLAGS = ["-O3", "-lineinfo"]

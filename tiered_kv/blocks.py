@@ -341,6 +341,8 @@ class BlockManager:
         #: ``reuse_limit(match, prompt_tokens) -> blocks`` (cost-aware reuse, :mod:`tiered_kv.cost_model`): how many
         #: of a match's full blocks an admission reuses; the rest (and the partial block) are recomputed.
         self.reuse_limit: Callable[[Match, int], int] | None = None
+        #: ``callback(block)`` just before a cached block is evicted from its tier (it is still at its slot)
+        self.on_evict: Callable[[Block], None] | None = None
 
         # tier -> free slots (a stack, lowest index on top so fresh pools fill from 0)
         self._free: dict[Tier, list[int]] = {t: list(range(caps[t] - 1, -1, -1)) for t in TIER_ORDER}
@@ -922,6 +924,8 @@ class BlockManager:
         """Move ``block`` one tier down (or drop it); returns its old slot, now the caller's."""
         tier = block.tier
         assert tier is not None and block.refcount == 0 and block.cached
+        if self.on_evict is not None:
+            self.on_evict(block)
         old = block.slot
         self._lru_remove(block)
         below = TIER_ORDER[TIER_ORDER.index(tier) + 1] if tier is not Tier.FILE else None
@@ -987,6 +991,45 @@ class BlockManager:
                 self._lru_remove(b)
                 self._release_slot(b)
                 self._unreachable += 1
+
+    # ------------------------------------------------------------------------------------ blocks from outside
+
+    def reserve(self, tier: Tier | str, count: int) -> tuple[list[int], Plan]:
+        """Take up to ``count`` slots of ``tier`` for data arriving from outside (the remote tier).
+
+        Free slots first, then slots of evicted blocks (down the cascade, as for any allocation). Returns the
+        slots (possibly fewer) and the plan of copies the evictions need. Give each slot back with
+        :meth:`adopt` or :meth:`unreserve`.
+        """
+        t_ = Tier.coerce(tier)
+        plan = Plan()
+        slots: list[int] = []
+        for _ in range(max(0, count)):
+            slot = self._take_slot(t_, plan)
+            if slot is None:
+                break
+            slots.append(slot)
+        return slots, plan
+
+    def unreserve(self, tier: Tier | str, slots: Iterable[int]) -> None:
+        """Return reserved slots unused."""
+        self._free[Tier.coerce(tier)].extend(slots)
+
+    def adopt(self, tier: Tier | str, slot: int, key: ContentKey, parent_key: ContentKey, tokens: np.ndarray) -> Block | None:
+        """Make the verified data in a reserved ``(tier, slot)`` a cached block under ``key`` (child of ``parent_key``).
+
+        Returns ``None`` and frees the slot when the key is cached already or the parent is not (the block
+        could not be reached).
+        """
+        t_ = Tier.coerce(tier)
+        if key in self._lookup or (parent_key != self.hasher.root and parent_key not in self._lookup):
+            self._free[t_].append(slot)
+            return None
+        block = Block(next(self._ids), t_, slot, parent_key, np.asarray(tokens, dtype=np.int64).copy(), DEFAULT_PRIORITY)
+        block.refcount = 0
+        self._register(block, key)
+        self._adopted += 1
+        return block
 
     def invalidate(self, block: Block) -> None:
         """Take a block whose data is wrong (a failed copy) out of the lookup, with its subtree.

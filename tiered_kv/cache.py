@@ -60,13 +60,14 @@ class CacheStatistics:
         requests: requests admitted.
         tokens_requested, tokens_reused: prompt tokens admitted and reused from the cache.
         hit_rate: ``tokens_reused / tokens_requested``.
-        hits: reused full blocks per tier they were found in (``"gpu"``, ``"host"``, ``"file"``).
+        hits: reused full blocks per tier they were found in (``"gpu"``, ``"host"``, ``"file"``, ``"remote"``).
         partial_hits: partial reuses (first tokens of one block by a partial copy).
         evictions: ``"gpu->host"``, ``"host->file"``, ``"gpu->dropped"``, ... -> blocks.
         bytes_moved: engine bytes per direction (``"host->gpu"`` ...), completed copies only.
         poisoned: blocks dropped because a copy producing them failed.
         blocks: the block manager's snapshot (occupancy per tier, ...).
         engine: the transfer engine's snapshot.
+        remote: the remote tier's :class:`~tiered_kv.remote.RemoteStatistics`, or ``None``.
     """
 
     requests: int
@@ -80,6 +81,7 @@ class CacheStatistics:
     poisoned: int
     blocks: BlockStatistics
     engine: EngineStatistics
+    remote: Any = None  # RemoteStatistics of the remote tier, if the cache has one
 
 
 class TieredKVCache:
@@ -109,6 +111,13 @@ class TieredKVCache:
         warm_restart: find prefixes whose blocks an earlier run left in the file tier (same directory, layout
             and ``model_id``): a prefix walk that misses in memory asks the file tier's index for the next
             block's content key and adopts the slot as a cached FILE-tier block (read back verified).
+        remote: a shared store as a fourth tier (``"redis://host:port/0"``, ``"mooncake://host:port"``, or a
+            :class:`~tiered_kv.remote.RemoteTier` over this cache's engine; needs ``host_blocks``): prompts
+            look there after GPU, host and file, and committed blocks are put there (see ``remote_policy``).
+            A store that cannot be reached leaves the cache running without it. See :mod:`tiered_kv.remote`.
+        remote_policy: ``"commit"`` (put every committed full block in the background), ``"evict"`` (put a
+            block when it leaves the host tier) or ``"off"`` (read only).
+        remote_rank: tensor-parallel rank of this process's KV shard (part of every object name).
 
     Example::
 
@@ -144,6 +153,9 @@ class TieredKVCache:
         engine: TransferEngine | None = None,
         block_offsets: bool = False,
         warm_restart: bool = True,
+        remote: Any = None,
+        remote_policy: str = "commit",
+        remote_rank: int = 0,
     ) -> None:
         for name, value in (("gpu_blocks", gpu_blocks), ("host_blocks", host_blocks), ("file_blocks", file_blocks)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -173,8 +185,13 @@ class TieredKVCache:
         self._closed = False
         self._owner_name = f"TieredKVCache@{id(self):x}"
         self._slot_events: SlotEvents | None = None
+        self.remote: Any = None  # a tiered_kv.remote.cachelink.RemoteLink
         try:
             self._attach(engine, file_blocks, warm_restart, block_offsets, max_seqs, on_page_table)
+            if remote is not None:
+                from .remote.cachelink import RemoteLink  # the optional [remote] extra, imported only when used
+
+                self.remote = RemoteLink(self, remote, policy=remote_policy, rank=remote_rank)
         except BaseException:
             # A failed constructor leaves nothing behind: no claim, no listener, and an engine built here is
             # released (threads, fds, the slab lock), so a corrected retry on the same directory works.
@@ -231,6 +248,8 @@ class TieredKVCache:
     async def __aenter__(self) -> TieredKVCache:
         if self._owns_engine:
             await self.engine.__aenter__()
+        if self.remote is not None:
+            await self.remote.connect()  # False (logged) if the store is away: the cache runs without it
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -243,6 +262,8 @@ class TieredKVCache:
         """
         self._closed = True
         try:
+            if self.remote is not None:
+                await self.remote.close()  # flushes the pending puts first
             if self._owns_engine:
                 await self.engine.close()
             else:
@@ -293,7 +314,12 @@ class TieredKVCache:
         """``add_sequences`` with the admission order ``admit`` (the naive baseline passes its own)."""
         self._check_open()
         self._sweep()
+        if self.remote is not None:
+            requests = list(requests)
+            await self.remote.prefetch(requests)  # blocks only the store has become cached host blocks
         admissions, plan = admit(requests)
+        if self.remote is not None:
+            admissions = self.remote.count_hits(admissions)
         self._issue(plan)
         seq_ids = [a.seq_id for a in admissions]
         try:
@@ -337,7 +363,21 @@ class TieredKVCache:
         Raises:
             ValueError: unknown sequence, ``num_tokens`` beyond its tokens.
         """
-        return self.blocks.commit(seq_id, num_tokens)
+        if self.remote is None:
+            return self.blocks.commit(seq_id, num_tokens)
+        before = len([b for b in self.blocks.sequence_blocks(seq_id) if b.cached])
+        committed = self.blocks.commit(seq_id, num_tokens)
+        self.remote.committed([b for b in self.blocks.sequence_blocks(seq_id)[: committed // self.layout.tokens_per_block]
+                               if b.cached][before:])
+        return committed
+
+    async def flush(self) -> None:
+        """Wait until every block queued for the remote store has been put (or failed). No-op without one.
+
+        Cancellation: cancels only this wait; the puts go on.
+        """
+        if self.remote is not None:
+            await self.remote.flush()
 
     def free(self, seq_id: int) -> None:
         """Release a sequence; its committed blocks become reusable cache, the rest free slots.
@@ -395,18 +435,23 @@ class TieredKVCache:
         """A snapshot: hits per tier, evictions, bytes moved per direction, engine and blocks."""
         b = self.blocks.statistics()
         e = self.engine.statistics()
+        hits = dict(b.hits)
+        if self.remote is not None:
+            hits["host"] = hits.get("host", 0) - self.remote.hits
+            hits["remote"] = self.remote.hits
         return CacheStatistics(
             requests=b.requests,
             tokens_requested=b.tokens_requested,
             tokens_reused=b.tokens_reused,
             hit_rate=b.tokens_reused / b.tokens_requested if b.tokens_requested else 0.0,
-            hits=b.hits,
+            hits=hits,
             partial_hits=b.partial_hits,
             evictions=b.evictions,
             bytes_moved=e.bytes_by_direction,
             poisoned=self._poisoned,
             blocks=b,
             engine=e,
+            remote=self.remote.statistics() if self.remote is not None else None,
         )
 
     def __repr__(self) -> str:
@@ -447,6 +492,8 @@ class TieredKVCache:
             placed.append(g)
             last_read[src] = max(last_read.get(src, -1), g)
             last_write[dst] = max(last_write.get(dst, -1), g)
+        if self.remote is not None:
+            self.remote._before_issue()  # evict policy: read the host victims before the plan reuses their slots
         transfers = self._issue_groups(groups)
         # Lineage in plan order: a block moved twice in one plan ends with both copies in its sources.
         for move, g in zip(plan.moves, placed, strict=True):
@@ -498,7 +545,8 @@ class TieredKVCache:
         return transfers
 
     def _on_file_slot_dropped(self, event: SlotEvent) -> None:
-        if self.blocks.file_slot_dropped(event.slot, event.key) is not None:
+        # the cache writes content keys (bytes) only; a slot another writer keyed otherwise is none of its blocks
+        if isinstance(event.key, bytes) and self.blocks.file_slot_dropped(event.slot, event.key) is not None:
             self._poisoned += 1
 
     def _issue_group(self, group: list[Move]) -> Transfer:

@@ -10,7 +10,9 @@ Primitives:
 Paths:
 
 * ``"kernel"`` -- CUDA, extension loaded: one launch of the ``copy_blocks`` kernel (any layout, partial or
-  full, pinned host memory read/written through unified addressing).
+  full, pinned host memory read/written through unified addressing). A call of at most
+  ``SMALL_CALL_BLOCKS`` pairs made with its stream goes through ``copy_blocks_list``: indices as int lists,
+  the stream by handle, and bases + indices in the kernel's parameters when they fit (no H2D of metadata).
 * ``"dma"`` -- CUDA, extension loaded: ``cudaMemcpyAsync`` / ``cudaMemcpy2DAsync`` per run of blocks
   contiguous on both sides (and per layer group), issued in C++.
 * ``"reference"`` -- the emulated device and host-to-host copies: the vectorized CPU reference op.
@@ -22,6 +24,11 @@ blocks for block-major ones, ``num_tokens * head_dim`` elements for partial copi
 ``EngineConfig.dma_min_chunk_bytes`` (2 MiB) goes to DMA, smaller ones to the kernel (measured on an H200 by ``tiered-kv bench``: the kernel
 is up to 36x faster than one DMA call per chunk for small chunks and still ahead at 1 MiB; at 4 MiB DMA
 matches it and leaves the SMs to compute). ``EngineConfig.copy_path`` forces one path.
+
+Layer-by-layer copies (``copy(..., layers=)``, :mod:`tiered_kv.layerwise`) count a run of consecutive blocks
+as one piece too: DMA moves it in one ``cudaMemcpy2DAsync`` (a row per block), and a load that is meant to
+overlap compute must not take the SMs (measured on an H100: with the kernel, per-layer loads of a 32-layer
+prefill did not overlap the compute at all, 1.02-1.05x the serial time; see notes/issue-14.md).
 """
 
 from __future__ import annotations
@@ -37,21 +44,25 @@ import torch
 
 from . import opdefs, ops, pool_kinds
 from .config import EngineConfig
-from .device import Device
+from .device import CudaStream, Device, Stream
 from .layer_major import LayerMajorPool
-from .pools import BlockPool, merge_runs
+from .layerwise import LayerSlice
+from .pools import SMALL_CALL_BLOCKS, BlockPool, merge_runs
 
-__all__ = ["Copier", "CopierStatistics", "CopyPlan", "choose_path", "pool_tensors"]
+__all__ = ["Copier", "CopierStatistics", "CopyPlan", "Side", "choose_path", "pool_tensors"]
 
 log = logging.getLogger(__name__)
 
 Op = Callable[[], None]
 Pool = BlockPool | LayerMajorPool
+Side = BlockPool | LayerMajorPool | LayerSlice  # what a copy reads or writes: a pool, or layers of one
 
 
-def pool_tensors(pool: Pool) -> list[torch.Tensor]:
-    """The tensors of a pool as :func:`tiered_kv.ops.copy_blocks` takes them."""
-    return list(pool.tensors) if isinstance(pool, LayerMajorPool) else [pool.tensor]
+def pool_tensors(pool: Side) -> list[torch.Tensor]:
+    """The tensors of a pool (or of a :class:`~tiered_kv.layerwise.LayerSlice`) as ``copy_blocks`` takes them."""
+    if isinstance(pool, (LayerMajorPool, LayerSlice)):
+        return list(pool.tensors)
+    return [pool.tensor]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -73,8 +84,8 @@ class CopyPlan:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _PairInfo:
-    src_pool: Pool  # kept so that a recycled id() is detected
-    dst_pool: Pool
+    src_pool: Side  # kept so that a recycled id() is detected
+    dst_pool: Side
     src_t: list[torch.Tensor]
     dst_t: list[torch.Tensor]
     groups: int
@@ -82,6 +93,7 @@ class _PairInfo:
     width_bytes: int
     dense: bool
     on_cuda: bool
+    layered: bool  # a side is a LayerSlice (layer-by-layer copy)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -116,8 +128,9 @@ class Copier:
         self._calls: dict[str, int] = {}
         self._bytes: dict[str, int] = {}
         self._pairs: dict[tuple[int, int, int], _PairInfo] = {}  # (id(src pool), id(dst pool), n) -> geometry
+        self._slices: dict[tuple[int, int, int], LayerSlice] = {}  # (id(pool), start, stop) -> layer range view
 
-    def _pair(self, src_pool: Pool, dst_pool: Pool, n: int) -> _PairInfo:
+    def _pair(self, src_pool: Side, dst_pool: Side, n: int) -> _PairInfo:
         """What does not change between calls for one (source pool, destination pool, num_tokens)."""
         key = (id(src_pool), id(dst_pool), n)
         info = self._pairs.get(key)
@@ -126,11 +139,22 @@ class Copier:
             groups, rows, _row, width = opdefs.block_geometry(dst_t, src_t, n)
             dense = all(t.stride(0) == math.prod(t.shape[1:]) for t in (src_t[0], dst_t[0]))
             on_cuda = src_t[0].is_cuda or dst_t[0].is_cuda
-            info = _PairInfo(src_pool, dst_pool, src_t, dst_t, groups, rows, width * src_pool.layout.itemsize, dense, on_cuda)
+            layered = isinstance(src_pool, LayerSlice) or isinstance(dst_pool, LayerSlice)
+            info = _PairInfo(
+                src_pool, dst_pool, src_t, dst_t, groups, rows, width * src_pool.layout.itemsize, dense, on_cuda, layered
+            )
             self._pairs[key] = info
         return info
 
-    def plan(self, src_pool: Pool, s: np.ndarray, dst_pool: Pool, d: np.ndarray, num_tokens: int | None) -> CopyPlan:
+    def layer_slice(self, pool: BlockPool | LayerMajorPool, start: int, stop: int) -> LayerSlice:
+        """Layers ``[start, stop)`` of ``pool``, made once per range (so its geometry is cached like a pool's)."""
+        key = (id(pool), start, stop)
+        view = self._slices.get(key)
+        if view is None or view.pool is not pool:
+            view = self._slices[key] = LayerSlice(pool, start, stop)
+        return view
+
+    def plan(self, src_pool: Side, s: np.ndarray, dst_pool: Side, d: np.ndarray, num_tokens: int | None) -> CopyPlan:
         """The path :meth:`build` takes for these arguments."""
         if isinstance(src_pool, pool_kinds.ChunkedPool) or isinstance(dst_pool, pool_kinds.ChunkedPool):
             return self._chunked_plan(src_pool, s, dst_pool, d)
@@ -138,31 +162,72 @@ class Copier:
             self._pair(src_pool, dst_pool, src_pool.layout.tokens_per_block if num_tokens is None else num_tokens), s, d
         )
 
-    def _plan(self, info: _PairInfo, s: np.ndarray, d: np.ndarray) -> CopyPlan:
-        runs = int(s.size) if s.size <= 1 else int(np.count_nonzero((np.diff(s) != 1) | (np.diff(d) != 1))) + 1
+    def _plan(self, info: _PairInfo, s: np.ndarray | list[int], d: np.ndarray | list[int]) -> CopyPlan:
+        size = len(s)
+        if size <= 1:
+            runs = size
+        elif isinstance(s, list):  # the engine's small calls: a Python scan beats three numpy calls
+            runs = 1
+            for i in range(1, size):
+                if s[i] != s[i - 1] + 1 or d[i] != d[i - 1] + 1:
+                    runs += 1
+        else:
+            runs = int(np.count_nonzero((np.diff(s) != 1) | (np.diff(d) != 1))) + 1
         piece = info.width_bytes
-        if info.rows == 1 and info.groups == 1 and info.dense and runs:
-            piece *= max(1, s.size // runs)  # a run of whole blocks is one contiguous piece
+        if info.rows == 1 and info.groups == 1 and (info.dense or info.layered) and runs:
+            # a run of whole blocks is one contiguous piece; a run of one layer range of consecutive blocks is
+            # one 2-D DMA call (rows = blocks), which leaves the SMs to the compute a layer-by-layer load overlaps
+            piece *= max(1, size // runs)
         path = choose_path(piece, self.config, on_cuda=info.on_cuda, kernels=self.kernels)
         return CopyPlan(path, piece, info.groups, runs)
 
-    def build(self, src_pool: Pool, s: np.ndarray, dst_pool: Pool, d: np.ndarray, num_tokens: int | None) -> Op:
+    def build(self, src_pool: Side, s: np.ndarray | list[int], dst_pool: Side, d: np.ndarray | list[int],
+              num_tokens: int | None, *, stream: Stream | None = None) -> Op:
         """One op copying blocks ``s`` of ``src_pool`` to blocks ``d`` of ``dst_pool`` (validated by the caller).
 
         The op enqueues work on the current CUDA stream (the engine runs it under its copy stream), or runs
         the CPU reference when it is called (emulated device, host threads). Never a per-chunk Python loop.
+
+        Args:
+            src_pool: the source pool.
+            s: source block indices (an int64 array, or a list of ints for the engine's small calls).
+            dst_pool: the destination pool.
+            d: destination block indices, as ``s``.
+            num_tokens: tokens per block to copy, ``None`` for whole blocks.
+            stream: the CUDA stream the op will run on. With it, a kernel or DMA copy of at most
+                :data:`~tiered_kv.pools.SMALL_CALL_BLOCKS` pairs is one ``copy_blocks_list`` call naming the
+                stream by its handle (no index tensors, no current-stream switch; the op carries
+                ``explicit_stream = True`` for :meth:`~tiered_kv.device.Stream.submit`).
         """
         if isinstance(src_pool, pool_kinds.ChunkedPool) or isinstance(dst_pool, pool_kinds.ChunkedPool):
-            return self._chunked_op(src_pool, s, dst_pool, d, num_tokens)
+            return self._chunked_op(src_pool, np.asarray(s, dtype=np.int64), dst_pool, np.asarray(d, dtype=np.int64),
+                                    num_tokens)
         layout = src_pool.layout
         n = layout.tokens_per_block if num_tokens is None else num_tokens
         info = self._pair(src_pool, dst_pool, n)
         plan = self._plan(info, s, d)
-        nbytes = int(s.size) * (layout.bytes_per_block if num_tokens is None else layout.partial_bytes(num_tokens))
+        size = len(s)
+        nbytes = size * (layout.bytes_per_block if num_tokens is None else layout.partial_bytes(num_tokens))
         with self._lock:
             self._calls[plan.path] = self._calls.get(plan.path, 0) + 1
             self._bytes[plan.path] = self._bytes.get(plan.path, 0) + nbytes
         src_t, dst_t = info.src_t, info.dst_t
+        if plan.path in ("kernel", "dma") and isinstance(stream, CudaStream) and size <= SMALL_CALL_BLOCKS:
+            s_l = s if isinstance(s, list) else s.tolist()
+            d_l = d if isinstance(d, list) else d.tolist()
+            method = ops.METHOD_DMA if plan.path == "dma" else ops.METHOD_KERNEL
+            handle = stream.torch_stream.cuda_stream
+            list_op = torch.ops.tiered_kv.copy_blocks_list.default
+
+            def run_small() -> None:
+                list_op(dst_t, src_t, s_l, d_l, n, method, handle)
+
+            run_small.explicit_stream = True  # type: ignore[attr-defined]
+            return run_small
+        if isinstance(s, list):
+            s = np.asarray(s, dtype=np.int64)
+        if isinstance(d, list):
+            d = np.asarray(d, dtype=np.int64)
         # from_numpy shares memory and warns on read-only arrays; the engine never changes them afterwards
         s_t = torch.from_numpy(s if s.flags.writeable else s.copy())
         d_t = torch.from_numpy(d if d.flags.writeable else d.copy())

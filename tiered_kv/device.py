@@ -2,7 +2,8 @@
 
 Primitives (one small interface, two implementations):
 
-* :class:`Stream` -- ``submit(fn)`` enqueues work, ``record()`` returns an :class:`Event`, ``wait(event)``
+* :class:`Stream` -- ``submit(fn)`` enqueues work (``explicit=True``: ``fn`` names the stream itself, by its
+  handle, so the CUDA stream need not be made current around it), ``record()`` returns an :class:`Event`, ``wait(event)``
   makes later work wait for it *without blocking the CPU*, ``notify(cb)`` records an event and calls ``cb``
   from another thread once everything submitted before it has executed (no polling), ``synchronize()``,
   ``close()``.
@@ -39,7 +40,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-Callback = Callable[[], None]
+Callback = Callable[[], object]  # the return value, if any, is ignored
 
 
 @runtime_checkable
@@ -59,8 +60,8 @@ class Stream(Protocol):
 
     name: str
 
-    def submit(self, fn: Callback) -> None:
-        """Queue ``fn`` on the stream."""
+    def submit(self, fn: Callback, *, explicit: bool = False) -> None:
+        """Queue ``fn`` on the stream (``explicit``: ``fn`` names this stream by its handle itself)."""
 
     def record(self) -> Event:
         """An event after the work queued so far."""
@@ -128,8 +129,8 @@ class EmulatedStream:
             except BaseException:
                 log.exception("emulated stream %s: submitted work raised", self.name)
 
-    def submit(self, fn: Callback) -> None:
-        """Queue ``fn`` on the stream's worker thread."""
+    def submit(self, fn: Callback, *, explicit: bool = False) -> None:
+        """Queue ``fn`` on the stream's worker thread (``explicit`` changes nothing here)."""
         if self._closed:
             raise RuntimeError(f"stream {self.name} is closed")
         self._queue.put(fn)
@@ -277,10 +278,16 @@ class CudaStream:
         """
         return "hostfunc" if self._signal is not None else "event"
 
-    def submit(self, fn: Callback) -> None:
-        """Run ``fn`` now with this stream current: the CUDA work it enqueues goes on this stream."""
+    def submit(self, fn: Callback, *, explicit: bool = False) -> None:
+        """Run ``fn`` now with this stream current: the CUDA work it enqueues goes on this stream.
+
+        ``explicit``: ``fn`` enqueues on this stream by its handle, so the stream is not made current around it.
+        """
         if self._closed:
             raise RuntimeError(f"stream {self.name} is closed")
+        if explicit:  # fn enqueues on this stream by its handle: skip making it the current stream
+            fn()
+            return
         with torch.cuda.stream(self.torch_stream):
             fn()
 

@@ -16,10 +16,16 @@ stream, HOST->GPU on the *onboard* stream, GPU->GPU on the *local* stream, HOST-
 :class:`~tiered_kv.file.FileHandler` for anything with FILE (its GPU legs on offload/onboard). Every op
 first waits for its fences: stream-side (``wait_event``, no CPU block, no GPU bubble) when the dependency
 is a stream op already enqueued, otherwise on the loop. Completion reaches the loop through a waiter
-thread per stream (or the handler's callback) and ``call_soon_threadsafe`` (no polling).
+thread per stream (or the handler's callback) and ``call_soon_threadsafe`` (no polling), batched by
+:class:`~tiered_kv.completions.CompletionInbox`: completions that arrive together wake the loop once.
 
-Size: a little over 500 lines, most of them the public API's documentation; the copy path itself (validate,
-route, fence, start, complete) is kept in one class so the fence and marker life cycle reads in one place.
+The per-call fast path: a copy between memory pools of at most ``SMALL_CALL_BLOCKS`` pairs given as int
+lists or small integer arrays is validated on plain lists (:func:`~tiered_kv.pools.small_pairs`, no numpy)
+and becomes one ``copy_blocks_list`` call on its stream (:mod:`tiered_kv.copyops`).
+
+Size: about 670 lines, much of it the public API's documentation and the lifecycle rules (ownership by a
+cache, close from another loop, release on failed construction); the copy path itself (validate, route,
+fence, start, complete) is kept in one class so the fence and marker life cycle reads in one place.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 import torch
 
+from .completions import CompletionInbox
 from .config import EngineConfig
 from .copyops import Copier
 from .device import Device, Stream, resolve_device
@@ -45,7 +52,7 @@ from .handlers import Batch, Job, Medium, Routes, TransferHandler
 from .layer_major import LayerMajorPool
 from .layout import KVLayout
 from .pool_kinds import as_gpu_pool
-from .pools import BlockPool, Tier, as_indices
+from .pools import BlockPool, Tier, as_indices, small_pairs
 from .stream_copier import StreamCopier
 from .transfer import LATENCY_BUCKETS, EngineStatistics, Transfer, TransferResult
 
@@ -186,6 +193,7 @@ class TransferEngine:
         # task leaves this set when it ends, and close() waits for the set to empty before stopping anything.
         self._deferred: set[asyncio.Task[None]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._inbox: CompletionInbox[Marker] | None = None
         self._closing = False
         self._closed = False
         self._owner: str | None = None  # who the blocks belong to (claim): copy() is theirs alone
@@ -297,6 +305,7 @@ class TransferEngine:
             raise RuntimeError("TransferEngine must be used from a coroutine running on an event loop") from None
         if self._loop is None:
             self._loop = loop
+            self._inbox = CompletionInbox(loop, self._complete)  # completions arriving together: one wake-up
             for handler in self._routes.handlers:  # SLOT STATE HOOK: handlers that apply state changes on the loop
                 bind = getattr(handler, "bind_loop", None)
                 if bind is not None:
@@ -434,6 +443,7 @@ class TransferEngine:
         *,
         num_tokens: int | None = None,
         keys: Iterable[object] | None = None,
+        layers: tuple[int, int] | None = None,
     ) -> Transfer:
         """Copy blocks ``src_indices`` of ``src_tier`` to blocks ``dst_indices`` of ``dst_tier``.
 
@@ -451,6 +461,9 @@ class TransferEngine:
             keys: content keys (bytes, str or int), one per block. Required for copies into ``Tier.FILE``:
                 each is written into its slot's header and indexed (``engine.file_tier.lookup(key)``, also
                 after a restart). Optional for copies out of ``Tier.FILE``: checked against the index.
+            layers: copy only layers ``[start, stop)`` of each block (layer-by-layer loads and stores, see
+                :mod:`tiered_kv.layerwise`); ``None`` copies every layer. Only between GPU and host pools.
+                Fences stay per block.
 
         Raises:
             ValueError: unknown tier or missing pool, an index out of range or negative, duplicate
@@ -470,7 +483,7 @@ class TransferEngine:
                 "serves behind its back. Use the cache's API (add_sequences, append_tokens, evict), or an engine of "
                 "your own for copies of your own."
             )
-        return self._copy(src_tier, src_indices, dst_tier, dst_indices, num_tokens=num_tokens, keys=keys)
+        return self._copy(src_tier, src_indices, dst_tier, dst_indices, num_tokens=num_tokens, keys=keys, layers=layers)
 
     def claim(self, owner: str) -> Callable[..., Transfer]:
         """Give every block of this engine to ``owner`` (a cache's block manager decides what each holds).
@@ -501,33 +514,32 @@ class TransferEngine:
         *,
         num_tokens: int | None = None,
         keys: Iterable[object] | None = None,
+        layers: tuple[int, int] | None = None,
     ) -> Transfer:
         """The copy itself (see :meth:`copy`): validate, fence, enqueue."""
         loop = self._check_open()
         src_t, dst_t = Tier.coerce(src_tier), Tier.coerce(dst_tier)
         src_pool, dst_pool = self.medium(src_t), self.medium(dst_t)
         handler = self.route(src_t, dst_t)
-        s = as_indices(src_indices, "source indices")
-        d = as_indices(dst_indices, "destination indices")
-        if s.size != d.size:
-            raise ValueError(f"got {s.size} source indices and {d.size} destination indices; they must pair up")
-        src_pool.check(s, "source indices")
-        dst_pool.check(d, "destination indices")
-        s_list, d_list = s.tolist(), d.tolist()
-        if len(set(d_list)) != len(d_list):
-            values, counts = np.unique(d, return_counts=True)
-            raise ValueError(f"destination indices contain duplicates: {values[counts > 1][:8].tolist()}")
-        if src_pool is dst_pool and s.size:
-            both = sorted(set(s_list).intersection(d_list))
-            if both:
-                raise ValueError(f"blocks {both[:8]} are both a source and a destination of one copy")
+        memory = isinstance(handler, StreamCopier)
+        small = small_pairs(src_indices, dst_indices, src_pool.num_blocks, dst_pool.num_blocks, src_pool is dst_pool) if memory else None
+        s: np.ndarray | list[int]
+        d: np.ndarray | list[int]
+        if small is not None:  # the per-call fast path: valid small int lists, no numpy
+            s, d = s_list, d_list = small
+        else:
+            s, d, s_list, d_list = self._check_indices(src_pool, src_indices, dst_pool, dst_indices)
         n = self._check_tokens(num_tokens)
+        span = self._check_layers(layers, memory)
         # num_tokens goes to the handler as given (validated): the file tier refuses it even when it is whole
-        batch = handler.validate(Batch(src_t, s, dst_t, d, None if num_tokens is None else int(num_tokens), keys))
+        batch = handler.validate(Batch(src_t, s, dst_t, d, None if num_tokens is None else int(num_tokens), keys, span))
 
         per_block = self.layout.bytes_per_block if n is None else self.layout.partial_bytes(n)
+        if span is not None:
+            per_block = per_block // self.layout.num_layers * (span[1] - span[0])
         self._submitted += 1
-        if s.size == 0:
+        count = len(s_list)
+        if count == 0:
             marker = Marker(None)
             marker.complete()
             self._completed += 1
@@ -536,7 +548,7 @@ class TransferEngine:
         job = handler.prepare(batch)
         lane = job.lane
         marker = Marker(lane)
-        transfer = Transfer(marker, src_t, dst_t, int(s.size), int(s.size) * per_block)
+        transfer = Transfer(marker, src_t, dst_t, count, count * per_block)
         reads = [(src_pool.name, s_list)]
         writes = [(dst_pool.name, d_list)]
         deps = self._fences.dependencies(reads, writes)
@@ -559,6 +571,45 @@ class TransferEngine:
         self._meta[marker] = (f"{src_t.value}->{dst_t.value}", transfer.nbytes, transfer.num_blocks, transfer.submitted_at)
         return transfer
 
+    @staticmethod
+    def _check_indices(
+        src_pool: Medium, src_indices: Indices, dst_pool: Medium, dst_indices: Indices
+    ) -> tuple[np.ndarray, np.ndarray, list[int], list[int]]:
+        """The general index checks (any iterable, numpy or CPU tensor), with the descriptive errors."""
+        s = as_indices(src_indices, "source indices")
+        d = as_indices(dst_indices, "destination indices")
+        if s.size != d.size:
+            raise ValueError(f"got {s.size} source indices and {d.size} destination indices; they must pair up")
+        src_pool.check(s, "source indices")
+        dst_pool.check(d, "destination indices")
+        s_list, d_list = s.tolist(), d.tolist()
+        if len(set(d_list)) != len(d_list):
+            values, counts = np.unique(d, return_counts=True)
+            raise ValueError(f"destination indices contain duplicates: {values[counts > 1][:8].tolist()}")
+        if src_pool is dst_pool and s.size:
+            both = sorted(set(s_list).intersection(d_list))
+            if both:
+                raise ValueError(f"blocks {both[:8]} are both a source and a destination of one copy")
+        return s, d, s_list, d_list
+
+    def _check_layers(self, layers: object, memory: bool) -> tuple[int, int] | None:
+        if layers is None:
+            return None
+        if not memory:
+            raise ValueError("layers= is only supported between GPU and host pools (a file slot is one whole block)")
+        if (
+            not isinstance(layers, tuple)
+            or len(layers) != 2
+            or not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in layers)
+        ):
+            raise TypeError(f"layers must be a (start, stop) tuple of ints, got {layers!r}")
+        start, stop = int(layers[0]), int(layers[1])
+        if not 0 <= start < stop <= self.layout.num_layers:
+            raise ValueError(
+                f"layers must be a range (start, stop) with 0 <= start < stop <= {self.layout.num_layers}, got {layers}"
+            )
+        return start, stop
+
     def _check_tokens(self, num_tokens: int | None) -> int | None:
         if num_tokens is None:
             return None
@@ -573,17 +624,14 @@ class TransferEngine:
 
     def _enqueue(self, marker: Marker, job: Job, stream_deps: list[Marker]) -> None:
         """Start ``job`` behind ``stream_deps`` (waited for on its lane); its completion calls :meth:`_complete`."""
-        loop = self._loop
-        assert loop is not None
+        inbox = self._inbox
+        assert inbox is not None
 
         def done(error: BaseException | None) -> None:  # device waiter / worker / I/O / host thread
             if error is not None:
                 marker.error = error
             marker.done_at = time.perf_counter()
-            try:
-                loop.call_soon_threadsafe(self._complete, marker)
-            except RuntimeError:  # the loop is closed: nobody is left to tell
-                log.debug("transfer completed after its event loop closed")
+            inbox.post(marker)
 
         lane = marker.lane
         if lane is not None:
@@ -660,6 +708,24 @@ class TransferEngine:
         event = compute.record()
         for copy_stream in self._streams.values():
             copy_stream.wait(event)
+
+    def sync_transfer(self, transfer: Transfer, stream: object) -> None:
+        """Make work queued on ``stream`` from now on wait for one transfer. Stream-side: nothing blocks.
+
+        Use it before compute reads what one transfer brought in (e.g. one layer group of
+        :func:`tiered_kv.layerwise.copy_layerwise`) while later transfers are still running.
+
+        Raises:
+            ValueError: the transfer is still deferred on the loop (waiting for a file-tier dependency) or
+                runs off-stream (host-to-host, file): await it instead.
+        """
+        self._check_open()
+        marker = transfer._marker
+        if marker.completed:
+            return
+        if marker.event is None:
+            raise ValueError("this transfer is not on a copy stream yet (deferred or off-stream): await it instead")
+        self.device.wrap_stream(stream).wait(marker.event)
 
     def sync_transfers(self, stream: object) -> None:
         """Make work queued on ``stream`` from now on wait for every copy enqueued on the copy streams.

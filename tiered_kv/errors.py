@@ -12,7 +12,9 @@ __all__ = [
     "IntegrityError",
     "LayoutMismatchError",
     "OwnedEngineError",
+    "RemoteStoreError",
     "SlabInUseError",
+    "StorageError",
     "TieredKVError",
     "TransferError",
 ]
@@ -48,3 +50,14 @@ class EngineClosedError(TieredKVError, RuntimeError):
 
 class OwnedEngineError(TieredKVError, ValueError):
     """A copy through an engine whose blocks belong to a cache: only the cache may change them (nothing was enqueued)."""
+
+
+class StorageError(TieredKVError, OSError):
+    """The file tier's directory or slab cannot be used: the message names the path, the size asked and what to do.
+
+    Raised before anything is left behind (no lock file, no half-created slab). An ``OSError`` too (``errno``).
+    """
+
+
+class RemoteStoreError(TransferError):
+    """A remote store (Redis, Mooncake) failed, timed out or cannot be reached; no data was served from it."""

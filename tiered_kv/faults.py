@@ -19,9 +19,10 @@ from __future__ import annotations
 import concurrent.futures
 import errno
 import os
+import random
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -30,7 +31,7 @@ import torch
 from tiered_kv.backends import Completion, FileBackend
 from tiered_kv.backends.posix import DIRECT_ALIGN, Buffer
 
-__all__ = ["FaultyBackend"]
+__all__ = ["FaultyBackend", "RandomFaults", "random_faults"]
 
 Calls = int | Collection[int] | None
 
@@ -152,3 +153,36 @@ class FaultyBackend:
 
     def __repr__(self) -> str:
         return f"<FaultyBackend writes:{self.writes} reads:{self.reads} faults:{self.faults} inner={self.inner!r}>"
+
+
+class RandomFaults:
+    """A seeded, stateless set of 1-based call numbers: ``n in faults`` for about ``rate`` of all ``n``.
+
+    Pass it as a :class:`FaultyBackend` call set (``eio_on_write=RandomFaults(seed, 0.01, "eio-w")``): which calls
+    fail is a function of ``(seed, salt, n)`` alone, so a soak's faults replay with its seed.
+    """
+
+    def __init__(self, seed: int, rate: float, salt: str) -> None:
+        self._seed = seed
+        self._rate = rate
+        self._salt = salt
+
+    def __contains__(self, n: object) -> bool:
+        return isinstance(n, int) and random.Random(f"{self._seed}:{self._salt}:{n}").random() < self._rate
+
+    def __iter__(self) -> Iterator[int]:  # a Collection for FaultyBackend's type; never iterated
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+def random_faults(inner: FileBackend, seed: int, rate: float) -> FaultyBackend:
+    """``inner`` with about ``rate`` of its calls failing: EIO, ENOSPC, short writes; EIO, short reads."""
+    r = rate / 3  # three kinds per direction
+    return FaultyBackend(
+        inner,
+        eio_on_write=RandomFaults(seed, r, "eio-w"), enospc_on_write=RandomFaults(seed, r, "enospc-w"),
+        short_write_on=RandomFaults(seed, r, "short-w"),
+        eio_on_read=RandomFaults(seed, r, "eio-r"), short_read_on=RandomFaults(seed, r, "short-r"),
+    )

@@ -88,19 +88,31 @@ class Batch:
         num_tokens: copy only tokens ``[0, num_tokens)`` of every (layer, kv, head); ``None``: whole blocks.
         keys: content keys as the caller gave them (``None`` if none); a handler that uses keys returns a
             batch with them normalized (a tuple, one per block) from :meth:`TransferHandler.validate`.
+        layers: copy only layers ``[start, stop)`` of each block; ``None``: every layer (the engine passes a
+            range only to the memory handler).
+
+    Notes:
+        ``src``/``dst`` are int64 arrays, or int lists on the engine's per-call fast path (memory pairs only).
     """
 
     src_tier: Tier
-    src: np.ndarray
+    src: np.ndarray | list[int]
     dst_tier: Tier
-    dst: np.ndarray
+    dst: np.ndarray | list[int]
     num_tokens: int | None = None
     keys: Iterable[object] | None = None
+    layers: tuple[int, int] | None = None
 
     @property
     def size(self) -> int:
         """Blocks in the batch."""
-        return int(self.src.size)
+        return len(self.src)
+
+    def lists(self) -> tuple[list[int], list[int]]:
+        """``(src, dst)`` as int lists (whatever form the engine passed)."""
+        src = self.src if isinstance(self.src, list) else self.src.tolist()
+        dst = self.dst if isinstance(self.dst, list) else self.dst.tolist()
+        return src, dst
 
 
 class Job(Protocol):

@@ -35,7 +35,10 @@ class PrometheusCollector:
     Metrics (prefix ``tiered_kv``): ``transfer_bytes_total``, ``transfer_blocks_total`` and
     ``transfer_seconds`` (histogram) by ``src``/``dst`` tier; ``transfers_in_flight``, ``fenced_blocks``,
     ``transfers_failed_total``; for a cache also ``cache_hit_blocks_total`` by tier,
-    ``cache_evictions_total`` by ``src``/``dst``, ``cache_blocks`` by tier and state, ``cache_tokens_*``.
+    ``cache_evictions_total`` by ``src``/``dst``, ``cache_blocks`` by tier and state, ``cache_tokens_*``; for a
+    cache with a remote tier ``remote_blocks_total`` by outcome, ``remote_bytes_total`` and
+    ``remote_round_trips_total`` by op, ``remote_batch_seconds`` (histogram), ``remote_errors_total``,
+    ``remote_available``.
     """
 
     def __init__(self, source: TransferEngine | TieredKVCache, prefix: str = "tiered_kv") -> None:
@@ -91,6 +94,36 @@ class PrometheusCollector:
         yield occupancy
         yield CounterMetricFamily(f"{p}_cache_tokens_requested", "Prompt tokens admitted", value=stats.tokens_requested)
         yield CounterMetricFamily(f"{p}_cache_tokens_reused", "Prompt tokens reused from the cache", value=stats.tokens_reused)
+        remote = getattr(stats, "remote", None)
+        if remote is not None:
+            yield from _remote_families(p, remote)
+
+
+def _remote_families(p: str, remote: Any) -> Iterator[Any]:
+    """The remote tier's families: blocks/bytes/round trips by op, a batch latency histogram, errors, availability."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+    blocks = CounterMetricFamily(f"{p}_remote_blocks", "Remote tier blocks by outcome (get, miss, bad, put, put_dropped)", labels=["outcome"])
+    for outcome, value in remote.blocks.items():
+        blocks.add_metric([outcome], value)
+    yield blocks
+    nbytes = CounterMetricFamily(f"{p}_remote_bytes", "Object bytes moved to and from the remote store", labels=["op"])
+    batches = CounterMetricFamily(f"{p}_remote_round_trips", "Store round trips (batches)", labels=["op"])
+    latency = HistogramMetricFamily(f"{p}_remote_batch_seconds", "Latency of one store round trip", labels=["op"])
+    for op in ("get", "put"):
+        nbytes.add_metric([op], remote.bytes[op])
+        batches.add_metric([op], remote.batches[op])
+        cumulative, buckets = 0, []
+        for bound, count in zip((*map(str, LATENCY_BUCKETS), "+Inf"), remote.latency_counts[op], strict=False):
+            cumulative += count
+            buckets.append((bound, cumulative))
+        latency.add_metric([op], buckets, remote.seconds[op])
+    yield nbytes
+    yield batches
+    yield latency
+    yield CounterMetricFamily(f"{p}_remote_errors", "Remote store errors and timeouts", value=remote.errors)
+    yield GaugeMetricFamily(f"{p}_remote_available", "1 while the remote store is connected and not backing off",
+                            value=1 if remote.available else 0)
 
 
 def register_prometheus(source: TransferEngine | TieredKVCache, registry: Any = None, prefix: str = "tiered_kv") -> PrometheusCollector:

@@ -5,8 +5,9 @@ The bottom of the ops stack: :mod:`tiered_kv._ext` (building and loading the CUD
 
 Primitives:
 
-* The schemas of ``torch.ops.tiered_kv.gather_block_offsets``, ``copy_blocks`` and ``copy_chunks``, with
-  their CPU implementations (the references) and fake kernels.
+* The schemas of ``torch.ops.tiered_kv.gather_block_offsets``, ``copy_blocks``, ``copy_chunks`` and
+  ``copy_blocks_list`` (the engine's per-call path: int-list indices, an explicit stream handle), with their
+  CPU implementations (the references) and fake kernels.
 * :data:`METHOD_KERNEL`, :data:`METHOD_DMA` -- the ``method`` argument of the copy ops.
 * :func:`normalize_groups`, :func:`block_geometry` -- the (layer group, row) view of a pool the copy ops use.
 * :func:`register_references` -- register the references under another dispatch key (CUDA without the
@@ -25,6 +26,7 @@ __all__ = [
     "METHOD_DMA",
     "METHOD_KERNEL",
     "block_geometry",
+    "copy_blocks_list_ref",
     "copy_blocks_ref",
     "copy_chunks_ref",
     "gather_block_offsets_ref",
@@ -45,6 +47,12 @@ _lib.define(
 )
 _lib.define("copy_blocks(Tensor(a!)[] dst, Tensor[] src, Tensor src_blocks, Tensor dst_blocks, int num_tokens, int method) -> ()")
 _lib.define("copy_chunks(Tensor(a!)[] dst, Tensor[] src, Tensor chunks, int method) -> ()")
+# The engine's per-call path: indices as int lists (no index tensors per call), an explicit raw stream handle
+# (0 = the current stream); the CUDA version checks the indices against both pools and launches in one call.
+_lib.define(
+    "copy_blocks_list(Tensor(a!)[] dst, Tensor[] src, int[] src_blocks, int[] dst_blocks, int num_tokens, int method, "
+    "int stream) -> ()"
+)
 
 
 
@@ -119,6 +127,21 @@ def copy_blocks_ref(
         dg[d, :, :width] = sg[s, :, :width].to(dg.device)
 
 
+def copy_blocks_list_ref(
+    dst: list[torch.Tensor], src: list[torch.Tensor], src_blocks: list[int], dst_blocks: list[int], num_tokens: int,
+    method: int, stream: int,
+) -> None:
+    """CPU reference of ``copy_blocks_list``: ``copy_blocks`` with int-list indices (``stream`` is unused)."""
+    if len(src_blocks) != len(dst_blocks):
+        raise ValueError(f"copy_blocks_list: {len(src_blocks)} source and {len(dst_blocks)} destination blocks")
+    for name, blocks, limit in (("src_blocks", src_blocks, src[0].shape[0]), ("dst_blocks", dst_blocks, dst[0].shape[0])):
+        if blocks and (min(blocks) < 0 or max(blocks) >= limit):
+            raise ValueError(f"copy_blocks_list: {name} holds an index out of range for a pool of {limit} blocks")
+    s = torch.tensor(src_blocks, dtype=torch.int64)
+    d = torch.tensor(dst_blocks, dtype=torch.int64)
+    copy_blocks_ref(dst, src, s, d, num_tokens, method)
+
+
 def _byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1).view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
 
@@ -146,6 +169,7 @@ def copy_chunks_ref(dst: list[torch.Tensor], src: list[torch.Tensor], chunks: to
 _lib.impl("gather_block_offsets", gather_block_offsets_ref, "CPU")
 _lib.impl("copy_blocks", copy_blocks_ref, "CPU")
 _lib.impl("copy_chunks", copy_chunks_ref, "CPU")
+_lib.impl("copy_blocks_list", copy_blocks_list_ref, "CPU")
 
 
 def _gather_fake(dst: Tensor, src: Tensor, idx: Tensor, scale: Tensor | None, v_offset: Tensor | None,
@@ -158,6 +182,11 @@ def _copy_blocks_fake(dst: list[Tensor], src: list[Tensor], src_blocks: Tensor, 
     return None
 
 
+def _copy_blocks_list_fake(dst: list[Tensor], src: list[Tensor], src_blocks: list[int], dst_blocks: list[int],
+                           num_tokens: int, method: int, stream: int) -> None:
+    return None
+
+
 def _copy_chunks_fake(dst: list[Tensor], src: list[Tensor], chunks: Tensor, method: int) -> None:
     return None
 
@@ -166,6 +195,7 @@ def _copy_chunks_fake(dst: list[Tensor], src: list[Tensor], chunks: Tensor, meth
 torch.library.register_fake("tiered_kv::gather_block_offsets", _gather_fake, lib=_lib)
 torch.library.register_fake("tiered_kv::copy_blocks", _copy_blocks_fake, lib=_lib)
 torch.library.register_fake("tiered_kv::copy_chunks", _copy_chunks_fake, lib=_lib)
+torch.library.register_fake("tiered_kv::copy_blocks_list", _copy_blocks_list_fake, lib=_lib)
 
 
 # --------------------------------------------------------------------------------------------- validation

@@ -149,6 +149,7 @@ class ChunkedPool(LayerMajorPool):
 
     @property
     def device(self) -> torch.device:
+        """The device of the pool's buffers."""
         return self.buffers[0].device
 
     @property
@@ -349,7 +350,7 @@ def split_kv(layout: KVLayout, tensors: Sequence[torch.Tensor]) -> ChunkedPool:
 
 
 def vllm_views(layout: KVLayout, tensors: Sequence[torch.Tensor]) -> ChunkedPool:
-    """vLLM >= 0.29 per-layer logical ``[N, H, T, C]`` views (C = K||V = 2D, or D for MLA), any strides.
+    """VLLM >= 0.29 per-layer logical ``[N, H, T, C]`` views (C = K||V = 2D, or D for MLA), any strides.
 
     Layers may share one storage buffer (one group's layers do); each block's part of a layer must be dense
     in memory in some dimension order (every ``KVCacheLayout`` vLLM defines is).
@@ -361,8 +362,9 @@ def vllm_views(layout: KVLayout, tensors: Sequence[torch.Tensor]) -> ChunkedPool
 
 def sglang_token_major(layout: KVLayout, k_buffers: Sequence[torch.Tensor],
                        v_buffers: Sequence[torch.Tensor] | None = None) -> ChunkedPool:
-    """SGLang's token-major ``(tokens, H, D)`` per-layer K and V buffers; a page (block) is ``tokens_per_block``
-    consecutive tokens, page ``b`` = tokens ``[b * T, (b + 1) * T)``. MLA (``kv_factor=1``): ``k_buffers`` are
+    """SGLang's token-major ``(tokens, H, D)`` per-layer K and V buffers as a pool.
+
+    A page (block) is ``tokens_per_block`` consecutive tokens, page ``b`` = tokens ``[b * T, (b + 1) * T)``. MLA (``kv_factor=1``): ``k_buffers`` are
     the ``(tokens, 1, D)`` latent buffers and ``v_buffers`` is ``None``. Tokens past the last whole page
     (SGLang's padding) are not part of any block.
     """
@@ -392,8 +394,10 @@ def mla(layout: KVLayout, tensors: Sequence[torch.Tensor]) -> ChunkedPool:
 
 
 def pages_layout(page_bytes: Sequence[int]) -> KVLayout:
-    """The opaque byte layout of a block made of pages of these sizes (``uint8``; one "layer" per page when
-    they are equal, else one of the total)."""
+    """The opaque byte layout of a block made of pages of these sizes.
+
+    ``uint8``; one "layer" per page when they are equal, else one of the total.
+    """
     sizes = [int(x) for x in page_bytes]
     if not sizes or min(sizes) < 1:
         raise ValueError(f"page sizes must be positive, got {sizes}")

@@ -15,7 +15,10 @@ import torch
 from .config import coerce_enum
 from .layout import KVLayout
 
-__all__ = ["BlockPool", "Tier", "as_indices", "check_indices", "merge_runs"]
+__all__ = ["SMALL_CALL_BLOCKS", "BlockPool", "Tier", "as_indices", "check_indices", "merge_runs", "small_pairs"]
+
+#: Up to this many block pairs a copy is validated on plain int lists (:func:`small_pairs`), without numpy.
+SMALL_CALL_BLOCKS = 256
 
 
 class Tier(enum.StrEnum):
@@ -24,6 +27,7 @@ class Tier(enum.StrEnum):
     GPU = "gpu"
     HOST = "host"
     FILE = "file"
+    REMOTE = "remote"  #: a distributed store (tiered_kv.remote): content-keyed objects, no block indices
 
     @classmethod
     def coerce(cls, value: object) -> Tier:
@@ -110,6 +114,40 @@ def as_indices(value: Iterable[int] | np.ndarray | torch.Tensor, what: str) -> n
     if arr.dtype.kind not in "iu":
         raise TypeError(f"{what} must be integers, got {arr.dtype}")
     return arr.astype(np.int64, copy=False)
+
+
+def small_pairs(src: object, dst: object, src_blocks: int, dst_blocks: int, same_pool: bool) -> tuple[list[int], list[int]] | None:
+    """The per-call fast path of index validation: ``(src list, dst list)`` when both are valid, else ``None``.
+
+    Valid means: lists of plain ints (or 1-D integer numpy arrays) of the same length, 1..``SMALL_CALL_BLOCKS``
+    pairs, every index in range, no duplicate destination and, when ``same_pool``, no block on both sides.
+    ``None`` also for anything it does not handle: the caller then runs the general checks (:func:`as_indices`,
+    :func:`check_indices`), which raise the descriptive errors. No numpy or torch call for lists.
+    """
+    if type(src) is list and type(dst) is list:
+        s, d = src, dst
+        if not s or len(s) != len(d) or len(s) > SMALL_CALL_BLOCKS:
+            return None
+        for x in s:
+            if type(x) is not int:
+                return None
+        for x in d:
+            if type(x) is not int:
+                return None
+    elif type(src) is np.ndarray and type(dst) is np.ndarray:
+        if src.ndim != 1 or dst.ndim != 1 or not 0 < src.size <= SMALL_CALL_BLOCKS or src.size != dst.size:
+            return None
+        if src.dtype.kind not in "iu" or dst.dtype.kind not in "iu":
+            return None
+        s, d = src.tolist(), dst.tolist()
+    else:
+        return None
+    if min(s) < 0 or max(s) >= src_blocks or min(d) < 0 or max(d) >= dst_blocks:
+        return None
+    dset = set(d)
+    if len(dset) != len(d) or (same_pool and not dset.isdisjoint(s)):
+        return None
+    return s, d
 
 
 def merge_runs(src: np.ndarray, dst: np.ndarray) -> list[tuple[int, int, int]]:

@@ -46,7 +46,7 @@ class SlotEvent:
     """
 
     slot: int
-    key: bytes
+    key: bytes | str | int
     generation: int
     reason: str
 
@@ -74,6 +74,7 @@ class SlotEvents:
         self._listeners.append(listener)
 
     def unsubscribe(self, listener: SlotListener) -> None:
+        """Stop calling ``listener`` (no-op if it is not subscribed)."""
         if listener in self._listeners:
             self._listeners.remove(listener)
 

@@ -16,9 +16,10 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from .copyops import Copier, Pool
+from .copyops import Copier, Pool, Side
 from .device import Event, Stream
 from .handlers import Batch, Done, Medium
+from .layerwise import LayerSlice
 from .pools import Tier
 
 __all__ = ["STREAM_ROUTES", "StreamCopier"]
@@ -55,7 +56,7 @@ class _StreamJob:
             except BaseException as exc:  # reported through done()
                 error.append(exc)
 
-        lane.submit(run)
+        lane.submit(run, explicit=getattr(op, "explicit_stream", False))
         return lane.notify(lambda: done(error[0] if error else None))
 
 
@@ -121,17 +122,27 @@ class StreamCopier:
 
     def prepare(self, batch: Batch) -> _StreamJob | _HostJob:
         """The batch's op, on its stream (or for a host thread)."""
-        src, dst = self._pools[batch.src_tier], self._pools[batch.dst_tier]
+        src: Side = self._pools[batch.src_tier]
+        dst: Side = self._pools[batch.dst_tier]
         n = None if batch.num_tokens == src.layout.tokens_per_block else batch.num_tokens  # whole blocks
+        if batch.layers is not None:  # layers [start, stop) of every block: views, fences stay per block
+            assert not isinstance(src, LayerSlice) and not isinstance(dst, LayerSlice)  # pools here
+            src = self.copier.layer_slice(src, *batch.layers)
+            dst = self.copier.layer_slice(dst, *batch.layers)
         op = self.build_op(src, batch.src, dst, batch.dst, n)
         lane = STREAM_ROUTES[(batch.src_tier, batch.dst_tier)]
         if lane is None:
             return _HostJob(self._threads, op)
         return _StreamJob(self._streams[lane], op)
 
-    def build_op(self, src_pool: Pool, s: np.ndarray, dst_pool: Pool, d: np.ndarray, n: int | None) -> Op:
-        """The op of one copy call: DMA or the copy kernel, chosen per call by :mod:`tiered_kv.copyops`."""
-        return self.copier.build(src_pool, s, dst_pool, d, n)
+    def build_op(self, src_pool: Side, s: np.ndarray | list[int], dst_pool: Side, d: np.ndarray | list[int],
+                 n: int | None) -> Op:
+        """The op of one copy call: DMA or the copy kernel, chosen per call by :mod:`tiered_kv.copyops`.
+
+        The op knows its stream (a small call names it by handle, see :meth:`Copier.build`).
+        """
+        lane = STREAM_ROUTES[(src_pool.tier, dst_pool.tier)]
+        return self.copier.build(src_pool, s, dst_pool, d, n, stream=self._streams[lane] if lane is not None else None)
 
     def close(self) -> None:
         """Stop the host threads (after the engine drained). Idempotent."""

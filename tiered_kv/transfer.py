@@ -109,7 +109,7 @@ class Transfer:
         return TransferResult(self.src_tier, self.dst_tier, self.num_blocks, self.nbytes, done_at - self.submitted_at)
 
     def __await__(self) -> Generator[Any, None, TransferResult]:
-        yield from self._marker.wait().__await__()
+        yield from self._marker.wait_steps()
         return self.result()
 
     def __repr__(self) -> str:

@@ -83,7 +83,7 @@ class FileHandler:
             if norm is not None and len(set(norm)) != len(norm):
                 raise ValueError("keys contain duplicates; one slot per content key")
         else:
-            self.tier.index.check_readable(batch.src.tolist(), norm)
+            self.tier.index.check_readable(batch.lists()[0], norm)
         return Batch(batch.src_tier, batch.src, batch.dst_tier, batch.dst, batch.num_tokens, norm)
 
     def prepare(self, batch: Batch) -> FileCopy:
@@ -92,10 +92,11 @@ class FileHandler:
             keys: list[Key] = [k for k in batch.keys or () if isinstance(k, (bytes, str, int))]  # normalized by validate()
             assert len(keys) == batch.size
             stream = self._streams["offload"] if batch.src_tier is Tier.GPU else None
-            return self.tier.write_batch(self._pools[batch.src_tier], batch.src.tolist(), batch.dst.tolist(), keys,
-                                         stream, self._copier)
+            src, dst = batch.lists()
+            return self.tier.write_batch(self._pools[batch.src_tier], src, dst, keys, stream, self._copier)
         stream = self._streams["onboard"] if batch.dst_tier is Tier.GPU else None
-        return self.tier.read_batch(self._pools[batch.dst_tier], batch.dst.tolist(), batch.src.tolist(), stream, self._copier)
+        src, dst = batch.lists()
+        return self.tier.read_batch(self._pools[batch.dst_tier], dst, src, stream, self._copier)
 
     def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         """SLOT STATE HOOK: the tier's index applies I/O-thread transitions on the engine's loop, in order."""

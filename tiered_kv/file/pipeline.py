@@ -31,6 +31,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -374,10 +375,32 @@ class FileCopy:
     def _wrap(self, slot: int, exc: BaseException) -> BaseException:
         if isinstance(exc, TransferError):
             return exc
+        if not self.write:
+            truncated = self._truncation(slot)
+            if truncated is not None:
+                # Backends disagree on a read past the end of the file (POSIX returns a short count, kvikio raises):
+                # a truncated slab is damage, the same IntegrityError on every backend (issue 11, finding 10).
+                err: BaseException = IntegrityError(f"file slot {slot}: short read ({truncated}); the slot was dropped and "
+                                                    "its data not served")
+                err.__cause__ = exc
+                return err
         what = "writing" if self.write else "reading"
         err = TransferError(f"{what} file slot {slot} failed: {exc!r}")
         err.__cause__ = exc
         return err
+
+    def _truncation(self, slot: int) -> str | None:
+        """How the slab ends before ``slot`` does, or ``None`` (not truncated, or the size is unknown)."""
+        backend = self.io.backend
+        path = getattr(getattr(backend, "inner", backend), "path", None)
+        if path is None:
+            return None
+        try:
+            size = os.stat(path).st_size
+        except OSError:
+            return None
+        end = self.io.geometry.offset(slot) + self.io.geometry.slot_size
+        return f"the file is truncated: {size} bytes, the slot ends at byte {end}" if size < end else None
 
     def _finish(self) -> None:
         io = self.io

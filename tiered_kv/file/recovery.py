@@ -23,11 +23,12 @@ import os
 import time
 
 from ..backends.posix import create_file, preallocate
-from ..errors import LayoutMismatchError, SlabInUseError
+from ..errors import LayoutMismatchError, SlabInUseError, StorageError
 from ..layout import KVLayout
 from ..slab import HEADER_SIZE, Key, SlotHeader, Superblock, layout_text, payload_checksum, unpack_header
 from .config import FileTierConfig, SlabGeometry
 from .index import SlotIndex
+from .place import open_owned, storage_error
 
 __all__ = ["OpenReport", "open_slab", "take_lock"]
 
@@ -65,7 +66,7 @@ class OpenReport:
 def take_lock(config: FileTierConfig, path: str) -> int:
     """Hold an exclusive ``flock`` on ``<name>.lock`` for the tier's lifetime: one writer per slab; its fd."""
     lock_path = os.path.join(os.fspath(config.directory), f"{config.name}.lock")
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+    fd = open_owned(lock_path, os.O_RDWR | os.O_CREAT)  # never through a symlink, never another user's file
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -82,7 +83,12 @@ def open_slab(path: str, layout: KVLayout, geometry: SlabGeometry, config: FileT
             ``config.discard_mismatch`` is false.
         OSError: the file cannot be created (ENOSPC while preallocating, permissions).
     """
-    return _Opener(path, layout, geometry, config, index).open()
+    try:
+        return _Opener(path, layout, geometry, config, index).open()
+    except StorageError:
+        raise
+    except OSError as exc:  # ENOSPC while preallocating, EIO, ...: a sentence with the path and the size
+        raise storage_error(exc, path, "create or open the slab", geometry.offset(geometry.num_slots)) from None
 
 
 class _Opener:
@@ -103,11 +109,16 @@ class _Opener:
         want = Superblock(self._fingerprint, self.num_blocks, self.slot_size, self.payload_bytes, layout_text(self.layout))
         size = HEADER_SIZE + self.num_blocks * self.slot_size
         discarded = False
-        existing = os.path.exists(self.path) and os.path.getsize(self.path) > 0
+        existing = os.path.lexists(self.path)
+        if existing:  # never through a symlink, never another user's file (issue 11, finding 6)
+            fd = open_owned(self.path, os.O_RDONLY)
+            try:
+                existing = os.fstat(fd).st_size > 0
+                raw = os.pread(fd, HEADER_SIZE, 0)
+            finally:
+                os.close(fd)
         rewrite = False
         if existing:
-            with open(self.path, "rb") as f:
-                raw = f.read(HEADER_SIZE)
             sb = Superblock.unpack(raw)
             problem = None
             if not any(raw):
@@ -149,12 +160,12 @@ class _Opener:
             os.close(fd)
             return OpenReport(self.path, True, discarded, how, 0, 0, self.num_blocks, 0, 0, 0, time.perf_counter() - t0)
 
-        mode = os.stat(self.path).st_mode & 0o777
-        if mode & 0o077:
-            log.warning("%s has mode %o; setting it to 0600", self.path, mode)
-            os.chmod(self.path, 0o600)
-        fd = os.open(self.path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+        fd = open_owned(self.path, os.O_RDWR)  # ours (checked above, again here: no swap in between)
         try:
+            mode = os.fstat(fd).st_mode & 0o777
+            if mode & 0o077:
+                log.warning("%s has mode %o; setting it to 0600", self.path, mode)
+                os.fchmod(fd, 0o600)
             assert isinstance(sb, Superblock)
             old_slots = sb.num_slots
             if old_slots != self.num_blocks or rewrite:

@@ -47,6 +47,7 @@ from ..slab import Key
 from .config import Durability, FileTierConfig, SlabGeometry
 from .index import SlotIndex, SlotState
 from .pipeline import FileCopy, IoCounters, SlabIO
+from .place import check_space, prepare_directory
 from .recovery import OpenReport, open_slab, take_lock
 from .ring import StagingRing
 
@@ -74,6 +75,12 @@ class FileTierStatistics:
     read_failures: int
     integrity_failures: int
     open_report: OpenReport
+
+
+def _remove_dir_if_empty(directory: str | os.PathLike[str], created: bool) -> None:
+    if created:
+        with contextlib.suppress(OSError):
+            os.rmdir(directory)
 
 
 class FileTier:
@@ -109,9 +116,19 @@ class FileTier:
         self.payload_bytes = self.geometry.payload_bytes
         self.slot_size = self.geometry.slot_size
         self.pad_bytes = self.geometry.pad_bytes
-        os.makedirs(config.directory, mode=0o700, exist_ok=True)
+        # Checked before anything is created (issue 11, findings 6 and 11: tiered_kv.file.place).
+        created_dir = prepare_directory(config.directory)
         self.path = os.path.join(os.fspath(config.directory), f"{config.name}.slab")
-        self.index = SlotIndex(self.num_blocks)
+        try:
+            existing = os.lstat(self.path).st_size
+        except FileNotFoundError:
+            existing = 0
+        try:
+            check_space(self.path, self.geometry.offset(self.num_blocks), self.num_blocks, existing)
+            self.index = SlotIndex(self.num_blocks)
+        except BaseException:
+            _remove_dir_if_empty(config.directory, created_dir)
+            raise
         self._counters = IoCounters()
         self._closed = False
 
@@ -121,12 +138,22 @@ class FileTier:
             from ..backends.gds import select_backend
 
             self._kind, _ = select_backend(config.gds)
-        self._lock_fd = take_lock(config, self.path)
+        lock_path = os.path.join(os.fspath(config.directory), f"{config.name}.lock")
+        lock_existed = os.path.lexists(lock_path)
+        try:
+            self._lock_fd = take_lock(config, self.path)
+        except BaseException:
+            _remove_dir_if_empty(config.directory, created_dir)
+            raise
         try:
             self.open_report = open_slab(self.path, layout, self.geometry, config, self.index)
             self.backend = self._make_backend()
         except BaseException:
             os.close(self._lock_fd)
+            if not lock_existed:  # leave nothing behind: the lock file this open created goes too
+                with contextlib.suppress(OSError):
+                    os.unlink(lock_path)
+            _remove_dir_if_empty(config.directory, created_dir)
             raise
         inner = getattr(self.backend, "inner", self.backend)  # see through test wrappers
         self.direct = bool(getattr(inner, "direct", False) or getattr(inner, "gds", False))

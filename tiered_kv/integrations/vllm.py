@@ -220,8 +220,11 @@ class TieredKVOffloadingManager(base.OffloadingManager):
     # ---------------------------------------------------------------------------------- vLLM API
 
     def lookup(self, key: bytes, req_context: Any = None) -> Any:
-        """``HIT`` (verified in host memory), ``HIT_PENDING`` (being stored or staged), ``RETRY`` (no host slot
-        free to stage into yet) or ``MISS``."""
+        """Whether ``key`` can be loaded.
+
+        ``HIT`` (verified in host memory), ``HIT_PENDING`` (being stored or staged), ``RETRY`` (no host slot
+        free to stage into yet) or ``MISS``.
+        """
         self._poll()
         key = bytes(key)
         e = self._host.get(key)
@@ -283,8 +286,10 @@ class TieredKVOffloadingManager(base.OffloadingManager):
         return out
 
     def complete_store(self, keys: Collection[bytes], req_context: Any = None, success: bool = True) -> None:
-        """Stored blocks become loadable (and are written through to the file tier); with ``success=False``
-        blocks still being stored are dropped and never served."""
+        """Stored blocks become loadable (and are written through to the file tier).
+
+        With ``success=False`` blocks still being stored are dropped and never served.
+        """
         stored: list[bytes] = []
         for k in map(bytes, keys):
             e = self._host.get(k)

@@ -4,7 +4,6 @@ Primitives:
 
 * :class:`CacheSoakConfig` -- sizes, tasks, fault / stall / cancellation rates, how long to run.
 * :func:`cache_soak` -- runs it; returns a :class:`CacheSoakReport` or raises :class:`CacheSoakFailure`.
-* :class:`RandomFaults` -- a seeded set of I/O call numbers for :class:`~tiered_kv.testing.FaultyBackend`.
 
 Many tasks on one loop run ``add_sequences`` / ``commit`` / ``append_tokens`` / ``free`` on prompts that
 share prefixes (a few families of base token sequences, each prompt a prefix of one plus a random tail), on
@@ -28,7 +27,7 @@ import random
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 
@@ -38,12 +37,12 @@ from ..cache import TieredKVCache
 from ..device import stall_op
 from ..engine import TransferEngine
 from ..errors import TransferError
-from ..faults import FaultyBackend
+from ..faults import FaultyBackend, random_faults
 from ..file import FileTierConfig
 from ..layout import KVLayout
 from .workload import verify_expected, write_expected
 
-__all__ = ["CacheSoakConfig", "CacheSoakFailure", "CacheSoakReport", "RandomFaults", "cache_soak"]
+__all__ = ["CacheSoakConfig", "CacheSoakFailure", "CacheSoakReport", "cache_soak"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -138,40 +137,10 @@ class CacheSoakFailure(AssertionError):
         self.seed = seed
 
 
-class RandomFaults:
-    """A seeded, stateless set of 1-based call numbers: ``n in faults`` for about ``rate`` of all ``n``.
-
-    Pass it as a :class:`~tiered_kv.testing.FaultyBackend` call set (``eio_on_write=RandomFaults(...)``).
-    """
-
-    def __init__(self, seed: int, rate: float, salt: str) -> None:
-        self._seed = seed
-        self._rate = rate
-        self._salt = salt
-
-    def __contains__(self, n: object) -> bool:
-        return isinstance(n, int) and random.Random(f"{self._seed}:{self._salt}:{n}").random() < self._rate
-
-    def __iter__(self) -> Iterator[int]:  # a Collection: never iterated by FaultyBackend
-        return iter(())
-
-    def __len__(self) -> int:
-        return 0
-
-
 def _faulty_backend(config: CacheSoakConfig, backends: list[FaultyBackend]) -> Callable[[str], FaultyBackend]:
-    r = config.fault_rate / 3  # three kinds per direction
-
     def factory(path: str) -> FaultyBackend:
-        s = config.seed
-        backend = FaultyBackend(
-            PosixBackend(path, direct=False),
-            eio_on_write=RandomFaults(s, r, "eio-w"), enospc_on_write=RandomFaults(s, r, "enospc-w"),
-            short_write_on=RandomFaults(s, r, "short-w"),
-            eio_on_read=RandomFaults(s, r, "eio-r"), short_read_on=RandomFaults(s, r, "short-r"),
-        )
-        backends.append(backend)
-        return backend
+        backends.append(random_faults(PosixBackend(path, direct=False), config.seed, config.fault_rate))
+        return backends[-1]
 
     return factory
 

@@ -21,7 +21,7 @@ from typing import Any
 __all__ = ["main"]
 
 # Benchmarks run by `tiered-kv bench`, in order (modules under tiered_kv.tools.bench).
-BENCHMARKS = ["engine", "kernels", "pagetables", "filetier", "cache", "model"]
+BENCHMARKS = ["engine", "kernels", "overlap", "pagetables", "filetier", "cache", "remote", "model"]
 
 
 def _writable_dir(path: str) -> str:
@@ -54,7 +54,8 @@ async def _demo(args: argparse.Namespace) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: no CUDA device here (use --device cpu or auto)")
     config = DemoConfig(device=args.device, seed=args.seed, conversations=args.conversations, max_new_tokens=args.max_new_tokens,
-                        gpu_blocks=args.gpu_blocks, host_blocks=args.host_blocks, file_blocks=args.file_blocks, directory=args.dir)
+                        gpu_blocks=args.gpu_blocks, host_blocks=args.host_blocks, file_blocks=args.file_blocks, directory=args.dir,
+                        remote=args.remote)
     with tqdm(desc="chat turns through a real model", unit="turn", disable=args.quiet) as bar:
 
         def progress(done: int, total: int) -> None:
@@ -79,19 +80,28 @@ async def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .bench.common import machine_info, print_grouped, write_json
+    from .bench.common import machine_info, print_grouped, print_table, write_json
+    from .bench.targets import SCHEMA, compare, finalize
 
     names = args.only or BENCHMARKS
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:
         print(f"error: unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)}", file=sys.stderr)
         return 2
+    old = None
+    if args.compare:
+        try:
+            with open(args.compare) as f:
+                old = json.load(f)
+        except (OSError, ValueError) as exc:
+            print(f"error: cannot read {args.compare}: {exc}", file=sys.stderr)
+            return 2
     results = []
     for i, name in enumerate(names, 1):
         print(f"[{i}/{len(names)}] running bench.{name} ...", flush=True)  # each takes seconds to minutes
         module = importlib.import_module(f"tiered_kv.tools.bench.{name}")
         t0 = time.perf_counter()
-        result = module.run(args.quick, args.device)
+        result = finalize(module.run(args.quick, args.device))
         result["seconds"] = time.perf_counter() - t0
         if result.get("machine", {}).get("device") == "emulated (CPU)":
             result.setdefault("notes", []).append("emulated device: CPU figures, not comparable to the GPU targets")
@@ -99,10 +109,25 @@ def _bench(args: argparse.Namespace) -> int:
         for note in result.get("notes", []):
             print(f"  note: {note}")
         results.append(result)
-    payload = {"machine": machine_info(args.device), "quick": args.quick, "benchmarks": results}
+    payload = {"schema": SCHEMA, "machine": machine_info(args.device), "quick": args.quick, "benchmarks": results}
     write_json(args.json, payload)
     print(f"\nwrote {args.json}")
+    _print_verdicts(payload)
+    if old is not None:
+        rows = compare(old, payload)
+        print_table(rows, f"\ncompared with {args.compare} ({old.get('machine', {}).get('device', '?')})")
+        if not rows:
+            print("no row of this run has a counterpart with a target in the old file")
     return 0
+
+
+def _print_verdicts(payload: dict[str, Any]) -> None:
+    """One line per benchmark: rows with a target, met, missed (and which)."""
+    for bench in payload["benchmarks"]:
+        judged = [r for r in bench["rows"] if r.get("met") is not None]
+        missed = [r["id"] for r in judged if r["met"] is False]
+        line = f"{bench['name']}: {len(judged) - len(missed)}/{len(judged)} targets met"
+        print(line + (f"; missed: {', '.join(missed)}" if missed else ""))
 
 
 # ------------------------------------------------------------------------------------------ doctor
@@ -170,6 +195,11 @@ def _doctor_checks(directory: str) -> list[tuple[str, bool, str, str]]:
                    "--ulimit memlock=-1 for containers): GDS buffer registration and large pinned host pools need it"))
     writable = os.path.isdir(directory) and os.access(directory, os.W_OK)
     checks.append(("directory", writable, directory, "pass --dir with a writable directory"))
+    from ..file.place import directory_problem
+
+    problem = directory_problem(directory)  # shared directories: symlinks, other users' files (issue 11)
+    checks.append(("directory safe for a file tier", problem is None, "yes" if problem is None else problem,
+                   "use a directory of your own (0700), or a sticky one (chmod +t) like /tmp"))
     if writable:
         from ..backends.gds import select_backend
         from ..backends.posix import direct_io_supported
@@ -188,6 +218,10 @@ def _doctor_checks(directory: str) -> list[tuple[str, bool, str, str]]:
 def _doctor(args: argparse.Namespace) -> int:
     """Exit 1 when a check that running needs fails (REQUIRED_CHECKS); missing optional features only advise."""
     checks = _doctor_checks(args.dir)
+    if args.remote:
+        from ..remote.doctor import remote_checks
+
+        checks += _run_loop(remote_checks(args.remote))
     width = max(len(c[0]) for c in checks)
     for name, ok, found, fix in checks:
         mark = "ok " if ok else ("XX " if name in REQUIRED_CHECKS else "-- ")
@@ -218,13 +252,20 @@ async def _soak(args: argparse.Namespace) -> int:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.cache:
         return await _cache_soak(args, device)
-    config = SoakConfig(ops=args.ops, seed=args.seed, tasks=args.tasks, device=device)
+    if args.file_blocks:
+        import logging
+
+        logging.getLogger("tiered_kv").setLevel(logging.ERROR)  # injected file faults fail copies: expected
+    config = SoakConfig(ops=args.ops, seed=args.seed, tasks=args.tasks, device=device, file_blocks=args.file_blocks)
     with tqdm(total=args.ops, unit="op", desc=f"soak seed={args.seed} on {device}", disable=args.quiet) as bar:
         try:
             report = await soak(config, progress=lambda done: bar.update(done - bar.n))
         except SoakFailure as failure:
             print(f"FAILED: {failure}", file=sys.stderr)
             return 1
+    if args.file_blocks:
+        print(f"file tier: all 8 routes, {report.failed} copies failed by injected file faults, {report.refused} reads "
+              "of emptied slots refused; what they wrote was never checked as valid, everything else was")
     print(f"ok: {report.ops} ops, {report.checked_blocks} block checks, {report.cancelled} cancelled waits, "
           f"{report.forgotten} unawaited, {report.stalls} stalls in {report.seconds:.1f} s; close() {report.close_seconds * 1e3:.1f} ms")
     return 0
@@ -326,6 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--plot", metavar="FILE.png", help="draw hit rate and hits per tier, tier occupancy, TTFT with vs without (needs matplotlib)")
     demo.add_argument("--json", metavar="FILE.json", help="also write the figures as JSON")
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
+    demo.add_argument("--remote", metavar="URL", help="share blocks through a store: redis://host:port/0 or mooncake://host:port")
     demo.set_defaults(func=lambda a: _run_loop(_demo(a)))
 
     bench = sub.add_parser("bench", help="run every benchmark next to its same-run baseline; one table, one JSON")
@@ -333,6 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     bench.add_argument("--json", default="bench-tiered-kv.json", help="output file (default: %(default)s)")
     bench.add_argument("--only", nargs="+", metavar="NAME", help=f"run only these ({', '.join(BENCHMARKS)})")
+    bench.add_argument("--compare", metavar="OLD_JSON", help="compare each judged row with the same row of an earlier run's JSON")
     bench.set_defaults(func=_bench)
 
     soak = sub.add_parser("soak", help="randomized soak with stalls and cancellations; every byte checked against a shadow model")
@@ -344,6 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--cache", action="store_true",
                       help="soak the prefix cache over GPU, host and file tiers with file faults; every reused token checked "
                            "(--ops counts admissions)")
+    soak.add_argument("--file-blocks", type=int, default=0, metavar="N",
+                      help="engine soak: add a file tier of N slots (all 8 routes, random file faults; default: none)")
     soak.add_argument("--reused-tokens", type=int, default=0, metavar="N",
                       help="with --cache: keep going until N reused tokens were verified (default: %(default)s)")
     soak.set_defaults(func=lambda a: _run_loop(_soak(a)))
@@ -360,6 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="report CUDA, kvikio/GDS, pinned-memory limits, uvloop; what to do if missing")
     doctor.add_argument("--dir", default=os.getcwd(), help="directory to check for the file tier (default: cwd)")
     doctor.add_argument("--json", help="also write the checks as JSON")
+    doctor.add_argument("--remote", metavar="URL", help="also probe a remote store: reachability, round trip, bandwidth")
     doctor.set_defaults(func=_doctor)
     return parser
 

@@ -50,6 +50,7 @@ class DemoConfig:
         max_new_tokens: longest reply (the workload draws each reply's length up to this).
         gpu_blocks, host_blocks, file_blocks: tier sizes in blocks of 16 tokens (``file_blocks=0``: no file tier).
         directory: the file tier's directory (default: a temporary one, removed afterwards).
+        remote: a store URL (``redis://...``, ``mooncake://...``): the cache's remote tier (none by default).
         layers, hidden, vocab: the model's shape (heads of 64 dims, half as many KV heads).
     """
 
@@ -62,6 +63,7 @@ class DemoConfig:
     host_blocks: int = 64
     file_blocks: int = 1024
     directory: str | None = None
+    remote: str | None = None
     layers: int = 4
     hidden: int = 256
     vocab: int = 4096
@@ -85,6 +87,7 @@ class DemoReport:
         reuse: the cost model's decisions (:class:`~tiered_kv.cost_model.ReuseStatistics` as a dict): blocks
             skipped per tier, estimated seconds saved, measured bandwidth per tier, prefill time per token.
         samples: one dict per turn (time, hits, occupancy per tier, TTFTs) for plots.
+        remote: the remote tier's statistics (a dict), if the run had one.
     """
 
     device: str
@@ -107,6 +110,7 @@ class DemoReport:
     wall_s: float
     reuse: dict[str, Any]
     samples: list[dict[str, Any]]
+    remote: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (every field, plus TTFT percentiles)."""
@@ -198,6 +202,7 @@ async def run_demo(cfg: DemoConfig, progress: Callable[[int, int], None] | None 
             file_dir=directory if cfg.file_blocks else None,
             device=str(torch_device) if dev.is_cuda else "cpu",
             model_id=f"tiered-kv-demo/{description}/seed={cfg.seed}",
+            remote=cfg.remote,
         ) as cache:
             cost = CostModel(cache).attach()  # reuse a tier's blocks only where that beats recomputing them
             generator = CachedGenerator(model, cache, on_reuse=on_reuse, cost_model=cost)
@@ -250,10 +255,11 @@ async def run_demo(cfg: DemoConfig, progress: Callable[[int, int], None] | None 
     return DemoReport(
         device=device_name, emulated=emulated, model=description, turns=len(turns),
         prompt_tokens=stats.tokens_requested, reused_tokens=stats.tokens_reused, hit_rate=stats.hit_rate,
-        hits={t: stats.hits.get(t, 0) for t in capacity}, capacity=capacity, evictions=dict(stats.evictions),
+        hits={t: stats.hits.get(t, 0) for t in (*capacity, *(("remote",) if stats.remote else ()))}, capacity=capacity, evictions=dict(stats.evictions),
         bytes_moved=dict(stats.bytes_moved), verified_tokens=verified, mismatched_tokens=mismatched,
         max_kv_diff=max_diff, first_token_agree=agree, ttft_with=ttft_with, ttft_without=ttft_without, wall_s=wall,
         reuse=reuse, samples=samples,
+        remote=dataclasses.asdict(stats.remote) if stats.remote is not None else None,
     )
 
 
@@ -287,6 +293,13 @@ def print_report(report: DemoReport) -> None:
           f"{r['prefill_s_per_token'] * 1e6:.1f} us/token); blocks left to recompute: {skipped}; estimated time saved "
           f"{r['saved_vs_reuse_all_s'] * 1e3:.1f} ms against reusing everything, {r['saved_vs_recompute_s']:.2f} s "
           "against recomputing everything")
+    if report.remote is not None:
+        r = report.remote
+        rows = [{"op": op, "round trips": r["batches"][op], "objects": r["blocks"][op], "MiB": r["bytes"][op] / 2**20,
+                 "mean ms per batch": r["seconds"][op] / r["batches"][op] * 1e3 if r["batches"][op] else 0.0} for op in ("get", "put")]
+        print_table(rows, f"\nremote tier {r['url']} ({'available' if r['available'] else 'UNAVAILABLE'}): "
+                          f"{report.hits.get('remote', 0)} block hits, {r['blocks']['miss']} misses, "
+                          f"{r['blocks']['bad']} objects failed verification, {r['errors']} errors")
     print(f"\nwall {report.wall_s:.1f} s")
 
 

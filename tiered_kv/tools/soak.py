@@ -17,8 +17,10 @@ Run: ``tiered-kv soak --ops 1000000 --seed 7`` or ``await soak(SoakConfig(ops=20
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import random
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -26,7 +28,11 @@ from typing import Any
 
 import torch
 
+from ..backends.posix import PosixBackend
 from ..engine import Transfer, TransferEngine
+from ..errors import TransferError
+from ..faults import FaultyBackend, random_faults
+from ..file import FileTierConfig
 from ..layout import KVLayout
 from ..pools import Tier
 from ..testing import stall
@@ -49,6 +55,15 @@ class SoakConfig:
         stall_prob: chance, before a copy, of stalling a random stream for up to ``stall_max`` seconds.
         cancel_prob: chance that the task awaiting a copy is cancelled mid-wait.
         forget_prob: chance that a copy is not awaited at all (fire and forget).
+        file_blocks: slots of a file tier (0: none). With one, copies take all 8 routes (every pair of GPU,
+            host and file but file to file), and ``file_fault_rate`` of the file I/O calls fail (EIO, ENOSPC,
+            short writes and reads). A failed copy's destination is undefined, and so is everything copied
+            from it: the shadow tracks that (and checks the rest); a failed copy that touches no file slot
+            and read nothing undefined is a soak failure.
+        file_fault_rate: share of file I/O calls that fail.
+        pristine_blocks: with a file tier, extra host blocks that copies only read (never write): fresh, known
+            content keeps flowing in while failed copies make blocks undefined (else, with faults on, every
+            block would end up undefined and nothing would be checked).
         layout: block geometry (small by default, so the shadow checks are cheap).
     """
 
@@ -64,6 +79,9 @@ class SoakConfig:
     stall_max: float = 0.002
     cancel_prob: float = 0.05
     forget_prob: float = 0.1
+    file_blocks: int = 0
+    file_fault_rate: float = 0.01
+    pristine_blocks: int = 8
     layout: KVLayout = dataclasses.field(
         default_factory=lambda: KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, tokens_per_block=4, dtype=torch.float16)
     )
@@ -83,6 +101,8 @@ class SoakReport:
     checked_blocks: int
     seconds: float
     close_seconds: float
+    failed: int = 0  # copies that failed (only copies touching the file tier may, when faults are injected)
+    refused: int = 0  # reads of a file slot a failed write had emptied: refused by copy(), nothing enqueued
 
 
 class SoakFailure(AssertionError):
@@ -103,47 +123,80 @@ class _Op:
     num_tokens: int | None
     stall: tuple[str, float] | None
     mode: str  # "await", "cancel", "forget"
+    keys: tuple[str, ...] | None = None  # content keys of a copy into the file tier
 
     def __str__(self) -> str:
         tok = f", num_tokens={self.num_tokens}" if self.num_tokens else ""
+        keys = f", keys={list(self.keys)}" if self.keys else ""
         st = f"stall({self.stall[0]}, {self.stall[1] * 1e3:.2f} ms); " if self.stall else ""
-        return f"{st}copy({self.src.name}, {list(self.src_idx)}, {self.dst.name}, {list(self.dst_idx)}{tok})  [{self.mode}]"
+        return f"{st}copy({self.src.name}, {list(self.src_idx)}, {self.dst.name}, {list(self.dst_idx)}{tok}{keys})  [{self.mode}]"
 
 
 def generate_ops(config: SoakConfig) -> list[_Op]:
     """The op sequence of a seed: a pure function of ``config``."""
     rng = random.Random(config.seed)
     sizes = {Tier.GPU: config.gpu_blocks, Tier.HOST: config.host_blocks}
-    routes = [(a, b) for a in sizes for b in sizes]
+    if config.file_blocks:
+        sizes[Tier.FILE] = config.file_blocks
+    routes = [(a, b) for a in sizes for b in sizes if not (a is Tier.FILE and b is Tier.FILE)]
     tpb = config.layout.tokens_per_block
+    written: list[int] = []  # file slots some generated copy writes (reads pick among them)
     ops = []
-    for _ in range(config.ops):
+    for op_id in range(config.ops):
         src, dst = rng.choice(routes)
+        if src is Tier.FILE and not written:
+            src = Tier.HOST
         n = rng.randint(1, min(config.max_blocks, sizes[dst], sizes[src] // (2 if src is dst else 1)))
         dst_idx = rng.sample(range(sizes[dst]), n)
-        pool = [i for i in range(sizes[src]) if src is not dst or i not in dst_idx]
-        src_idx = [rng.choice(pool) for _ in range(n)]  # sources may repeat
+        if src is Tier.FILE:
+            src_idx = [rng.choice(written) for _ in range(n)]
+        elif src is Tier.HOST and config.file_blocks and rng.random() < 0.5:
+            src_idx = [config.host_blocks + rng.randrange(config.pristine_blocks) for _ in range(n)]  # never written
+        else:
+            pool = [i for i in range(sizes[src]) if src is not dst or i not in dst_idx]
+            src_idx = [rng.choice(pool) for _ in range(n)]  # sources may repeat
+        keys = None
+        if dst is Tier.FILE:
+            keys = tuple(f"{config.seed}:{op_id}:{i}" for i in dst_idx)
+            written.extend(i for i in dst_idx if i not in written)
         num_tokens = rng.randint(1, tpb - 1) if tpb > 1 and rng.random() < config.partial_prob else None
+        if Tier.FILE in (src, dst):
+            num_tokens = None  # file slots hold whole blocks
         stall_spec = None
         if rng.random() < config.stall_prob:
             stall_spec = (rng.choice(("offload", "onboard", "local")), rng.random() * config.stall_max)
         r = rng.random()
         mode = "cancel" if r < config.cancel_prob else "forget" if r < config.cancel_prob + config.forget_prob else "await"
-        ops.append(_Op(src, tuple(src_idx), dst, tuple(dst_idx), num_tokens, stall_spec, mode))
+        ops.append(_Op(src, tuple(src_idx), dst, tuple(dst_idx), num_tokens, stall_spec, mode, keys))
     return ops
 
 
 class _Shadow:
-    """CPU copies of every pool, updated in issue order, plus the last issued writer of each block."""
+    """CPU copies of every pool (and of the file tier's slots), updated in issue order.
 
-    def __init__(self, engine: TransferEngine, tiers: list[Tier]):
+    Also the last issued writer of each block, and the blocks whose content is undefined (a failed copy wrote
+    them, or one copied from such a block), which are not checked.
+    """
+
+    def __init__(self, engine: TransferEngine, tiers: list[Tier], file_blocks: int):
         self.pools = {t: engine.pool(t).tensor.detach().cpu().clone() for t in tiers}
+        if file_blocks:
+            self.pools[Tier.FILE] = torch.zeros((file_blocks, *engine.layout.block_shape), dtype=engine.layout.dtype)
         self.last_writer: dict[tuple[Tier, int], int] = {}
+        self.unknown: set[tuple[Tier, int]] = {(Tier.FILE, i) for i in range(file_blocks)}  # never written yet
 
-    def apply(self, op_id: int, op: _Op) -> dict[int, torch.Tensor]:
+    def apply(self, op_id: int, op: _Op) -> tuple[dict[int, torch.Tensor], dict[int, set[tuple[int, Tier, int]]]]:
+        """The expected content of the op's destinations, and what each was made from: ``(writer op, tier, block)``."""
         src = self.pools[op.src][list(op.src_idx)]  # gathered first: same-pool copies read the old values
         dst = self.pools[op.dst]
         idx = list(op.dst_idx)
+        made_of: dict[int, set[tuple[int, Tier, int]]] = {}
+        unknown: set[int] = set()
+        for s_i, d_i in zip(op.src_idx, idx, strict=True):
+            parts = [(op.src, s_i)] + ([(op.dst, d_i)] if op.num_tokens is not None else [])  # a partial copy keeps the rest
+            made_of[d_i] = {(self.last_writer[p], *p) for p in parts if p in self.last_writer}
+            if any(p in self.unknown for p in parts):
+                unknown.add(d_i)
         if op.num_tokens is None:
             dst[idx] = src
         else:
@@ -151,7 +204,16 @@ class _Shadow:
             dst[idx, :, :, :, :n] = src[:, :, :, :, :n]
         for i in idx:
             self.last_writer[(op.dst, i)] = op_id
-        return {i: dst[i].clone() for i in idx}
+            if i in unknown:
+                self.unknown.add((op.dst, i))
+            else:
+                self.unknown.discard((op.dst, i))
+        return {i: dst[i].clone() for i in idx}, made_of
+
+    def forget(self, op_id: int, tier: Tier, block: int) -> None:
+        """What ``op_id`` wrote into ``block`` is undefined (it failed, or it copied something undefined)."""
+        if self.last_writer.get((tier, block)) == op_id:
+            self.unknown.add((tier, block))
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -161,7 +223,18 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 async def _run(config: SoakConfig, ops: list[_Op]) -> SoakReport:
     rng = random.Random(config.seed ^ 0x5EED)
     threads_before = {t.ident for t in threading.enumerate()}
-    engine = TransferEngine(config.layout, gpu_blocks=config.gpu_blocks, host_blocks=config.host_blocks, device=config.device)
+    tmp = tempfile.TemporaryDirectory(prefix="tiered-kv-soak-") if config.file_blocks else None
+    file_config = None
+    if tmp is not None:
+        seed = config.seed
+
+        def faulty(path: str) -> FaultyBackend:
+            return random_faults(PosixBackend(path, direct=False), seed, config.file_fault_rate)
+
+        file_config = FileTierConfig(tmp.name, config.file_blocks, backend_factory=faulty, io_threads=2)
+    host_blocks = config.host_blocks + (config.pristine_blocks if config.file_blocks else 0)
+    engine = TransferEngine(config.layout, gpu_blocks=config.gpu_blocks, host_blocks=host_blocks, device=config.device,
+                            file_config=file_config)
     tiers = [Tier.GPU, Tier.HOST]
     gen = torch.Generator().manual_seed(config.seed)
     for t in tiers:
@@ -170,22 +243,36 @@ async def _run(config: SoakConfig, ops: list[_Op]) -> SoakReport:
         pool.view(-1).view(torch.uint8).copy_(raw.to(pool.device))
     if engine.device.is_cuda:
         torch.cuda.synchronize()
-    shadow = _Shadow(engine, tiers)
+    shadow = _Shadow(engine, tiers, config.file_blocks)
     failures: list[str] = []
-    counts = {"completed": 0, "awaited": 0, "cancelled": 0, "forgotten": 0, "stalls": 0, "checked": 0}
+    counts = {"completed": 0, "awaited": 0, "cancelled": 0, "forgotten": 0, "stalls": 0, "checked": 0, "failed": 0, "refused": 0}
+    undefined: set[tuple[int, Tier, int]] = set()  # (op, tier, block): what that op wrote there is undefined
     next_op = 0
     t0 = time.perf_counter()
 
-    def checker(op_id: int, op: _Op, expected: dict[int, torch.Tensor]) -> Callable[[Transfer], None]:
+    def checker(op_id: int, op: _Op, applied: tuple[dict[int, torch.Tensor], dict[int, set[tuple[int, Tier, int]]]],
+                ) -> Callable[[Transfer], None]:
+        expected, made_of = applied
+
         def check(transfer: Transfer) -> None:
             counts["completed"] += 1
-            if transfer.exception() is not None:
-                failures.append(f"op {op_id} failed: {transfer.exception()!r}")
-                return
+            failed = transfer.exception() is not None
+            if failed:
+                counts["failed"] += 1
+                if Tier.FILE not in (op.src, op.dst):
+                    failures.append(f"op {op_id} failed: {transfer.exception()!r}")
+                    return
+            # every op this one read from has completed (fences), so whether what it read is defined is known
+            for i, parts in made_of.items():
+                if failed or parts & undefined:
+                    undefined.add((op_id, op.dst, i))
+                    shadow.forget(op_id, op.dst, i)
+            if failed or op.dst is Tier.FILE:
+                return  # a file slot is checked when read back
             pool = engine.pool(op.dst).tensor
             for i, want in expected.items():
-                if shadow.last_writer[(op.dst, i)] != op_id:
-                    continue  # a later copy was issued to write it; that one's check covers it
+                if shadow.last_writer[(op.dst, i)] != op_id or (op.dst, i) in shadow.unknown:
+                    continue  # a later copy was issued to write it (its check covers it), or it is undefined
                 counts["checked"] += 1
                 if not _same(pool[i].cpu(), want):
                     failures.append(f"op {op_id}: {op.dst.name} block {i} differs from the shadow after completion")
@@ -200,7 +287,14 @@ async def _run(config: SoakConfig, ops: list[_Op]) -> SoakReport:
             if op.stall is not None:
                 stall(engine.stream(op.stall[0]), op.stall[1])
                 counts["stalls"] += 1
-            transfer = engine.copy(op.src, op.src_idx, op.dst, op.dst_idx, num_tokens=op.num_tokens)
+            try:
+                transfer = engine.copy(op.src, op.src_idx, op.dst, op.dst_idx, num_tokens=op.num_tokens, keys=op.keys)
+            except ValueError as exc:
+                if op.src is not Tier.FILE or "holds no block" not in str(exc):
+                    raise
+                counts["refused"] += 1  # a failed write emptied the slot: refused before anything was enqueued
+                await asyncio.sleep(0)
+                continue
             transfer.add_done_callback(checker(op_id, op, shadow.apply(op_id, op)))
             if op.mode == "forget":
                 counts["forgotten"] += 1
@@ -213,10 +307,13 @@ async def _run(config: SoakConfig, ops: list[_Op]) -> SoakReport:
                     await waiter
                 except asyncio.CancelledError:
                     counts["cancelled"] += 1
+                except TransferError:
+                    counts["awaited"] += 1  # judged by the checker (a file fault, or a real failure it reports)
                 else:
                     counts["awaited"] += 1
             else:
-                await transfer
+                with contextlib.suppress(TransferError):  # judged by the checker
+                    await transfer
                 counts["awaited"] += 1
 
     try:
@@ -226,7 +323,8 @@ async def _run(config: SoakConfig, ops: list[_Op]) -> SoakReport:
             for t in tiers:
                 actual = engine.pool(t).tensor.detach().cpu()
                 failures.extend(
-                    f"end: {t.name} block {i} differs from the shadow" for i in range(actual.shape[0]) if not _same(actual[i], shadow.pools[t][i])
+                    f"end: {t.name} block {i} differs from the shadow" for i in range(actual.shape[0])
+                    if (t, i) not in shadow.unknown and not _same(actual[i], shadow.pools[t][i])
                 )
         stats = engine.statistics()
         if stats.fences.fenced_blocks or stats.in_flight or stats.deferred:
@@ -235,6 +333,8 @@ async def _run(config: SoakConfig, ops: list[_Op]) -> SoakReport:
         c0 = time.perf_counter()
         await engine.close()
         close_seconds = time.perf_counter() - c0
+        if tmp is not None:
+            tmp.cleanup()
     leaked = [t.name for t in threading.enumerate() if t.ident not in threads_before and t.name.startswith("tiered_kv")]
     if leaked:
         failures.append(f"threads left after close(): {leaked}")
@@ -243,7 +343,8 @@ async def _run(config: SoakConfig, ops: list[_Op]) -> SoakReport:
     if failures:
         raise _Failed(failures[0], next_op)
     return SoakReport(config.seed, len(ops), counts["completed"], counts["awaited"], counts["cancelled"], counts["forgotten"],
-                      counts["stalls"], counts["checked"], time.perf_counter() - t0, close_seconds)
+                      counts["stalls"], counts["checked"], time.perf_counter() - t0, close_seconds, counts["failed"],
+                      counts["refused"])
 
 
 async def _await(transfer: Transfer) -> Any:
@@ -296,6 +397,8 @@ async def soak(config: SoakConfig, *, minimize: bool = True, progress: Callable[
         sum(r.checked_blocks for r in reports),
         sum(r.seconds for r in reports),
         max(r.close_seconds for r in reports),
+        sum(r.failed for r in reports),
+        sum(r.refused for r in reports),
     )
 
 

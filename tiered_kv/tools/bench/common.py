@@ -63,6 +63,8 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
     if isinstance(value, float):
         if value != value:  # NaN
             return "-"
@@ -102,7 +104,7 @@ def print_grouped(result: dict[str, Any]) -> None:
     for row in result["rows"]:
         groups.setdefault(str(row.get("bench", result["name"])), []).append(row)
     for kind, rows in groups.items():
-        print_table([{k: v for k, v in r.items() if k != "bench"} for r in rows], f"\n{result['name']} / {kind} on {result['machine']['device']}")
+        print_table([{k: v for k, v in r.items() if k not in ("bench", "id")} for r in rows], f"\n{result['name']} / {kind} on {result['machine']['device']}")
 
 
 def write_json(path: str, payload: dict[str, Any]) -> None:
@@ -118,7 +120,10 @@ def bench_main(name: str, run: Callable[[bool, str], dict[str, Any]], argv: Sequ
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default: auto)")
     parser.add_argument("--json", default=f"bench-{name}.json", help="where to write the JSON (default: %(default)s)")
     args = parser.parse_args(argv)
-    result = run(args.quick, args.device)
+    from .targets import SCHEMA, finalize
+
+    result = finalize(run(args.quick, args.device))
+    result["schema"] = SCHEMA
     print_grouped(result)
     for note in result.get("notes", []):
         print(f"  note: {note}")

@@ -173,6 +173,7 @@ def run(quick: bool = False, device: str = "auto") -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Command line entry point."""
     return bench_main("layouts", run, argv)
 
 

@@ -1,0 +1,236 @@
+"""The per-call path of ``TransferEngine.copy``: the small-call fast path, batched completions, the list op."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from helpers import fill_pool, same, snapshot
+from test_ops import KINDS, _logical, _make_side
+
+from tiered_kv import Tier, TransferEngine, ops
+from tiered_kv.completions import CompletionInbox
+from tiered_kv.pools import SMALL_CALL_BLOCKS, small_pairs
+from tiered_kv.testing import assert_blocks_equal
+
+# --------------------------------------------------------------------------------------------- small_pairs
+
+
+def test_small_pairs_accepts_valid_lists_and_small_arrays() -> None:
+    assert small_pairs([3, 1], [0, 2], 4, 4, False) == ([3, 1], [0, 2])
+    got = small_pairs(np.array([1, 2], dtype=np.int32), np.array([3, 0], dtype=np.uint8), 4, 4, True)
+    assert got == ([1, 2], [3, 0]) and all(type(x) is int for x in got[0] + got[1])
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "same_pool"),
+    [
+        ([0], [4], False),  # out of range (dst pool has 4 blocks)
+        ([-1], [0], False),  # negative
+        ([0, 1], [2, 2], False),  # duplicate destination
+        ([0, 1], [1, 2], True),  # a block on both sides of one pool
+        ([0, 1], [2], False),  # length mismatch
+        ([], [], False),  # empty: the general path handles it
+        ([0, True], [1, 2], False),  # bool is not an index
+        ([0.0], [1], False),  # float
+        ((0,), (1,), False),  # tuples: the general path
+        (np.array([[0]]), np.array([[1]]), False),  # 2-D
+        (np.array([0.0]), np.array([1.0]), False),  # float arrays
+        (list(range(SMALL_CALL_BLOCKS + 1)), list(range(SMALL_CALL_BLOCKS + 1)), False),  # too many for the fast path
+    ],
+)
+def test_small_pairs_declines_what_the_general_path_must_judge(src, dst, same_pool) -> None:
+    blocks = 4 if len(src) <= 4 else 1000  # the too-many case is in range: only its length declines it
+    assert small_pairs(src, dst, blocks, blocks, same_pool) is None
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "message"),
+    [
+        ([0], [9], "out of range"),
+        ([-1], [0], "negative"),
+        ([0, 1], [2, 2], "duplicates"),
+        ([0], [True], "integers|sequence"),
+        ([0, 1], [2], "pair up"),
+    ],
+)
+async def test_fast_path_keeps_the_general_errors(layout, src, dst, message) -> None:
+    async with TransferEngine(layout, gpu_blocks=4, host_blocks=4, device="cpu") as engine:
+        with pytest.raises((ValueError, TypeError), match=message):
+            engine.copy(Tier.GPU, src, Tier.HOST, dst)
+        with pytest.raises(ValueError, match="both a source and a destination"):
+            engine.copy(Tier.GPU, [0, 1], Tier.GPU, [1, 2])
+        assert engine.statistics().submitted == 0
+
+
+async def test_small_and_general_paths_copy_the_same(device, layout) -> None:
+    """Lists, numpy and tensors (fast and general paths) move the same bytes, including across one pool."""
+    async with TransferEngine(layout, gpu_blocks=8, host_blocks=8, device=device) as engine:
+        g = fill_pool(engine, "gpu", 3)
+        await engine.copy(Tier.GPU, [5, 1, 2], Tier.HOST, [0, 7, 3])  # fast path (list)
+        await engine.copy(Tier.GPU, np.array([6], dtype=np.int32), Tier.HOST, np.array([4]))  # fast path (array)
+        await engine.copy(Tier.GPU, torch.tensor([0]), Tier.HOST, torch.tensor([1]))  # general path (tensor)
+        await engine.copy(Tier.GPU, [3, 4], Tier.GPU, [6, 7])  # same pool, disjoint
+        for h, src in ((0, 5), (7, 1), (3, 2), (4, 6), (1, 0)):
+            assert same(snapshot(engine, "host", h), g[src]), (h, src)
+        assert same(snapshot(engine, "gpu", 6), g[3]) and same(snapshot(engine, "gpu", 7), g[4])
+
+
+# --------------------------------------------------------------------------------------------- completions
+
+
+async def test_inbox_batches_posts_that_arrive_while_the_loop_is_busy() -> None:
+    seen: list[int] = []
+    inbox: CompletionInbox[int] = CompletionInbox(asyncio.get_running_loop(), seen.append)
+    threads = [threading.Thread(target=inbox.post, args=(i,)) for i in range(20)]
+    for t in threads:  # the loop is busy (this coroutine holds it) while all 20 arrive
+        t.start()
+        t.join()
+    assert seen == []
+    await asyncio.sleep(0.01)
+    assert seen == list(range(20))
+    assert inbox.deliveries == 1 and inbox.posted == 20
+
+
+async def test_inbox_strands_nothing_under_concurrent_posts() -> None:
+    seen: list[tuple[int, int]] = []
+    inbox: CompletionInbox[tuple[int, int]] = CompletionInbox(asyncio.get_running_loop(), seen.append)
+
+    def poster(k: int) -> None:
+        for i in range(3000):
+            inbox.post((k, i))
+            if i % 500 == 0:
+                time.sleep(0.001)
+
+    threads = [threading.Thread(target=poster, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):  # noqa: ASYNC110 - polling threads, not a loop-side condition
+        await asyncio.sleep(0.0005)
+    for _ in range(100):
+        if len(seen) == 12000:
+            break
+        await asyncio.sleep(0.005)
+    assert len(seen) == 12000
+    for k in range(4):  # each poster's items in its own order
+        assert [i for kk, i in seen if kk == k] == list(range(3000))
+    assert inbox.deliveries < inbox.posted
+
+
+async def test_inbox_handler_error_does_not_drop_the_batch(caplog: pytest.LogCaptureFixture) -> None:
+    seen: list[int] = []
+
+    def handler(i: int) -> None:
+        if i == 1:
+            raise RuntimeError("boom")
+        seen.append(i)
+
+    inbox: CompletionInbox[int] = CompletionInbox(asyncio.get_running_loop(), handler)
+    for i in range(3):
+        inbox.post(i)
+    await asyncio.sleep(0.01)
+    assert seen == [0, 2]
+    assert "completion handler raised" in caplog.text
+
+
+async def test_engine_completions_that_arrive_together_wake_the_loop_once(layout) -> None:
+    async with TransferEngine(layout, gpu_blocks=16, host_blocks=16, device="cpu") as engine:
+        await engine.copy(Tier.GPU, [0], Tier.HOST, [0])
+        inbox = engine._inbox
+        assert inbox is not None
+        before = inbox.deliveries
+        transfers = [engine.copy(Tier.GPU, [i], Tier.HOST, [i]) for i in range(1, 16)]
+        time.sleep(0.3)  # noqa: ASYNC251 - the point: the loop is blocked while the worker finishes all 15
+        await asyncio.gather(*transfers)
+        assert inbox.deliveries - before == 1
+        assert engine.statistics().completed == 16 and not engine.fences
+
+
+# --------------------------------------------------------------------------------------------- copy_blocks_list
+
+
+def test_copy_blocks_list_reference_matches_copy_blocks() -> None:
+    src, _ = _make_side("layer", 6, torch.float16, "cpu")
+    dst, _ = _make_side("block", 7, torch.float16, "cpu")
+    want = [t.clone() for t in dst]
+    ops.copy_blocks(want, src, torch.tensor([5, 0, 2]), torch.tensor([1, 6, 0]), num_tokens=3)
+    torch.ops.tiered_kv.copy_blocks_list(dst, src, [5, 0, 2], [1, 6, 0], 3, ops.METHOD_KERNEL, 0)
+    assert_blocks_equal(_logical("block", dst), _logical("block", want), "list op")
+    with pytest.raises(ValueError, match="out of range"):
+        torch.ops.tiered_kv.copy_blocks_list(dst, src, [6], [0], 3, ops.METHOD_KERNEL, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("src_kind", KINDS)
+@pytest.mark.parametrize("dst_kind", KINDS)
+@pytest.mark.parametrize("pairs", [1, 5, 40, 200])  # inline parameters up to ~40 pairs here, then one pinned H2D
+@pytest.mark.parametrize("method", [ops.METHOD_KERNEL, ops.METHOD_DMA])
+@pytest.mark.parametrize("num_tokens", [None, 2])
+def test_copy_blocks_list_cuda_matches_reference(src_kind, dst_kind, pairs, method, num_tokens) -> None:
+    rng = np.random.default_rng(pairs)
+    src, _ = _make_side(src_kind, 220, torch.float16, "cuda")
+    dst, _ = _make_side(dst_kind, 230, torch.float16, "pinned")
+    want = [t.clone() for t in dst]
+    s = rng.permutation(220)[:pairs].tolist()
+    d = rng.permutation(230)[:pairs].tolist()
+    n = src[0].shape[-2] if num_tokens is None else num_tokens
+    ops.copy_blocks(want, [t.cpu() for t in src], torch.tensor(s), torch.tensor(d), num_tokens=num_tokens)
+    stream = torch.cuda.Stream()
+    torch.cuda.synchronize()  # the sides were filled on the default stream
+    torch.cuda._sleep(50_000_000)  # the default stream is busy: the op must not run on it
+    torch.ops.tiered_kv.copy_blocks_list(dst, src, s, d, n, method, stream.cuda_stream)
+    stream.synchronize()
+    assert_blocks_equal(_logical(dst_kind, dst), _logical(dst_kind, want), f"{src_kind}->{dst_kind} {pairs} {method}")
+    torch.cuda.synchronize()
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.tiered_kv.copy_blocks_list(dst, src, [220], [0], n, method, stream.cuda_stream)
+
+
+@pytest.mark.gpu
+async def test_engine_small_calls_use_the_list_op_on_their_stream(layout) -> None:
+    big = SMALL_CALL_BLOCKS + 8
+    async with TransferEngine(layout, gpu_blocks=big, host_blocks=big, device="cuda") as engine:
+        g = fill_pool(engine, "gpu", 9)
+        calls: list[str] = []
+        real_build = engine.copier.build
+
+        def build(*args, **kwargs):  # type: ignore[no-untyped-def]
+            op = real_build(*args, **kwargs)
+            calls.append("list" if getattr(op, "explicit_stream", False) else "tensor")
+            return op
+
+        engine.copier.build = build  # type: ignore[method-assign]
+        engine.stream("offload").submit(lambda: torch.cuda._sleep(50_000_000))  # later work must queue behind it
+        await engine.copy(Tier.GPU, [1, 2], Tier.HOST, [3, 4])
+        everything = np.arange(big)
+        await engine.copy(Tier.GPU, everything, Tier.HOST, everything[::-1].copy())
+        assert calls == ["list", "tensor"]
+        host = engine.pool(Tier.HOST).tensor.cpu()
+        for i in range(big):
+            assert same(host[big - 1 - i], g[i]), i
+
+
+async def test_cancelled_transfer_await_forgets_its_waiter(layout) -> None:
+    """Transfer.__await__ waits through Marker.wait_steps: a cancelled await leaves no waiter behind."""
+    from tiered_kv.testing import stall
+
+    async with TransferEngine(layout, gpu_blocks=2, host_blocks=2, device="cpu") as engine:
+        stall(engine.stream("offload"), 0.2)
+        t = engine.copy(Tier.GPU, [0], Tier.HOST, [1])
+
+        async def wait() -> None:
+            await t
+
+        tasks = [asyncio.create_task(wait()) for _ in range(3)]
+        await asyncio.sleep(0.01)
+        assert len(t._marker._waiters) == 3
+        tasks[0].cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await tasks[0]
+        assert len(t._marker._waiters) == 2 and not t.done()
+        await asyncio.gather(*tasks[1:])
+        assert t.done() and t._marker._waiters == [] and (await t).num_blocks == 1

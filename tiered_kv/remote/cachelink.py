@@ -1,0 +1,252 @@
+"""The prefix cache's side of the remote tier: look-ups after the local tiers, background puts, hit counting.
+
+Primitives: :class:`RemoteLink` (what :class:`~tiered_kv.TieredKVCache` holds as ``cache.remote``) and
+:data:`POLICIES`.
+
+* **Look-up** (``prefetch``): before a batch is admitted, the full blocks of each prompt beyond its longest
+  local prefix (GPU, host, file) are read from the store in one batch into reserved host slots, verified,
+  and adopted as cached host blocks -- each only if its parent is cached, so a prefix stays a chain. The
+  admission then onboards them like any host hit; they count as ``hits["remote"]``.
+* **Puts** (``remote_policy``): ``"commit"`` -- every committed full block is put in the background, in
+  batches, read from wherever it lives then (GPU or host) under the engine's fences; ``"evict"`` -- a block
+  is put when it leaves the host tier (spilled or dropped), read before its slot is reused; ``"off"`` --
+  read only. Back-pressure: one batch in flight; blocks queued beyond ``max_pending`` are not put (counted
+  in ``put_skipped``). ``flush()`` waits for everything queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..blocks import Admission, Block, Request
+from ..errors import TransferError
+from ..keys import ContentKey, as_token_array
+from ..pools import Tier
+from ..transfer import Transfer
+from .tier import RemoteStatistics, RemoteTier
+from .url import StoreURL
+
+if TYPE_CHECKING:
+    from ..cache import TieredKVCache
+
+__all__ = ["POLICIES", "RemoteLink"]
+
+log = logging.getLogger(__name__)
+
+#: Values of ``TieredKVCache(remote_policy=...)``.
+POLICIES = ("commit", "evict", "off")
+_REMEMBERED = 1 << 20  # content keys known to be in the store (not put again), most recent
+
+
+class RemoteLink:
+    """Connects a :class:`~tiered_kv.TieredKVCache` to a :class:`RemoteTier`.
+
+    Args:
+        cache: the cache (its engine must have a host pool).
+        remote: a store URL or a :class:`RemoteTier` over the cache's engine.
+        policy: ``"commit"``, ``"evict"`` or ``"off"`` (see the module docstring).
+        rank: tensor-parallel rank (part of every object name).
+        max_pending: blocks queued for puts at most; more are skipped.
+
+    Raises:
+        ValueError: a bad policy or URL, a cache without a host tier.
+    """
+
+    def __init__(self, cache: TieredKVCache, remote: str | StoreURL | RemoteTier, *, policy: str = "commit",
+                 rank: int = 0, max_pending: int = 4096) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"remote_policy must be one of {', '.join(map(repr, POLICIES))}, got {policy!r}")
+        if cache.blocks.capacity[Tier.HOST] == 0:
+            raise ValueError("a remote tier needs a host tier (host_blocks > 0): remote blocks arrive in host memory")
+        if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
+            raise ValueError(f"max_pending must be a positive int, got {max_pending!r}")
+        self.cache = cache
+        self.tier = remote if isinstance(remote, RemoteTier) else RemoteTier(cache.engine, remote, rank=rank)
+        if self.tier.engine is not cache.engine:
+            raise ValueError("the RemoteTier must be built over the cache's engine")
+        self.policy = policy
+        self.max_pending = max_pending
+        self._queue: collections.OrderedDict[ContentKey, Block] = collections.OrderedDict()  # commit policy
+        self._evicted: list[Block] = []  # evict policy: host victims of the decision being made
+        self._known: collections.OrderedDict[ContentKey, None] = collections.OrderedDict()  # in the store
+        self._putter: asyncio.Task[None] | None = None
+        self._fresh: set[int] = set()  # ids of blocks adopted by the prefetch of the batch being admitted
+        self.hits = 0
+        self.put_skipped = 0
+        if policy == "evict":
+            cache.blocks.on_evict = self._on_evict
+
+    # ------------------------------------------------------------------------------------ lifecycle
+
+    async def connect(self) -> bool:
+        """Connect the store; ``False`` if it cannot be reached (the cache runs without it; retried later).
+
+        Cancellation: propagates.
+        """
+        return await self.tier.connect()
+
+    async def flush(self) -> None:
+        """Wait until every queued put has been tried. Cancellation: cancels only this wait."""
+        self._before_issue()
+        while self._putter is not None and not self._putter.done():
+            await asyncio.shield(self._putter)
+        await self.tier.drain()
+
+    async def close(self) -> None:
+        """Flush, then close the store client. Cancellation: a later ``close()`` finishes the job."""
+        await self.flush()
+        await self.tier.close()
+
+    # ------------------------------------------------------------------------------------ look-up
+
+    async def prefetch(self, requests: Sequence[object]) -> None:
+        """Bring from the store the blocks of these prompts that no local tier has (see the module docstring).
+
+        Cancellation: the reserved slots go back (the read's fences keep any late write ordered).
+        """
+        tier = self.tier
+        if not tier._usable():
+            return
+        blocks = self.cache.blocks
+        tpb = blocks.tokens_per_block
+        wanted: dict[ContentKey, tuple[ContentKey, np.ndarray]] = {}  # key -> (parent key, tokens), chain order
+        try:
+            for raw in requests:
+                tokens = as_token_array(Request.coerce(raw).tokens)
+                m = blocks.match(tokens)
+                usable = (len(tokens) - 1 if blocks.compute_last_token else len(tokens)) // tpb
+                for i in range(len(m.blocks), usable):
+                    key = m.keys[i]
+                    if key not in wanted:
+                        wanted[key] = (m.keys[i - 1] if i else blocks.hasher.root, tokens[i * tpb : (i + 1) * tpb])
+        except (TypeError, ValueError):
+            return  # a bad request: the admission reports it
+        if not wanted:
+            return
+        cap = max(1, blocks.capacity[Tier.HOST] // 2)  # never flush the whole host tier for one batch
+        keys = list(wanted)[:cap]
+        slots, plan = blocks.reserve(Tier.HOST, len(keys))
+        self.cache._issue(plan)
+        keys = keys[: len(slots)]
+        if not keys:
+            return
+        transfer = tier.get(keys, Tier.HOST, slots)
+        found: list[bool]
+        try:
+            await transfer
+            found = transfer.found
+        except TransferError:
+            found = [False] * len(keys)
+        except BaseException:
+            blocks.unreserve(Tier.HOST, slots)
+            raise
+        for key, slot, ok in zip(keys, slots, found, strict=True):
+            block = blocks.adopt(Tier.HOST, slot, key, *wanted[key]) if ok else None
+            if block is None:
+                if not ok:
+                    blocks.unreserve(Tier.HOST, [slot])
+                continue
+            block.sources = [transfer]
+            self._fresh.add(block.id)
+            self._remember(key)
+
+    def count_hits(self, admissions: list[Admission]) -> list[Admission]:
+        """Move the host hits on blocks this batch's prefetch brought to ``blocks_from["remote"]``."""
+        fresh, self._fresh = self._fresh, set()
+        if not fresh:
+            return [a if "remote" in a.blocks_from else dataclasses.replace(a, blocks_from={**a.blocks_from, "remote": 0})
+                    for a in admissions]
+        out = []
+        for a in admissions:
+            n_full = sum(a.blocks_from.values())
+            used = self.cache.blocks.sequence_blocks(a.seq_id)[:n_full]
+            k = sum(1 for b in used if b.id in fresh)
+            self.hits += k
+            by = dict(a.blocks_from)
+            by["host"] = by.get("host", 0) - k
+            by["remote"] = k
+            out.append(dataclasses.replace(a, blocks_from=by))
+        return out
+
+    # ------------------------------------------------------------------------------------ puts
+
+    def _remember(self, key: ContentKey) -> None:
+        self._known[key] = None
+        self._known.move_to_end(key)
+        if len(self._known) > _REMEMBERED:
+            self._known.popitem(last=False)
+
+    def committed(self, blocks: Sequence[Block]) -> None:
+        """Queue newly committed full blocks for a background put (commit policy)."""
+        if self.policy != "commit":
+            return
+        for b in blocks:
+            if b.key is None or b.key in self._known or b.key in self._queue:
+                continue
+            if len(self._queue) >= self.max_pending:
+                self.put_skipped += 1
+                continue
+            self._queue[b.key] = b
+        if self._queue and (self._putter is None or self._putter.done()):
+            self._putter = asyncio.get_running_loop().create_task(self._drain_queue())
+
+    def _on_evict(self, block: Block) -> None:
+        if block.tier is Tier.HOST and block.key is not None and block.key not in self._known:
+            self._evicted.append(block)
+
+    def _before_issue(self) -> None:
+        """Evict policy: put the host victims of the decision just made, before the plan's copies reuse their slots."""
+        if not self._evicted:
+            return
+        victims, self._evicted = self._evicted, []
+        slots = [b.slot for b in victims]
+        keys: list[bytes] = [b.key for b in victims]  # type: ignore[misc]  # filtered in _on_evict
+        for k in keys:
+            self._remember(k)
+        self.tier.put(Tier.HOST, slots, keys)  # fenced now; runs in the background, counted in the tier
+
+    async def _drain_queue(self) -> None:
+        """Commit policy: put queued blocks, one batch in flight at a time (back-pressure)."""
+        blocks = self.cache.blocks
+        batch_size = self.tier._chunk * 2
+        while self._queue:
+            by_tier: dict[Tier, tuple[list[int], list[bytes]]] = {}
+            for _ in range(min(batch_size, len(self._queue))):
+                key, block = self._queue.popitem(last=False)
+                # only a block that is still the cached one for its key, in memory, with its data there
+                if blocks.lookup(key) is not block or block.tier not in (Tier.GPU, Tier.HOST) or _failed(block.sources):
+                    continue
+                slots, keys = by_tier.setdefault(block.tier, ([], []))
+                slots.append(block.slot)
+                keys.append(key)
+            transfers: list[Any] = []
+            for tier, (slots, keys) in by_tier.items():
+                transfers.append(self.tier.put(tier, slots, keys))  # fenced now, in this step of the loop
+            for t in transfers:
+                try:
+                    await t
+                except TransferError:
+                    continue  # the store is away or failed: counted by the tier; these blocks stay local
+                for key, ok in zip(by_tier[t.src_tier][1], t.found, strict=True):
+                    if ok:
+                        self._remember(key)
+
+    # ------------------------------------------------------------------------------------ inspection
+
+    def statistics(self) -> RemoteStatistics:
+        """The remote tier's snapshot."""
+        return self.tier.statistics()
+
+    def __repr__(self) -> str:
+        return f"<RemoteLink {self.tier!r} policy={self.policy} queued={len(self._queue)}>"
+
+
+def _failed(sources: list[object]) -> bool:
+    return any(isinstance(t, Transfer) and t.done() and t.exception() is not None for t in sources)
