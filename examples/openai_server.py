@@ -455,7 +455,7 @@ def _chat_prompt(server: Server, body: dict[str, Any]) -> list[int]:
         ):
             raise BadRequest("each message needs a 'role' (system, user, assistant) and a string 'content'")
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict):
+    if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return [int(i) for i in ids]
 
