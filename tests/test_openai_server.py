@@ -161,10 +161,11 @@ async def test_a_full_queue_answers_429_and_a_client_that_leaves_frees_its_seque
                 answer = await waiting
                 assert answer.status == 200
                 answer.close()
-            for _ in range(200):
+            for _ in range(3000):  # the server notices at its next write, then waits for the running forward
                 if not cache.blocks.live_sequences:
                     break
                 await asyncio.sleep(0.01)
+            assert server.status_counts.get(499) == 1  # it stopped generating for the client that left
             assert cache.blocks.live_sequences == ()
         finally:
             await runner.cleanup()
