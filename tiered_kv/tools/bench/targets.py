@@ -131,7 +131,8 @@ def row_id(row: Row) -> str:
     for key, value in row.items():
         if key in _NOT_LABELS or key == "bench" or isinstance(value, bool):
             continue
-        if isinstance(value, str) or (isinstance(value, int) and (key in _INT_LABELS or key.endswith(_INT_LABEL_ENDINGS))):
+        int_label = isinstance(value, int) and (key in _INT_LABELS or key.endswith(_INT_LABEL_ENDINGS))
+        if isinstance(value, str) or int_label:
             parts.append(f"{key}={value}")
         elif isinstance(value, float) and key.endswith(("KiB", "MiB")):
             parts.append(f"{key}={value:g}")
