@@ -58,7 +58,9 @@ class LayerwiseTransfer:
 
     __slots__ = ("_engine", "groups", "transfers")
 
-    def __init__(self, engine: TransferEngine, groups: Sequence[tuple[int, int]], transfers: Sequence[Transfer]) -> None:
+    def __init__(
+        self, engine: TransferEngine, groups: Sequence[tuple[int, int]], transfers: Sequence[Transfer]
+    ) -> None:
         self._engine = engine
         self.groups = list(groups)
         self.transfers = list(transfers)
