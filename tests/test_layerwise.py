@@ -90,7 +90,9 @@ async def asyncio_to_thread(fn) -> None:  # type: ignore[no-untyped-def]
 
 
 async def test_layers_bad_input(layout, tmp_path) -> None:
-    async with TransferEngine(layout, gpu_blocks=2, host_blocks=2, device="cpu", file_dir=tmp_path, file_blocks=2) as engine:
+    async with TransferEngine(
+        layout, gpu_blocks=2, host_blocks=2, device="cpu", file_dir=tmp_path, file_blocks=2
+    ) as engine:
         for bad, err in (((0, 0), ValueError), ((2, 9), ValueError), ((-1, 1), ValueError), ([0, 1], TypeError),
                          ((0.0, 1), TypeError), ((True, 2), TypeError)):
             with pytest.raises(err):
@@ -121,7 +123,8 @@ async def test_readme_layerwise_snippet_runs_in_order(layout) -> None:
 
         code = "async def _snippet():\n" + "".join(f"    {line}\n" for line in block.group(1).splitlines())
         namespace = {
-            "copy_layerwise": copy_layerwise, "engine": engine, "Tier": Tier, "host_blocks": [2, 0], "gpu_blocks": [0, 1],
+            "copy_layerwise": copy_layerwise, "engine": engine, "Tier": Tier,
+            "host_blocks": [2, 0], "gpu_blocks": [0, 1],
             "layout": layout, "compute_stream": compute_stream, "run_layer": run_layer,
         }
         exec(code, namespace)

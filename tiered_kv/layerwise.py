@@ -58,7 +58,9 @@ class LayerSlice:
                              "copy whole blocks")
         layers = pool.layout.num_layers
         if not 0 <= start < stop <= layers:
-            raise ValueError(f"layers must be a range (start, stop) with 0 <= start < stop <= {layers}, got ({start}, {stop})")
+            raise ValueError(
+                f"layers must be a range (start, stop) with 0 <= start < stop <= {layers}, got ({start}, {stop})"
+            )
         self.pool = pool
         self.start, self.stop = start, stop
         self.tier: Tier = pool.tier
@@ -99,7 +101,9 @@ class LayerwiseTransfer:
 
     __slots__ = ("_engine", "groups", "transfers")
 
-    def __init__(self, engine: TransferEngine, groups: Sequence[tuple[int, int]], transfers: Sequence[Transfer]) -> None:
+    def __init__(
+        self, engine: TransferEngine, groups: Sequence[tuple[int, int]], transfers: Sequence[Transfer]
+    ) -> None:
         self._engine = engine
         self.groups = list(groups)
         self.transfers = list(transfers)

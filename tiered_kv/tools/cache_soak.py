@@ -34,12 +34,12 @@ import torch
 from ..backends.posix import PosixBackend
 from ..blocks import CacheFullError, Request
 from ..cache import TieredKVCache
-from ..device import stall_op
 from ..engine import TransferEngine
 from ..errors import TransferError
 from ..faults import FaultyBackend, random_faults
 from ..file import FileTierConfig
 from ..layout import KVLayout
+from ..testing import stall
 from .workload import verify_expected, write_expected
 
 __all__ = ["CacheSoakConfig", "CacheSoakFailure", "CacheSoakReport", "cache_soak"]
@@ -230,7 +230,7 @@ async def cache_soak(config: CacheSoakConfig, *, progress: Callable[[int, int], 
                 n = local.randint(1, config.max_prompt - tpb)
                 prompt = base[:n] + [local.randrange(1, 2**40) for _ in range(local.randint(0, tpb))]
                 if local.random() < config.stall_prob:
-                    local.choice(streams).submit(stall_op(streams[0], local.random() * config.stall_max))
+                    stall(local.choice(streams), local.random() * config.stall_max)
                 admitted = await admit(prompt, local.randint(0, 100), local.random() < config.cancel_prob)
                 if admitted is None:
                     continue
