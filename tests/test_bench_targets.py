@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from tiered_kv.tools.bench.targets import SCHEMA, Target, compare, finalize, row_id, target_for
 
 
-def _payload(ratio: float, wake: float) -> dict:
+def _payload(ratio: float, wake: float) -> dict[str, Any]:
     engine = {
         "name": "engine",
         "rows": [
