@@ -202,18 +202,26 @@ async def test_two_writers_of_one_key_leave_one_whole_valid_object(layout, serve
         await tb.close()
 
 
-def test_bad_arguments_are_refused_before_anything_runs(layout):
-    engine = TransferEngine(layout, gpu_blocks=2, host_blocks=2, device="cpu")
-    with pytest.raises(ValueError, match="rank"):
-        RemoteTier(engine, "redis://127.0.0.1:1/0", rank=-1)
-    with pytest.raises(ValueError, match="staging_blocks"):
-        RemoteTier(engine, "redis://127.0.0.1:1/0", staging_blocks=0)
-    with pytest.raises(ValueError, match="unknown remote store URL"):
-        RemoteTier(engine, "memcached://127.0.0.1:1")
-    with pytest.raises(TypeError, match="TransferEngine"):
-        RemoteTier(object(), "redis://127.0.0.1:1/0")  # type: ignore[arg-type]
-    del engine
-    _ = torch
+async def test_bad_arguments_are_refused_before_anything_runs(layout):
+    async with TransferEngine(layout, gpu_blocks=2, host_blocks=2, device="cpu") as engine:
+        with pytest.raises(ValueError, match="rank"):
+            RemoteTier(engine, "redis://127.0.0.1:1/0", rank=-1)
+        with pytest.raises(ValueError, match="staging_blocks"):
+            RemoteTier(engine, "redis://127.0.0.1:1/0", staging_blocks=0)
+        with pytest.raises(ValueError, match="unknown remote store URL"):
+            RemoteTier(engine, "memcached://127.0.0.1:1")
+        with pytest.raises(TypeError, match="TransferEngine"):
+            RemoteTier(object(), "redis://127.0.0.1:1/0")  # type: ignore[arg-type]
+        tier = RemoteTier(engine, "redis://127.0.0.1:1/0")
+        with pytest.raises(ValueError, match="pair up"):
+            tier.put(Tier.HOST, [0, 1], [b"k" * 16])
+        with pytest.raises(ValueError, match="duplicates"):
+            tier.get([b"a" * 16, b"b" * 16], Tier.HOST, [1, 1])
+        with pytest.raises(ValueError, match="gpu and host tiers"):
+            tier.put(Tier.FILE, [0], [b"k" * 16])
+        with pytest.raises(TypeError, match="non-empty bytes"):
+            tier.put(Tier.HOST, [0], ["text"])  # type: ignore[list-item]
+        await tier.close()
 
 
 async def test_engine_route_copies_through_the_handler(layout, device, server):  # noqa: F811

@@ -255,3 +255,29 @@ async def test_the_engine_under_a_cache_refuses_copies(small: KVLayout) -> None:
             with pytest.raises(ValueError, match="already belongs"):
                 TieredKVCache(small, gpu_blocks=4, host_blocks=8, engine=engine)
         await engine.copy(Tier.GPU, [0], Tier.HOST, [0])
+
+
+# ---------------------------------------------------------------------------------------- slot events
+
+
+async def test_slot_events_apply_on_the_loop_in_order_and_at_once_without_one() -> None:
+    """tiered_kv.slotstate: changes posted from threads apply on the loop, FIFO, between loop steps; a listener
+    that raises does not stop the others; with no loop (or a closed one) a change applies on the spot."""
+    import threading as th
+
+    from tiered_kv.slotstate import SlotEvent, SlotEvents
+
+    events = SlotEvents()
+    seen: list[int] = []
+    events.subscribe(lambda e: (_ for _ in ()).throw(RuntimeError("listener bug")))  # raises
+    events.subscribe(lambda e: seen.append(e.slot))
+    events.post(lambda: [SlotEvent(0, b"k", 1, "write failed")])  # no loop yet: at once
+    assert seen == [0]
+    events.bind(asyncio.get_running_loop())
+    posters = [th.Thread(target=events.post, args=(lambda i=i: [SlotEvent(i, b"k", 1, "write failed")],)) for i in range(1, 6)]
+    for p in posters:
+        p.start()
+        p.join()  # one after another: their order is the posting order
+    assert seen == [0], "applied off the loop"
+    await asyncio.sleep(0)
+    assert seen == [0, 1, 2, 3, 4, 5]

@@ -535,10 +535,8 @@ class TieredKVCache:
                 try:
                     transfers.append(self._issue_group(group))
                     continue
-                except EngineClosedError:
-                    if not transfers:
-                        raise
-                    failure = TransferError("the engine closed while a plan was being issued")
+                except EngineClosedError as exc:  # the plan is made: its blocks must be poisoned, not left half-moved
+                    failure = TransferError(f"the engine closed while a plan was being issued ({exc})")
                 except (ValueError, TypeError, TransferError) as exc:
                     failure = exc
             transfers.append(_failed_transfer(group, failure))

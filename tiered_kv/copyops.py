@@ -243,14 +243,14 @@ class Copier:
             return run
         return _torch_op(src_t, s, dst_t, d, n)
 
-    def _chunked_plan(self, src_pool: Pool, s: np.ndarray, dst_pool: Pool, d: np.ndarray) -> CopyPlan:
+    def _chunked_plan(self, src_pool: Side, s: np.ndarray, dst_pool: Side, d: np.ndarray) -> CopyPlan:
         piece = pool_kinds.piece_bytes(src_pool, dst_pool)
         on_cuda = any(t.is_cuda for t in (*pool_kinds.chunk_tensors(src_pool), *pool_kinds.chunk_tensors(dst_pool)))
         ref = src_pool if isinstance(src_pool, pool_kinds.ChunkedPool) else dst_pool
         assert isinstance(ref, pool_kinds.ChunkedPool)
         return CopyPlan(choose_path(piece, self.config, on_cuda=on_cuda, kernels=self.kernels), piece, ref.num_chunks, int(s.size))
 
-    def _chunked_op(self, src_pool: Pool, s: np.ndarray, dst_pool: Pool, d: np.ndarray, num_tokens: int | None) -> Op:
+    def _chunked_op(self, src_pool: Side, s: np.ndarray, dst_pool: Side, d: np.ndarray, num_tokens: int | None) -> Op:
         """A copy involving a :class:`~tiered_kv.pool_kinds.ChunkedPool`: one ``copy_chunks`` call."""
         if num_tokens is not None and num_tokens != src_pool.layout.tokens_per_block:
             raise ValueError("partial copies (num_tokens) are not supported for chunked GPU pools; copy whole blocks")

@@ -27,6 +27,7 @@ import torch
 
 from .layer_major import LayerMajorPool
 from .layout import KVLayout
+from .pool_kinds import ChunkedPool
 from .pools import BlockPool, Tier
 
 if TYPE_CHECKING:
@@ -52,6 +53,9 @@ class LayerSlice:
     __slots__ = ("layout", "name", "num_blocks", "pool", "start", "stop", "tensors", "tier")
 
     def __init__(self, pool: BlockPool | LayerMajorPool, start: int, stop: int) -> None:
+        if isinstance(pool, ChunkedPool):
+            raise ValueError("layer-wise copies (layers=) are not supported for chunked GPU pools (engine layouts); "
+                             "copy whole blocks")
         layers = pool.layout.num_layers
         if not 0 <= start < stop <= layers:
             raise ValueError(
