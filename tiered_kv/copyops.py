@@ -175,6 +175,7 @@ class Copier:
     def plan(self, src_pool: Side, s: np.ndarray, dst_pool: Side, d: np.ndarray, num_tokens: int | None) -> CopyPlan:
         """The path :meth:`build` takes for these arguments."""
         if isinstance(src_pool, pool_kinds.ChunkedPool) or isinstance(dst_pool, pool_kinds.ChunkedPool):
+            assert not isinstance(src_pool, LayerSlice) and not isinstance(dst_pool, LayerSlice)  # refused by validate
             return self._chunked_plan(src_pool, s, dst_pool, d)
         return self._plan(
             self._pair(src_pool, dst_pool, src_pool.layout.tokens_per_block if num_tokens is None else num_tokens), s, d
@@ -226,6 +227,7 @@ class Copier:
                 ``explicit_stream = True`` for :meth:`~tiered_kv.device.Stream.submit`).
         """
         if isinstance(src_pool, pool_kinds.ChunkedPool) or isinstance(dst_pool, pool_kinds.ChunkedPool):
+            assert not isinstance(src_pool, LayerSlice) and not isinstance(dst_pool, LayerSlice)  # refused by validate
             return self._chunked_op(
                 src_pool, np.asarray(s, dtype=np.int64), dst_pool, np.asarray(d, dtype=np.int64), num_tokens
             )
