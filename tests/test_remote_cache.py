@@ -260,9 +260,11 @@ async def test_soak_random_caches_policies_and_store_faults(redis_server):  # no
 
 
 async def test_remote_tier_object_can_be_passed_in(redis_server):  # noqa: F811
-    cache = _cache(None, _model("obj"))
-    tier = RemoteTier(cache.engine, store_url(redis_server))
-    cache2 = TieredKVCache(LAYOUT, device="cpu", gpu_blocks=96, host_blocks=64, engine=cache.engine, remote=tier)
-    async with cache2:
+    from tiered_kv import TransferEngine
+
+    engine = TransferEngine(LAYOUT, gpu_blocks=96, host_blocks=64, device="cpu")  # one cache per engine (issue 11)
+    tier = RemoteTier(engine, store_url(redis_server))
+    cache2 = TieredKVCache(LAYOUT, device="cpu", gpu_blocks=96, host_blocks=64, engine=engine, remote=tier)
+    async with engine, cache2:
         assert cache2.remote.tier is tier and tier.available
     assert object_name(0, b"\x01") == "tkv1/0/01"
