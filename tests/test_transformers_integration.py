@@ -218,7 +218,7 @@ async def test_bad_arguments_are_refused_before_anything_is_admitted(model32, tm
             for bad, what in (
                 ([], "empty"),
                 ([VOCAB], "vocabulary"),
-                ([-1, 2], "vocabulary"),
+                ([-1, 2], r"vocabulary|0\.\.2\*\*63-1"),  # negative ids: refused by the cache's token check (issue 11)
                 (list(range(120)), "more than"),
             ):
                 with pytest.raises(ValueError, match=what):
