@@ -386,6 +386,15 @@ async def _respond(request: web.Request, server: Server, c: Completion, chat: bo
                     await response.prepare(request)
                 text = tok.decode([token]) if tok is not None else f" {token}"
                 await response.write(_chunk(cid, created, model, obj, token, text, None, chat))
+                if request.transport is None or request.transport.is_closing():
+                    server.count(499)  # the client went away: stop generating (the sequence is freed)
+                    return response
+    except asyncio.CancelledError:
+        server.count(499)  # the client went away and aiohttp cancelled the handler (the sequence is freed)
+        raise
+    except ConnectionError:  # a write to a client that went away: stop (leaving the loop freed the sequence)
+        server.count(499)
+        return response if response is not None else web.Response(status=499)
     except CacheFullError as exc:
         server.count(503)
         if response is None:
@@ -455,7 +464,7 @@ def _chat_prompt(server: Server, body: dict[str, Any]) -> list[int]:
         ):
             raise BadRequest("each message needs a 'role' (system, user, assistant) and a string 'content'")
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict):
+    if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return [int(i) for i in ids]
 

@@ -12,13 +12,13 @@ from tiered_kv.tools.bench import model
 def test_quick_run_measures_every_path_and_marks_emulated_rows():
     result = model.run(quick=True, device="cpu")
     rows = result["rows"]
-    assert {(r["prefix_tokens"], r["path"]) for r in rows} == {
+    assert {(r["tokens"], r["path"]) for r in rows} == {
         (n, p) for n in (512, 2048) for p in ("recompute", "cold", "gpu", "host", "file")
     }
     for r in rows:
         assert r["ttft_ms"] > 0 and r["vs_recompute"] > 0
         if r["path"] in ("gpu", "host", "file"):
-            assert r["tokens_reused"] == r["prefix_tokens"]  # the whole prefix, none of the new tokens
+            assert r["tokens_reused"] == r["tokens"]  # the whole prefix, none of the new tokens
         else:
             assert r["tokens_reused"] == 0
         if r["path"] == "host":

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from tiered_kv.tools.bench.targets import SCHEMA, Target, compare, finalize, row_id, target_for
 
 
-def _payload(ratio: float, wake: float) -> dict:
+def _payload(ratio: float, wake: float) -> dict[str, Any]:
     engine = {
         "name": "engine",
         "rows": [
@@ -60,3 +61,17 @@ def test_overlap_rows_must_also_compute_the_same_output() -> None:
     assert t is not None and str(t) == "vs_bound <= 1.15 and same_output"
     assert t.met({"vs_bound": 1.0, "same_output": True}) is True
     assert t.met({"vs_bound": 1.0, "same_output": False}) is False
+
+
+def test_rows_judged_by_their_own_module_keep_the_verdict_and_ids_stay_unique() -> None:
+    result = finalize({"name": "custom", "rows": [  # a benchmark with no rule in bench.targets
+        {"bench": "ttft", "prefix_tokens": 512, "path": "host", "ttft_ms": 3.0, "tokens_reused": 496,
+         "target": ">= 2x", "met": True},
+        {"bench": "ttft", "prefix_tokens": 2048, "path": "host", "ttft_ms": 9.0, "tokens_reused": 2032,
+         "target": ">= 2x", "met": False},
+        {"bench": "ttft", "prefix_tokens": 2048, "path": "gpu", "ttft_ms": 1.0, "tokens_reused": 2032},
+    ]})
+    rows = result["rows"]
+    assert [r["id"] for r in rows] == ["ttft/prefix_tokens=512/path=host", "ttft/prefix_tokens=2048/path=host",
+                                       "ttft/prefix_tokens=2048/path=gpu"]
+    assert [(r["target"], r["met"]) for r in rows] == [(">= 2x", True), (">= 2x", False), ("", None)]

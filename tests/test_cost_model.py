@@ -90,6 +90,20 @@ async def test_per_byte_costs_are_fitted_from_admissions_and_unknowns_reuse(tmp_
         cache.free(adm.seq_id)
 
 
+async def test_a_small_estimated_gain_does_not_skip_blocks(tmp_path):
+    async with TieredKVCache(
+        LAYOUT, gpu_blocks=64, host_blocks=64, file_blocks=64, file_dir=tmp_path, device="cpu"
+    ) as cache:
+        prompt = _tokens(6, 160)
+        # reading 10 file blocks: 1.93 ms + 3 tokens; recomputing 163 tokens: 1.63 ms -- 1.2x, inside the margin
+        for margin, reused in ((1.5, 160), (1.0, 0)):
+            await _cached_in(cache, prompt, "file")
+            CostModel(cache, prefill_tokens_per_s=100_000, bandwidth={"file": 10 * BLOCK / 1.93e-3}, margin=margin).attach()
+            [adm] = await cache.add_sequences([[*prompt, 7]])
+            assert adm.tokens_reused == reused, margin
+            cache.free(adm.seq_id)
+
+
 async def test_bad_rates_are_refused():
     async with TieredKVCache(LAYOUT, gpu_blocks=4, device="cpu") as cache:
         with pytest.raises(ValueError, match="prefill_tokens_per_s"):
@@ -98,3 +112,5 @@ async def test_bad_rates_are_refused():
             CostModel(cache, bandwidth={"gpu": 1e9})
         with pytest.raises(ValueError, match="bandwidth"):
             CostModel(cache, bandwidth={"file": -1})
+        with pytest.raises(ValueError, match="margin"):
+            CostModel(cache, margin=0.5)

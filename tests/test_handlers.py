@@ -78,7 +78,7 @@ class DictHandler:
         return batch
 
     def prepare(self, batch: Batch) -> _ThreadJob:
-        src, dst = batch.src.tolist(), batch.dst.tolist()
+        src, dst = batch.lists()
         if batch.dst_tier is Tier.FILE:
             def write() -> None:
                 for s, d in zip(src, dst, strict=True):

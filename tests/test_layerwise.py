@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pathlib
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -20,7 +23,7 @@ def test_layer_groups_cover_every_layer() -> None:
         layer_groups(3, 0)
 
 
-async def test_layers_copies_only_that_range(device, layout) -> None:
+async def test_layers_copies_only_that_range(device: str, layout: KVLayout) -> None:
     async with TransferEngine(layout, gpu_blocks=4, host_blocks=4, device=device) as engine:
         g = fill_pool(engine, "gpu", 1)
         h = fill_pool(engine, "host", 2)
@@ -36,7 +39,7 @@ async def test_layers_copies_only_that_range(device, layout) -> None:
 
 @pytest.mark.parametrize("split_kv", [False, True])
 @pytest.mark.parametrize("num_tokens", [None, 3])
-async def test_copy_layerwise_equals_a_whole_copy(device, split_kv, num_tokens) -> None:
+async def test_copy_layerwise_equals_a_whole_copy(device: str, split_kv: bool, num_tokens: int | None) -> None:
     layout = KVLayout(num_layers=5, num_kv_heads=2, head_dim=16, tokens_per_block=8, dtype=torch.float16)
     dev = "cuda" if device == "cuda" else "cpu"
     pool = LayerMajorPool.allocate(layout, 6, dev, split_kv=split_kv)
@@ -59,7 +62,7 @@ async def test_copy_layerwise_equals_a_whole_copy(device, split_kv, num_tokens) 
                 assert not got[..., n:, :].any()
 
 
-async def test_wait_layer_orders_compute_after_that_layer_only(device, layout) -> None:
+async def test_wait_layer_orders_compute_after_that_layer_only(device: str, layout: KVLayout) -> None:
     """Compute waits stream-side for layer 0's group, not for the whole load."""
     async with TransferEngine(layout, gpu_blocks=2, host_blocks=2, device=device) as engine:
         h = fill_pool(engine, "host", 4)
@@ -89,8 +92,10 @@ async def asyncio_to_thread(fn) -> None:  # type: ignore[no-untyped-def]
     await asyncio.to_thread(fn)
 
 
-async def test_layers_bad_input(layout, tmp_path) -> None:
-    async with TransferEngine(layout, gpu_blocks=2, host_blocks=2, device="cpu", file_dir=tmp_path, file_blocks=2) as engine:
+async def test_layers_bad_input(layout: KVLayout, tmp_path: pathlib.Path) -> None:
+    async with TransferEngine(
+        layout, gpu_blocks=2, host_blocks=2, device="cpu", file_dir=tmp_path, file_blocks=2
+    ) as engine:
         for bad, err in (((0, 0), ValueError), ((2, 9), ValueError), ((-1, 1), ValueError), ([0, 1], TypeError),
                          ((0.0, 1), TypeError), ((True, 2), TypeError)):
             with pytest.raises(err):
@@ -100,7 +105,7 @@ async def test_layers_bad_input(layout, tmp_path) -> None:
         assert engine.statistics().submitted == 0
 
 
-async def test_readme_layerwise_snippet_runs_in_order(layout) -> None:
+async def test_readme_layerwise_snippet_runs_in_order(layout: KVLayout) -> None:
     """README's layer-by-layer snippet, run as written: each layer's compute sees that layer loaded."""
     import pathlib
     import re
@@ -120,8 +125,9 @@ async def test_readme_layerwise_snippet_runs_in_order(layout) -> None:
             compute_stream.submit(lambda: seen.__setitem__(i, gpu[[0, 1], i].clone()))
 
         code = "async def _snippet():\n" + "".join(f"    {line}\n" for line in block.group(1).splitlines())
-        namespace = {
-            "copy_layerwise": copy_layerwise, "engine": engine, "Tier": Tier, "host_blocks": [2, 0], "gpu_blocks": [0, 1],
+        namespace: dict[str, Any] = {
+            "copy_layerwise": copy_layerwise, "engine": engine, "Tier": Tier,
+            "host_blocks": [2, 0], "gpu_blocks": [0, 1],
             "layout": layout, "compute_stream": compute_stream, "run_layer": run_layer,
         }
         exec(code, namespace)
@@ -132,7 +138,7 @@ async def test_readme_layerwise_snippet_runs_in_order(layout) -> None:
             assert same(seen[i][0], h[2][i]) and same(seen[i][1], h[0][i]), i
 
 
-async def test_layer_slice_runs_count_as_one_piece(layout) -> None:
+async def test_layer_slice_runs_count_as_one_piece(layout: KVLayout) -> None:
     """A run of consecutive blocks of one layer range is one piece (one 2-D DMA call on CUDA); scattered is not."""
     async with TransferEngine(layout, gpu_blocks=8, host_blocks=8, device="cpu") as engine:
         copier = engine.copier

@@ -161,11 +161,58 @@ async def test_a_full_queue_answers_429_and_a_client_that_leaves_frees_its_seque
                 answer = await waiting
                 assert answer.status == 200
                 answer.close()
-            for _ in range(200):
+            for _ in range(3000):  # the server notices at its next write, then waits for the running forward
                 if not cache.blocks.live_sequences:
                     break
                 await asyncio.sleep(0.01)
+            assert server.status_counts.get(499) == 1  # it stopped generating for the client that left
             assert cache.blocks.live_sequences == ()
         finally:
             await runner.cleanup()
             server.source.close()
+
+
+def _word_tokenizer() -> Any:
+    """An offline tokenizer with a chat template (word level, built here: nothing downloaded)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["[UNK]", "<|", "|>", "system", "user", "assistant", "hello", "there", "you", "are", "a", "cache", "."]
+    words += [f"w{i}" for i in range(VOCAB - len(words))]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    template = "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}<|assistant|>"
+    return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", chat_template=template)
+
+
+async def test_chat_completions_and_text_prompts_with_a_local_chat_template(model):
+    tokenizer = _word_tokenizer()
+    async with TieredKVCache(layout_for(model), gpu_blocks=64, device="cpu") as cache:
+        server = Server(CachedStream(CachedGenerator(model, cache)), model, ServerConfig(max_context=1024), tokenizer, cache)
+        runner, url = await _start(server)
+        messages = [{"role": "system", "content": "you are a cache ."}, {"role": "user", "content": "hello there"}]
+        try:
+            async with aiohttp.ClientSession() as session:
+                body = {"messages": messages, "max_tokens": 5, "temperature": 0}
+                async with session.post(f"{url}/v1/chat/completions", json=body) as r:
+                    first = await r.json()
+                async with session.post(f"{url}/v1/chat/completions", json={**body, "stream": True}) as r:
+                    chunks = [line for line in (await r.text()).splitlines() if line.startswith("data: ")]
+                async with session.post(f"{url}/v1/completions", json={"prompt": "hello there", "max_tokens": 2,
+                                                                       "temperature": 0}) as r:
+                    text = await r.json()
+                async with session.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "x"}]}) as r:
+                    bad = r.status, (await r.json())["error"]["message"]
+        finally:
+            await runner.cleanup()
+            server.source.close()
+    assert first["object"] == "chat.completion" and first["choices"][0]["message"]["role"] == "assistant"
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    assert first["usage"]["prompt_tokens"] == len(ids) and len(first["choices"][0]["token_ids"]) == 5
+    assert first["choices"][0]["message"]["content"] == tokenizer.decode(first["choices"][0]["token_ids"])
+    assert chunks[-1] == "data: [DONE]"
+    streamed = [t for c in chunks[:-1] for t in __import__("json").loads(c[6:])["choices"][0]["token_ids"]]
+    assert streamed == first["choices"][0]["token_ids"]  # the second request reused the first's prompt
+    assert text["usage"]["prompt_tokens"] == 2 and len(text["choices"][0]["token_ids"]) == 2
+    assert bad[0] == 400 and "role" in bad[1]

@@ -198,3 +198,11 @@ async def test_readme_layouts_snippet_runs() -> None:
     scope: dict[str, object] = {}
     exec(compile(code, "README-layouts", "exec"), scope)
     await scope["_snippet"]()  # type: ignore[operator]
+
+
+async def test_layer_wise_copy_of_a_chunked_pool_is_refused_before_enqueue() -> None:
+    gpu_pool, _phys, _ref, lay = _case("flash_attn", "cpu")
+    async with TransferEngine(lay, gpu_pool=gpu_pool, host_blocks=4, device="cpu") as engine:
+        with pytest.raises(ValueError, match="layer-wise copies"):
+            engine.copy(Tier.GPU, [0], Tier.HOST, [0], layers=(0, 1))
+        assert engine.statistics().in_flight == 0

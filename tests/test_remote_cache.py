@@ -68,6 +68,7 @@ async def test_another_model_or_rank_never_sees_the_blocks(server):  # noqa: F81
                 assert r.hits["remote"] == 0 and r.mismatched_tokens == 0
 
 
+@pytest.mark.timeout(400)
 @pytest.mark.parametrize("store", ["redis", "mooncake"])
 def test_two_processes_share_a_prefix_through_the_store(store, request):
     srv = request.getfixturevalue(f"{store}_server")
@@ -217,6 +218,7 @@ async def test_two_writers_of_the_same_prefixes_at_once(server):  # noqa: F811
     assert rc.hits["remote"] > 0
 
 
+@pytest.mark.timeout(400)
 async def test_soak_random_caches_policies_and_store_faults(redis_server):  # noqa: F811
     """Randomized: several caches on one store, small tiers, random policies, store paused and restarted."""
     rng = np.random.default_rng(2026)
@@ -262,9 +264,24 @@ async def test_soak_random_caches_policies_and_store_faults(redis_server):  # no
 async def test_remote_tier_object_can_be_passed_in(redis_server):  # noqa: F811
     from tiered_kv import TransferEngine
 
-    engine = TransferEngine(LAYOUT, gpu_blocks=96, host_blocks=64, device="cpu")  # one cache per engine (issue 11)
-    tier = RemoteTier(engine, store_url(redis_server))
-    cache2 = TieredKVCache(LAYOUT, device="cpu", gpu_blocks=96, host_blocks=64, engine=engine, remote=tier)
-    async with engine, cache2:
-        assert cache2.remote.tier is tier and tier.available
+    async with TransferEngine(LAYOUT, gpu_blocks=96, host_blocks=64, device="cpu") as engine:
+        tier = RemoteTier(engine, store_url(redis_server))
+        async with TieredKVCache(LAYOUT, device="cpu", gpu_blocks=96, host_blocks=64, engine=engine, remote=tier) as cache:
+            assert cache.remote.tier is tier and tier.available
+            r = await replay(cache, _workload(12))
+            assert r.mismatched_tokens == 0
+        with pytest.raises(ValueError, match="over the cache's engine"):
+            async with TransferEngine(LAYOUT, gpu_blocks=96, host_blocks=64, device="cpu") as other:
+                TieredKVCache(LAYOUT, device="cpu", gpu_blocks=96, host_blocks=64, engine=other, remote=tier)
     assert object_name(0, b"\x01") == "tkv1/0/01"
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("policy", ["commit", "evict"])
+async def test_the_cache_soak_with_the_remote_tier_in_the_loop(server, policy):  # noqa: F811
+    """tiered_kv.testing's cache soak (stalls, file faults, cancellations, per-token oracle) with a real store."""
+    from tiered_kv.testing import CacheSoakConfig, cache_soak
+
+    report = await cache_soak(CacheSoakConfig(ops=300, tasks=8, seed=13, host_blocks=16, file_blocks=32,
+                                              remote=store_url(server), remote_policy=policy))
+    assert report.hits["remote"] > 0  # blocks dropped from every local tier came back from the store, verified

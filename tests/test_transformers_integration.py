@@ -218,7 +218,7 @@ async def test_bad_arguments_are_refused_before_anything_is_admitted(model32, tm
             for bad, what in (
                 ([], "empty"),
                 ([VOCAB], "vocabulary"),
-                ([-1, 2], r"vocabulary|0\.\.2\*\*63-1"),  # negative ids: refused by the cache's token check (issue 11)
+                ([-1, 2], r"vocabulary|0\.\.2\*\*63-1"),
                 (list(range(120)), "more than"),
             ):
                 with pytest.raises(ValueError, match=what):
@@ -246,7 +246,7 @@ async def test_seeded_sampling_is_reproducible(model32, tmp_path):
     assert a.tokens == b.tokens and b.tokens_reused == 39
 
 
-def test_the_model_and_the_cache_must_fit(model32, tmp_path):
+async def test_the_model_and_the_cache_must_fit(model32, tmp_path):
     layout = layout_for(model32, TPB)
     wrong = KVLayout(
         num_layers=layout.num_layers + 1,
@@ -255,9 +255,10 @@ def test_the_model_and_the_cache_must_fit(model32, tmp_path):
         tokens_per_block=TPB,
         dtype=layout.dtype,
     )
-    cache = TieredKVCache(wrong, gpu_blocks=4, device="cpu")
-    with pytest.raises(ValueError, match="layout_for"):
-        CachedGenerator(model32, cache)
+    device = str(next(model32.parameters()).device)
+    async with TieredKVCache(wrong, gpu_blocks=4, device="cpu" if device == "cpu" else device) as cache:
+        with pytest.raises(ValueError, match="layout_for"):
+            CachedGenerator(model32, cache)
     with pytest.raises(TypeError):
         CachedGenerator(model32, object())  # type: ignore[arg-type]
     from transformers import MistralConfig
@@ -273,8 +274,9 @@ def test_the_model_and_the_cache_must_fit(model32, tmp_path):
             sliding_window=8,
         )
     )
-    with pytest.raises(ValueError, match="full attention"):
-        CachedGenerator(sliding, TieredKVCache(layout_for(sliding, TPB), gpu_blocks=4, device="cpu"))
+    async with TieredKVCache(layout_for(sliding, TPB), gpu_blocks=4, device="cpu") as cache:
+        with pytest.raises(ValueError, match="full attention"):
+            CachedGenerator(sliding, cache)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -329,3 +331,23 @@ async def test_the_equality_checks_catch_one_wrong_block(model32, tmp_path):
     )
     assert logits is not None and out.logits is not None
     assert (out.logits - logits).abs().max().item() > 100 * FP32_TOL
+
+
+async def test_the_cost_model_is_fed_by_the_generator_and_its_choice_keeps_the_output(model32, tmp_path):
+    from tiered_kv.cost_model import CostModel
+
+    prompt = _tokens(23, 96)
+    async with _cache(model32, tmp_path) as cache:
+        cost = CostModel(cache, bandwidth={"host": 1e3}).attach()  # an absurdly slow host tier: recompute wins
+        gen = CachedGenerator(model32, cache, cost_model=cost)
+        try:
+            await gen.generate(prompt, max_new_tokens=2)
+            assert cost.prefill_seconds_per_token() is not None  # fed by the generator's prefill
+            await _move_all(cache, "host")
+            out = await gen.generate(prompt, max_new_tokens=4)
+        finally:
+            gen.close()
+    assert out.tokens_reused == 0 and cost.statistics().skipped_blocks == {"host": 5}
+    assert cost.statistics().saved_vs_reuse_all_s > 0
+    tokens, _, _ = reference_generate(model32, prompt, max_new_tokens=4)
+    assert list(out.tokens) == tokens

@@ -341,8 +341,9 @@ class BlockManager:
         #: ``reuse_limit(match, prompt_tokens) -> blocks`` (cost-aware reuse, :mod:`tiered_kv.cost_model`): how many
         #: of a match's full blocks an admission reuses; the rest (and the partial block) are recomputed.
         self.reuse_limit: Callable[[Match, int], int] | None = None
-        #: ``callback(block)`` just before a cached block is evicted from its tier (it is still at its slot)
-        self.on_evict: Callable[[Block], None] | None = None
+        #: ``callback(block, plan)`` just before a cached block is evicted from its tier (it is still at its slot;
+        #: ``plan`` holds the moves decided so far in this call, not yet issued)
+        self.on_evict: Callable[[Block, Plan], None] | None = None
 
         # tier -> free slots (a stack, lowest index on top so fresh pools fill from 0)
         self._free: dict[Tier, list[int]] = {t: list(range(caps[t] - 1, -1, -1)) for t in TIER_ORDER}
@@ -925,7 +926,7 @@ class BlockManager:
         tier = block.tier
         assert tier is not None and block.refcount == 0 and block.cached
         if self.on_evict is not None:
-            self.on_evict(block)
+            self.on_evict(block, plan)
         old = block.slot
         self._lru_remove(block)
         below = TIER_ORDER[TIER_ORDER.index(tier) + 1] if tier is not Tier.FILE else None

@@ -157,6 +157,7 @@ class Copier:
     def plan(self, src_pool: Side, s: np.ndarray, dst_pool: Side, d: np.ndarray, num_tokens: int | None) -> CopyPlan:
         """The path :meth:`build` takes for these arguments."""
         if isinstance(src_pool, pool_kinds.ChunkedPool) or isinstance(dst_pool, pool_kinds.ChunkedPool):
+            assert not isinstance(src_pool, LayerSlice) and not isinstance(dst_pool, LayerSlice)  # refused by validate
             return self._chunked_plan(src_pool, s, dst_pool, d)
         return self._plan(
             self._pair(src_pool, dst_pool, src_pool.layout.tokens_per_block if num_tokens is None else num_tokens), s, d
@@ -200,6 +201,7 @@ class Copier:
                 ``explicit_stream = True`` for :meth:`~tiered_kv.device.Stream.submit`).
         """
         if isinstance(src_pool, pool_kinds.ChunkedPool) or isinstance(dst_pool, pool_kinds.ChunkedPool):
+            assert not isinstance(src_pool, LayerSlice) and not isinstance(dst_pool, LayerSlice)  # refused by validate
             return self._chunked_op(src_pool, np.asarray(s, dtype=np.int64), dst_pool, np.asarray(d, dtype=np.int64),
                                     num_tokens)
         layout = src_pool.layout
@@ -241,14 +243,14 @@ class Copier:
             return run
         return _torch_op(src_t, s, dst_t, d, n)
 
-    def _chunked_plan(self, src_pool: Pool, s: np.ndarray, dst_pool: Pool, d: np.ndarray) -> CopyPlan:
+    def _chunked_plan(self, src_pool: Side, s: np.ndarray, dst_pool: Side, d: np.ndarray) -> CopyPlan:
         piece = pool_kinds.piece_bytes(src_pool, dst_pool)
         on_cuda = any(t.is_cuda for t in (*pool_kinds.chunk_tensors(src_pool), *pool_kinds.chunk_tensors(dst_pool)))
         ref = src_pool if isinstance(src_pool, pool_kinds.ChunkedPool) else dst_pool
         assert isinstance(ref, pool_kinds.ChunkedPool)
         return CopyPlan(choose_path(piece, self.config, on_cuda=on_cuda, kernels=self.kernels), piece, ref.num_chunks, int(s.size))
 
-    def _chunked_op(self, src_pool: Pool, s: np.ndarray, dst_pool: Pool, d: np.ndarray, num_tokens: int | None) -> Op:
+    def _chunked_op(self, src_pool: Side, s: np.ndarray, dst_pool: Side, d: np.ndarray, num_tokens: int | None) -> Op:
         """A copy involving a :class:`~tiered_kv.pool_kinds.ChunkedPool`: one ``copy_chunks`` call."""
         if num_tokens is not None and num_tokens != src_pool.layout.tokens_per_block:
             raise ValueError("partial copies (num_tokens) are not supported for chunked GPU pools; copy whole blocks")

@@ -75,6 +75,8 @@ class CostModel:
         prefill_tokens_per_s: the model's prefill rate, if known; otherwise fitted from :meth:`observe_prefill`.
         bandwidth: bytes per second per tier (``"host"``, ``"file"``) to use instead of measurements.
         window: prefill observations kept for the fit.
+        margin: leave matched blocks unused only when reusing all of them is estimated to take more than
+            ``margin`` times the best choice (measurements are noisy; a wrong skip costs recomputation).
 
     Raises:
         ValueError: a rate or bandwidth that is not a positive number, an unknown tier.
@@ -87,6 +89,7 @@ class CostModel:
         prefill_tokens_per_s: float | None = None,
         bandwidth: Mapping[str, float] | None = None,
         window: int = 64,
+        margin: float = 1.5,
     ) -> None:
         if prefill_tokens_per_s is not None and not prefill_tokens_per_s > 0:
             raise ValueError(f"prefill_tokens_per_s must be a positive number, got {prefill_tokens_per_s!r}")
@@ -96,6 +99,9 @@ class CostModel:
             if name == "gpu" or not isinstance(bw, (int, float)) or not bw > 0:
                 raise ValueError(f"bandwidth must map 'host'/'file' to positive bytes per second, got {tier!r}: {bw!r}")
             given[name] = float(bw)
+        if not isinstance(margin, (int, float)) or not margin >= 1:
+            raise ValueError(f"margin must be a number >= 1, got {margin!r}")
+        self.margin = float(margin)
         self.cache = cache
         self._given_rate = prefill_tokens_per_s
         self._given_bw = given
@@ -213,6 +219,8 @@ class CostModel:
             if t <= best_t:  # ties reuse
                 best_k, best_t = i + 1, t
         reuse_all = t
+        if reuse_all <= self.margin * best_t:
+            best_k, best_t = len(blocks), reuse_all  # not clearly better: reuse everything matched
         self._decisions += 1
         self._saved_all += reuse_all - best_t
         self._saved_none += recompute_all - best_t

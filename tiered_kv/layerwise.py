@@ -27,6 +27,7 @@ import torch
 
 from .layer_major import LayerMajorPool
 from .layout import KVLayout
+from .pool_kinds import ChunkedPool
 from .pools import BlockPool, Tier
 
 if TYPE_CHECKING:
@@ -52,9 +53,14 @@ class LayerSlice:
     __slots__ = ("layout", "name", "num_blocks", "pool", "start", "stop", "tensors", "tier")
 
     def __init__(self, pool: BlockPool | LayerMajorPool, start: int, stop: int) -> None:
+        if isinstance(pool, ChunkedPool):
+            raise ValueError("layer-wise copies (layers=) are not supported for chunked GPU pools (engine layouts); "
+                             "copy whole blocks")
         layers = pool.layout.num_layers
         if not 0 <= start < stop <= layers:
-            raise ValueError(f"layers must be a range (start, stop) with 0 <= start < stop <= {layers}, got ({start}, {stop})")
+            raise ValueError(
+                f"layers must be a range (start, stop) with 0 <= start < stop <= {layers}, got ({start}, {stop})"
+            )
         self.pool = pool
         self.start, self.stop = start, stop
         self.tier: Tier = pool.tier
@@ -95,7 +101,9 @@ class LayerwiseTransfer:
 
     __slots__ = ("_engine", "groups", "transfers")
 
-    def __init__(self, engine: TransferEngine, groups: Sequence[tuple[int, int]], transfers: Sequence[Transfer]) -> None:
+    def __init__(
+        self, engine: TransferEngine, groups: Sequence[tuple[int, int]], transfers: Sequence[Transfer]
+    ) -> None:
         self._engine = engine
         self.groups = list(groups)
         self.transfers = list(transfers)

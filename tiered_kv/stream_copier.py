@@ -19,8 +19,9 @@ import numpy as np
 from .copyops import Copier, Pool, Side
 from .device import Event, Stream
 from .handlers import Batch, Done, Medium
+from .layer_major import LayerMajorPool
 from .layerwise import LayerSlice
-from .pools import Tier
+from .pools import BlockPool, Tier
 
 __all__ = ["STREAM_ROUTES", "StreamCopier"]
 
@@ -111,13 +112,17 @@ class StreamCopier:
         return {}
 
     def validate(self, batch: Batch) -> Batch:
-        """Memory copies take no keys.
+        """Memory copies take no keys; ``layers`` needs block-major or layer-major pools on both sides.
 
         Raises:
-            ValueError: ``keys`` given.
+            ValueError: ``keys`` given, or ``layers`` with a pool of another kind (a chunked pool).
         """
         if batch.keys is not None:
             raise ValueError("keys are only used by copies to or from the file tier")
+        if batch.layers is not None:
+            for tier in (batch.src_tier, batch.dst_tier):
+                if not isinstance(self._pools[tier], (BlockPool, LayerMajorPool)):
+                    raise ValueError(f"layers= needs block-major or layer-major pools; the {tier.value} pool is neither")
         return batch
 
     def prepare(self, batch: Batch) -> _StreamJob | _HostJob:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..blocks import Admission, Block, Request
+from ..blocks import Admission, Block, Plan, Request
 from ..errors import TransferError
 from ..keys import ContentKey, as_token_array
 from ..pools import Tier
@@ -74,7 +74,7 @@ class RemoteLink:
         self.policy = policy
         self.max_pending = max_pending
         self._queue: collections.OrderedDict[ContentKey, Block] = collections.OrderedDict()  # commit policy
-        self._evicted: list[Block] = []  # evict policy: host victims of the decision being made
+        self._evicted: list[tuple[int, bytes]] = []  # evict policy: (host slot, key) of the decision's victims
         self._known: collections.OrderedDict[ContentKey, None] = collections.OrderedDict()  # in the store
         self._putter: asyncio.Task[None] | None = None
         self._fresh: set[int] = set()  # ids of blocks adopted by the prefetch of the batch being admitted
@@ -197,17 +197,24 @@ class RemoteLink:
         if self._queue and (self._putter is None or self._putter.done()):
             self._putter = asyncio.get_running_loop().create_task(self._drain_queue())
 
-    def _on_evict(self, block: Block) -> None:
-        if block.tier is Tier.HOST and block.key is not None and block.key not in self._known:
-            self._evicted.append(block)
+    def _on_evict(self, block: Block, plan: Plan) -> None:
+        if block.tier is not Tier.HOST or block.key is None or block.key in self._known:
+            return
+        slot = block.slot
+        if any(m.dst_tier is Tier.HOST and m.dst_slot == slot for m in plan.moves):
+            # its data arrives by a copy of this very plan, not issued yet: a read fenced now would not wait
+            # for it (and would read the slot's old bytes), so this block is not put
+            self.put_skipped += 1
+            return
+        self._evicted.append((slot, block.key))  # the slot now: by the time the plan is issued the block has moved
 
     def _before_issue(self) -> None:
         """Evict policy: put the host victims of the decision just made, before the plan's copies reuse their slots."""
         if not self._evicted:
             return
         victims, self._evicted = self._evicted, []
-        slots = [b.slot for b in victims]
-        keys: list[bytes] = [b.key for b in victims]  # type: ignore[misc]  # filtered in _on_evict
+        slots = [slot for slot, _ in victims]
+        keys = [key for _, key in victims]
         for k in keys:
             self._remember(k)
         self.tier.put(Tier.HOST, slots, keys)  # fenced now; runs in the background, counted in the tier

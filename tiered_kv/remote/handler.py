@@ -74,10 +74,10 @@ class _RemoteJob:
                     tier._blocks["put_dropped"] += b.size
                     raise RemoteStoreError(f"the remote store {tier.store.url} is unavailable")
                 pool = tier.engine.pool(b.src_tier)
-                await tier._put_blocks(b.src_tier, pool, b.src.tolist(), names, found)
+                await tier._put_blocks(b.src_tier, pool, [int(i) for i in b.src], names, found)
             else:
                 pool = tier.engine.pool(b.dst_tier)
-                await tier._get_blocks(b.dst_tier, pool, b.dst.tolist(), names, found)  # type: ignore[arg-type]
+                await tier._get_blocks(b.dst_tier, pool, [int(i) for i in b.dst], names, found)  # type: ignore[arg-type]
                 if not all(found):
                     raise IntegrityError(f"{found.count(False)} of {b.size} blocks were not served by the remote store "
                                          "(missing, failed verification, or the store is unavailable)")

@@ -63,6 +63,9 @@ class CacheSoakConfig:
         fault_rate: share of file I/O calls that fail (split over EIO/ENOSPC/short writes, EIO/short reads).
         cancel_prob: chance that an ``add_sequences`` is cancelled mid-way.
         layout: block geometry (tiny by default: the oracle is per token).
+        remote: a store URL (``redis://...``, ``mooncake://...``): the cache gets a remote tier, so blocks
+            also come back from the store (verified) and are put to it; ``None``: no remote tier.
+        remote_policy: the cache's ``remote_policy`` (``"commit"``, ``"evict"``, ``"off"``).
     """
 
     ops: int = 2_000
@@ -83,6 +86,8 @@ class CacheSoakConfig:
     layout: KVLayout = dataclasses.field(
         default_factory=lambda: KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, tokens_per_block=4, dtype=torch.float16)
     )
+    remote: str | None = None
+    remote_policy: str = "commit"
 
     def __post_init__(self) -> None:
         for name in ("ops", "tasks", "gpu_blocks", "families", "max_prompt"):
@@ -162,7 +167,7 @@ async def cache_soak(config: CacheSoakConfig, *, progress: Callable[[int, int], 
     backends: list[FaultyBackend] = []
     counts = {"admissions": 0, "requested": 0, "verified": 0, "transfer_errors": 0, "cache_full": 0, "cancelled": 0,
               "appended": 0, "started": 0}
-    hits = {"gpu": 0, "host": 0, "file": 0}
+    hits = {"gpu": 0, "host": 0, "file": 0, **({"remote": 0} if config.remote else {})}
     failures: list[str] = []
     t0 = time.perf_counter()
 
@@ -176,7 +181,9 @@ async def cache_soak(config: CacheSoakConfig, *, progress: Callable[[int, int], 
         engine = TransferEngine(layout, gpu_blocks=config.gpu_blocks, host_blocks=config.host_blocks,
                                 device=config.device, file_config=file_config)
         cache = TieredKVCache(layout, gpu_blocks=config.gpu_blocks, host_blocks=config.host_blocks,
-                              file_blocks=config.file_blocks, engine=engine, max_seqs=config.tasks * 2)
+                              file_blocks=config.file_blocks, engine=engine, max_seqs=config.tasks * 2,
+                              remote=config.remote, remote_policy=config.remote_policy,
+                              model_id=f"cache-soak/{config.seed}/{time.time_ns()}" if config.remote else "default")
         streams = [engine.stream(name) for name in ("offload", "onboard", "local")]
 
         def check(seq_id: int, reused: int, what: str) -> None:
@@ -252,6 +259,7 @@ async def cache_soak(config: CacheSoakConfig, *, progress: Callable[[int, int], 
         try:
             async with engine, cache:
                 await asyncio.gather(*(worker(w) for w in range(config.tasks)))
+                await cache.flush()  # the remote tier's background puts hold read fences until they are staged
                 await engine.drain()
                 try:
                     cache.blocks.check()

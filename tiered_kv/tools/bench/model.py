@@ -8,6 +8,8 @@ weights made on the ``meta`` device and filled on the GPU, nothing downloaded; a
 ``--quick`` or the emulated device) answers a prompt made of a long prefix (8k and 32k tokens; 512 and 2048
 in ``--quick``) plus 32 new tokens. Rows, per prefix length:
 
+Rows are labelled ``tokens`` (the prefix length) and ``path``:
+
 * ``recompute``: the baseline -- plain transformers runs the whole prompt (no tiered_kv), first token.
 * ``cold``: the same through :class:`~tiered_kv.integrations.transformers.CachedGenerator` with nothing
   cached (the cost of writing every computed token's KV into the cache's blocks).
@@ -111,7 +113,7 @@ async def _measure(model: Any, lengths: list[int], repeats: int, directory: str)
         for path, values in times.items():
             ttft = statistics.median(values)
             row: dict[str, Any] = {
-                "bench": "ttft", "prefix_tokens": length, "path": path, "ttft_ms": ttft * 1e3,
+                "bench": "ttft", "tokens": length, "path": path, "ttft_ms": ttft * 1e3,
                 "vs_recompute": base / ttft, "tokens_reused": reused.get(path, 0),
             }
             if path == "host":

@@ -15,8 +15,8 @@ SMs to compute) and with the copy kernel forced (``copy_path="kernel"``), to sho
 
 Each trial poisons (zeroes) the GPU pool first and both ways must produce the same output (max |diff| < 0.05
 on tanh-bounded bf16 activations: a layer computed before its KV landed attends over zeros and is off by
-O(0.1..1); equal kernels on equal data normally agree bit for bit). Also measured alone: the load and the compute, whose maximum
-is the best an overlap can do. TTFT here = from the start of the load to the last layer's output.
+O(0.1..1); equal kernels on equal data normally agree bit for bit). Also measured alone: the load and the
+compute, whose maximum is the best an overlap can do. TTFT here = from the start of the load to the last layer's output.
 Target: ``overlap`` within 15% of ``max(load, compute)``; ``ttft_ratio`` = overlap / serial is reported.
 
 Run: ``python -m tiered_kv.tools.bench.overlap [--quick] [--device cpu|cuda] [--json F]``.
@@ -209,7 +209,8 @@ def run(quick: bool = False, device: str = "auto") -> dict[str, Any]:
     notes = [
         "overlap: 32 layers x 8k prefix tokens reused from host (bf16, 8 KV heads x 128), new tokens computed with "
         "attention over the prefix + MLP; serial = load all then compute; overlap = per-layer-group loads, compute "
-        "waits stream-side per layer; vs_bound = overlap / max(load alone, compute alone); same_output: max |diff| < 0.05; "
+        "waits stream-side per layer; vs_bound = overlap / max(load alone, compute alone); "
+        "same_output: max |diff| < 0.05; "
         "copy_path = the engine's EngineConfig.copy_path (auto: its choice; kernel: forced); layer_path = what a "
         "per-layer load took; layerwise_load_ms = the per-layer loads alone",
     ]
