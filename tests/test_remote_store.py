@@ -133,12 +133,12 @@ async def test_unreachable_store_fails_fast_with_remote_store_error(server):  # 
 async def test_redis_password_comes_from_the_environment(monkeypatch):
     with start_redis(password="s3cret-pw") as srv:
         monkeypatch.delenv(PASSWORD_ENV, raising=False)
-        store = open_store(srv.url)
+        store = open_store(srv.url + "?timeout=30")  # generous: a loaded 2-core CI machine once took > 5 s to connect
         with pytest.raises(RemoteStoreError, match=r"(?i)auth"):
             await store.connect()
         await store.close()
         monkeypatch.setenv(PASSWORD_ENV, "s3cret-pw")
-        store = open_store(srv.url)
+        store = open_store(srv.url + "?timeout=30")
         await store.connect()
         assert await store.put(["pw/a"], [np.ones(8, dtype=np.uint8)]) == [True]
         await store.close()
