@@ -14,8 +14,10 @@ module makes that impossible by construction:
   (:meth:`~BlockOffsetTable.set_row`, :meth:`~BlockOffsetTable.append`, :meth:`~BlockOffsetTable.clear_row`).
 * :meth:`BlockOffsetTable.copy_batch_block_offsets` (and the function :func:`copy_batch_block_offsets`)
   -- ships a batch of slots to a device table, in *copy* mode (snapshot the rows into a fresh pinned
-  buffer, one async H2D) or *gather* mode (snapshot the rows, give the gather op an identity index so
-  neither of its host inputs can change under it, apply a per-pool scale and V offset).
+  buffer, one async H2D) or *gather* mode (the gather op reads a :class:`~tiered_kv.rowversions.RowVersions`
+  copy of the table whose rows are replaced copy-on-write, never in place, while an op may read them, plus
+  a fresh staging buffer of the batch's row numbers; applies a per-pool scale and V offset). Gather mode
+  copies only the batch's rows written since they were last shipped, not the whole batch.
 
 Everything runs on the :mod:`tiered_kv.device` stream abstraction, so the same code (and the same race
 tests) runs on the emulated device, where a stream op executes when the worker thread reaches it, and on
@@ -39,6 +41,7 @@ import torch
 
 from . import ops
 from .device import CudaStream, Device, EmulatedStream, Event, Stream, resolve_device
+from .rowversions import RowVersions, RowVersionStatistics
 
 __all__ = [
     "NO_BLOCK",
@@ -294,12 +297,14 @@ class BlockOffsetStatistics:
         sequences: sequence rows shipped.
         bytes_shipped: table bytes shipped to the device.
         staging: the staging pool.
+        versions: gather mode's row versions (``None`` before the first gather).
     """
 
     calls: dict[str, int]
     sequences: int
     bytes_shipped: int
     staging: StagingStatistics
+    versions: RowVersionStatistics | None = None
 
 
 class BlockOffsetTable:
@@ -319,9 +324,13 @@ class BlockOffsetTable:
         depth: staging buffers in flight at most (the scheduler's overlap depth plus a margin); the call
             that would exceed it waits for the oldest one.
         sentinel: the "no block" value (default :data:`NO_BLOCK`).
+        spare_rows: gather mode's copy-on-write rows (default ``max_seqs``): a row refilled while an earlier
+            gather may still read it goes to a spare row; when none is free the call waits for the oldest
+            gather. Memory: one more table's worth of rows, made at the first gather.
 
     Attributes:
-        host: the table (pinned on CUDA). Write it through the methods below; readers may read it freely.
+        host: the table (pinned on CUDA). Write it only through the methods below (gather mode ships the rows
+            those methods marked changed); readers may read it freely.
 
     Example::
 
@@ -348,6 +357,7 @@ class BlockOffsetTable:
         device: Device | str = "auto",
         depth: int = 4,
         sentinel: int = NO_BLOCK,
+        spare_rows: int | None = None,
     ) -> None:
         for name, value in (
             ("num_pools", num_pools),
@@ -360,6 +370,10 @@ class BlockOffsetTable:
             raise ValueError(f"kv_factor must be 1 (MLA) or 2 (K and V), got {kv_factor!r}")
         if isinstance(sentinel, bool) or not isinstance(sentinel, int) or not -(2**31) <= sentinel < 2**31:
             raise ValueError(f"sentinel must be an int32 value, got {sentinel!r}")
+        if spare_rows is not None and (
+            isinstance(spare_rows, bool) or not isinstance(spare_rows, int) or spare_rows < 1
+        ):
+            raise ValueError(f"spare_rows must be a positive int or None, got {spare_rows!r}")
         self.device = device if isinstance(device, Device) else resolve_device(device)
         self.num_pools = num_pools
         self.max_seqs = max_seqs
@@ -374,10 +388,9 @@ class BlockOffsetTable:
         self._calls: dict[str, int] = {"copy": 0, "gather": 0}
         self._sequences = self._bytes = 0
         self._last_event: Event | None = None
-        # The identity index of every gather: written once here and never again, so sharing it between
-        # calls cannot race (pinned on CUDA: the kernel reads it where it is).
-        self._iota = self.device.empty_host((max_seqs,), torch.int32)
-        torch.arange(max_seqs, dtype=torch.int32, out=self._iota)
+        # Gather mode reads this copy (made at the first gather), never `host`: see RowVersions.
+        self._spare_rows = max_seqs if spare_rows is None else spare_rows
+        self._versions: RowVersions | None = None
         self._coeff_cache: dict[tuple[tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
 
     # ------------------------------------------------------------------------------------ writers
@@ -428,6 +441,7 @@ class BlockOffsetTable:
             row[1, :n] = v_ids
         row[:, n:] = self.sentinel
         self._counts[pool, slot] = n
+        self._changed(slot)
 
     def append(self, slot: int, pool: int, block_ids: Iterable[int] | np.ndarray | torch.Tensor) -> None:
         """Add blocks at the end of ``slot``'s row in ``pool`` (the sequence grew during generation).
@@ -440,6 +454,7 @@ class BlockOffsetTable:
         start = int(self._counts[pool, slot])
         self.host[pool, slot, :, start : start + ids.numel()] = ids
         self._counts[pool, slot] = start + ids.numel()
+        self._changed(slot)
 
     def clear_row(self, slot: int, pool: int | None = None) -> None:
         """Forget ``slot``'s blocks (in ``pool``, or in every pool): the row becomes the sentinel.
@@ -453,6 +468,11 @@ class BlockOffsetTable:
         else:
             self.host[pool, slot] = self.sentinel
             self._counts[pool, slot] = 0
+        self._changed(slot)
+
+    def _changed(self, slot: int) -> None:
+        if self._versions is not None:
+            self._versions.mark(slot)
 
     def on_page_table(self, slot: int, page_table: Sequence[int] | None, pool: int = 0) -> None:
         """The block manager's page-table hook: ``(slot, blocks)`` sets the row, ``(slot, None)`` clears it.
@@ -496,8 +516,8 @@ class BlockOffsetTable:
             slots: the batch's sequence slots, in batch order (row ``i`` of ``dst`` gets ``slots[i]``).
             stream: where the copy or gather runs (usually the compute stream): a tiered_kv stream or a
                 ``torch.cuda.Stream``.
-            mode: ``"copy"`` (snapshot + one async H2D, values shipped as stored) or ``"gather"`` (snapshot +
-                gather op with an identity index, ``scale[p] * id + (V ? v_offset[p] : 0)``, sentinel kept).
+            mode: ``"copy"`` (snapshot + one async H2D, values shipped as stored) or ``"gather"`` (gather op
+                over the row versions, ``scale[p] * id + (V ? v_offset[p] : 0)``, sentinel kept).
             max_blocks: ``width``: write only the first ``max_blocks`` columns; ``None`` writes every
                 allocated block (the most any sequence of the batch has, in any pool).
             scale: gather mode only, one int per pool (default 1).
@@ -511,13 +531,14 @@ class BlockOffsetTable:
             ValueError / TypeError: bad arguments; raised before anything is enqueued.
 
         Notes:
-            The batch's rows (and in gather mode the scale and V offset) are written into one fresh staging
-            buffer before this returns; the op reads only that buffer and, in gather mode, an identity index
-            that is written once when the table is made and never again. So the caller may refill the host
-            table, reuse the slots, or mutate ``slots``/``scale``/``v_offset`` as soon as this returns, even
-            if the device runs the op much later. The buffer (and ``dst``, kept alive with it) is released
-            only after the returned event completes (FIFO); at most ``depth`` are in flight (this call waits
-            for the oldest beyond that).
+            Copy mode writes the batch's rows into one fresh staging buffer before this returns and the op
+            reads only that buffer. Gather mode writes the batch's physical row numbers and the scale and V
+            offset into a fresh staging buffer; the op reads it and the row versions, whose rows it reads are
+            never overwritten before its event completes (a row refilled meanwhile is written to a spare
+            row). So the caller may refill the host table, reuse the slots, or mutate ``slots``/``scale``/
+            ``v_offset`` as soon as this returns, even if the device runs the op much later. The buffer (and
+            ``dst``, kept alive with it) is released only after the returned event completes (FIFO); at most
+            ``depth`` are in flight (this call waits for the oldest beyond that).
         """
         target, index, width, coeffs = self._prepare(dst, slots, stream, mode, max_blocks, scale, v_offset)
         n = index.numel()
@@ -530,35 +551,58 @@ class BlockOffsetTable:
         self._sequences += n
         self._bytes += pools * n * kv * width * 4
 
+        if mode == "gather":
+            assert coeffs is not None
+            return self._gather(target, dst, index, width, coeffs)
         snap_numel = pools * n * kv * width
-        numel = snap_numel + (2 * pools if mode == "gather" else 0)
-        buf = self.staging.acquire(numel)
+        buf = self.staging.acquire(snap_numel)
         try:
             snap = buf[:snap_numel].view(pools, n, kv, width)
             # Snapshot: the only host memory the op will read. Taken now, so later refills cannot reach it.
             torch.index_select(self.host[..., :width], 1, index, out=snap)
-            if mode == "copy":
-                out = dst[:, :n, :, :width]
+            out = dst[:, :n, :, :width]
 
-                def op() -> None:
-                    out.copy_(snap, non_blocking=True)
-
-            else:
-                assert coeffs is not None
-                tail = buf[snap_numel:numel]
-                tail.copy_(coeffs)
-                ident = self._iota[:n]  # identity: row i of the snapshot is sequence i
-                s_view, v_view, sentinel = tail[:pools], tail[pools:], self.sentinel
-                rows = dst[:, :n]  # full columns: contiguous whenever the batch fills the device table
-
-                def op() -> None:
-                    gather_block_offsets(rows, snap, ident, s_view, v_view, width, sentinel)
+            def op() -> None:
+                out.copy_(snap, non_blocking=True)
 
             target.submit(op)
         except BaseException:
             self.staging.release(buf)
             raise
         event = target.record()
+        # dst too: freeing it while the op is pending would let the allocator hand its memory to someone
+        # else on another stream, and the late write would land there.
+        self.staging.retire(buf, event, keep=dst)
+        self._last_event = event
+        return event
+
+    def _gather(
+        self, target: Stream, dst: torch.Tensor, index: torch.Tensor, width: int, coeffs: torch.Tensor
+    ) -> Event:
+        """Gather mode: refresh the batch's changed rows in the row versions, ship its row numbers, enqueue."""
+        versions = self._versions
+        if versions is None:
+            versions = self._versions = RowVersions(self.host, self.device, spare_rows=self._spare_rows)
+        n, pools = index.numel(), self.num_pools
+        buf = self.staging.acquire(n + 2 * pools)
+        try:
+            phys = versions.prepare(index.numpy())
+            ids = buf[:n]  # the batch's physical rows: the op reads them where they are, so a fresh buffer
+            ids.copy_(torch.from_numpy(phys))
+            tail = buf[n : n + 2 * pools]
+            tail.copy_(coeffs)
+            src, s_view, v_view, sentinel = versions.table, tail[:pools], tail[pools:], self.sentinel
+            rows = dst[:, :n]  # full columns: contiguous whenever the batch fills the device table
+
+            def op() -> None:
+                gather_block_offsets(rows, src, ids, s_view, v_view, width, sentinel)
+
+            target.submit(op)
+        except BaseException:
+            self.staging.release(buf)
+            raise
+        event = target.record()
+        versions.commit(phys, event)
         # dst too: freeing it while the op is pending would let the allocator hand its memory to someone
         # else on another stream, and the late write would land there.
         self.staging.retire(buf, event, keep=dst)
@@ -593,10 +637,15 @@ class BlockOffsetTable:
         if self._last_event is not None:
             self._last_event.synchronize()
         self.staging.drain()
+        if self._versions is not None:
+            self._versions.drain()
 
     def statistics(self) -> BlockOffsetStatistics:
         """A snapshot: calls per mode, sequences and bytes shipped, the snapshot pool."""
-        return BlockOffsetStatistics(dict(self._calls), self._sequences, self._bytes, self.staging.statistics())
+        versions = None if self._versions is None else self._versions.statistics()
+        return BlockOffsetStatistics(
+            dict(self._calls), self._sequences, self._bytes, self.staging.statistics(), versions
+        )
 
     def __repr__(self) -> str:
         live = int((self._counts > 0).any(axis=0).sum())
