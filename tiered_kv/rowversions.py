@@ -89,6 +89,7 @@ class RowVersions:
         self.table = device.empty_host((pools, slots + spare_rows, kv, cols), source.dtype)
         self.table[:, :slots].copy_(source)
         self.table[:, slots:].copy_(source[:, :1].expand(pools, spare_rows, kv, cols))  # any defined value
+        self._table_np, self._source_np = self.table.numpy(), source.numpy()
         self._phys = np.arange(slots, dtype=np.int64)  # slot -> physical row
         self._dirty = np.zeros(slots, dtype=np.bool_)  # slot changed in source since its row was refreshed
         self._last_use = np.zeros(slots + spare_rows, dtype=np.int64)  # physical row -> last op id reading it
@@ -108,19 +109,22 @@ class RowVersions:
         A dirty slot whose physical row a pending op may read gets a spare row (its old row is retired to
         the last op reading it); waits for the oldest op only when no spare row is free.
         """
-        self.reclaim()
-        dirty = slots[self._dirty[slots]]
-        if dirty.size:
-            dirty = np.unique(dirty)
-            for slot in dirty[self._last_use[self._phys[dirty]] > self._done].tolist():
+        if self._pending:
+            self.reclaim()
+        mask = self._dirty[slots]
+        if mask.any():
+            dirty = slots[mask]
+            if dirty.size > 1:
+                dirty = np.unique(dirty)
+            for slot in dirty.tolist():
                 old = int(self._phys[slot])
-                if self._last_use[old] <= self._done:  # freed while waiting for a spare row below
+                if self._last_use[old] <= self._done:  # no pending op reads it: refresh in place
                     continue
                 self._phys[slot] = self._take_row()
                 self._retire(old)
                 self._cow += 1
-            phys = torch.from_numpy(self._phys[dirty])
-            self.table.index_copy_(1, phys, self.source.index_select(1, torch.from_numpy(dirty)))
+            # numpy views of the tables: a fancy-index copy without torch's per-op overhead
+            self._table_np[:, self._phys[dirty]] = self._source_np[:, dirty]
             self._dirty[dirty] = False
             self._refreshed += int(dirty.size)
         rows: np.ndarray = self._phys[slots]
