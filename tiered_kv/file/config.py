@@ -63,7 +63,11 @@ class FileTierConfig:
             ``TIERED_KV_FILE_DURABILITY``.
         io_threads: backend I/O threads, and checksum threads. Env ``TIERED_KV_FILE_THREADS``.
         direct: posix ``O_DIRECT``: ``None`` detects it once per directory.
-        staging_blocks: pinned staging blocks shared by GPU<->FILE copies (the pipeline depth).
+        staging_blocks: pinned staging blocks shared by GPU<->FILE copies (the pipeline depth). ``None``
+            (default): sized at first use from bandwidth x latency, one block's file read and one block's
+            host<->device copy measured once (:func:`~tiered_kv.file.ring.ring_depth`), at most
+            ``staging_bytes``.
+        staging_bytes: the memory cap of an automatically sized ring (default 256 MiB, at least 2 blocks).
         verify_on_open: ``"header"`` (default: index every slot whose header verifies; payloads are verified
             on every read) or ``"full"`` (also read and checksum every payload at open).
         discard_mismatch: reopening a slab written for another layout is an error unless this is true, in
@@ -79,14 +83,17 @@ class FileTierConfig:
     durability: str = "none"
     io_threads: int = 4
     direct: bool | None = None
-    staging_blocks: int = 8
+    staging_blocks: int | None = None
+    staging_bytes: int = 256 << 20
     verify_on_open: str = "header"
     discard_mismatch: bool = False
     backend_factory: Callable[[str], FileBackend] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("num_blocks", "io_threads", "staging_blocks"):
+        for name in ("num_blocks", "io_threads", "staging_blocks", "staging_bytes"):
             v = getattr(self, name)
+            if v is None and name == "staging_blocks":
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"FileTierConfig.{name} must be a positive int, got {v!r}")
         if not isinstance(self.name, str) or not self.name or "/" in self.name or self.name.startswith("."):
@@ -114,7 +121,6 @@ class FileTierConfig:
             values["discard_mismatch"] = True
         values.update(overrides)
         return cls(directory, num_blocks, **values)
-
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -6,12 +6,21 @@ Primitives:
 
 * :class:`StagingRing` -- ``count`` pinned host blocks handed out FIFO-fairly by callback
   (:meth:`~StagingRing.acquire`), so nobody blocks waiting for one; also viewed as a block-major host pool
-  for the engine's copier (gathering a layer-major GPU block into one staging block).
+  for the engine's copier (gathering a layer-major GPU block into one staging block). It counts the blocks
+  in use and the peak (:attr:`~StagingRing.peak_in_use`): the pipeline depth actually reached.
+* :func:`ring_depth` -- the ring size from bandwidth x latency: enough blocks that the disk leg (``io_threads``
+  requests in flight) and the host<->device leg overlap at the slower leg's rate.
+* :func:`measure_legs` -- one block's time on each leg, measured once per tier (a read of the slab and a
+  copy between a staging block and device memory).
 """
 
 from __future__ import annotations
 
+import math
+import os
+import statistics
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -20,7 +29,10 @@ from ..device import Device
 from ..layout import KVLayout
 from ..pools import BlockPool, Tier
 
-__all__ = ["StagingRing"]
+__all__ = ["StagingRing", "measure_legs", "ring_depth"]
+
+MIN_DEPTH = 2
+"""The fewest staging blocks: one on each leg."""
 
 
 class StagingRing:
@@ -36,9 +48,18 @@ class StagingRing:
         self.tensor = device.empty_host((count, layout.bytes_per_block), torch.uint8)
         # the same memory as a block-major host pool, for the engine's copier (layer-major GPU pools)
         self.pool = BlockPool(Tier.HOST, layout, self.tensor.view(layout.dtype).view(count, *layout.block_shape))
+        self.count = count
         self._free = list(range(count))
         self._waiters: list[Callable[[int], None]] = []
         self._lock = threading.Lock()
+        self.peak_in_use = 0
+        """The most blocks handed out at once so far (``count`` when the pipeline filled the ring)."""
+
+    @property
+    def in_use(self) -> int:
+        """Blocks handed out now."""
+        with self._lock:
+            return self.count - len(self._free)
 
     def acquire(self, callback: Callable[[int], None]) -> None:
         """Call ``callback(block)`` with a free block: at once if one is free, else when one is released."""
@@ -47,6 +68,7 @@ class StagingRing:
                 self._waiters.append(callback)
                 return
             i = self._free.pop()
+            self.peak_in_use = max(self.peak_in_use, self.count - len(self._free))
         callback(i)
 
     def release(self, i: int) -> None:
@@ -57,3 +79,73 @@ class StagingRing:
                 return
             callback = self._waiters.pop(0)
         callback(i)
+
+
+def ring_depth(disk_s: float, link_s: float, io_threads: int, *, limit: int) -> int:
+    """Staging blocks that keep both legs of a GPU<->file copy busy: bandwidth x latency, with a margin.
+
+    A block holds its staging slot for one disk request (``disk_s``, of which ``io_threads`` run at once)
+    plus one host<->device copy (``link_s``). The pipeline runs at the slower leg's rate, one block per
+    ``max(disk_s / io_threads, link_s)``; by Little's law it needs rate x holding time blocks in flight, and
+    twice that absorbs jitter on either leg (a late completion must not drain the other leg).
+
+    Args:
+        disk_s: seconds of one block's file request (latency included).
+        link_s: seconds of one block's host<->device copy (latency included).
+        io_threads: file requests in flight at once.
+        limit: the most blocks allowed (memory cap).
+
+    Returns:
+        The depth, in ``[max(MIN_DEPTH, io_threads + 1), limit]`` (``limit`` wins when smaller).
+    """
+    if disk_s < 0 or link_s < 0 or io_threads < 1 or limit < 1:
+        raise ValueError(f"bad ring_depth arguments: {disk_s=}, {link_s=}, {io_threads=}, {limit=}")
+    period = max(disk_s / io_threads, link_s, 1e-9)
+    wanted = math.ceil(2 * (disk_s + link_s) / period)
+    return max(1, min(limit, max(wanted, MIN_DEPTH, io_threads + 1)))
+
+
+def measure_legs(device: Device, path: str, offset: int, nbytes: int, repeat: int = 3) -> tuple[float, float]:
+    """``(disk_s, link_s)``: median seconds of one ``nbytes`` read of ``path`` and of one device round trip half.
+
+    The disk leg reads ``nbytes`` at ``offset`` with ``O_DIRECT`` where the file system allows it (else through
+    the page cache, which under-estimates a cold disk: the depth's lower bound covers that). The link leg
+    copies a staging-sized host buffer to device memory (on the emulated device: to another host buffer).
+    """
+    flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        fd = os.open(path, os.O_RDONLY)
+    buf = _aligned(nbytes)
+    disk: list[float] = []
+    try:
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            try:
+                os.preadv(fd, [buf], offset)
+            except OSError:  # O_DIRECT refused this offset/length: time a buffered read instead
+                os.close(fd)
+                fd = os.open(path, os.O_RDONLY)
+                t0 = time.perf_counter()
+                os.preadv(fd, [buf], offset)
+            disk.append(time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+    host = device.empty_host((nbytes,), torch.uint8)
+    target = torch.empty(nbytes, dtype=torch.uint8, device=device.torch_device)
+    link: list[float] = []
+    for _ in range(repeat + 1):
+        t0 = time.perf_counter()
+        target.copy_(host, non_blocking=True)
+        if device.is_cuda:
+            torch.cuda.synchronize(device.torch_device)
+        link.append(time.perf_counter() - t0)
+    return statistics.median(disk), statistics.median(link[1:])  # the first copy pays lazy initialisation
+
+
+def _aligned(nbytes: int) -> memoryview:
+    """A page-aligned writable buffer of ``nbytes`` (``O_DIRECT`` needs aligned memory)."""
+    import mmap
+
+    return memoryview(mmap.mmap(-1, max(nbytes, 1)))[:nbytes]

@@ -49,7 +49,7 @@ from .index import SlotIndex, SlotState
 from .pipeline import FileCopy, IoCounters, SlabIO
 from .place import check_space, prepare_directory
 from .recovery import OpenReport, open_slab, take_lock
-from .ring import StagingRing
+from .ring import StagingRing, measure_legs, ring_depth
 
 __all__ = ["FileTier", "FileTierStatistics"]
 
@@ -320,8 +320,30 @@ class FileTier:
     def _staging_ring(self) -> StagingRing:
         with self._ring_lock:
             if self._ring is None:
-                self._ring = StagingRing(self.device, self.layout, self.config.staging_blocks)
+                self._ring = StagingRing(self.device, self.layout, self._ring_depth())
             return self._ring
+
+    @property
+    def staging_depth(self) -> int:
+        """Blocks in the GPU<->file staging ring (sizes it now if no GPU copy has yet)."""
+        return self._staging_ring().count
+
+    def _ring_depth(self) -> int:
+        """The configured ring size, or one from bandwidth x latency measured now (once per tier)."""
+        if self.config.staging_blocks is not None:
+            return self.config.staging_blocks
+        limit = max(2, self.config.staging_bytes // self.layout.bytes_per_block)
+        disk_s, link_s = measure_legs(self.device, self.path, self.geometry.offset(0), self.slot_size)
+        depth = ring_depth(disk_s, link_s, self.config.io_threads, limit=limit)
+        log.info(
+            "file tier %s: staging ring of %d blocks (one block: file %.0f us, host<->device %.0f us, %d I/O threads)",
+            self.path,
+            depth,
+            disk_s * 1e6,
+            link_s * 1e6,
+            self.config.io_threads,
+        )
+        return depth
 
     # ------------------------------------------------------------------------------------ lifecycle
 

@@ -85,7 +85,15 @@ class _Raw:
 
 
 async def _measure(
-    directory: str, device: str, gds: str, block_bytes: int, nblocks: int, repeat: int, gpu: bool, raw: _Raw | None
+    directory: str,
+    device: str,
+    gds: str,
+    block_bytes: int,
+    nblocks: int,
+    repeat: int,
+    gpu: bool,
+    raw: _Raw | None,
+    staging: int | None = None,
 ) -> dict[str, Any]:
     """Best-of-``repeat`` GB/s of ours (and of raw, interleaved with ours so both see the same disk weather)."""
     layout = _layout(block_bytes)
@@ -95,7 +103,7 @@ async def _measure(
         name=f"bench-{gds}",
         gds=gds,
         io_threads=THREADS,
-        staging_blocks=max(4, min(32, (256 << 20) // layout.bytes_per_block)),
+        staging_blocks=staging,  # None: sized from bandwidth x latency (the default)
         discard_mismatch=True,
     )
     n = nblocks
@@ -119,6 +127,7 @@ async def _measure(
             t = await eng.copy(Tier.FILE, range(n), src_tier, range(n))
             out["read"] = max(out["read"], t.gbps)
         out["integrity_failures"] = ft.statistics().integrity_failures
+        out["staging"] = ft.staging_depth if gpu else 0
         path = ft.path
     os.unlink(path)
     return out
@@ -234,17 +243,21 @@ def run(quick: bool = False, device: str = "auto", directory: str | None = None)
                                 "target": 0.9,
                             }
                         )
-                    if cuda:
-                        g = asyncio.run(_measure(directory, device, gds, block, n, repeat, True, None))
+                    # the ring sized from bandwidth x latency (the default), then the fixed 32-block ring of before
+                    for fixed in (None, 32) if cuda else ():
+                        g = asyncio.run(_measure(directory, device, gds, block, n, repeat, True, None, fixed))
                         d2h, h2d = _pcie(block * n, device)
                         for direction, mine, pcie, disk in (
                             ("gpu->file", g["write"], d2h, ours["raw_write"]),
                             ("file->gpu", g["read"], h2d, ours["raw_read"]),
                         ):
                             bound = min(pcie, disk)
+                            label = {} if fixed is None else {"ring": f"fixed {fixed}"}
                             rows.append(
                                 {
                                     "row": direction,
+                                    **label,
+                                    "staging": g["staging"],
                                     "backend": g["backend"],
                                     "block MiB": block / 2**20,
                                     "blocks": n,
