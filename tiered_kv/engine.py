@@ -60,6 +60,9 @@ __all__ = ["LATENCY_BUCKETS", "EngineStatistics", "Transfer", "TransferEngine", 
 
 log = logging.getLogger(__name__)
 
+# a resolved pair: source and destination tier and medium, its handler, whether it is a memory pair, "src->dst"
+_Route = tuple[Tier, Tier, Medium, Medium, TransferHandler, bool, str]
+
 #: Seconds ``close()`` from a new event loop waits for copies the engine's ended loop left in flight.
 ORPHAN_TIMEOUT = 30.0
 
@@ -198,6 +201,8 @@ class TransferEngine:
                 stream.close()
             raise
         self._media: dict[Tier, Medium] = {**self._pools, **self._routes.media}
+        self._resolved: dict[tuple[Tier | str, Tier | str], _Route] = {}  # see _resolve_route
+        self._block_bytes = layout.bytes_per_block
         self._fences = FenceTable()
         self._inflight: set[Marker] = set()
         self._meta: dict[
@@ -383,6 +388,7 @@ class TransferEngine:
             raise EngineClosedError("the TransferEngine is closed")
         self._routes.add(handler)
         self._media.update(handler.media)
+        self._resolved.clear()
 
     def route(self, src_tier: Tier | str, dst_tier: Tier | str) -> TransferHandler:
         """The handler that copies from ``src_tier`` to ``dst_tier``.
@@ -395,6 +401,20 @@ class TransferEngine:
         if handler is None:
             raise ValueError(f"copies from {src_t.value} to {dst_t.value} are not supported by this engine")
         return handler
+
+    def _resolve_route(self, src_tier: Tier | str, dst_tier: Tier | str) -> _Route:
+        """Tiers, media and handler of a pair, checked (the errors of :meth:`medium` and :meth:`route`).
+
+        Kept per pair as the caller names it (a :class:`Tier` or its name), so that a copy does not coerce and
+        look up the same things again; :meth:`add_handler` forgets them.
+        """
+        src_t, dst_t = Tier.coerce(src_tier), Tier.coerce(dst_tier)
+        src_pool, dst_pool = self.medium(src_t), self.medium(dst_t)
+        handler = self.route(src_t, dst_t)
+        route = (src_t, dst_t, src_pool, dst_pool, handler, isinstance(handler, StreamCopier), f"{src_t.value}->{dst_t.value}")
+        if type(src_tier) in (Tier, str) and type(dst_tier) in (Tier, str):
+            self._resolved[src_tier, dst_tier] = route
+        return route
 
     def block(self, tier: Tier | str, index: int) -> torch.Tensor:
         """A view of one block, for inspection and for filling in tests.
@@ -541,10 +561,11 @@ class TransferEngine:
     ) -> Transfer:
         """The copy itself (see :meth:`copy`): validate, fence, enqueue."""
         loop = self._check_open()
-        src_t, dst_t = Tier.coerce(src_tier), Tier.coerce(dst_tier)
-        src_pool, dst_pool = self.medium(src_t), self.medium(dst_t)
-        handler = self.route(src_t, dst_t)
-        memory = isinstance(handler, StreamCopier)
+        try:  # the route of a (src, dst) pair as the caller names it, resolved once (see _resolve_route)
+            route = self._resolved[src_tier, dst_tier]
+        except (KeyError, TypeError):
+            route = self._resolve_route(src_tier, dst_tier)
+        src_t, dst_t, src_pool, dst_pool, handler, memory, direction = route
         small = (
             small_pairs(src_indices, dst_indices, src_pool.num_blocks, dst_pool.num_blocks, src_pool is dst_pool)
             if memory
@@ -561,7 +582,7 @@ class TransferEngine:
         # num_tokens goes to the handler as given (validated): the file tier refuses it even when it is whole
         batch = handler.validate(Batch(src_t, s, dst_t, d, None if num_tokens is None else int(num_tokens), keys, span))
 
-        per_block = self.layout.bytes_per_block if n is None else self.layout.partial_bytes(n)
+        per_block = self._block_bytes if n is None else self.layout.partial_bytes(n)
         if span is not None:
             per_block = per_block // self.layout.num_layers * (span[1] - span[0])
         self._submitted += 1
@@ -596,7 +617,7 @@ class TransferEngine:
         self._fences.register(marker, reads, writes)
         self._inflight.add(marker)
         self._meta[marker] = (
-            f"{src_t.value}->{dst_t.value}",
+            direction,
             transfer.nbytes,
             transfer.num_blocks,
             transfer.submitted_at,
