@@ -23,9 +23,10 @@ The per-call fast path: a copy between memory pools of at most ``SMALL_CALL_BLOC
 lists or small integer arrays is validated on plain lists (:func:`~tiered_kv.pools.small_pairs`, no numpy)
 and becomes one ``copy_blocks_list`` call on its stream (:mod:`tiered_kv.copyops`).
 
-Size: about 780 lines (formatted at 120 columns), much of it the public API's documentation and the lifecycle rules (ownership by a
-cache, close from another loop, release on failed construction); the copy path itself (validate, route,
-fence, start, complete) is kept in one class so the fence and marker life cycle reads in one place.
+Size: about 800 lines (formatted at 120 columns), much of it the public API's documentation and the lifecycle
+rules (ownership by a cache, close from another loop, release on failed construction); the copy path itself
+(validate, route, fence, start, complete) is kept in one class so the fence and marker life cycle reads in one
+place.
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ def _allocate(
         return empty((blocks, *layout.block_shape), layout.dtype)
     except (RuntimeError, MemoryError) as exc:  # torch reports allocation failures as RuntimeError
         raise MemoryError(
-            f"cannot allocate the {what} pool: {blocks} blocks x {layout.bytes_per_block} bytes = {nbytes / 2**30:.1f} GiB ({exc})"
+            f"cannot allocate the {what} pool: {blocks} blocks x {layout.bytes_per_block} bytes = "
+            f"{nbytes / 2**30:.1f} GiB ({exc})"
         ) from exc
 
 
@@ -145,7 +147,8 @@ class TransferEngine:
                 gpu_pool = as_gpu_pool(layout, gpu_pool)  # classic layer-major, or an engine's layout kind
             if not isinstance(gpu_pool, (torch.Tensor, LayerMajorPool)):
                 raise TypeError(
-                    f"gpu_pool must be a torch.Tensor, a LayerMajorPool or a list of tensors, got {type(gpu_pool).__name__}"
+                    "gpu_pool must be a torch.Tensor, a LayerMajorPool or a list of tensors, "
+                    f"got {type(gpu_pool).__name__}"
                 )
             if gpu_pool.device.type != self.device.torch_device.type:
                 raise ValueError(
@@ -411,7 +414,8 @@ class TransferEngine:
         src_t, dst_t = Tier.coerce(src_tier), Tier.coerce(dst_tier)
         src_pool, dst_pool = self.medium(src_t), self.medium(dst_t)
         handler = self.route(src_t, dst_t)
-        route = (src_t, dst_t, src_pool, dst_pool, handler, isinstance(handler, StreamCopier), f"{src_t.value}->{dst_t.value}")
+        memory = isinstance(handler, StreamCopier)
+        route = (src_t, dst_t, src_pool, dst_pool, handler, memory, f"{src_t.value}->{dst_t.value}")
         if type(src_tier) in (Tier, str) and type(dst_tier) in (Tier, str):
             self._resolved[src_tier, dst_tier] = route
         return route
