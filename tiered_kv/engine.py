@@ -64,6 +64,18 @@ log = logging.getLogger(__name__)
 # a resolved pair: source and destination tier and medium, its handler, whether it is a memory pair, "src->dst"
 _Route = tuple[Tier, Tier, Medium, Medium, TransferHandler, bool, str]
 
+
+class _DirectionTotals:
+    """What the copies of one direction did so far (mutable: updated in place on every completion)."""
+
+    __slots__ = ("blocks", "counts", "nbytes", "seconds")
+
+    def __init__(self) -> None:
+        self.nbytes = 0
+        self.blocks = 0
+        self.seconds = 0.0
+        self.counts = [0] * (len(LATENCY_BUCKETS) + 1)
+
 #: Seconds ``close()`` from a new event loop waits for copies the engine's ended loop left in flight.
 ORPHAN_TIMEOUT = 30.0
 
@@ -220,10 +232,9 @@ class TransferEngine:
         self._closed = False
         self._owner: str | None = None  # who the blocks belong to (claim): copy() is theirs alone
         self._submitted = self._completed = self._failed = 0
-        self._bytes: dict[str, int] = {}  # direction -> bytes completed
-        self._blocks: dict[str, int] = {}  # direction -> blocks completed
-        self._seconds: dict[str, float] = {}  # direction -> summed copy durations
-        self._latency: dict[str, list[int]] = {}  # direction -> counts per LATENCY_BUCKETS bucket (+ overflow)
+        # direction -> [bytes, blocks, summed copy durations, counts per LATENCY_BUCKETS bucket (+ overflow)]:
+        # one lookup per completion
+        self._by_direction: dict[str, _DirectionTotals] = {}
 
     # ------------------------------------------------------------------------------------ lifecycle
 
@@ -462,10 +473,10 @@ class TransferEngine:
             failed=self._failed,
             in_flight=len(self._inflight),
             deferred=len(self._deferred),
-            bytes_by_direction=dict(self._bytes),
-            blocks_by_direction=dict(self._blocks),
-            seconds_by_direction=dict(self._seconds),
-            latency_counts={d: tuple(c) for d, c in self._latency.items()},
+            bytes_by_direction={d: t.nbytes for d, t in self._by_direction.items()},
+            blocks_by_direction={d: t.blocks for d, t in self._by_direction.items()},
+            seconds_by_direction={d: t.seconds for d, t in self._by_direction.items()},
+            latency_counts={d: tuple(t.counts) for d, t in self._by_direction.items()},
             fences=self._fences.statistics(),
         )
 
@@ -727,12 +738,14 @@ class TransferEngine:
         # Ops this one waited for stream-side finished on the device before it did; their own completion
         # callbacks come from other waiter threads and may arrive later. Complete them first, so that
         # done() respects the order the fences imposed (a transfer is never done before one it waited for).
-        for dep in marker.after:
-            if not dep.completed:
-                if dep.done_at is None:
-                    dep.done_at = marker.done_at
-                self._complete(dep)
-        marker.after = []
+        after = marker.after
+        if after:
+            for dep in after:
+                if not dep.completed:
+                    if dep.done_at is None:
+                        dep.done_at = marker.done_at
+                    self._complete(dep)
+            marker.after = []
         self._fences.release(marker)
         self._inflight.discard(marker)
         self._completed += 1
@@ -742,13 +755,13 @@ class TransferEngine:
             log.warning("%s transfer of %d blocks failed: %r", direction, nblocks, marker.error)
         else:
             seconds = (marker.done_at or time.perf_counter()) - submitted
-            self._bytes[direction] = self._bytes.get(direction, 0) + nbytes
-            self._blocks[direction] = self._blocks.get(direction, 0) + nblocks
-            self._seconds[direction] = self._seconds.get(direction, 0.0) + seconds
-            counts = self._latency.get(direction)
-            if counts is None:
-                counts = self._latency[direction] = [0] * (len(LATENCY_BUCKETS) + 1)
-            counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+            totals = self._by_direction.get(direction)
+            if totals is None:
+                totals = self._by_direction[direction] = _DirectionTotals()
+            totals.nbytes += nbytes
+            totals.blocks += nblocks
+            totals.seconds += seconds
+            totals.counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
         marker.complete()
 
     # ------------------------------------------------------------------------------------ compute sync

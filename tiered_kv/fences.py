@@ -112,16 +112,20 @@ class Marker:
         self.completed = True
         if self.done_at is None:
             self.done_at = time.perf_counter()
-        waiters, self._waiters = self._waiters, []
-        for waiter in waiters:
-            if not waiter.done():
-                try:
-                    waiter.set_result(None)
-                except RuntimeError:  # its loop is closed (completion taken over by close() on a new loop)
-                    pass
-        callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
-            _run_callback(callback)
+        waiters = self._waiters
+        if waiters:
+            self._waiters = []
+            for waiter in waiters:
+                if not waiter.done():
+                    try:
+                        waiter.set_result(None)
+                    except RuntimeError:  # its loop is closed (completion taken over by close() on a new loop)
+                        pass
+        callbacks = self._callbacks
+        if callbacks:
+            self._callbacks = []
+            for callback in callbacks:
+                _run_callback(callback)
 
     def __repr__(self) -> str:
         if self.completed:
