@@ -173,7 +173,9 @@ def test_copy_blocks_list_reference_matches_copy_blocks() -> None:
 @pytest.mark.parametrize("pairs", [1, 5, 40, 200])  # inline parameters up to ~40 pairs here, then one pinned H2D
 @pytest.mark.parametrize("method", [ops.METHOD_KERNEL, ops.METHOD_DMA])
 @pytest.mark.parametrize("num_tokens", [None, 2])
-def test_copy_blocks_list_cuda_matches_reference(src_kind: str, dst_kind: str, pairs: int, method: int, num_tokens: int | None) -> None:
+def test_copy_blocks_list_cuda_matches_reference(
+    src_kind: str, dst_kind: str, pairs: int, method: int, num_tokens: int | None
+) -> None:
     rng = np.random.default_rng(pairs)
     src, _ = _make_side(src_kind, 220, torch.float16, "cuda")
     dst, _ = _make_side(dst_kind, 230, torch.float16, "pinned")

@@ -184,7 +184,9 @@ class FenceTable:
         self.stream_waits = 0
         self.loop_waits = 0
 
-    def dependencies(self, reads: Iterable[tuple[str, list[int]]], writes: Iterable[tuple[str, list[int]]]) -> set[Marker]:
+    def dependencies(
+        self, reads: Iterable[tuple[str, list[int]]], writes: Iterable[tuple[str, list[int]]]
+    ) -> set[Marker]:
         """Markers an op must wait for before it reads ``reads`` and writes ``writes``."""
         deps: set[Marker] = set()
         for pool, indices in reads:
