@@ -62,7 +62,10 @@ async def test_another_model_or_rank_never_sees_the_blocks(server):  # noqa: F81
     async with _cache(store_url(server), model) as warm:
         await replay(warm, _workload(2))
         await warm.flush()
-        async with _cache(store_url(server), model + "-other") as other, _cache(store_url(server), model, remote_rank=1) as rank1:
+        async with (
+            _cache(store_url(server), model + "-other") as other,
+            _cache(store_url(server), model, remote_rank=1) as rank1,
+        ):
             for cache in (other, rank1):
                 r = await replay(cache, _workload(2))
                 assert r.hits["remote"] == 0 and r.mismatched_tokens == 0
@@ -266,7 +269,9 @@ async def test_remote_tier_object_can_be_passed_in(redis_server):  # noqa: F811
 
     async with TransferEngine(LAYOUT, gpu_blocks=96, host_blocks=64, device="cpu") as engine:
         tier = RemoteTier(engine, store_url(redis_server))
-        async with TieredKVCache(LAYOUT, device="cpu", gpu_blocks=96, host_blocks=64, engine=engine, remote=tier) as cache:
+        async with TieredKVCache(
+            LAYOUT, device="cpu", gpu_blocks=96, host_blocks=64, engine=engine, remote=tier
+        ) as cache:
             assert cache.remote.tier is tier and tier.available
             r = await replay(cache, _workload(12))
             assert r.mismatched_tokens == 0

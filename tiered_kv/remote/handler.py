@@ -145,7 +145,9 @@ class RemoteHandler:
                 raise TypeError(f"a content key must be non-empty bytes, got {type(k).__name__}")
         if batch.dst_tier is Tier.GPU and not isinstance(self.tier.engine.pool(Tier.GPU), BlockPool):
             raise ValueError("remote reads into a layer-major GPU pool are not supported; read into the host tier")
-        return dataclasses.replace(batch, keys=tuple(bytes(k) for k in keys if isinstance(k, (bytes, bytearray))), num_tokens=None)
+        return dataclasses.replace(
+            batch, keys=tuple(bytes(k) for k in keys if isinstance(k, (bytes, bytearray))), num_tokens=None
+        )
 
     def prepare(self, batch: Batch) -> _RemoteJob:
         """A job that puts or gets the batch on the event loop when the engine starts it."""
