@@ -72,7 +72,10 @@ class FileBackend(Protocol):
     def pread(
         self, buffers: Sequence[torch.Tensor | np.ndarray], offset: int, *, after: Callable[[int], object] | None = None
     ) -> Completion:
-        """Fill ``buffers`` back to back from ``offset``; ``after(nbytes)`` runs on the I/O thread once they are filled."""
+        """Fill ``buffers`` back to back from ``offset``.
+
+        ``after(nbytes)`` runs on the I/O thread once they are filled.
+        """
         ...
 
     def sync(self, data_only: bool) -> Completion:

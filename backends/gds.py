@@ -141,7 +141,9 @@ def probe(check_driver: bool = True) -> GdsProbe:
         return GdsProbe(None, _libcuda_loads(), None, f"kvikio does not import ({exc.__class__.__name__}: {exc})")
     version = str(getattr(kvikio, "__version__", "?"))
     if not _libcuda_loads():
-        return GdsProbe(version, False, None, "libcuda.so.1 cannot be loaded (no CUDA driver); kvikio cannot do I/O here")
+        return GdsProbe(
+            version, False, None, "libcuda.so.1 cannot be loaded (no CUDA driver); kvikio cannot do I/O here"
+        )
     if not check_driver:
         return GdsProbe(version, True, None, "kvikio and libcuda.so.1 are present")
     available = _query_gds(kvikio)

@@ -237,7 +237,10 @@ class PosixBackend:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
-        return f"<PosixBackend {self.path} [{state}, direct:{self.direct}, threads:{self.threads}, bounced:{self.bounced}]>"
+        return (
+            f"<PosixBackend {self.path} [{state}, direct:{self.direct}, threads:{self.threads}, "
+            f"bounced:{self.bounced}]>"
+        )
 
     # -------------------------------------------------------------------------------- internals
 

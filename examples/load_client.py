@@ -88,7 +88,8 @@ def main() -> None:
     print(f"{r.requests} requests ({r.errors} errors) in {r.seconds:.2f} s: {r.requests_per_second:.1f} req/s")
     print(f"latency p50 {r.p50_ms:.1f} ms, p90 {r.p90_ms:.1f} ms, p99 {r.p99_ms:.1f} ms")
     print(
-        f"reused {r.reused_tokens} of {r.prompt_tokens} prompt tokens ({r.reused_tokens / max(1, r.prompt_tokens):.0%}); "
+        f"reused {r.reused_tokens} of {r.prompt_tokens} prompt tokens "
+        f"({r.reused_tokens / max(1, r.prompt_tokens):.0%}); "
         f"mismatched tokens: {r.mismatched_tokens}"
     )
     raise SystemExit(1 if r.errors or r.mismatched_tokens else 0)

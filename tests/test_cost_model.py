@@ -79,10 +79,13 @@ async def test_per_byte_costs_are_fitted_from_admissions_and_unknowns_reuse(tmp_
         assert adm.tokens_reused == 160 and cost.statistics().decisions == 0
         cache.free(adm.seq_id)
         # admissions: 5 ms each (evictions, bookkeeping) + 2 ns per host byte + 100 ns per file byte
-        for host, file in ((0, 0), (4096, 0), (0, 8192), (40960, 4096), (8192, 40960), (0, 4096), (81920, 0), (4096, 4096)):
+        for host, file in (
+            (0, 0), (4096, 0), (0, 8192), (40960, 4096), (8192, 40960), (0, 4096), (81920, 0), (4096, 4096),
+        ):
             cost.observe_admission({"host": host, "file": file}, 0.005 + 2e-9 * host + 1e-7 * file)
         assert cost.bandwidth("host") == pytest.approx(5e8, rel=1e-6)
-        assert cost.bandwidth("file") == pytest.approx(1e7, rel=1e-6)  # the 5 ms every admission pays are not the file's
+        # the 5 ms every admission pays are not the file's
+        assert cost.bandwidth("file") == pytest.approx(1e7, rel=1e-6)
         cost.observe_prefill(1000, 0.01)  # 10 us per token: 0.16 ms per block, against 0.41 ms to read one
         await _cached_in(cache, prompt, "file")
         [adm] = await cache.add_sequences([[*prompt, 2]])
@@ -98,7 +101,9 @@ async def test_a_small_estimated_gain_does_not_skip_blocks(tmp_path):
         # reading 10 file blocks: 1.93 ms + 3 tokens; recomputing 163 tokens: 1.63 ms -- 1.2x, inside the margin
         for margin, reused in ((1.5, 160), (1.0, 0)):
             await _cached_in(cache, prompt, "file")
-            CostModel(cache, prefill_tokens_per_s=100_000, bandwidth={"file": 10 * BLOCK / 1.93e-3}, margin=margin).attach()
+            CostModel(
+                cache, prefill_tokens_per_s=100_000, bandwidth={"file": 10 * BLOCK / 1.93e-3}, margin=margin
+            ).attach()
             [adm] = await cache.add_sequences([[*prompt, 7]])
             assert adm.tokens_reused == reused, margin
             cache.free(adm.seq_id)

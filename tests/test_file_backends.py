@@ -295,7 +295,7 @@ def test_on_with_gds_and_mode_logged_once(monkeypatch, caplog) -> None:
     ) == 1
 
 
-# --------------------------------------------------------------------------------------------- real kvikio (GPU machine)
+# ----------------------------------------------------------------------------------------- real kvikio (GPU machine)
 
 
 @pytest.mark.gpu

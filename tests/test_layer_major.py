@@ -128,7 +128,8 @@ def test_layer_major_pool_bad_arguments(layout) -> None:
 
 
 async def test_layer_major_engine_rejects_bad_copies_before_enqueueing(layout) -> None:
-    async with TransferEngine(layout, gpu_pool=LayerMajorPool.allocate(layout, 2, "cpu"), host_blocks=2, device="cpu") as engine:
+    gpu_pool = LayerMajorPool.allocate(layout, 2, "cpu")
+    async with TransferEngine(layout, gpu_pool=gpu_pool, host_blocks=2, device="cpu") as engine:
         with pytest.raises(ValueError, match="out of range"):
             engine.copy(Tier.GPU, [2], Tier.HOST, [0])
         with pytest.raises(ValueError, match="num_tokens"):

@@ -188,7 +188,9 @@ def _word_tokenizer() -> Any:
 async def test_chat_completions_and_text_prompts_with_a_local_chat_template(model):
     tokenizer = _word_tokenizer()
     async with TieredKVCache(layout_for(model), gpu_blocks=64, device="cpu") as cache:
-        server = Server(CachedStream(CachedGenerator(model, cache)), model, ServerConfig(max_context=1024), tokenizer, cache)
+        server = Server(
+            CachedStream(CachedGenerator(model, cache)), model, ServerConfig(max_context=1024), tokenizer, cache
+        )
         runner, url = await _start(server)
         messages = [{"role": "system", "content": "you are a cache ."}, {"role": "user", "content": "hello there"}]
         try:

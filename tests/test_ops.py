@@ -123,7 +123,9 @@ def test_gather_bad_arguments_raise() -> None:
 GEOM = dict(n=6, L=3, kv=2, H=2, T=5, D=3)  # odd sizes: rows of 15 elements, unaligned for 16-byte access
 
 
-def _make_side(kind: str, n: int, dtype: torch.dtype, where: str, pad: int = 0) -> tuple[list[torch.Tensor], torch.Tensor]:
+def _make_side(
+    kind: str, n: int, dtype: torch.dtype, where: str, pad: int = 0
+) -> tuple[list[torch.Tensor], torch.Tensor]:
     """A pool side of ``kind`` and a logical ``[n, L, kv, H, T, D]`` copy of its content (filled randomly).
 
     ``pad`` adds elements between blocks (a block stride larger than a block, like a strided view).

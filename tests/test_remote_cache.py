@@ -62,7 +62,10 @@ async def test_another_model_or_rank_never_sees_the_blocks(server):  # noqa: F81
     async with _cache(store_url(server), model) as warm:
         await replay(warm, _workload(2))
         await warm.flush()
-        async with _cache(store_url(server), model + "-other") as other, _cache(store_url(server), model, remote_rank=1) as rank1:
+        async with (
+            _cache(store_url(server), model + "-other") as other,
+            _cache(store_url(server), model, remote_rank=1) as rank1,
+        ):
             for cache in (other, rank1):
                 r = await replay(cache, _workload(2))
                 assert r.hits["remote"] == 0 and r.mismatched_tokens == 0
@@ -266,7 +269,9 @@ async def test_remote_tier_object_can_be_passed_in(redis_server):  # noqa: F811
 
     async with TransferEngine(LAYOUT, gpu_blocks=96, host_blocks=64, device="cpu") as engine:
         tier = RemoteTier(engine, store_url(redis_server))
-        async with TieredKVCache(LAYOUT, device="cpu", gpu_blocks=96, host_blocks=64, engine=engine, remote=tier) as cache:
+        async with TieredKVCache(
+            LAYOUT, device="cpu", gpu_blocks=96, host_blocks=64, engine=engine, remote=tier
+        ) as cache:
             assert cache.remote.tier is tier and tier.available
             r = await replay(cache, _workload(12))
             assert r.mismatched_tokens == 0
@@ -279,8 +284,8 @@ async def test_remote_tier_object_can_be_passed_in(redis_server):  # noqa: F811
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("policy", ["commit", "evict"])
 async def test_the_cache_soak_with_the_remote_tier_in_the_loop(server, policy):  # noqa: F811
-    """tiered_kv.testing's cache soak (stalls, file faults, cancellations, per-token oracle) with a real store."""
-    from tiered_kv.testing import CacheSoakConfig, cache_soak
+    """tiered_kv.tools.cache_soak (stalls, file faults, cancellations, per-token oracle) with a real store."""
+    from tiered_kv.tools.cache_soak import CacheSoakConfig, cache_soak
 
     report = await cache_soak(CacheSoakConfig(ops=300, tasks=8, seed=13, host_blocks=16, file_blocks=32,
                                               remote=store_url(server), remote_policy=policy))

@@ -76,10 +76,14 @@ async def test_prometheus_exports_remote_hits_bytes_and_latency(redis_server):  
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, tokens_per_block=16, dtype=torch.float16)
     model = f"prom-{os.getpid()}-{id(layout)}"
     wl = lambda: ChatWorkload(seed=5, conversations=4, system_tokens=96, turns=(1, 2))  # noqa: E731
-    async with TieredKVCache(layout, gpu_blocks=64, host_blocks=32, device="cpu", model_id=model, remote=store_url(redis_server)) as a:
+    async with TieredKVCache(
+        layout, gpu_blocks=64, host_blocks=32, device="cpu", model_id=model, remote=store_url(redis_server)
+    ) as a:
         await replay(a, wl())
         await a.flush()
-    async with TieredKVCache(layout, gpu_blocks=64, host_blocks=32, device="cpu", model_id=model, remote=store_url(redis_server)) as b:
+    async with TieredKVCache(
+        layout, gpu_blocks=64, host_blocks=32, device="cpu", model_id=model, remote=store_url(redis_server)
+    ) as b:
         await replay(b, wl())
         registry = CollectorRegistry()
         register_prometheus(b, registry)

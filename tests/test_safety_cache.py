@@ -1,4 +1,7 @@
-"""Issue 11: the prefix cache never serves wrong KV -- failed spills, plan atomicity, ownership, callbacks, token ids."""
+"""Issue 11: the prefix cache never serves wrong KV.
+
+Failed spills, plan atomicity, ownership, callbacks, token ids.
+"""
 
 from __future__ import annotations
 
@@ -66,7 +69,9 @@ async def serve(cache: TieredKVCache, tokens: list[int]) -> int:
 # ---------------------------------------------------------------------------------------- finding 1
 
 
-async def test_failed_spill_dropped_before_the_loop_heard_is_never_planned_from(small: KVLayout, tmp_path: Path) -> None:
+async def test_failed_spill_dropped_before_the_loop_heard_is_never_planned_from(
+    small: KVLayout, tmp_path: Path
+) -> None:
     """Finding 1: a spill fails; the tier gives the slot up on its I/O thread before the loop completes the
     transfer; the next admission plans from that slot. It must be served right (or fail with
     TransferError), leave no sequence behind and no half-moved block."""
@@ -126,7 +131,9 @@ async def test_a_plan_that_cannot_be_issued_whole_issues_nothing(small: KVLayout
             await serve(cache, toks(500, 2 * TPB + 1))
 
 
-async def test_the_manager_hears_of_a_dropped_slot_before_the_failed_spill_completes(small: KVLayout, tmp_path: Path) -> None:
+async def test_the_manager_hears_of_a_dropped_slot_before_the_failed_spill_completes(
+    small: KVLayout, tmp_path: Path
+) -> None:
     """Finding 1: slot-state changes reach the block manager in one ordered place (on the loop, before the
     failed copy is seen done): by the time anyone can observe the failed spill, its block left the lookup."""
     async with faulty_cache(small, tmp_path, gpu=6, host=1, file=6, eio_on_write=2, stall_writes=0.1) as (cache, be):
@@ -274,7 +281,9 @@ async def test_slot_events_apply_on_the_loop_in_order_and_at_once_without_one() 
     events.post(lambda: [SlotEvent(0, b"k", 1, "write failed")])  # no loop yet: at once
     assert seen == [0]
     events.bind(asyncio.get_running_loop())
-    posters = [th.Thread(target=events.post, args=(lambda i=i: [SlotEvent(i, b"k", 1, "write failed")],)) for i in range(1, 6)]
+    posters = [
+        th.Thread(target=events.post, args=(lambda i=i: [SlotEvent(i, b"k", 1, "write failed")],)) for i in range(1, 6)
+    ]
     for p in posters:
         p.start()
         p.join()  # one after another: their order is the posting order

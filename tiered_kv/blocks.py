@@ -113,9 +113,13 @@ class Block:
             appends to it and checks it: a failed one poisons the block.
     """
 
-    __slots__ = ("cached", "children", "id", "key", "parent_key", "priority", "refcount", "slot", "sources", "tier", "tokens")
+    __slots__ = (
+        "cached", "children", "id", "key", "parent_key", "priority", "refcount", "slot", "sources", "tier", "tokens"
+    )
 
-    def __init__(self, block_id: int, tier: Tier, slot: int, parent_key: ContentKey, tokens: np.ndarray, priority: int) -> None:
+    def __init__(
+        self, block_id: int, tier: Tier, slot: int, parent_key: ContentKey, tokens: np.ndarray, priority: int
+    ) -> None:
         self.id = block_id
         self.tier: Tier | None = tier
         self.slot = slot
@@ -137,7 +141,10 @@ class Block:
         where = f"{self.tier.value}:{self.slot}" if self.tier is not None else "gone"
         key = self.key.hex()[:8] if self.key else "-"
         flags = " cached" if self.cached else ""
-        return f"<Block #{self.id} {where} key={key} tokens={len(self.tokens)} ref={self.refcount} prio={self.priority}{flags}>"
+        return (
+            f"<Block #{self.id} {where} key={key} tokens={len(self.tokens)} ref={self.refcount} "
+            f"prio={self.priority}{flags}>"
+        )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -482,7 +489,9 @@ class BlockManager:
             self._claim(match, prio)
         # Phase 2: onboard and allocate; claimed blocks are out of every LRU, so no eviction touches them.
         plan = Plan()
-        admissions = [self._realize(tokens, prio, match, plan) for (tokens, prio), match in zip(reqs, matches, strict=True)]
+        admissions = [
+            self._realize(tokens, prio, match, plan) for (tokens, prio), match in zip(reqs, matches, strict=True)
+        ]
         return admissions, plan
 
     def _admit_one_phase(self, requests: Iterable[object]) -> tuple[list[Admission], Plan]:
@@ -529,7 +538,8 @@ class BlockManager:
     def _check_fits(self, reqs: Sequence[tuple[np.ndarray, int]], matches: Sequence[Match]) -> None:
         if len(reqs) > len(self._free_seq_slots):
             raise CacheFullError(
-                f"the batch needs {len(reqs)} sequence slots but only {len(self._free_seq_slots)} of {self.max_seqs} are free"
+                f"the batch needs {len(reqs)} sequence slots but only {len(self._free_seq_slots)} of "
+                f"{self.max_seqs} are free"
             )
         tpb = self.tokens_per_block
         claimed: dict[int, Block] = {}  # block id -> every block the batch claims
@@ -605,7 +615,8 @@ class BlockManager:
         page_table = tuple(b.slot for b in seq.blocks)
         self._notify(seq, page_table)
         return Admission(
-            seq.seq_id, seq_slot, len(tokens), match.tokens_reused, dict(match.by_tier), partial_n, total - m, page_table
+            seq.seq_id, seq_slot, len(tokens), match.tokens_reused, dict(match.by_tier), partial_n, total - m,
+            page_table,
         )
 
     # ------------------------------------------------------------------------------------ lifecycle
@@ -631,12 +642,15 @@ class BlockManager:
         total = -(-(old_len + new.size) // tpb)
         if total > self.max_blocks_per_seq:
             raise ValueError(
-                f"sequence {seq_id} would hold {total} blocks, more than a sequence may hold ({self.max_blocks_per_seq})"
+                f"sequence {seq_id} would hold {total} blocks, more than a sequence may hold "
+                f"({self.max_blocks_per_seq})"
             )
         need = total - len(seq.blocks)
         supply = len(self._free[Tier.GPU]) + sum(len(d) for d in self._lru[Tier.GPU].values())
         if need > supply:
-            raise CacheFullError(f"appending to sequence {seq_id} needs {need} GPU blocks but at most {supply} can be made free")
+            raise CacheFullError(
+                f"appending to sequence {seq_id} needs {need} GPU blocks but at most {supply} can be made free"
+            )
         seq.tokens.extend(new.tolist())
         all_tokens = np.asarray(seq.tokens, dtype="<i8")
         parent = seq.keys[-1] if seq.keys else None
@@ -820,7 +834,9 @@ class BlockManager:
             for s in free:
                 assert (t, s) not in occupied, f"{t.value} slot {s} is both free and used by {occupied[(t, s)]}"
             used = sum(1 for (tt, _) in occupied if tt is t)
-            assert used + len(free) == self.capacity[t], f"{t.value}: {used} used + {len(free)} free != {self.capacity[t]} (lost)"
+            assert used + len(free) == self.capacity[t], (
+                f"{t.value}: {used} used + {len(free)} free != {self.capacity[t]} (lost)"
+            )
             for prio, d in self._lru[t].items():
                 for b in d.values():
                     ok = b.tier is t and b.priority == prio and b.refcount == 0 and b.cached
@@ -1016,7 +1032,9 @@ class BlockManager:
         """Return reserved slots unused."""
         self._free[Tier.coerce(tier)].extend(slots)
 
-    def adopt(self, tier: Tier | str, slot: int, key: ContentKey, parent_key: ContentKey, tokens: np.ndarray) -> Block | None:
+    def adopt(
+        self, tier: Tier | str, slot: int, key: ContentKey, parent_key: ContentKey, tokens: np.ndarray
+    ) -> Block | None:
         """Make the verified data in a reserved ``(tier, slot)`` a cached block under ``key`` (child of ``parent_key``).
 
         Returns ``None`` and frees the slot when the key is cached already or the parent is not (the block
@@ -1026,7 +1044,9 @@ class BlockManager:
         if key in self._lookup or (parent_key != self.hasher.root and parent_key not in self._lookup):
             self._free[t_].append(slot)
             return None
-        block = Block(next(self._ids), t_, slot, parent_key, np.asarray(tokens, dtype=np.int64).copy(), DEFAULT_PRIORITY)
+        block = Block(
+            next(self._ids), t_, slot, parent_key, np.asarray(tokens, dtype=np.int64).copy(), DEFAULT_PRIORITY
+        )
         block.refcount = 0
         self._register(block, key)
         self._adopted += 1

@@ -132,7 +132,9 @@ class CostModel:
     def observe_admission(self, bytes_from: Mapping[str, int], seconds: float) -> None:
         """An admission brought ``bytes_from[tier]`` bytes from host/file to the GPU and took ``seconds``."""
         if seconds > 0:
-            self._admissions.append((float(bytes_from.get("host", 0)), float(bytes_from.get("file", 0)), float(seconds)))
+            self._admissions.append(
+                (float(bytes_from.get("host", 0)), float(bytes_from.get("file", 0)), float(seconds))
+            )
             self._fit = None
 
     def _per_byte(self) -> dict[str, float]:

@@ -129,4 +129,7 @@ class KeyHasher:
         return out
 
     def __repr__(self) -> str:
-        return f"<KeyHasher model={self.model_id!r} tokens_per_block={self.tokens_per_block} root={self.root.hex()[:12]}>"
+        return (
+            f"<KeyHasher model={self.model_id!r} tokens_per_block={self.tokens_per_block} "
+            f"root={self.root.hex()[:12]}>"
+        )

@@ -46,7 +46,8 @@ _lib.define(
     "int max_blocks, int sentinel) -> ()"
 )
 _lib.define(
-    "copy_blocks(Tensor(a!)[] dst, Tensor[] src, Tensor src_blocks, Tensor dst_blocks, int num_tokens, int method) -> ()"
+    "copy_blocks(Tensor(a!)[] dst, Tensor[] src, Tensor src_blocks, Tensor dst_blocks, int num_tokens, "
+    "int method) -> ()"
 )
 _lib.define("copy_chunks(Tensor(a!)[] dst, Tensor[] src, Tensor chunks, int method) -> ()")
 # The engine's per-call path: indices as int lists (no index tensors per call), an explicit raw stream handle

@@ -119,7 +119,9 @@ def gather_block_offsets(
     max_blocks: int | None = None,
     sentinel: int = -1,
 ) -> torch.Tensor:
-    """Gather rows of a block-offset table: ``dst[p, s, k, j] = scale[p] * src[p, idx[s], k, j] + (k == 1 ? v_offset[p] : 0)``.
+    """Gather rows of a block-offset table.
+
+    ``dst[p, s, k, j] = scale[p] * src[p, idx[s], k, j] + (k == 1 ? v_offset[p] : 0)``.
 
     Args:
         dst: int32 ``[pools, seqs, kv, dst_cols]``, written in place (columns ``>= max_blocks`` untouched).
@@ -201,7 +203,8 @@ def _side_shape(tensors: Sequence[torch.Tensor], what: str) -> tuple[int, tuple[
         raise TypeError(f"copy_blocks: {what} dtype {first.dtype} is not supported")
     if first.dim() not in (4, 5, 6):
         raise ValueError(
-            f"copy_blocks: {what} tensors must be [N, L, kv, H, T, D], [N, kv, H, T, D] or [N, H, T, D], got {list(first.shape)}"
+            f"copy_blocks: {what} tensors must be [N, L, kv, H, T, D], [N, kv, H, T, D] or [N, H, T, D], "
+            f"got {list(first.shape)}"
         )
     for t in tensors:
         if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device or t.stride() != first.stride():

@@ -176,7 +176,9 @@ class ChunkedPool(LayerMajorPool):
         if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
             raise TypeError(f"block index must be an int, got {type(index).__name__}")
         if not 0 <= index < self.num_blocks:
-            raise ValueError(f"block index {index} is out of range for the {self.name} pool of {self.num_blocks} blocks")
+            raise ValueError(
+                f"block index {index} is out of range for the {self.name} pool of {self.num_blocks} blocks"
+            )
         out = torch.empty(self.layout.bytes_per_block, dtype=torch.uint8, device=self.device)
         table = chunk_table(self, np.array([index]), _Flat(out), np.array([0]))
         from . import ops  # lazy: ops registers torch operators
@@ -380,9 +382,9 @@ def sglang_token_major(
 ) -> ChunkedPool:
     """SGLang's token-major ``(tokens, H, D)`` per-layer K and V buffers as a pool.
 
-    A page (block) is ``tokens_per_block`` consecutive tokens, page ``b`` = tokens ``[b * T, (b + 1) * T)``. MLA (``kv_factor=1``): ``k_buffers`` are
-    the ``(tokens, 1, D)`` latent buffers and ``v_buffers`` is ``None``. Tokens past the last whole page
-    (SGLang's padding) are not part of any block.
+    A page (block) is ``tokens_per_block`` consecutive tokens, page ``b`` = tokens ``[b * T, (b + 1) * T)``.
+    MLA (``kv_factor=1``): ``k_buffers`` are the ``(tokens, 1, D)`` latent buffers and ``v_buffers`` is ``None``.
+    Tokens past the last whole page (SGLang's padding) are not part of any block.
     """
     L, kv, H, T, D = layout.block_shape
     if (kv == 1) != (v_buffers is None):
@@ -441,7 +443,8 @@ def pages(tensors: Sequence[torch.Tensor], layout: KVLayout | None = None) -> Ch
             raise TypeError(f"a pages pool is made of tensors, got {type(t).__name__}")
         if t.dim() != 2 or t.dtype not in (torch.int8, torch.uint8) or (t.shape[0] and t.stride(1) != 1):
             raise ValueError(
-                f"pages must be int8/uint8 (num_blocks, page_bytes) views with dense rows, got {t.dtype} {list(t.shape)}"
+                f"pages must be int8/uint8 (num_blocks, page_bytes) views with dense rows, "
+                f"got {t.dtype} {list(t.shape)}"
             )
     if not tensors:
         raise ValueError("a pages pool needs at least one tensor")

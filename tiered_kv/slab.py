@@ -139,7 +139,9 @@ class SlotHeader:
     key: Key
 
 
-def pack_header(out: memoryview, fingerprint: bytes, slot: int, generation: int, key: Key, payload_length: int, checksum: bytes) -> None:
+def pack_header(
+    out: memoryview, fingerprint: bytes, slot: int, generation: int, key: Key, payload_length: int, checksum: bytes
+) -> None:
     """Write a slot header into ``out`` (a writable 4096-byte buffer)."""
     tag, raw = encode_key(key)
     out[:HEADER_SIZE] = _ZEROS  # a reused buffer's stale bytes would be hashed

@@ -211,7 +211,8 @@ class StagingPool:
     def __repr__(self) -> str:
         with self._lock:
             return (
-                f"<StagingPool {self.device.kind} [in_flight:{len(self._in_flight)}/{self.depth} free:{len(self._free)} "
+                f"<StagingPool {self.device.kind} [in_flight:{len(self._in_flight)}/{self.depth} "
+                f"free:{len(self._free)} "
                 f"held:{self._held}]>"
             )
 
@@ -650,7 +651,8 @@ class BlockOffsetTable:
     def __repr__(self) -> str:
         live = int((self._counts > 0).any(axis=0).sum())
         return (
-            f"<BlockOffsetTable {self.device.kind} [pools:{self.num_pools} slots:{live}/{self.max_seqs} kv:{self.kv_factor} "
+            f"<BlockOffsetTable {self.device.kind} [pools:{self.num_pools} slots:{live}/{self.max_seqs} "
+            f"kv:{self.kv_factor} "
             f"max_blocks:{self.max_blocks_per_seq}] {self.staging!r}>"
         )
 
@@ -781,7 +783,10 @@ def copy_batch_block_offsets(
     scale: Sequence[int] | torch.Tensor | None = None,
     v_offset: Sequence[int] | torch.Tensor | None = None,
 ) -> Event:
-    """Ship a batch's block-offset rows from ``table`` to ``dst``; see :meth:`BlockOffsetTable.copy_batch_block_offsets`."""
+    """Ship a batch's block-offset rows from ``table`` to ``dst``.
+
+    See :meth:`BlockOffsetTable.copy_batch_block_offsets`.
+    """
     if not isinstance(table, BlockOffsetTable):
         raise TypeError(f"table must be a BlockOffsetTable, got {type(table).__name__}")
     return table.copy_batch_block_offsets(

@@ -190,7 +190,10 @@ class SlotIndex:
         return dropped
 
     def drop_if(self, slot: int, gen: int) -> None:
-        """A read of ``slot`` expecting ``gen`` failed verification: drop the slot unless claimed since (on the loop)."""
+        """A read of ``slot`` expecting ``gen`` failed verification.
+
+        Drop the slot unless it was claimed since (on the loop).
+        """
         self.events.post(functools.partial(self._apply_drop, slot, gen))
 
     def _apply_drop(self, slot: int, gen: int) -> list[SlotEvent]:

@@ -49,7 +49,9 @@ def storage_error(exc: OSError, path: str | os.PathLike[str], doing: str, size: 
         errno.EPERM: "operation not permitted: give file_dir a directory this user owns",
         errno.ENOENT: "a parent directory does not exist or was removed: create it or give another file_dir",
         errno.ENOTDIR: "a component of the path is not a directory: give file_dir a directory",
-        errno.ELOOP: "the path is a symbolic link, which the file tier never follows: remove it or give another file_dir",
+        errno.ELOOP: (
+            "the path is a symbolic link, which the file tier never follows: remove it or give another file_dir"
+        ),
     }.get(exc.errno or 0, "check the path and the filesystem")
     sized = f" ({_gib(size)} asked)" if size is not None else ""
     err = StorageError(exc.errno or 0, f"cannot {doing} {os.fspath(path)}{sized}: {exc.strerror or exc}; {what}")

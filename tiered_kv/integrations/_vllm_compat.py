@@ -46,13 +46,17 @@ def vllm_version() -> tuple[int, ...]:
 _v = vllm_version()
 if _v[:2] != (0, 0) and not SUPPORTED[0] <= _v[:2] <= SUPPORTED[1]:
     raise ImportError(
-        f"tiered_kv.integrations.vllm supports vLLM {SUPPORTED[0][0]}.{SUPPORTED[0][1]}-{SUPPORTED[1][0]}.{SUPPORTED[1][1]},"
+        f"tiered_kv.integrations.vllm supports vLLM {SUPPORTED[0][0]}.{SUPPORTED[0][1]}-"
+        f"{SUPPORTED[1][0]}.{SUPPORTED[1][1]},"
         f" found {'.'.join(map(str, _v))}"
     )
 
 
 def make_event(keys: list[bytes], medium: str, removed: bool) -> Any:
-    """An ``OffloadingEvent`` for ``keys`` entering (``removed=False``) or leaving a medium (``"CPU"``/``"STORAGE"``)."""
+    """An ``OffloadingEvent`` for ``keys`` entering (``removed=False``) or leaving a medium.
+
+    The medium is ``"CPU"`` or ``"STORAGE"``.
+    """
     enum = getattr(base, "Medium", None)
     med: Any = enum[medium] if enum is not None else medium
     fields = {f.name for f in dataclasses.fields(base.OffloadingEvent)}

@@ -229,7 +229,10 @@ class TieredKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     # ------------------------------------------------------------------------------ zero-copy v1
 
     def _host_chunks(self, host_indices: torch.Tensor, n: int) -> tuple[list[torch.Tensor], np.ndarray, np.ndarray]:
-        """SGLang's host pool pages as (buffers, buffer index per chunk, byte offset per chunk), chunk-major per page."""
+        """SGLang's host pool pages as (buffers, buffer index per chunk, byte offset per chunk).
+
+        Chunks are chunk-major per page.
+        """
         pool = self.mem_pool_host
         ptrs, sizes = pool.get_page_buffer_meta(host_indices)
         kv = pool.kv_buffer
@@ -333,7 +336,10 @@ class TieredKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def batch_get(
         self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
     ) -> list[torch.Tensor | None]:
-        """Verified pages into ``target_locations`` (tensors of the page's size), or new uint8 tensors; a miss is ``None``."""
+        """Verified pages into ``target_locations`` (tensors of the page's size), or new uint8 tensors.
+
+        A miss is ``None``.
+        """
         out: list[torch.Tensor | None] = [None] * len(keys)
         with self._lock:
             if self._engine is None:

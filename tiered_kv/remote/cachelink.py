@@ -168,8 +168,10 @@ class RemoteLink:
         """Move the host hits on blocks this batch's prefetch brought to ``blocks_from["remote"]``."""
         fresh, self._fresh = self._fresh, set()
         if not fresh:
-            return [a if "remote" in a.blocks_from else dataclasses.replace(a, blocks_from={**a.blocks_from, "remote": 0})
-                    for a in admissions]
+            return [
+                a if "remote" in a.blocks_from else dataclasses.replace(a, blocks_from={**a.blocks_from, "remote": 0})
+                for a in admissions
+            ]
         out = []
         for a in admissions:
             n_full = sum(a.blocks_from.values())

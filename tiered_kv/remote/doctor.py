@@ -44,7 +44,8 @@ async def remote_checks(url: str, *, object_bytes: int = 1 << 20, batch: int = 1
                     "remote store",
                     False,
                     f"{u} unreachable: {exc}",
-                    "start the store (redis-server / mooncake_master) or fix the URL; without it the cache runs on local tiers only",
+                    "start the store (redis-server / mooncake_master) or fix the URL; "
+                    "without it the cache runs on local tiers only",
                 )
             ]
         checks.append(("remote store", True, f"{u} ({store.kind}) reachable", ""))

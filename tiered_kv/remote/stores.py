@@ -79,7 +79,10 @@ class RemoteStore(Protocol):
         ...
 
     async def get(self, names: list[str], out: list[np.ndarray]) -> list[int]:
-        """Read each object into ``out[i]``; one round trip. Bytes read, :data:`MISSING`, or another negative: a store error."""
+        """Read each object into ``out[i]``; one round trip.
+
+        Per object: bytes read, :data:`MISSING`, or another negative (a store error).
+        """
         ...
 
     async def ping(self) -> float:

