@@ -9,6 +9,7 @@
 
 #include <algorithm>
 
+#include "dma_batch.h"
 #include "tkv_kernels.cuh"
 #include "tkv_torch.h"
 
@@ -97,6 +98,7 @@ void issue_dma(const BlockCopyGeometry& g, at::TensorList dst, at::TensorList sr
     return base + block * (is_src ? g.src_block_stride : g.dst_block_stride) + (group % per) * g.group_bytes;
   };
   const size_t n = static_cast<size_t>(g.num_pairs);
+  DmaBatch dense;  // 1-D copies, issued together below (one cudaMemcpyBatchAsync where the runtime has it)
   size_t i = 0;
   while (i < n) {
     size_t j = i + 1;  // a run: consecutive blocks on both sides
@@ -109,7 +111,8 @@ void issue_dma(const BlockCopyGeometry& g, at::TensorList dst, at::TensorList sr
       const char* s = addr(true, sb[i], grp);
       cudaError_t err;
       if (g.rows == 1 && g.width == g.src_block_stride && g.width == g.dst_block_stride) {
-        err = cudaMemcpyAsync(d, s, run * g.width, cudaMemcpyDefault, stream);  // dense run: one 1-D copy
+        dense.add(d, s, static_cast<size_t>(run * g.width));  // dense run: one 1-D copy
+        continue;
       } else if (g.rows == 1) {
         err = cudaMemcpy2DAsync(d, g.dst_block_stride, s, g.src_block_stride, g.width, run, cudaMemcpyDefault, stream);
       } else {
@@ -119,6 +122,7 @@ void issue_dma(const BlockCopyGeometry& g, at::TensorList dst, at::TensorList sr
     }
     i = j;
   }
+  check_launch(dma_flush(dense, stream), "copy_blocks DMA");
 }
 
 // Kernel bases: source tensors then destination tensors, as the kernel addresses them.

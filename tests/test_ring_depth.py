@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from tiered_kv.backends.posix import PosixBackend
 
-from tiered_kv import FileTierConfig, KVLayout, Tier, TransferEngine
+from tiered_kv import FileTierConfig, KVLayout, Tier, TransferEngine, resolve_device
 from tiered_kv.file.ring import measure_legs, ring_depth
 from tiered_kv.testing import FaultyBackend, assert_blocks_equal, fill_random
 
@@ -27,15 +29,17 @@ def test_ring_depth_is_bandwidth_times_latency() -> None:
             ring_depth(*bad, limit=4)
 
 
-def test_measure_legs_times_a_real_file(tmp_path) -> None:
+def test_measure_legs_times_a_real_file(tmp_path: Path) -> None:
     path = tmp_path / "f.bin"
     path.write_bytes(b"\1" * (3 << 20))
-    disk_s, link_s = measure_legs(__import__("tiered_kv").resolve_device("cpu"), str(path), 4096, 1 << 20)
+    disk_s, link_s = measure_legs(resolve_device("cpu"), str(path), 4096, 1 << 20)
     assert 0 < disk_s < 5 and 0 < link_s < 5
 
 
 @pytest.mark.parametrize("staging_blocks", [None, 4])
-async def test_gpu_file_pipeline_keeps_the_ring_full(layout: KVLayout, tmp_path, device: str, staging_blocks) -> None:
+async def test_gpu_file_pipeline_keeps_the_ring_full(
+    layout: KVLayout, tmp_path: Path, device: str, staging_blocks: int | None
+) -> None:
     """Slow writes: every staging block is in flight at once, and the data round-trips intact."""
     cfg = FileTierConfig(
         tmp_path,
@@ -64,7 +68,7 @@ async def test_gpu_file_pipeline_keeps_the_ring_full(layout: KVLayout, tmp_path,
             assert_blocks_equal(eng.block(Tier.GPU, 7 - i), src[i], f"gpu block {7 - i}")
 
 
-def test_staging_bytes_must_be_positive(tmp_path) -> None:
+def test_staging_bytes_must_be_positive(tmp_path: Path) -> None:
     with pytest.raises(ValueError):
         FileTierConfig(tmp_path, 4, staging_bytes=0)
     with pytest.raises(ValueError):
