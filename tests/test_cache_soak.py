@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from tiered_kv.cache import TieredKVCache
-from tiered_kv.testing import CacheSoakConfig, CacheSoakFailure, cache_soak
+from tiered_kv.tools.cache_soak import CacheSoakConfig, CacheSoakFailure, cache_soak
 
 
 @pytest.fixture(autouse=True)

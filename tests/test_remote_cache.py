@@ -284,8 +284,8 @@ async def test_remote_tier_object_can_be_passed_in(redis_server):  # noqa: F811
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("policy", ["commit", "evict"])
 async def test_the_cache_soak_with_the_remote_tier_in_the_loop(server, policy):  # noqa: F811
-    """tiered_kv.testing's cache soak (stalls, file faults, cancellations, per-token oracle) with a real store."""
-    from tiered_kv.testing import CacheSoakConfig, cache_soak
+    """tiered_kv.tools.cache_soak (stalls, file faults, cancellations, per-token oracle) with a real store."""
+    from tiered_kv.tools.cache_soak import CacheSoakConfig, cache_soak
 
     report = await cache_soak(CacheSoakConfig(ops=300, tasks=8, seed=13, host_blocks=16, file_blocks=32,
                                               remote=store_url(server), remote_policy=policy))

@@ -94,6 +94,7 @@ class _PairInfo:
     dense: bool
     on_cuda: bool
     layered: bool  # a side is a LayerSlice (layer-by-layer copy)
+    block_bytes: int  # bytes one block pair moves (num_tokens of every row)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -129,6 +130,8 @@ class Copier:
         self._bytes: dict[str, int] = {}
         self._pairs: dict[tuple[int, int, int], _PairInfo] = {}  # (id(src pool), id(dst pool), n) -> geometry
         self._slices: dict[tuple[int, int, int], LayerSlice] = {}  # (id(pool), start, stop) -> layer range view
+        # (id(pair info), pairs, runs, kernels) -> (pair info, config, plan) of a small call
+        self._plans: dict[tuple[int, int, int, bool], tuple[_PairInfo, EngineConfig, CopyPlan]] = {}
 
     def _pair(self, src_pool: Side, dst_pool: Side, n: int) -> _PairInfo:
         """What does not change between calls for one (source pool, destination pool, num_tokens)."""
@@ -151,6 +154,7 @@ class Copier:
                 dense,
                 on_cuda,
                 layered,
+                src_pool.layout.bytes_per_block // src_pool.layout.tokens_per_block * n,
             )
             self._pairs[key] = info
         return info
@@ -183,15 +187,25 @@ class Copier:
 
     def _plan(self, info: _PairInfo, s: np.ndarray | list[int], d: np.ndarray | list[int]) -> CopyPlan:
         size = len(s)
+        small = isinstance(s, list)
         if size <= 1:
             runs = size
-        elif isinstance(s, list):  # the engine's small calls: a Python scan beats three numpy calls
+        elif small:  # the engine's small calls: a Python scan beats three numpy calls
             runs = 1
             for i in range(1, size):
                 if s[i] != s[i - 1] + 1 or d[i] != d[i - 1] + 1:
                     runs += 1
         else:
             runs = int(np.count_nonzero((np.diff(s) != 1) | (np.diff(d) != 1))) + 1
+        if small:  # few (pairs, runs) shapes: decide each once per pair of pools, kernels flag and config
+            key = (id(info), size, runs, self.kernels)
+            entry = self._plans.get(key)
+            if entry is None or entry[0] is not info or entry[1] is not self.config:  # ids may be recycled
+                entry = self._plans[key] = (info, self.config, self._choose(info, size, runs))
+            return entry[2]
+        return self._choose(info, size, runs)
+
+    def _choose(self, info: _PairInfo, size: int, runs: int) -> CopyPlan:
         piece = info.width_bytes
         if info.rows == 1 and info.groups == 1 and (info.dense or info.layered) and runs:
             # a run of whole blocks is one contiguous piece; a run of one layer range of consecutive blocks is
@@ -236,7 +250,7 @@ class Copier:
         info = self._pair(src_pool, dst_pool, n)
         plan = self._plan(info, s, d)
         size = len(s)
-        nbytes = size * (layout.bytes_per_block if num_tokens is None else layout.partial_bytes(num_tokens))
+        nbytes = size * info.block_bytes
         with self._lock:
             self._calls[plan.path] = self._calls.get(plan.path, 0) + 1
             self._bytes[plan.path] = self._bytes.get(plan.path, 0) + nbytes

@@ -3,10 +3,10 @@
 Primitives (one small interface, two implementations):
 
 * :class:`Stream` -- ``submit(fn)`` enqueues work (``explicit=True``: ``fn`` names the stream itself, by its
-  handle, so the CUDA stream need not be made current around it), ``record()`` returns an :class:`Event`, ``wait(event)``
-  makes later work wait for it *without blocking the CPU*, ``notify(cb)`` records an event and calls ``cb``
-  from another thread once everything submitted before it has executed (no polling), ``synchronize()``,
-  ``close()``.
+  handle, so the CUDA stream need not be made current around it), ``record()`` returns an :class:`Event`,
+  ``wait(event)`` makes later work wait for it *without blocking the CPU*, ``notify(cb)`` records an event and
+  calls ``cb`` from another thread once everything submitted before it has executed (no polling),
+  ``synchronize()``, ``close()``.
 * :class:`Event` -- ``query()``, ``synchronize()``.
 * :class:`Device` -- makes streams and pool memory; ``resolve_device("auto")`` picks CUDA when present.
 

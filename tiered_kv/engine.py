@@ -23,9 +23,10 @@ The per-call fast path: a copy between memory pools of at most ``SMALL_CALL_BLOC
 lists or small integer arrays is validated on plain lists (:func:`~tiered_kv.pools.small_pairs`, no numpy)
 and becomes one ``copy_blocks_list`` call on its stream (:mod:`tiered_kv.copyops`).
 
-Size: about 780 lines (formatted at 120 columns), much of it the public API's documentation and the lifecycle rules (ownership by a
-cache, close from another loop, release on failed construction); the copy path itself (validate, route,
-fence, start, complete) is kept in one class so the fence and marker life cycle reads in one place.
+Size: about 800 lines (formatted at 120 columns), much of it the public API's documentation and the lifecycle
+rules (ownership by a cache, close from another loop, release on failed construction); the copy path itself
+(validate, route, fence, start, complete) is kept in one class so the fence and marker life cycle reads in one
+place.
 """
 
 from __future__ import annotations
@@ -60,6 +61,21 @@ __all__ = ["LATENCY_BUCKETS", "EngineStatistics", "Transfer", "TransferEngine", 
 
 log = logging.getLogger(__name__)
 
+# a resolved pair: source and destination tier and medium, its handler, whether it is a memory pair, "src->dst"
+_Route = tuple[Tier, Tier, Medium, Medium, TransferHandler, bool, str]
+
+
+class _DirectionTotals:
+    """What the copies of one direction did so far (mutable: updated in place on every completion)."""
+
+    __slots__ = ("blocks", "counts", "nbytes", "seconds")
+
+    def __init__(self) -> None:
+        self.nbytes = 0
+        self.blocks = 0
+        self.seconds = 0.0
+        self.counts = [0] * (len(LATENCY_BUCKETS) + 1)
+
 #: Seconds ``close()`` from a new event loop waits for copies the engine's ended loop left in flight.
 ORPHAN_TIMEOUT = 30.0
 
@@ -76,7 +92,8 @@ def _allocate(
         return empty((blocks, *layout.block_shape), layout.dtype)
     except (RuntimeError, MemoryError) as exc:  # torch reports allocation failures as RuntimeError
         raise MemoryError(
-            f"cannot allocate the {what} pool: {blocks} blocks x {layout.bytes_per_block} bytes = {nbytes / 2**30:.1f} GiB ({exc})"
+            f"cannot allocate the {what} pool: {blocks} blocks x {layout.bytes_per_block} bytes = "
+            f"{nbytes / 2**30:.1f} GiB ({exc})"
         ) from exc
 
 
@@ -142,7 +159,8 @@ class TransferEngine:
                 gpu_pool = as_gpu_pool(layout, gpu_pool)  # classic layer-major, or an engine's layout kind
             if not isinstance(gpu_pool, (torch.Tensor, LayerMajorPool)):
                 raise TypeError(
-                    f"gpu_pool must be a torch.Tensor, a LayerMajorPool or a list of tensors, got {type(gpu_pool).__name__}"
+                    "gpu_pool must be a torch.Tensor, a LayerMajorPool or a list of tensors, "
+                    f"got {type(gpu_pool).__name__}"
                 )
             if gpu_pool.device.type != self.device.torch_device.type:
                 raise ValueError(
@@ -198,6 +216,8 @@ class TransferEngine:
                 stream.close()
             raise
         self._media: dict[Tier, Medium] = {**self._pools, **self._routes.media}
+        self._resolved: dict[tuple[Tier | str, Tier | str], _Route] = {}  # see _resolve_route
+        self._block_bytes = layout.bytes_per_block
         self._fences = FenceTable()
         self._inflight: set[Marker] = set()
         self._meta: dict[
@@ -212,10 +232,9 @@ class TransferEngine:
         self._closed = False
         self._owner: str | None = None  # who the blocks belong to (claim): copy() is theirs alone
         self._submitted = self._completed = self._failed = 0
-        self._bytes: dict[str, int] = {}  # direction -> bytes completed
-        self._blocks: dict[str, int] = {}  # direction -> blocks completed
-        self._seconds: dict[str, float] = {}  # direction -> summed copy durations
-        self._latency: dict[str, list[int]] = {}  # direction -> counts per LATENCY_BUCKETS bucket (+ overflow)
+        # direction -> [bytes, blocks, summed copy durations, counts per LATENCY_BUCKETS bucket (+ overflow)]:
+        # one lookup per completion
+        self._by_direction: dict[str, _DirectionTotals] = {}
 
     # ------------------------------------------------------------------------------------ lifecycle
 
@@ -383,6 +402,7 @@ class TransferEngine:
             raise EngineClosedError("the TransferEngine is closed")
         self._routes.add(handler)
         self._media.update(handler.media)
+        self._resolved.clear()
 
     def route(self, src_tier: Tier | str, dst_tier: Tier | str) -> TransferHandler:
         """The handler that copies from ``src_tier`` to ``dst_tier``.
@@ -395,6 +415,21 @@ class TransferEngine:
         if handler is None:
             raise ValueError(f"copies from {src_t.value} to {dst_t.value} are not supported by this engine")
         return handler
+
+    def _resolve_route(self, src_tier: Tier | str, dst_tier: Tier | str) -> _Route:
+        """Tiers, media and handler of a pair, checked (the errors of :meth:`medium` and :meth:`route`).
+
+        Kept per pair as the caller names it (a :class:`Tier` or its name), so that a copy does not coerce and
+        look up the same things again; :meth:`add_handler` forgets them.
+        """
+        src_t, dst_t = Tier.coerce(src_tier), Tier.coerce(dst_tier)
+        src_pool, dst_pool = self.medium(src_t), self.medium(dst_t)
+        handler = self.route(src_t, dst_t)
+        memory = isinstance(handler, StreamCopier)
+        route = (src_t, dst_t, src_pool, dst_pool, handler, memory, f"{src_t.value}->{dst_t.value}")
+        if type(src_tier) in (Tier, str) and type(dst_tier) in (Tier, str):
+            self._resolved[src_tier, dst_tier] = route
+        return route
 
     def block(self, tier: Tier | str, index: int) -> torch.Tensor:
         """A view of one block, for inspection and for filling in tests.
@@ -438,10 +473,10 @@ class TransferEngine:
             failed=self._failed,
             in_flight=len(self._inflight),
             deferred=len(self._deferred),
-            bytes_by_direction=dict(self._bytes),
-            blocks_by_direction=dict(self._blocks),
-            seconds_by_direction=dict(self._seconds),
-            latency_counts={d: tuple(c) for d, c in self._latency.items()},
+            bytes_by_direction={d: t.nbytes for d, t in self._by_direction.items()},
+            blocks_by_direction={d: t.blocks for d, t in self._by_direction.items()},
+            seconds_by_direction={d: t.seconds for d, t in self._by_direction.items()},
+            latency_counts={d: tuple(t.counts) for d, t in self._by_direction.items()},
             fences=self._fences.statistics(),
         )
 
@@ -541,10 +576,11 @@ class TransferEngine:
     ) -> Transfer:
         """The copy itself (see :meth:`copy`): validate, fence, enqueue."""
         loop = self._check_open()
-        src_t, dst_t = Tier.coerce(src_tier), Tier.coerce(dst_tier)
-        src_pool, dst_pool = self.medium(src_t), self.medium(dst_t)
-        handler = self.route(src_t, dst_t)
-        memory = isinstance(handler, StreamCopier)
+        try:  # the route of a (src, dst) pair as the caller names it, resolved once (see _resolve_route)
+            route = self._resolved[src_tier, dst_tier]
+        except (KeyError, TypeError):
+            route = self._resolve_route(src_tier, dst_tier)
+        src_t, dst_t, src_pool, dst_pool, handler, memory, direction = route
         small = (
             small_pairs(src_indices, dst_indices, src_pool.num_blocks, dst_pool.num_blocks, src_pool is dst_pool)
             if memory
@@ -561,7 +597,7 @@ class TransferEngine:
         # num_tokens goes to the handler as given (validated): the file tier refuses it even when it is whole
         batch = handler.validate(Batch(src_t, s, dst_t, d, None if num_tokens is None else int(num_tokens), keys, span))
 
-        per_block = self.layout.bytes_per_block if n is None else self.layout.partial_bytes(n)
+        per_block = self._block_bytes if n is None else self.layout.partial_bytes(n)
         if span is not None:
             per_block = per_block // self.layout.num_layers * (span[1] - span[0])
         self._submitted += 1
@@ -596,7 +632,7 @@ class TransferEngine:
         self._fences.register(marker, reads, writes)
         self._inflight.add(marker)
         self._meta[marker] = (
-            f"{src_t.value}->{dst_t.value}",
+            direction,
             transfer.nbytes,
             transfer.num_blocks,
             transfer.submitted_at,
@@ -702,12 +738,14 @@ class TransferEngine:
         # Ops this one waited for stream-side finished on the device before it did; their own completion
         # callbacks come from other waiter threads and may arrive later. Complete them first, so that
         # done() respects the order the fences imposed (a transfer is never done before one it waited for).
-        for dep in marker.after:
-            if not dep.completed:
-                if dep.done_at is None:
-                    dep.done_at = marker.done_at
-                self._complete(dep)
-        marker.after = []
+        after = marker.after
+        if after:
+            for dep in after:
+                if not dep.completed:
+                    if dep.done_at is None:
+                        dep.done_at = marker.done_at
+                    self._complete(dep)
+            marker.after = []
         self._fences.release(marker)
         self._inflight.discard(marker)
         self._completed += 1
@@ -717,13 +755,13 @@ class TransferEngine:
             log.warning("%s transfer of %d blocks failed: %r", direction, nblocks, marker.error)
         else:
             seconds = (marker.done_at or time.perf_counter()) - submitted
-            self._bytes[direction] = self._bytes.get(direction, 0) + nbytes
-            self._blocks[direction] = self._blocks.get(direction, 0) + nblocks
-            self._seconds[direction] = self._seconds.get(direction, 0.0) + seconds
-            counts = self._latency.get(direction)
-            if counts is None:
-                counts = self._latency[direction] = [0] * (len(LATENCY_BUCKETS) + 1)
-            counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+            totals = self._by_direction.get(direction)
+            if totals is None:
+                totals = self._by_direction[direction] = _DirectionTotals()
+            totals.nbytes += nbytes
+            totals.blocks += nblocks
+            totals.seconds += seconds
+            totals.counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
         marker.complete()
 
     # ------------------------------------------------------------------------------------ compute sync

@@ -112,16 +112,20 @@ class Marker:
         self.completed = True
         if self.done_at is None:
             self.done_at = time.perf_counter()
-        waiters, self._waiters = self._waiters, []
-        for waiter in waiters:
-            if not waiter.done():
-                try:
-                    waiter.set_result(None)
-                except RuntimeError:  # its loop is closed (completion taken over by close() on a new loop)
-                    pass
-        callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
-            _run_callback(callback)
+        waiters = self._waiters
+        if waiters:
+            self._waiters = []
+            for waiter in waiters:
+                if not waiter.done():
+                    try:
+                        waiter.set_result(None)
+                    except RuntimeError:  # its loop is closed (completion taken over by close() on a new loop)
+                        pass
+        callbacks = self._callbacks
+        if callbacks:
+            self._callbacks = []
+            for callback in callbacks:
+                _run_callback(callback)
 
     def __repr__(self) -> str:
         if self.completed:
@@ -166,15 +170,17 @@ class FenceTable:
     """Pending reads and writes per (pool, block index).
 
     Notes:
-        Per pool, two dicts: block -> pending write marker, and block -> pending reader(s) (a marker, or a
-        list when several copies read the block at once). Registration and lookups use C-level dict and
+        Per pool, two dicts: block -> pending write marker, and block -> pending reader(s) (a marker, or an
+        insertion-ordered dict of markers when several copies read the block at once, so adding or dropping
+        one of many pending readers is O(1), not O(readers)). Registration and lookups use C-level dict and
         set operations over the index lists, so the Python-level work is proportional to the blocks that
         are actually fenced, not to the blocks of the call.
     """
 
     def __init__(self) -> None:
         self._writes: dict[str, dict[int, Marker]] = {}  # pool -> block index -> pending write
-        self._reads: dict[str, dict[int, Marker | list[Marker]]] = {}  # pool -> block index -> pending read(s)
+        # pool -> block index -> pending read(s): one marker, or several as an ordered set (dict keys)
+        self._reads: dict[str, dict[int, Marker | dict[Marker, None]]] = {}
         self.stream_waits = 0
         self.loop_waits = 0
 
@@ -195,7 +201,7 @@ class FenceTable:
             if rt:
                 for i in rt.keys() & indices:
                     readers = rt[i]
-                    if isinstance(readers, list):
+                    if isinstance(readers, dict):
                         deps.update(readers)
                     else:
                         deps.add(readers)
@@ -211,7 +217,11 @@ class FenceTable:
             old = {i: rt[i] for i in shared}
             rt.update(dict.fromkeys(indices, marker))
             for i, readers in old.items():
-                rt[i] = [*readers, marker] if isinstance(readers, list) else [readers, marker]
+                if isinstance(readers, dict):
+                    readers[marker] = None
+                    rt[i] = readers
+                else:
+                    rt[i] = {readers: None, marker: None}
         for pool, indices in writes:
             pending_reads = self._reads.get(pool)
             if pending_reads:
@@ -228,10 +238,9 @@ class FenceTable:
                 readers = rget(i)
                 if readers is marker:
                     del rt[i]
-                elif isinstance(readers, list) and marker in readers:
-                    readers.remove(marker)
+                elif isinstance(readers, dict) and readers.pop(marker, False) is None:
                     if len(readers) == 1:
-                        rt[i] = readers[0]
+                        rt[i] = next(iter(readers))
         for pool, indices in marker.writes:
             wt = self._writes[pool]
             get = wt.get
@@ -245,7 +254,7 @@ class FenceTable:
         readers = self._reads.get(pool, {}).get(index)
         if readers is None:
             return write, ()
-        return write, tuple(readers) if isinstance(readers, list) else (readers,)
+        return write, tuple(readers) if isinstance(readers, dict) else (readers,)
 
     def statistics(self) -> FenceStatistics:
         """A snapshot: fenced blocks, pending reads and writes, waits so far."""
@@ -256,7 +265,7 @@ class FenceTable:
             fenced.update((pool, i) for i in wt)
         for pool, rt in self._reads.items():
             for i, readers in rt.items():
-                reads += len(readers) if isinstance(readers, list) else 1
+                reads += len(readers) if isinstance(readers, dict) else 1
                 fenced.add((pool, i))
         return FenceStatistics(len(fenced), reads, writes, self.stream_waits, self.loop_waits)
 

@@ -144,6 +144,11 @@ def small_pairs(
     """
     if type(src) is list and type(dst) is list:
         s, d = src, dst
+        if len(s) == 1 and len(d) == 1:  # one pair: the most frequent call, checked without loops or a set
+            x, y = s[0], d[0]
+            if type(x) is int and type(y) is int and 0 <= x < src_blocks and 0 <= y < dst_blocks:
+                return (s, d) if not same_pool or x != y else None
+            return None
         if not s or len(s) != len(d) or len(s) > SMALL_CALL_BLOCKS:
             return None
         for x in s:

@@ -123,7 +123,9 @@ class StreamCopier:
         if batch.layers is not None:
             for tier in (batch.src_tier, batch.dst_tier):
                 if not isinstance(self._pools[tier], (BlockPool, LayerMajorPool)):
-                    raise ValueError(f"layers= needs block-major or layer-major pools; the {tier.value} pool is neither")
+                    raise ValueError(
+                        f"layers= needs block-major or layer-major pools; the {tier.value} pool is neither"
+                    )
         return batch
 
     def prepare(self, batch: Batch) -> _StreamJob | _HostJob:

@@ -3,7 +3,7 @@
 Primitives:
 
 * :func:`stall` -- delay the next work on a stream; :func:`fill_random`, :func:`assert_blocks_equal` -- content.
-* :class:`FaultyBackend` -- file faults; ``cache_soak`` and its config, report and failure (lazy, from the tools wing).
+* :class:`FaultyBackend` -- file faults.
 
 Users write the same ordering tests we do::
 
@@ -20,49 +20,27 @@ File-tier faults (ENOSPC on the k-th write, EIO, short reads/writes, stalls): :c
 Crash consistency of the file tier (SIGKILL a spilling child, reopen, verify) is a tool, not imported here:
 ``tiered_kv.tools.crash.run_crash_test``.
 
-The cache-level soak -- :func:`cache_soak`, :class:`CacheSoakConfig`, :class:`CacheSoakReport`,
-:class:`CacheSoakFailure` (many tasks over a three-tier :class:`~tiered_kv.TieredKVCache` with file faults,
-stalls and cancellations; every reused token checked) -- lives in :mod:`tiered_kv.tools.cache_soak` and is
-re-exported here on first use::
+The cache-level soak (many tasks over a three-tier :class:`~tiered_kv.TieredKVCache` with file faults, stalls
+and cancellations; every reused token checked) is a tool too, not imported here (it sits above the cache)::
 
-    from tiered_kv.testing import CacheSoakConfig, cache_soak
+    from tiered_kv.tools.cache_soak import CacheSoakConfig, cache_soak
 
     report = await cache_soak(CacheSoakConfig(ops=2_000, seed=7))   # raises CacheSoakFailure on a wrong token
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from .device import Device, Stream, stall_op
 from .faults import FaultyBackend
 
-if TYPE_CHECKING:
-    from .tools.cache_soak import CacheSoakConfig, CacheSoakFailure, CacheSoakReport, cache_soak
-
 __all__ = [
-    "CacheSoakConfig",
-    "CacheSoakFailure",
-    "CacheSoakReport",
     "FaultyBackend",
     "assert_blocks_equal",
-    "cache_soak",
     "fill_random",
     "stall",
 ]
-
-_CACHE_SOAK = ("CacheSoakConfig", "CacheSoakFailure", "CacheSoakReport", "cache_soak")
-
-
-def __getattr__(name: str) -> object:
-    """The cache soak's names, imported from the tools wing on first use (it needs the workload oracle)."""
-    if name in _CACHE_SOAK:
-        from .tools import cache_soak as module
-
-        return getattr(module, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def stall(stream: Stream | torch.cuda.Stream, seconds: float) -> None:
@@ -102,5 +80,6 @@ def assert_blocks_equal(actual: torch.Tensor, expected: torch.Tensor, what: str 
     if diff.numel():
         first = int(diff[0])
         raise AssertionError(
-            f"{what}: {diff.numel()} of {a.numel()} bytes differ; first at byte {first} ({int(a[first])} != {int(e[first])})"
+            f"{what}: {diff.numel()} of {a.numel()} bytes differ; "
+            f"first at byte {first} ({int(a[first])} != {int(e[first])})"
         )

@@ -100,18 +100,23 @@ class Transfer:
             asyncio.InvalidStateError: not done yet.
             TransferError: the copy failed; its destination blocks hold undefined data.
         """
-        error = self.exception()
+        marker = self._marker
+        if not marker.completed:
+            raise asyncio.InvalidStateError("transfer is not done yet")
+        error = marker.error
         if error is not None:
             if isinstance(error, TransferError):
                 raise error
             raise TransferError(
                 f"{self.src_tier.value}->{self.dst_tier.value} copy of {self.num_blocks} blocks failed: {error!r}"
             ) from error
-        done_at = self._marker.done_at or self.submitted_at
+        done_at = marker.done_at or self.submitted_at
         return TransferResult(self.src_tier, self.dst_tier, self.num_blocks, self.nbytes, done_at - self.submitted_at)
 
     def __await__(self) -> Generator[Any, None, TransferResult]:
-        yield from self._marker.wait_steps()
+        marker = self._marker
+        if not marker.completed:
+            yield from marker.wait_steps()
         return self.result()
 
     def __repr__(self) -> str:

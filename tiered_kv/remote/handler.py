@@ -31,6 +31,7 @@ from ..fences import Marker
 from ..handlers import Batch, Done, Medium
 from ..layout import KVLayout
 from ..pools import BlockPool, Tier, check_indices
+from .counters import RemoteCounters
 from .objects import object_name
 from .stores import RemoteStore
 
@@ -43,7 +44,7 @@ class TierSide(Protocol):
     rank: int
     layout: KVLayout
     _tasks: set[asyncio.Task[Any]]
-    _blocks: dict[str, int]
+    _counts: RemoteCounters
 
     def _usable(self) -> bool: ...
 
@@ -91,7 +92,7 @@ class _RemoteJob:
         try:
             if b.dst_tier is Tier.REMOTE:
                 if not tier._usable():
-                    tier._blocks["put_dropped"] += b.size
+                    tier._counts.blocks["put_dropped"] += b.size
                     raise RemoteStoreError(f"the remote store {tier.store.url} is unavailable")
                 pool = tier.engine.pool(b.src_tier)
                 await tier._put_blocks(b.src_tier, pool, [int(i) for i in b.src], names, found)

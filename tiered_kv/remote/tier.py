@@ -7,7 +7,9 @@ Primitives:
   returning at once a :class:`RemoteTransfer` (an engine :class:`~tiered_kv.Transfer`, awaitable, with the
   engine's per-block fences on the pool side), ``connect()``, ``statistics()``, ``close()``.
 * :class:`RemoteTransfer` -- a transfer with ``found``: per block, whether a verified object was copied.
-* :class:`RemoteStatistics`.
+* :class:`RemoteStatistics` (re-exported from :mod:`tiered_kv.remote.counters`).
+
+The staging area and its copies are :mod:`tiered_kv.remote.staging`; the counters :mod:`tiered_kv.remote.counters`.
 
 Data path: every object goes through a pinned staging area registered with the store (zero-copy for
 Mooncake). ``put`` reads the pool blocks under read fences (GPU blocks on the engine's offload stream, so
@@ -28,29 +30,28 @@ tries again: requests are never stalled behind a dead or hung store for more tha
 from __future__ import annotations
 
 import asyncio
-import bisect
-import concurrent.futures
-import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
-import torch
 
-from ..engine import LATENCY_BUCKETS, Transfer, TransferEngine
+from ..engine import Transfer, TransferEngine
 from ..errors import EngineClosedError, RemoteStoreError
 from ..fences import Marker
 from ..pools import BlockPool, Tier, as_indices
-from ..slab import HEADER_SIZE
-from .objects import encode_object, object_name, object_size, verify_object
+from .counters import RemoteCounters, RemoteStatistics
+from .objects import object_name, object_size, verify_object
+from .staging import Lease, StagingArea
 from .stores import MISSING, RemoteStore, StoreTimeout, open_store
 from .url import StoreURL
 
 __all__ = ["RemoteStatistics", "RemoteTier", "RemoteTransfer"]
 
 log = logging.getLogger(__name__)
+
+_R = TypeVar("_R")
 
 
 class RemoteTransfer(Transfer):
@@ -61,64 +62,6 @@ class RemoteTransfer(Transfer):
     def __init__(self, marker: Marker, src_tier: Tier, dst_tier: Tier, num_blocks: int, nbytes: int) -> None:
         super().__init__(marker, src_tier, dst_tier, num_blocks, nbytes)
         self.found: list[bool] = [False] * num_blocks
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RemoteStatistics:
-    """A snapshot of a :class:`RemoteTier`.
-
-    Attributes:
-        url: the store (no password). kind: ``"redis"`` or ``"mooncake"``.
-        available: connected and not backing off after a failure.
-        batches: ``"get"``/``"put"`` -> store round trips.
-        blocks: ``"get"`` (verified objects copied), ``"miss"`` (absent), ``"bad"`` (failed verification),
-            ``"put"`` (stored or already present), ``"put_dropped"`` (not stored: store away, error, full).
-        bytes: ``"get"``/``"put"`` -> object bytes moved.
-        errors: store errors and timeouts; ``timeouts`` of them timeouts.
-        seconds: ``"get"``/``"put"`` -> summed batch latency; ``latency_counts`` per :data:`LATENCY_BUCKETS`.
-        bad_reasons: verification failure reason -> count.
-    """
-
-    url: str
-    kind: str
-    available: bool
-    batches: dict[str, int]
-    blocks: dict[str, int]
-    bytes: dict[str, int]
-    errors: int
-    timeouts: int
-    seconds: dict[str, float]
-    latency_counts: dict[str, tuple[int, ...]]
-    bad_reasons: dict[str, int]
-
-
-class _Staging:
-    """A pinned (on CUDA) uint8 area of ``n`` object-sized slots, registered with the store; slots are leased."""
-
-    def __init__(self, n: int, size: int, pinned: bool) -> None:
-        self.tensor = torch.empty((n, size), dtype=torch.uint8, pin_memory=pinned)
-        self.array = self.tensor.numpy()
-        self.free = list(range(n - 1, -1, -1))
-        self.n = n
-        self._cond: asyncio.Condition | None = None
-
-    async def acquire(self, k: int) -> list[int]:
-        if self._cond is None:
-            self._cond = asyncio.Condition()
-        async with self._cond:
-            await self._cond.wait_for(lambda: len(self.free) >= k)
-            return [self.free.pop() for _ in range(k)]
-
-    def release(self, slots: list[int]) -> None:
-        """Give slots back (event-loop thread only)."""
-        self.free.extend(slots)
-        cond = self._cond
-        if cond is not None:
-            async def wake() -> None:
-                async with cond:
-                    cond.notify_all()
-
-            asyncio.get_running_loop().create_task(wake())
 
 
 class RemoteTier:
@@ -161,7 +104,7 @@ class RemoteTier:
         self.layout = engine.layout
         self.object_size = object_size(self.layout)
         self._fingerprint = bytes.fromhex(self.layout.fingerprint)
-        self._staging = _Staging(staging_blocks, self.object_size, engine.device.is_cuda)
+        self._staging = StagingArea(engine, staging_blocks, self.object_size, self._fingerprint, rank)
         self.store.register(self._staging.array)
         self._chunk = max(1, staging_blocks // 2)
         self._backoff = float(backoff)
@@ -170,13 +113,7 @@ class RemoteTier:
         self._reconnecting: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
-        self._batches = {"get": 0, "put": 0}
-        self._blocks = {"get": 0, "miss": 0, "bad": 0, "put": 0, "put_dropped": 0}
-        self._bytes = {"get": 0, "put": 0}
-        self._seconds = {"get": 0.0, "put": 0.0}
-        self._latency = {"get": [0] * (len(LATENCY_BUCKETS) + 1), "put": [0] * (len(LATENCY_BUCKETS) + 1)}
-        self._bad: dict[str, int] = {}
-        self._errors = self._timeouts = 0
+        self._counts = RemoteCounters()
         if route:
             from .handler import RemoteHandler
 
@@ -222,9 +159,7 @@ class RemoteTier:
         return False
 
     def _failed(self, exc: BaseException) -> None:
-        self._errors += 1
-        if isinstance(exc, StoreTimeout):
-            self._timeouts += 1
+        self._counts.error(exc)
         self._down_until = time.monotonic() + self._backoff
         log.warning("remote store error (backing off %.1f s): %s", self._backoff, exc)
 
@@ -268,7 +203,7 @@ class RemoteTier:
             done.complete()
             return transfer
         if not self._usable():
-            self._blocks["put_dropped"] += len(names)
+            self._counts.blocks["put_dropped"] += len(names)
             done.error = RemoteStoreError(f"the remote store {self.store.url} is unavailable")
             done.complete()
             return transfer
@@ -302,7 +237,7 @@ class RemoteTier:
             done.complete()
             return transfer
         if not self._usable():
-            self._blocks["miss"] += len(names)
+            self._counts.blocks["miss"] += len(names)
             done.complete()  # a store that is away is a miss, not an error: the caller computes instead
             return transfer
         fence = Marker(None)
@@ -312,7 +247,9 @@ class RemoteTier:
         self._spawn(self._run_get(transfer, fence, deps, tier, pool, d, names))
         return transfer
 
-    def _validate(self, tier_: Tier | str, slots: Iterable[int] | np.ndarray, keys: Sequence[bytes]) -> tuple[Tier, Any, list[int], list[str]]:
+    def _validate(
+        self, tier_: Tier | str, slots: Iterable[int] | np.ndarray, keys: Sequence[bytes]
+    ) -> tuple[Tier, Any, list[int], list[str]]:
         if self._closed:
             raise EngineClosedError("the remote tier is closed")
         if self.engine.closed:
@@ -341,75 +278,6 @@ class RemoteTier:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    def _payload(self, i: int) -> torch.Tensor:
-        """Staging slot ``i``'s payload as a block-shaped tensor."""
-        return self._staging.tensor[i, HEADER_SIZE:].view(self.layout.dtype).view(self.layout.block_shape)
-
-    async def _on_lane(self, lane_name: str, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on an engine stream (after the work queued there) and wait for it without blocking the loop."""
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[None] = loop.create_future()
-        error: list[BaseException] = []
-
-        def run() -> None:
-            try:
-                fn()
-            except BaseException as exc:
-                error.append(exc)
-
-        def resolve() -> None:
-            if not fut.done():
-                fut.set_result(None)
-
-        def finished() -> None:
-            loop.call_soon_threadsafe(resolve)
-
-        lane = self.engine.stream(lane_name)
-        lane.submit(run)
-        lane.notify(finished)
-        await fut
-        if error:
-            raise error[0]
-
-    def _encode(self, staging: list[int], names: list[str]) -> None:
-        """Write the headers (payload checksums) of staged objects (a worker thread: off the event loop)."""
-        for i, name in zip(staging, names, strict=True):
-            obj = self._staging.array[i]
-            encode_object(obj, self._fingerprint, self.rank, name, obj[HEADER_SIZE:])
-
-    async def _stage_out(self, tier: Tier, pool: Any, slots: list[int], staging: list[int], names: list[str]) -> None:
-        """Copy pool blocks into staging and write their headers (GPU: copy on the offload stream; host: a worker)."""
-        loop = asyncio.get_running_loop()
-        if tier is Tier.GPU:
-
-            def copy() -> None:
-                for src, i in zip(slots, staging, strict=True):
-                    block = pool.tensor[src] if isinstance(pool, BlockPool) else pool.block(src)
-                    self._payload(i).copy_(block, non_blocking=True)
-
-            await self._on_lane("offload", copy)
-            await loop.run_in_executor(None, self._encode, staging, names)
-        else:
-
-            def host_copy() -> None:
-                for src, i in zip(slots, staging, strict=True):
-                    self._payload(i).copy_(pool.tensor[src])
-                self._encode(staging, names)
-
-            await loop.run_in_executor(None, host_copy)
-
-    async def _stage_in(self, tier: Tier, pool: BlockPool, slots: list[int], staging: list[int]) -> None:
-        """Copy verified staging payloads into pool blocks (GPU: on the onboard stream)."""
-
-        def copy() -> None:
-            for dst, i in zip(slots, staging, strict=True):
-                pool.tensor[dst].copy_(self._payload(i), non_blocking=tier is Tier.GPU)
-
-        if tier is Tier.GPU:
-            await self._on_lane("onboard", copy)
-        else:
-            await asyncio.get_running_loop().run_in_executor(None, copy)
-
     def _finish(self, marker: Marker, error: BaseException | None = None) -> None:
         if error is not None and marker.error is None:
             marker.error = error
@@ -419,19 +287,6 @@ class RemoteTier:
         if not fence.completed:
             self.engine.fences.release(fence)
             fence.complete()
-
-    def _count_latency(self, what: str, seconds: float) -> None:
-        self._batches[what] += 1
-        self._seconds[what] += seconds
-        self._latency[what][bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
-
-    def _release_later(self, staging: list[int], pending: concurrent.futures.Future[Any] | None) -> None:
-        """Give staging slots back, or -- when a timed-out store call still uses them -- once it returns."""
-        if pending is None or pending.done():
-            self._staging.release(staging)
-            return
-        loop = asyncio.get_running_loop()
-        pending.add_done_callback(lambda _: loop.call_soon_threadsafe(self._staging.release, staging))
 
     async def _run_put(
         self,
@@ -473,13 +328,13 @@ class RemoteTier:
         try:
             for start in range(0, len(names), self._chunk):
                 chunk = slots[start : start + self._chunk]
-                staging = await self._staging.acquire(len(chunk))
+                lease = await self._staging.acquire(len(chunk))
                 try:
-                    await self._stage_out(tier, pool, chunk, staging, names[start : start + len(chunk)])
+                    await self._staging.stage_out(tier, pool, chunk, lease.slots, names[start : start + len(chunk)])
                 except BaseException:
-                    self._staging.release(staging)
+                    self._staging.release(lease)
                     raise
-                puts.append(self._spawn(self._put_chunk(found, names, start, staging)))
+                puts.append(self._spawn(self._put_chunk(found, names, start, lease)))
                 staged += len(chunk)
         except BaseException as exc:
             error = exc
@@ -488,40 +343,49 @@ class RemoteTier:
                 staged_all()
         results = await asyncio.gather(*puts, return_exceptions=True)
         if error is not None:
-            self._blocks["put_dropped"] += len(names) - staged
+            self._counts.blocks["put_dropped"] += len(names) - staged
         failure = error or next((r for r in results if isinstance(r, BaseException)), None)
         if failure is not None:
             raise failure
 
-    async def _put_chunk(self, found: list[bool], names: list[str], start: int, staging: list[int]) -> None:
+    async def _round_trip(self, what: str, lease: Lease, call: Callable[[], Awaitable[_R]]) -> _R:
+        """One store call for the chunk staged in ``lease``: timed, counted, a failure backs the tier off.
+
+        A timed-out call may still be using the staging slots: ``lease.pending`` keeps it, so that the slots
+        go back only once it returns.
+        """
+        t0 = time.perf_counter()
+        try:
+            result = await call()
+        except StoreTimeout as exc:
+            lease.pending = exc.pending
+            self._failed(exc)
+            raise
+        except RemoteStoreError as exc:
+            self._failed(exc)
+            raise
+        self._counts.round_trip(what, time.perf_counter() - t0)
+        return result
+
+    async def _put_chunk(self, found: list[bool], names: list[str], start: int, lease: Lease) -> None:
+        staging = lease.slots
         chunk_names = names[start : start + len(staging)]
         objs = [self._staging.array[i] for i in staging]
-        pending = None
         try:
             if not self._usable():
                 raise RemoteStoreError(f"the remote store {self.store.url} is unavailable")
-            t0 = time.perf_counter()
-            try:
-                ok = await self.store.put(chunk_names, objs)
-            except StoreTimeout as exc:
-                pending = exc.pending
-                self._failed(exc)
-                raise
-            except RemoteStoreError as exc:
-                self._failed(exc)
-                raise
-            self._count_latency("put", time.perf_counter() - t0)
+            ok = await self._round_trip("put", lease, lambda: self.store.put(chunk_names, objs))
             for j, good in enumerate(ok):
                 found[start + j] = good
             stored = sum(ok)
-            self._blocks["put"] += stored
-            self._blocks["put_dropped"] += len(ok) - stored
-            self._bytes["put"] += stored * self.object_size
+            self._counts.blocks["put"] += stored
+            self._counts.blocks["put_dropped"] += len(ok) - stored
+            self._counts.bytes["put"] += stored * self.object_size
         except BaseException:
-            self._blocks["put_dropped"] += sum(1 for j in range(len(staging)) if not found[start + j])
+            self._counts.blocks["put_dropped"] += sum(1 for j in range(len(staging)) if not found[start + j])
             raise
         finally:
-            self._release_later(staging, pending)
+            self._staging.release_later(lease)
 
     async def _run_get(
         self,
@@ -575,24 +439,14 @@ class RemoteTier:
         start: int,
     ) -> None:
         chunk_names = names[start : start + self._chunk]
-        staging = await self._staging.acquire(len(chunk_names))
-        pending = None
+        lease = await self._staging.acquire(len(chunk_names))
+        staging = lease.slots
         try:
             if not self._usable():
-                self._blocks["miss"] += len(chunk_names)
+                self._counts.blocks["miss"] += len(chunk_names)
                 return
             objs = [self._staging.array[i] for i in staging]
-            t0 = time.perf_counter()
-            try:
-                sizes = await self.store.get(chunk_names, objs)
-            except StoreTimeout as exc:
-                pending = exc.pending
-                self._failed(exc)
-                raise
-            except RemoteStoreError as exc:
-                self._failed(exc)
-                raise
-            self._count_latency("get", time.perf_counter() - t0)
+            sizes = await self._round_trip("get", lease, lambda: self.store.get(chunk_names, objs))
             length = self.layout.bytes_per_block
             codes = sorted({size for size in sizes if size < 0 and size != MISSING})
             if codes:  # a store that answers with error codes is failing: a miss now, and back off
@@ -619,11 +473,11 @@ class RemoteTier:
             good_slots: list[int] = []
             for j, (name, verdict, i) in enumerate(zip(chunk_names, verdicts, staging, strict=True)):
                 if verdict is None:
-                    self._blocks["miss"] += 1
+                    self._counts.blocks["miss"] += 1
                     continue
                 if verdict:
-                    self._blocks["bad"] += 1
-                    self._bad[verdict] = self._bad.get(verdict, 0) + 1
+                    self._counts.blocks["bad"] += 1
+                    self._counts.bad[verdict] = self._counts.bad.get(verdict, 0) + 1
                     log.warning("remote object %s failed verification (%s): treated as a miss", name, verdict)
                     continue
                 good_staging.append(i)
@@ -632,30 +486,17 @@ class RemoteTier:
             for dep in deps:
                 await dep.wait()
             if good_slots:
-                await self._stage_in(tier, pool, good_slots, good_staging)
-            self._blocks["get"] += len(good_slots)
-            self._bytes["get"] += len(good_slots) * self.object_size
+                await self._staging.stage_in(tier, pool, good_slots, good_staging)
+            self._counts.blocks["get"] += len(good_slots)
+            self._counts.bytes["get"] += len(good_slots) * self.object_size
         finally:
-            self._release_later(staging, pending)
+            self._staging.release_later(lease)
 
     # ------------------------------------------------------------------------------------ inspection
 
     def statistics(self) -> RemoteStatistics:
         """A snapshot of the counters (see :class:`RemoteStatistics`)."""
-        url = self.store.url
-        return RemoteStatistics(
-            url=str(url),
-            kind=self.store.kind,
-            available=self.available,
-            batches=dict(self._batches),
-            blocks=dict(self._blocks),
-            bytes=dict(self._bytes),
-            errors=self._errors,
-            timeouts=self._timeouts,
-            seconds=dict(self._seconds),
-            latency_counts={k: tuple(v) for k, v in self._latency.items()},
-            bad_reasons=dict(self._bad),
-        )
+        return self._counts.snapshot(str(self.store.url), self.store.kind, self.available)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("available" if self.available else "unavailable")

@@ -1,10 +1,11 @@
 """Where the host time of one awaited 1-block ``copy()`` goes: timings, cProfile, torch profiler, pieces.
 
-Run: ``python scripts/percall_probe.py [--device cuda|cpu] [--out DIR]``. Writes ONE file,
+Run: ``python -m tiered_kv.tools.bench.percall_probe [--device cuda|cpu] [--out DIR]``. Writes ONE file,
 ``percall-<device>.json`` under ``--out`` (timings, pieces, and the cProfile and torch-profiler tables as text:
 a GPU machine that returns few files returns it whole), and prints the timings and pieces.
 Each "piece" is timed alone in a loop of N calls (median of 5 loops, per call), so the pieces add up
-only approximately to the whole.
+only approximately to the whole. ``host_work`` counts the Python bytecodes and Python-level calls one
+``copy()`` executes (per function): the same on every machine, so two trees compare on a noisy one.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import json
 import os
 import pstats
 import statistics
+import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +31,7 @@ from tiered_kv.engine import TransferEngine
 from tiered_kv.fences import FenceTable, Marker
 from tiered_kv.layout import KVLayout
 from tiered_kv.pools import Tier, as_indices
+from tiered_kv.stream_copier import StreamCopier
 
 
 def per_call(fn: Callable[[], object], n: int = 2000, loops: int = 5, sync: Callable[[], None] | None = None) -> float:
@@ -67,6 +71,35 @@ async def awaited_copies(engine: TransferEngine, n: int) -> dict[str, float]:
     }
 
 
+def host_work(engine: TransferEngine, n: int = 100) -> dict[str, Any]:
+    """Python bytecodes and calls executed by ``n`` 1-block ``copy()`` calls (to distinct blocks), per call."""
+    opcodes: Counter[str] = Counter()
+    calls: Counter[str] = Counter()
+
+    def tracer(frame: Any, event: str, arg: object) -> Any:
+        name = frame.f_code.co_qualname
+        if event == "call":
+            calls[name] += 1
+            frame.f_trace_opcodes = True
+        elif event == "opcode":
+            opcodes[name] += 1
+        return tracer
+
+    transfers = []
+    for i in range(n):
+        sys.settrace(tracer)
+        try:
+            transfers.append(engine.copy(Tier.GPU, [i % 32], Tier.HOST, [32 + i % 32]))
+        finally:
+            sys.settrace(None)
+    return {
+        "bytecodes_per_copy": sum(opcodes.values()) / n,
+        "python_calls_per_copy": sum(calls.values()) / n,
+        "by_function": {k: [v / n, calls[k] / n] for k, v in opcodes.most_common(30)},
+        "_transfers": transfers,
+    }
+
+
 async def probe(device: str, out: str) -> dict[str, Any]:
     """Time, profile and take apart the per-call path on ``device``."""
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, tokens_per_block=4)
@@ -77,6 +110,9 @@ async def probe(device: str, out: str) -> dict[str, Any]:
     sync = torch.cuda.synchronize if cuda else None
     async with TransferEngine(layout, gpu_blocks=64, host_blocks=64, device=device) as engine:
         await awaited_copies(engine, 300)
+        work = host_work(engine)
+        await asyncio.gather(*work.pop("_transfers"))
+        result["host_work"] = work
         result["awaited_1block"] = await awaited_copies(engine, 2000)
         result["copier_path"] = engine.copier.plan(
             engine.pool(Tier.GPU), np.array([0]), engine.pool(Tier.HOST), np.array([1]), None
@@ -138,16 +174,9 @@ async def probe(device: str, out: str) -> dict[str, Any]:
         op = engine.copier.build(gpu_pool, s_arr, host_pool, d_arr, None)
         lane = engine.stream("offload")
         # the op exactly as copy() builds and submits it (the list op on an explicit stream where it exists)
-        router = getattr(engine, "route", None)
-        if router is not None:  # handlers (seam): the memory pairs' StreamCopier builds the op
-            copier_handler = router(Tier.GPU, Tier.HOST)
-            fast = [0], [1]  # what copy() hands the handler on the fast path (lists), where there is one
-            try:
-                engine_op = copier_handler.build_op(gpu_pool, fast[0], host_pool, fast[1], None)
-            except (TypeError, AttributeError):
-                engine_op = copier_handler.build_op(gpu_pool, s_arr, host_pool, d_arr, None)
-        else:
-            engine_op = engine._block_copy_op(gpu_pool, s_arr, host_pool, d_arr, None)
+        copier_handler = engine.route(Tier.GPU, Tier.HOST)
+        assert isinstance(copier_handler, StreamCopier)
+        engine_op = copier_handler.build_op(gpu_pool, [0], host_pool, [1], None)  # the fast path's int lists
         submit_kw = {"explicit": True} if getattr(engine_op, "explicit_stream", False) else {}
         pieces["engine op: lane.submit(op) as copy() does"] = per_call(
             lambda: lane.submit(engine_op, **submit_kw), sync=sync
@@ -163,7 +192,7 @@ async def probe(device: str, out: str) -> dict[str, Any]:
             pieces["torch.cuda.stream ctx (empty)"] = per_call(ctx_only)
             with torch.cuda.stream(ts):
                 pieces["op() (torch.ops copy_blocks, cpu idx)"] = per_call(op, sync=sync)
-                gt, ht = gpu_pool.tensor, host_pool.tensor  # type: ignore[union-attr]
+                gt, ht = gpu_pool.tensor, host_pool.tensor
                 sd, dd = torch.tensor([0], device="cuda"), torch.tensor([1], device="cuda")
                 sc, dc = torch.tensor([0]), torch.tensor([1])
                 k = torch.ops.tiered_kv.copy_blocks
