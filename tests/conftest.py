@@ -50,7 +50,8 @@ def _fail_on_loop_errors(request: pytest.FixtureRequest) -> None:
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def device(request: pytest.FixtureRequest) -> str:
     """Every engine test runs on the emulated device, and on CUDA where there is one."""
-    return request.param
+    name: str = request.param
+    return name
 
 
 @pytest.fixture

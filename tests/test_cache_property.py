@@ -40,7 +40,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache: TieredKVCache | None = None
         self.live: dict[int, int] = {}  # seq id -> tokens written so far
 
-    def run(self, coro):  # type: ignore[no-untyped-def]
+    def run(self, coro):
         return self.loop.run_until_complete(coro)
 
     @initialize(gpu=st.integers(6, 12), host=st.integers(0, 6), file=st.integers(0, 4), drop=st.sampled_from([0, 30]))

@@ -40,6 +40,7 @@ async def test_server_answers_real_http_requests_and_reuses_prefixes():
                 assert first["tokens_reused"] == 0
                 assert second["tokens_reused"] >= 48 and second["mismatched_tokens"] == 0
                 assert second["output"] == first["output"]
+                bad: object
                 for bad in (
                     {"prompt": []},
                     {"prompt": [1, -2]},

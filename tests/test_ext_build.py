@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -26,11 +27,12 @@ print(json.dumps({"path": str(path), "registered": _ext.cuda_kernels_registered(
 """
 
 
-def _build_in_subprocess(cache: Path, builder: str) -> dict:
+def _build_in_subprocess(cache: Path, builder: str) -> dict[str, Any]:
     env = {**os.environ, "TIERED_KV_EXT_DIR": str(cache), "TIERED_KV_EXT_BUILDER": builder}
     proc = subprocess.run([sys.executable, "-c", _BUILD], capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, f"extension build failed:\n{proc.stderr[-8000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
 
 
 @needs_toolkit

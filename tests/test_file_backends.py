@@ -9,6 +9,7 @@ import os
 import sys
 import time
 import types
+from typing import Any
 
 import numpy as np
 import pytest
@@ -72,7 +73,7 @@ def test_posix_short_read_at_end_of_file_and_hooks(tmp_path) -> None:
     be = PosixBackend(path, threads=1)
     try:
         buf = aligned_empty(4 * DIRECT_ALIGN)
-        seen = []
+        seen: list[int] = []
         assert be.pread([buf], 0, after=seen.append).result() == 2 * DIRECT_ALIGN
         assert seen == [2 * DIRECT_ALIGN]
         hdr = aligned_empty(DIRECT_ALIGN)
@@ -100,10 +101,13 @@ def test_posix_short_read_at_end_of_file_and_hooks(tmp_path) -> None:
 
 def test_direct_io_probe_is_cached_per_directory(tmp_path, monkeypatch) -> None:
     first = direct_io_supported(tmp_path)
-    calls = []
-    monkeypatch.setattr(
-        posix_mod.os, "open", lambda *a, **k: calls.append(a) or (_ for _ in ()).throw(OSError(errno.EINVAL, "x"))
-    )
+    calls: list[tuple[object, ...]] = []
+
+    def refuse(*a: object, **k: object) -> int:
+        calls.append(a)
+        raise OSError(errno.EINVAL, "x")
+
+    monkeypatch.setattr(os, "open", refuse)  # the os module tiered_kv.backends.posix uses
     assert direct_io_supported(tmp_path) is first  # cached: no second probe
     assert calls == []
     assert os.listdir(tmp_path) == []
@@ -113,7 +117,7 @@ def test_preallocate_falls_back_to_truncate(tmp_path, monkeypatch) -> None:
     def unsupported(fd: int, off: int, size: int) -> None:
         raise OSError(errno.EOPNOTSUPP, "not here")
 
-    monkeypatch.setattr(posix_mod.os, "posix_fallocate", unsupported)
+    monkeypatch.setattr(os, "posix_fallocate", unsupported)
     fd = posix_mod.create_file(tmp_path / "x")
     try:
         assert preallocate(fd, 123 * 4096) == "truncate"
@@ -124,7 +128,7 @@ def test_preallocate_falls_back_to_truncate(tmp_path, monkeypatch) -> None:
     def full(fd: int, off: int, size: int) -> None:
         raise OSError(errno.ENOSPC, "full")
 
-    monkeypatch.setattr(posix_mod.os, "posix_fallocate", full)
+    monkeypatch.setattr(os, "posix_fallocate", full)
     fd = posix_mod.create_file(tmp_path / "y")
     try:
         with pytest.raises(OSError) as info:
@@ -138,7 +142,7 @@ def test_file_tier_on_enospc_while_preallocating_leaves_no_file(tmp_path, monkey
     def full(fd: int, off: int, size: int) -> None:
         raise OSError(errno.ENOSPC, "full")
 
-    monkeypatch.setattr(posix_mod.os, "posix_fallocate", full)
+    monkeypatch.setattr(os, "posix_fallocate", full)
     with pytest.raises(OSError):
         FileTier(layout, FileTierConfig(tmp_path, 8, gds="off"))
     assert os.listdir(tmp_path) == []  # no slab and no lock file left behind (issue 11, finding 11)
@@ -153,11 +157,12 @@ def test_faulty_backend_counts_exactly(tmp_path) -> None:
     assert isinstance(fb, FileBackend)
     try:
         buf = aligned_empty(4 * DIRECT_ALIGN)
-        outcomes = []
+        outcomes: list[int | str] = []
         for _ in range(5):
             try:
                 outcomes.append(fb.pwrite([buf], 0).result())
             except OSError as exc:
+                assert exc.errno is not None
                 outcomes.append(errno.errorcode[exc.errno])
         assert outcomes == [4 * DIRECT_ALIGN, "ENOSPC", 4 * DIRECT_ALIGN, "ENOSPC", 4 * DIRECT_ALIGN]
         assert fb.pread([buf], 0).result() == 2 * DIRECT_ALIGN  # short: half
@@ -191,7 +196,7 @@ def test_bad_keys() -> None:
     with pytest.raises(ValueError, match="at most 1024"):
         pack_header(out.data, b"F" * 16, 0, 1, b"k" * 1025, 1, b"c" * 16)
     with pytest.raises(TypeError):
-        pack_header(out.data, b"F" * 16, 0, 1, True, 1, b"c" * 16)  # type: ignore[arg-type]
+        pack_header(out.data, b"F" * 16, 0, 1, True, 1, b"c" * 16)  # not a key; a bool passes as an int
     with pytest.raises(ValueError, match="empty"):
         pack_header(out.data, b"F" * 16, 0, 1, b"", 1, b"c" * 16)
 
@@ -313,7 +318,7 @@ def test_gds_backend_round_trip(tmp_path, device_io: bool) -> None:
         host = aligned_empty(8 * DIRECT_ALIGN)
         host.random_(0, 255)
         src = host.cuda() if device_io else host
-        seen = []
+        seen: list[object] = []
         assert (
             be.pwrite([src[:DIRECT_ALIGN], src[DIRECT_ALIGN:]], DIRECT_ALIGN, before=lambda: seen.append("w")).result()
             == 8 * DIRECT_ALIGN
@@ -345,13 +350,13 @@ class _FakeFuture:
         return n
 
 
-def _fake_kvikio_io(monkeypatch, gds_available: bool) -> dict[str, object]:
+def _fake_kvikio_io(monkeypatch, gds_available: bool) -> dict[str, Any]:
     """A kvikio whose CuFile does POSIX I/O on host numpy buffers, to drive GdsBackend on a CPU machine."""
     import enum
 
     _fake_kvikio(monkeypatch, gds_available, libcuda=True)
     kvikio = sys.modules["kvikio"]
-    settings: dict[str, object] = {"num_threads": 1, "compat_mode": "auto"}
+    settings: dict[str, Any] = {"num_threads": 1, "compat_mode": "auto"}
 
     class CompatMode(enum.Enum):
         ON = "on"
@@ -398,7 +403,7 @@ async def test_engine_through_gds_backend_with_fake_kvikio(monkeypatch, tmp_path
     async with TransferEngine(layout, gpu_blocks=4, host_blocks=4, device="cpu", file_config=cfg) as eng:
         be = eng.file_tier.backend
         assert be.name == "gds" and not be.device_io
-        assert settings["num_threads"] == 3 and settings["compat_mode"].value == "on"  # type: ignore[union-attr]
+        assert settings["num_threads"] == 3 and settings["compat_mode"].value == "on"
         src = [fill_random(eng.block(Tier.GPU, i)).clone() for i in range(4)]
         await eng.copy(Tier.GPU, [0, 1], Tier.FILE, [0, 1], keys=[b"a", b"b"])
         await eng.copy(Tier.GPU, [2, 3], Tier.HOST, [0, 1])
@@ -417,12 +422,13 @@ def test_gds_backend_on_mode_sets_compat_off(monkeypatch, tmp_path) -> None:
     settings = _fake_kvikio_io(monkeypatch, gds_available=True)
     be = GdsBackend(_file(tmp_path), mode="on", threads=2)
     try:
-        assert settings["compat_mode"].value == "off"  # type: ignore[union-attr]
+        assert settings["compat_mode"].value == "off"
         assert be.gds and be.device_io
     finally:
         be.close()
+    os.makedirs(tmp_path / "x")
     with pytest.raises(ValueError, match="posix backend"):
-        GdsBackend(_file(tmp_path / "x") if os.makedirs(tmp_path / "x") is None else "", mode="off")
+        GdsBackend(_file(tmp_path / "x"), mode="off")
 
 
 def test_emulated_host_memory_is_page_aligned() -> None:

@@ -7,11 +7,21 @@ import errno
 import importlib.util
 import os
 import stat
+from typing import Any
 
 import pytest
 import torch
 
-from tiered_kv import IntegrityError, KVLayout, LayoutMismatchError, SlabInUseError, Tier, TransferEngine, TransferError
+from tiered_kv import (
+    IntegrityError,
+    KVLayout,
+    LayoutMismatchError,
+    SlabInUseError,
+    Tier,
+    Transfer,
+    TransferEngine,
+    TransferError,
+)
 from tiered_kv.file import FileTier, FileTierConfig
 from tiered_kv.slab import HEADER_SIZE
 from tiered_kv.testing import FaultyBackend, assert_blocks_equal, fill_random
@@ -30,7 +40,8 @@ def backend(request: pytest.FixtureRequest) -> str:
     """posix everywhere; kvikio (compat mode where there is no nvidia-fs) on a CUDA machine with kvikio."""
     if request.param == "gds" and not HAS_KVIKIO:
         pytest.skip("kvikio is not installed")
-    return request.param
+    name: str = request.param
+    return name
 
 
 def make_engine(
@@ -99,7 +110,7 @@ async def test_gds_device_buffers_round_trip(layout: KVLayout, tmp_path) -> None
         pytest.skip("kvikio is not installed")
     from tiered_kv.backends.gds import GdsBackend
 
-    cfg = dict(backend_factory=lambda p: GdsBackend(p, device_io=True))
+    cfg: dict[str, Any] = dict(backend_factory=lambda p: GdsBackend(p, device_io=True))
     async with make_engine(layout, tmp_path, "cuda", "gds", **cfg) as eng:
         assert eng.file_tier.backend.device_io
         src = [fill_random(eng.block(Tier.GPU, i)).clone() for i in range(5)]
@@ -111,7 +122,7 @@ async def test_gds_device_buffers_round_trip(layout: KVLayout, tmp_path) -> None
 
 
 async def test_write_then_read_same_slot_is_ordered_by_fences(layout: KVLayout, tmp_path) -> None:
-    slow = dict(backend_factory=lambda p: FaultyBackend(_posix(p), stall_writes=0.2))
+    slow: dict[str, Any] = dict(backend_factory=lambda p: FaultyBackend(_posix(p), stall_writes=0.2))
     async with make_engine(layout, tmp_path, **slow) as eng:
         a = fill_random(eng.block(Tier.HOST, 0)).clone()
         w = eng.copy(Tier.HOST, [0], Tier.FILE, [5], keys=keys("a"))
@@ -160,7 +171,7 @@ async def test_bad_arguments_raise_before_enqueue(layout: KVLayout, tmp_path) ->
         with pytest.raises(TypeError, match="sequence of content keys"):
             eng.copy(Tier.HOST, [0], Tier.FILE, [0], keys=b"k")
         with pytest.raises(TypeError, match="sequence of content keys"):
-            eng.copy(Tier.HOST, [0], Tier.FILE, [0], keys=7)
+            eng.copy(Tier.HOST, [0], Tier.FILE, [0], keys=7)  # type: ignore[arg-type]  # deliberately not keys
         with pytest.raises(TypeError, match="no in-memory view"):
             eng.block(Tier.FILE, 0)
         assert eng.statistics().submitted == 0
@@ -212,7 +223,9 @@ async def test_enospc_on_third_write(layout: KVLayout, tmp_path) -> None:
 async def test_read_queued_behind_a_failed_write_fails(layout: KVLayout, tmp_path) -> None:
     """Slot 0's block of a two-block spill reaches the disk, slot 1's hits ENOSPC: the transfer failed, so a read
     of slot 0 queued behind it must fail too (its bytes verify, but the copy that wrote them failed)."""
-    cfg = dict(backend_factory=lambda p: FaultyBackend(_posix(p), enospc_on_write=2, stall_writes=0.05), io_threads=1)
+    cfg: dict[str, Any] = dict(
+        backend_factory=lambda p: FaultyBackend(_posix(p), enospc_on_write=2, stall_writes=0.05), io_threads=1
+    )
     async with make_engine(layout, tmp_path, **cfg) as eng:
         fill_random(eng.block(Tier.HOST, 0))
         fill_random(eng.block(Tier.HOST, 1))
@@ -230,7 +243,7 @@ async def test_read_queued_behind_a_failed_write_fails(layout: KVLayout, tmp_pat
 
 @pytest.mark.parametrize(("fault", "code"), [("eio_on_write", errno.EIO), ("einval_on_write", errno.EINVAL)])
 async def test_write_errors_are_transfer_errors(layout: KVLayout, tmp_path, device: str, fault: str, code: int) -> None:
-    cfg = dict(backend_factory=lambda p: FaultyBackend(_posix(p), **{fault: 1}))
+    cfg: dict[str, Any] = dict(backend_factory=lambda p: FaultyBackend(_posix(p), **{fault: 1}))
     async with make_engine(layout, tmp_path, device, **cfg) as eng:
         fill_random(eng.block(Tier.GPU, 0))
         settle(eng)
@@ -241,7 +254,7 @@ async def test_write_errors_are_transfer_errors(layout: KVLayout, tmp_path, devi
 
 
 async def test_short_write_is_a_transfer_error_and_torn_slot_is_not_recovered(layout: KVLayout, tmp_path) -> None:
-    cfg = dict(backend_factory=lambda p: FaultyBackend(_posix(p), short_write_on=2))
+    cfg: dict[str, Any] = dict(backend_factory=lambda p: FaultyBackend(_posix(p), short_write_on=2))
     async with make_engine(layout, tmp_path, **cfg) as eng:
         for i in range(2):
             fill_random(eng.block(Tier.HOST, i))
@@ -257,7 +270,7 @@ async def test_short_write_is_a_transfer_error_and_torn_slot_is_not_recovered(la
 
 
 async def test_read_faults(layout: KVLayout, tmp_path) -> None:
-    cfg = dict(backend_factory=lambda p: FaultyBackend(_posix(p), eio_on_read=1, short_read_on=2))
+    cfg: dict[str, Any] = dict(backend_factory=lambda p: FaultyBackend(_posix(p), eio_on_read=1, short_read_on=2))
     async with make_engine(layout, tmp_path, **cfg) as eng:
         a = fill_random(eng.block(Tier.HOST, 0)).clone()
         await eng.copy(Tier.HOST, [0], Tier.FILE, [4], keys=keys(0))
@@ -276,7 +289,7 @@ async def test_read_faults(layout: KVLayout, tmp_path) -> None:
 
 
 async def test_stalled_write_does_not_block_the_loop(layout: KVLayout, tmp_path) -> None:
-    cfg = dict(backend_factory=lambda p: FaultyBackend(_posix(p), stall_writes=0.3))
+    cfg: dict[str, Any] = dict(backend_factory=lambda p: FaultyBackend(_posix(p), stall_writes=0.3))
     async with make_engine(layout, tmp_path, **cfg) as eng:
         t = eng.copy(Tier.HOST, [0], Tier.FILE, [0], keys=keys(0))
         ticks = 0
@@ -493,7 +506,7 @@ async def test_random_mix_matches_a_sequential_model(layout: KVLayout, tmp_path,
     import random
 
     rng = random.Random(seed)
-    cfg = dict(
+    cfg: dict[str, Any] = dict(
         backend_factory=lambda p: FaultyBackend(_posix(p), stall_writes=0.01, stall_reads=0.005), staging_blocks=2
     )
     async with make_engine(layout, tmp_path, device, blocks=6, **cfg) as eng:
@@ -515,7 +528,7 @@ async def test_random_mix_matches_a_sequential_model(layout: KVLayout, tmp_path,
             src = rng.sample(candidates, k)
             pool = [i for i in range(sizes[dst_t]) if src_t is not dst_t or i not in src]
             dst = rng.sample(pool, k)
-            kw = {}
+            kw: dict[str, Any] = {}
             if dst_t is Tier.FILE:
                 version += 1
                 kw["keys"] = [f"v{version}-{j}".encode() for j in range(k)]
@@ -528,11 +541,14 @@ async def test_random_mix_matches_a_sequential_model(layout: KVLayout, tmp_path,
         # read every file slot back through the host tier and compare everything with the model
         for t in (Tier.GPU, Tier.HOST):
             for i in range(8):
-                assert_blocks_equal(eng.block(t, i), model[(t, i)], f"{t.value} block {i}")
+                expected = model[(t, i)]
+                assert expected is not None
+                assert_blocks_equal(eng.block(t, i), expected, f"{t.value} block {i}")
         for s in range(6):
-            if model[(Tier.FILE, s)] is not None:
+            expected = model[(Tier.FILE, s)]
+            if expected is not None:
                 await eng.copy(Tier.FILE, [s], Tier.HOST, [0])
-                assert_blocks_equal(eng.block(Tier.HOST, 0), model[(Tier.FILE, s)], f"file slot {s}")
+                assert_blocks_equal(eng.block(Tier.HOST, 0), expected, f"file slot {s}")
         assert eng.file_tier.statistics().integrity_failures == 0
 
 
@@ -545,14 +561,16 @@ async def test_random_mix_with_faults_never_serves_wrong_data(
     import random
 
     rng = random.Random(seed)
-    faults = {
+    faults: dict[str, Any] = {
         "enospc_on_write": set(rng.sample(range(1, 120), 8)),
         "eio_on_write": set(rng.sample(range(1, 120), 4)),
         "short_write_on": set(rng.sample(range(1, 120), 4)),
         "eio_on_read": set(rng.sample(range(1, 120), 4)),
         "short_read_on": set(rng.sample(range(1, 120), 4)),
     }
-    cfg = dict(backend_factory=lambda p: FaultyBackend(_posix(p), stall_writes=0.003, **faults), staging_blocks=2)
+    cfg: dict[str, Any] = dict(
+        backend_factory=lambda p: FaultyBackend(_posix(p), stall_writes=0.003, **faults), staging_blocks=2
+    )
     async with make_engine(layout, tmp_path, device, blocks=6, **cfg) as eng:
         sizes = {Tier.GPU: 8, Tier.HOST: 8, Tier.FILE: 6}
         # (tier, index) -> (content, transfers it depends on); None: never written
@@ -563,7 +581,7 @@ async def test_random_mix_with_faults_never_serves_wrong_data(
             for i in range(8):
                 model[(t, i)] = (fill_random(eng.block(t, i)).clone().cpu(), frozenset())
         settle(eng)
-        transfers: list = []
+        transfers: list[Transfer] = []
         last_write: dict[int, int] = {}  # file slot -> transfer that last wrote it (at issue time)
         reads_from: dict[int, set[int]] = {}  # file->x transfer -> the writes whose data it reads
         routes = [(a, b) for a in sizes for b in sizes if a != b or a is not Tier.FILE]
@@ -577,11 +595,13 @@ async def test_random_mix_with_faults_never_serves_wrong_data(
                 continue
             src = rng.sample(candidates, k)
             dst = rng.sample([i for i in range(sizes[dst_t]) if src_t is not dst_t or i not in src], k)
-            kw = {"keys": [f"s{step}-{j}".encode() for j in range(k)]} if dst_t is Tier.FILE else {}
+            kw: dict[str, Any] = {"keys": [f"s{step}-{j}".encode() for j in range(k)]} if dst_t is Tier.FILE else {}
             tid = len(transfers)
             transfers.append(eng.copy(src_t, src, dst_t, dst, **kw))
             for a, b in zip(src, dst, strict=True):
-                content, deps = model[(src_t, a)]  # type: ignore[misc]
+                entry = model[(src_t, a)]
+                assert entry is not None  # a candidate source was written
+                content, deps = entry
                 model[(dst_t, b)] = (content, deps | {tid})
             if src_t is Tier.FILE:
                 reads_from[tid] = {last_write[a] for a in src}
@@ -595,9 +615,11 @@ async def test_random_mix_with_faults_never_serves_wrong_data(
             assert not isinstance(r, BaseException) or isinstance(r, TransferError), r
         assert failed, "the fault plan should have failed some transfers"
         # never served: a file read succeeded only if every write it read from succeeded
-        for r, writes in reads_from.items():
-            if r not in failed:
-                assert not writes & failed, f"transfer {r} read slots whose writes {sorted(writes & failed)} failed"
+        for reader, writes in reads_from.items():
+            if reader not in failed:
+                assert not writes & failed, (
+                    f"transfer {reader} read slots whose writes {sorted(writes & failed)} failed"
+                )
         # never visible: a slot whose last write failed is not valid
         for slot, w in last_write.items():
             if w in failed:
@@ -624,7 +646,7 @@ async def test_random_mix_with_faults_never_serves_wrong_data(
 
 
 async def test_index_api(layout: KVLayout, tmp_path) -> None:
-    slow = dict(backend_factory=lambda p: FaultyBackend(_posix(p), stall_writes=0.1))
+    slow: dict[str, Any] = dict(backend_factory=lambda p: FaultyBackend(_posix(p), stall_writes=0.1))
     async with make_engine(layout, tmp_path, **slow) as eng:
         ft = eng.file_tier
         fill_random(eng.block(Tier.HOST, 0))
@@ -633,7 +655,11 @@ async def test_index_api(layout: KVLayout, tmp_path) -> None:
         with pytest.raises(ValueError, match="write in flight"):
             ft.discard(3)
         await w
-        assert ft.lookup(b"k") == 3 and ft.lookup(bytearray(b"k")) == 3 and ft.key_of(3) == b"k"
+        # a bytearray key is accepted (normalised to bytes), outside the annotation: deliberately the wrong type
+        assert (
+            ft.lookup(b"k") == 3 and ft.lookup(bytearray(b"k")) == 3  # type: ignore[arg-type]
+            and ft.key_of(3) == b"k"
+        )
         ft.discard(3)
         assert ft.lookup(b"k") is None and 3 in ft.free_slots() and ft.entries() == {}
         with pytest.raises(ValueError, match="out of range"):

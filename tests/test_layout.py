@@ -1,3 +1,5 @@
+from typing import Any
+
 import pytest
 import torch
 
@@ -38,7 +40,9 @@ def test_fingerprint_is_stable_across_runs():
     ],
 )
 def test_fingerprint_covers_every_field(change):
-    base = {"num_layers": 2, "num_kv_heads": 4, "head_dim": 64, "tokens_per_block": 16, "dtype": torch.float16}
+    base: dict[str, Any] = {
+        "num_layers": 2, "num_kv_heads": 4, "head_dim": 64, "tokens_per_block": 16, "dtype": torch.float16
+    }
     assert KVLayout(**base).fingerprint != KVLayout(**{**base, **change}).fingerprint
 
 

@@ -151,7 +151,8 @@ def _logical(kind: str, tensors: list[torch.Tensor]) -> torch.Tensor:
         return cpu[0].clone()
     if kind == "layer":
         return torch.stack(cpu, dim=1)
-    return torch.stack(cpu, dim=1).unflatten(1, (L, kv))
+    out: torch.Tensor = torch.stack(cpu, dim=1).unflatten(1, (L, kv))
+    return out
 
 
 KINDS = ["block", "layer", "layerkv"]

@@ -12,6 +12,7 @@ import pytest
 from helpers import fill_pool, same, snapshot
 
 from tiered_kv import FenceTable, Tier, TransferEngine
+from tiered_kv.device import CudaStream
 from tiered_kv.testing import assert_blocks_equal, stall
 
 STALL = 0.25
@@ -220,7 +221,9 @@ async def test_both_cuda_completion_signals_keep_order(layout, mode, monkeypatch
     async with TransferEngine(layout, gpu_blocks=4, host_blocks=4, device="cuda") as engine:
         for _ in range(3):
             assert await raw_scenario(engine)
-        assert engine.stream("offload").completion == mode
+        stream = engine.stream("offload")
+        assert isinstance(stream, CudaStream)
+        assert stream.completion == mode
         war_old, war_new = await war_scenario(engine)
         assert war_old and war_new
 

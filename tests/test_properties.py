@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tiered_kv import EngineClosedError, KVLayout, Tier, TransferEngine
+from tiered_kv import EngineClosedError, KVLayout, Tier, Transfer, TransferEngine
 from tiered_kv.testing import stall
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=2, head_dim=4, tokens_per_block=4, dtype=torch.float16)
@@ -39,7 +39,7 @@ class EngineMachine(RuleBasedStateMachine):
                 torch.randint(0, 256, (pool.numel() * 2,), dtype=torch.uint8, generator=gen)
             )
             self.shadow[tier] = pool.clone()
-        self.pending: list = []
+        self.pending: list[Transfer] = []
 
     def _run(self, coro):
         return self.loop.run_until_complete(coro)

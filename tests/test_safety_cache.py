@@ -144,7 +144,7 @@ async def test_the_manager_hears_of_a_dropped_slot_before_the_failed_spill_compl
         seen: list[bool] = []
         issue = cache._issue
 
-        def watch(plan):  # type: ignore[no-untyped-def]
+        def watch(plan):
             transfers = issue(plan)
             for t, block in cache._unchecked:
                 if block.key == a1_key and t.dst_tier is Tier.FILE:
@@ -180,7 +180,11 @@ async def test_a_raising_done_callback_breaks_nothing(small: KVLayout) -> None:
 
             t1 = engine.copy(Tier.GPU, [0], Tier.HOST, [1])  # offload stream
             t1.add_done_callback(bad)
-            t1.add_done_callback(lambda _t, ran=ran: ran.append("second"))
+
+            def second(_t: object, ran: list[str] = ran) -> None:
+                ran.append("second")
+
+            t1.add_done_callback(second)
             t2 = engine.copy(Tier.HOST, [1], Tier.GPU, [2])  # onboard stream, waits for t1 stream-side
             await asyncio.wait_for(t2, 5)
             await asyncio.wait_for(t1, 5)

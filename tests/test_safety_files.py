@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
@@ -50,7 +51,7 @@ async def test_a_zeroed_superblock_keeps_the_verified_slots(small: KVLayout, tmp
         assert tier.open_report.recovered == 3
         slots = [tier.lookup(f"k{i}") for i in range(3)]
         assert slots == [0, 1, 2]
-        await engine.copy(Tier.FILE, slots, Tier.HOST, [0, 1, 2])  # verified on the way
+        await engine.copy(Tier.FILE, cast("list[int]", slots), Tier.HOST, [0, 1, 2])  # verified on the way
         for i in range(3):
             assert_blocks_equal(engine.block(Tier.HOST, i), blocks[i], f"block {i}")
     assert any(slab.read_bytes()[:HEADER_SIZE]), "the superblock was written again"
@@ -216,7 +217,7 @@ class RaisingAtEof:
         self.device_io = False
         self.path = path
 
-    def pread(self, buffers, offset, *, after=None):  # type: ignore[no-untyped-def]
+    def pread(self, buffers, offset, *, after=None):
         if offset + sum(int(b.nbytes) for b in buffers) > os.stat(self.path).st_size:
             import concurrent.futures
 
@@ -225,10 +226,10 @@ class RaisingAtEof:
             return fut
         return self.inner.pread(buffers, offset, after=after)
 
-    def pwrite(self, buffers, offset, *, before=None):  # type: ignore[no-untyped-def]
+    def pwrite(self, buffers, offset, *, before=None):
         return self.inner.pwrite(buffers, offset, before=before)
 
-    def sync(self, data_only):  # type: ignore[no-untyped-def]
+    def sync(self, data_only):
         return self.inner.sync(data_only)
 
     def close(self) -> None:

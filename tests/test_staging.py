@@ -15,16 +15,18 @@ import random
 import threading
 import weakref
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
 from tiered_kv import resolve_device
-from tiered_kv.device import Device, Stream
+from tiered_kv.device import Device, Event, Stream
 from tiered_kv.staging import (
     NO_BLOCK,
     BlockOffsetTable,
+    Mode,
     StagingPool,
     copy_batch_block_offsets,
     gather_block_offsets,
@@ -33,7 +35,7 @@ from tiered_kv.testing import stall
 from tiered_kv.tools.baselines import InplaceShipper
 from tiered_kv.tools.bench import pagetables
 
-MODES = ["copy", "gather"]
+MODES: list[Mode] = ["copy", "gather"]
 
 
 @pytest.fixture
@@ -85,7 +87,7 @@ def fill_slot(table: BlockOffsetTable, slot: int, rng: np.random.Generator) -> N
 
 
 def reference(
-    table: BlockOffsetTable, slots: list[int], width: int, mode: str, scale=None, v_offset=None
+    table: BlockOffsetTable, slots: list[int], width: int, mode: Mode, scale=None, v_offset=None
 ) -> torch.Tensor:
     """What the device table must hold, computed independently (numpy, element by element rules)."""
     host = table.host.numpy()[:, slots, :, :width].astype(np.int64)
@@ -108,14 +110,14 @@ def poisoned(table: BlockOffsetTable, dev: Device, batch: int | None = None, val
     return out
 
 
-def gather_kwargs(mode: str, pools: int = 2) -> dict[str, object]:
+def gather_kwargs(mode: Mode, pools: int = 2) -> dict[str, Any]:
     return {"scale": [3, 5][:pools], "v_offset": [1, 1000][:pools]} if mode == "gather" else {}
 
 
 # --------------------------------------------------------------------------------------------- the seed's race
 
 
-def run_refill_scenario(dev: Device, stream: Stream, mode: str, inplace: bool) -> tuple[bool, bool]:
+def run_refill_scenario(dev: Device, stream: Stream, mode: Mode, inplace: bool) -> tuple[bool, bool]:
     """Ship A, refill the same slots for new requests (batch B), ship B, all while the stream is held.
 
     Returns whether A's and B's device tables equal their references.
@@ -142,23 +144,24 @@ def run_refill_scenario(dev: Device, stream: Stream, mode: str, inplace: bool) -
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_refill_while_stream_stalled_keeps_each_batch(dev: Device, stream: Stream, mode: str) -> None:
+def test_refill_while_stream_stalled_keeps_each_batch(dev: Device, stream: Stream, mode: Mode) -> None:
     assert run_refill_scenario(dev, stream, mode, inplace=False) == (True, True)
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_refill_scenario_catches_inplace_race(dev: Device, stream: Stream, mode: str) -> None:
+def test_refill_scenario_catches_inplace_race(dev: Device, stream: Stream, mode: Mode) -> None:
     a_ok, b_ok = run_refill_scenario(dev, stream, mode, inplace=True)
     assert not a_ok, "the racy in-place path must ship B's offsets for A: otherwise the test cannot see the race"
     assert b_ok
 
 
-def run_mutation_scenario(dev: Device, stream: Stream, mode: str, inplace: bool, container: str = "torch") -> bool:
+def run_mutation_scenario(dev: Device, stream: Stream, mode: Mode, inplace: bool, container: str = "torch") -> bool:
     """Enqueue, then at once scribble over the host rows, the caller's index buffer and scale/V offset."""
     table = make_table(dev, seed=3)
-    slots = torch.tensor([5, 1, 9], dtype=torch.int64)
+    tensor = torch.tensor([5, 1, 9], dtype=torch.int64)
+    slots: torch.Tensor | np.ndarray = tensor
     if container == "numpy":
-        slots = slots.numpy()  # shares memory: mutating the tensor below mutates the caller's array
+        slots = tensor.numpy()  # shares memory: mutating the tensor below mutates the caller's array
     scale = torch.tensor([3, 5], dtype=torch.int32) if mode == "gather" else None
     v_offset = torch.tensor([1, 1000], dtype=torch.int32) if mode == "gather" else None
     dst = poisoned(table, dev)
@@ -188,13 +191,13 @@ def run_mutation_scenario(dev: Device, stream: Stream, mode: str, inplace: bool,
 @pytest.mark.parametrize("container", ["torch", "numpy"])
 @pytest.mark.parametrize("mode", MODES)
 def test_mutating_inputs_after_enqueue_does_not_change_output(
-    dev: Device, stream: Stream, mode: str, container: str
+    dev: Device, stream: Stream, mode: Mode, container: str
 ) -> None:
     assert run_mutation_scenario(dev, stream, mode, inplace=False, container=container)
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_mutation_scenario_catches_inplace_race(dev: Device, stream: Stream, mode: str) -> None:
+def test_mutation_scenario_catches_inplace_race(dev: Device, stream: Stream, mode: Mode) -> None:
     assert not run_mutation_scenario(dev, stream, mode, inplace=True)
 
 
@@ -225,7 +228,7 @@ class GuardedPool:
 
     def __init__(self, pool: StagingPool) -> None:
         self.pool = pool
-        self.guard: dict[int, object] = {}  # buffer data_ptr -> event of its last use
+        self.guard: dict[int, Event] = {}  # buffer data_ptr -> event of its last use
         self.acquired: list[tuple[int, int]] = []  # (start, end) byte ranges, in call order
         self.violations = 0
         acquire, retire = pool.acquire, pool.retire
@@ -233,21 +236,21 @@ class GuardedPool:
         def checked_acquire(numel: int) -> torch.Tensor:
             buf = acquire(numel)
             event = self.guard.get(buf.data_ptr())
-            if event is not None and not event.query():  # type: ignore[attr-defined]
+            if event is not None and not event.query():
                 self.violations += 1
             self.acquired.append((buf.data_ptr(), buf.data_ptr() + buf.numel() * buf.element_size()))
             return buf
 
-        def recording_retire(buf: torch.Tensor, event: object, keep: object = None) -> None:
-            self.guard[buf.data_ptr()] = event
-            retire(buf, event, keep)  # type: ignore[arg-type]
+        def recording_retire(buffer: torch.Tensor, event: Event, keep: object = None) -> None:
+            self.guard[buffer.data_ptr()] = event
+            retire(buffer, event, keep)
 
         pool.acquire = checked_acquire  # type: ignore[method-assign]
         pool.retire = recording_retire  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_consecutive_calls_never_share_a_staging_buffer(dev: Device, stream: Stream, mode: str) -> None:
+def test_consecutive_calls_never_share_a_staging_buffer(dev: Device, stream: Stream, mode: Mode) -> None:
     table = make_table(dev)
     spy = GuardedPool(table.staging)
     with held(stream, dev):
@@ -262,7 +265,7 @@ def test_consecutive_calls_never_share_a_staging_buffer(dev: Device, stream: Str
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_thousand_calls_random_stalls_bounded_and_correct(dev: Device, stream: Stream, mode: str) -> None:
+def test_thousand_calls_random_stalls_bounded_and_correct(dev: Device, stream: Stream, mode: Mode) -> None:
     depth = 3
     table = make_table(dev, max_seqs=32, max_blocks=8, depth=depth, seed=5)
     spy = GuardedPool(table.staging)
@@ -309,7 +312,7 @@ def test_thousand_calls_random_stalls_bounded_and_correct(dev: Device, stream: S
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_destination_stays_alive_until_the_op_completed(dev: Device, stream: Stream, mode: str) -> None:
+def test_destination_stays_alive_until_the_op_completed(dev: Device, stream: Stream, mode: Mode) -> None:
     """A caller dropping ``dst`` at once must not let the allocator reuse memory the op will still write.
 
     (On CUDA the submitted closure is gone as soon as it has enqueued, so only the staging entry holds it.)
@@ -329,7 +332,7 @@ def test_destination_stays_alive_until_the_op_completed(dev: Device, stream: Str
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_max_blocks_writes_only_the_first_columns(dev: Device, stream: Stream, mode: str) -> None:
+def test_max_blocks_writes_only_the_first_columns(dev: Device, stream: Stream, mode: Mode) -> None:
     table = make_table(dev)
     kw = gather_kwargs(mode)
     for k in (0, 1, 5, table.max_blocks_per_seq):
@@ -343,7 +346,7 @@ def test_max_blocks_writes_only_the_first_columns(dev: Device, stream: Stream, m
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_max_blocks_none_writes_every_allocated_block(dev: Device, stream: Stream, mode: str) -> None:
+def test_max_blocks_none_writes_every_allocated_block(dev: Device, stream: Stream, mode: Mode) -> None:
     table = BlockOffsetTable(2, 8, 10, device=dev)
     table.set_row(1, 0, [4, 5, 6])
     table.set_row(1, 1, [7])
@@ -379,7 +382,7 @@ def test_copy_mode_ships_stored_k_and_v_offsets(dev: Device, stream: Stream) -> 
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_empty_batch_writes_nothing(dev: Device, stream: Stream, mode: str) -> None:
+def test_empty_batch_writes_nothing(dev: Device, stream: Stream, mode: Mode) -> None:
     table = make_table(dev)
     dst = poisoned(table, dev)
     event = table.copy_batch_block_offsets(dst, [], stream=stream, mode=mode, **gather_kwargs(mode))
@@ -399,7 +402,7 @@ def test_mla_table_gathers_without_v_rows(dev: Device, stream: Stream) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", MODES)
-def test_cuda_torch_stream_and_pinned_snapshots(mode: str) -> None:
+def test_cuda_torch_stream_and_pinned_snapshots(mode: Mode) -> None:
     dev = resolve_device("cuda")
     table = make_table(dev)
     assert table.host.is_pinned()

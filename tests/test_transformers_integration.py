@@ -31,7 +31,8 @@ def model32(request: pytest.FixtureRequest) -> Any:
 
 
 def _tokens(seed: int, n: int) -> list[int]:
-    return np.random.default_rng(seed).integers(0, VOCAB, n).tolist()
+    tokens: list[int] = np.random.default_rng(seed).integers(0, VOCAB, n).tolist()
+    return tokens
 
 
 def _cache(model: Any, tmp_path: Any, gpu: int = 64, host: int = 64, file: int = 128, **kw: Any) -> TieredKVCache:
@@ -130,6 +131,7 @@ async def test_a_fully_cached_prompt_computes_its_last_token_only(model32, tmp_p
     tokens, logits, _ = reference_generate(
         model32, prompt, max_new_tokens=4, output_logits=True, past=_past(model32, prompt, 63)
     )
+    assert logits is not None
     assert list(out2.tokens) == tokens and out2.logits is not None and torch.equal(out2.logits, logits)
 
 
@@ -228,7 +230,7 @@ async def test_bad_arguments_are_refused_before_anything_is_admitted(model32, tm
             with pytest.raises(ValueError, match="top_p"):
                 await gen.generate([1, 2], temperature=1.0, top_p=0)
             with pytest.raises(TypeError):
-                await gen.generate([1.5, 2])
+                await gen.generate([1.5, 2])  # type: ignore[list-item]  # deliberately not token ids
             assert cache.statistics().requests == 0
         finally:
             gen.close()
@@ -296,6 +298,7 @@ async def test_bf16_equal_to_transformers_with_the_same_kv_and_argmax_equal_to_a
     tokens, logits, _ = reference_generate(
         model, second, max_new_tokens=6, output_logits=True, past=_past(model, first, 53)
     )
+    assert logits is not None
     assert list(out.tokens) == tokens and out.logits is not None and torch.equal(out.logits, logits)
     _, full, _ = reference_generate(model, second, max_new_tokens=1, output_logits=True)
     assert full is not None

@@ -124,7 +124,9 @@ async def test_corrupt_adopted_block_is_never_served(small, tmp_path):
         cache.free(adm.seq_id)
         for tier in (Tier.GPU, Tier.HOST):
             await cache.evict(tier, 4)
-        second = cache.blocks.lookup(cache.hasher.chain(prompt)[1]).slot
+        block = cache.blocks.lookup(cache.hasher.chain(prompt)[1])
+        assert block is not None
+        second = block.slot
         slot_size = cache.engine.file_tier.slot_size
     _overwrite(
         tmp_path / "kv.slab", HEADER_SIZE + second * slot_size + HEADER_SIZE + 8, b"\x00" * 16

@@ -7,6 +7,8 @@ raised while an engine runs are not errors here (the main suite keeps ``filterwa
 from __future__ import annotations
 
 import os
+from collections.abc import Generator
+from typing import Any
 
 import pytest
 
@@ -21,7 +23,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, None]:
     """Under ``TIERED_KV_REQUIRE_ENGINES=1`` (``.ci/integrations``) a skipped integration test is a failure."""
     outcome = yield
     report = outcome.get_result()

@@ -55,7 +55,7 @@ def test_store_promote_and_corruption_through_vllms_factory(tmp_path: Path) -> N
     primary = np.random.RandomState(0).randint(0, 256, size=(CHUNKS, CHUNK), dtype=np.uint8)
     tier = SecondaryTierFactory.create_secondary_tier(
         {"type": "TieredKVFileTier", "module_path": "tiered_kv.integrations.vllm", "file_dir": str(tmp_path),
-         "file_blocks": 8}, memoryview(primary), _spec())
+         "file_blocks": 8}, memoryview(primary.data), _spec())
     try:
         assert isinstance(tier, TieredKVFileTier) and tier.block_size_bytes == CHUNK
         ctx = ReqContext(req_id="r")

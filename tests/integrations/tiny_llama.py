@@ -37,7 +37,8 @@ def write_model(directory: Path, seed: int = 0) -> Path:
 
 def prompt(seed: int, blocks: int, extra: int = 12) -> list[int]:
     """``blocks`` full blocks plus ``extra`` tokens of seeded token ids."""
-    return np.random.RandomState(seed).randint(1, VOCAB - 1, size=blocks * BLOCK + extra).tolist()
+    ids: list[int] = np.random.RandomState(seed).randint(1, VOCAB - 1, size=blocks * BLOCK + extra).tolist()
+    return ids
 
 
 def probes(base: list[int], seed: int) -> list[list[int]]:
