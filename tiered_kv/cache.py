@@ -15,12 +15,17 @@ out, the pending copies of that slot. A copy that failed poisons the blocks whos
 leave the lookup and whoever was about to use them gets :class:`~tiered_kv.TransferError`.
 
 Copies with a file slot on one side pass the blocks' content keys (``engine.copy(..., keys=...)``): the
-file tier writes them into its slot headers and verifies them on the way back.
+file tier writes them into its slot headers and verifies them on the way back. How a plan's moves become a
+few batched copies is :mod:`tiered_kv.plan_batches`.
+
+Size: under 600 lines, one concept -- the facade whose every public call pairs a block-manager
+decision with the copies it implies, issued in the same step and settled before the call returns (the
+class docstring documents its 17 arguments); the decisions are :mod:`tiered_kv.blocks`, the copy batching
+:mod:`tiered_kv.plan_batches`, the remote tier's side :mod:`tiered_kv.remote.cachelink`.
 """
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -42,9 +47,9 @@ from .blocks import (
 )
 from .engine import EngineStatistics, Transfer, TransferEngine
 from .errors import EngineClosedError, TransferError
-from .fences import Marker
 from .keys import KeyHasher
 from .layout import KVLayout
+from .plan_batches import batch_moves, unissued_transfer
 from .pools import Tier
 from .slotstate import SlotEvent, SlotEvents
 from .staging import BlockOffsetTable
@@ -180,7 +185,8 @@ class TieredKVCache:
         else:
             for tier, n in ((Tier.GPU, gpu_blocks), (Tier.HOST, host_blocks), (Tier.FILE, file_blocks)):
                 if n and engine.medium(tier).num_blocks != n:
-                    raise ValueError(f"the engine's {tier.value} pool has {engine.medium(tier).num_blocks} blocks, not {n}")
+                    have = engine.medium(tier).num_blocks
+                    raise ValueError(f"the engine's {tier.value} pool has {have} blocks, not {n}")
         self.engine = engine
         self._closed = False
         self._owner_name = f"TieredKVCache@{id(self):x}"
@@ -367,8 +373,8 @@ class TieredKVCache:
             return self.blocks.commit(seq_id, num_tokens)
         before = len([b for b in self.blocks.sequence_blocks(seq_id) if b.cached])
         committed = self.blocks.commit(seq_id, num_tokens)
-        self.remote.committed([b for b in self.blocks.sequence_blocks(seq_id)[: committed // self.layout.tokens_per_block]
-                               if b.cached][before:])
+        full = self.blocks.sequence_blocks(seq_id)[: committed // self.layout.tokens_per_block]
+        self.remote.committed([b for b in full if b.cached][before:])
         return committed
 
     async def flush(self) -> None:
@@ -465,33 +471,10 @@ class TieredKVCache:
     def _issue(self, plan: Plan) -> list[Transfer]:
         """Enqueue the plan's copies as few batched ``engine.copy`` calls, without an await in between.
 
-        A move joins the first group of its direction (and token count) that comes after every group it
-        conflicts with -- one that writes its source, or reads or writes its destination -- so every pair of
-        moves touching a common slot (other than two reads) keeps its plan order, and the engine's fences
-        order them on the device. Plans alternate offloads and onboards (each onboard frees the host slot
-        the next offload fills), so this turns thousands of single-block copies into a handful of calls.
+        The groups come from :func:`~tiered_kv.plan_batches.batch_moves` (plan order kept wherever two moves
+        touch a common slot); every block records the copy producing it, so a failed copy poisons its products.
         """
-        groups: list[list[Move]] = []
-        by_kind: dict[tuple[Tier, Tier, int | None], list[int]] = {}  # direction -> its group indices, ascending
-        last_read: dict[tuple[Tier, int], int] = {}  # slot -> last group reading it
-        last_write: dict[tuple[Tier, int], int] = {}  # slot -> last group writing it
-        placed: list[int] = []  # move -> its group
-        for move in plan.moves:
-            src, dst = (move.src_tier, move.src_slot), (move.dst_tier, move.dst_slot)
-            after = max(last_write.get(src, -1), last_write.get(dst, -1), last_read.get(dst, -1))
-            kind = (move.src_tier, move.dst_tier, move.num_tokens)
-            candidates = by_kind.setdefault(kind, [])
-            i = bisect.bisect_right(candidates, after)
-            if i < len(candidates):
-                g = candidates[i]
-            else:
-                g = len(groups)
-                groups.append([])
-                candidates.append(g)
-            groups[g].append(move)
-            placed.append(g)
-            last_read[src] = max(last_read.get(src, -1), g)
-            last_write[dst] = max(last_write.get(dst, -1), g)
+        groups, placed = batch_moves(plan.moves)
         if self.remote is not None:
             self.remote._before_issue()  # evict policy: read the host victims before the plan reuses their slots
         transfers = self._issue_groups(groups)
@@ -539,7 +522,7 @@ class TieredKVCache:
                     failure = TransferError(f"the engine closed while a plan was being issued ({exc})")
                 except (ValueError, TypeError, TransferError) as exc:
                     failure = exc
-            transfers.append(_failed_transfer(group, failure))
+            transfers.append(unissued_transfer(group, failure))
         return transfers
 
     def _on_file_slot_dropped(self, event: SlotEvent) -> None:
@@ -593,18 +576,6 @@ class TieredKVCache:
                 await write.wait()
             for r in reads:
                 await r.wait()
-
-
-def _failed_transfer(group: list[Move], cause: BaseException) -> Transfer:
-    """A transfer that failed without being issued: its group of moves could not be issued whole."""
-    head = group[0]
-    marker = Marker(None)
-    error = TransferError(f"a {head.src_tier.value}->{head.dst_tier.value} copy of {len(group)} blocks was not issued: "
-                          f"its plan could not be issued whole ({cause})")
-    error.__cause__ = cause
-    marker.error = error
-    marker.complete()
-    return Transfer(marker, head.src_tier, head.dst_tier, len(group), 0)
 
 
 def _succeeded(t: Any) -> bool:

@@ -25,21 +25,19 @@ import contextlib
 import dataclasses
 import random
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 
 import torch
 
-from ..backends.posix import PosixBackend
 from ..blocks import CacheFullError, Request
 from ..cache import TieredKVCache
 from ..device import stall_op
 from ..engine import TransferEngine
 from ..errors import TransferError
-from ..faults import FaultyBackend, random_faults
-from ..file import FileTierConfig
+from ..faults import FaultyBackend
 from ..layout import KVLayout
+from .soak_common import faulty_file_config, leaked_threads, left_in_flight, threads_now
 from .workload import verify_expected, write_expected
 
 __all__ = ["CacheSoakConfig", "CacheSoakFailure", "CacheSoakReport", "cache_soak"]
@@ -84,7 +82,9 @@ class CacheSoakConfig:
     fault_rate: float = 0.03
     cancel_prob: float = 0.03
     layout: KVLayout = dataclasses.field(
-        default_factory=lambda: KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, tokens_per_block=4, dtype=torch.float16)
+        default_factory=lambda: KVLayout(
+            num_layers=2, num_kv_heads=1, head_dim=8, tokens_per_block=4, dtype=torch.float16
+        )
     )
     remote: str | None = None
     remote_policy: str = "commit"
@@ -142,14 +142,6 @@ class CacheSoakFailure(AssertionError):
         self.seed = seed
 
 
-def _faulty_backend(config: CacheSoakConfig, backends: list[FaultyBackend]) -> Callable[[str], FaultyBackend]:
-    def factory(path: str) -> FaultyBackend:
-        backends.append(random_faults(PosixBackend(path, direct=False), config.seed, config.fault_rate))
-        return backends[-1]
-
-    return factory
-
-
 async def cache_soak(config: CacheSoakConfig, *, progress: Callable[[int, int], None] | None = None) -> CacheSoakReport:
     """Run the soak; raise :class:`CacheSoakFailure` on a wrong token, a broken invariant or a leak.
 
@@ -159,7 +151,7 @@ async def cache_soak(config: CacheSoakConfig, *, progress: Callable[[int, int], 
 
     Cancellation: cancels the run; the cache is closed (its copies complete) before this returns.
     """
-    threads_before = {t.ident for t in threading.enumerate()}
+    threads_before = threads_now()
     rng = random.Random(config.seed)
     layout = config.layout
     tpb = layout.tokens_per_block
@@ -176,8 +168,11 @@ async def cache_soak(config: CacheSoakConfig, *, progress: Callable[[int, int], 
 
     with contextlib.ExitStack() as stack:
         directory = stack.enter_context(tempfile.TemporaryDirectory(prefix="tiered-kv-cache-soak-"))
-        file_config = FileTierConfig(directory, config.file_blocks, backend_factory=_faulty_backend(config, backends),
-                                     io_threads=2) if config.file_blocks else None
+        file_config = (
+            faulty_file_config(directory, config.file_blocks, config.seed, config.fault_rate, backends)
+            if config.file_blocks
+            else None
+        )
         engine = TransferEngine(layout, gpu_blocks=config.gpu_blocks, host_blocks=config.host_blocks,
                                 device=config.device, file_config=file_config)
         cache = TieredKVCache(layout, gpu_blocks=config.gpu_blocks, host_blocks=config.host_blocks,
@@ -266,19 +261,15 @@ async def cache_soak(config: CacheSoakConfig, *, progress: Callable[[int, int], 
                     cache.blocks.check()
                 except AssertionError as exc:
                     failures.append(f"block manager invariant broken: {exc}")
-                stats = engine.statistics()
-                if stats.in_flight or stats.deferred or stats.fences.fenced_blocks:
+                stats = left_in_flight(engine)
+                if stats is not None:
                     failures.append(f"left in flight after drain: {stats}")
                 if cache.blocks.live_sequences:
                     failures.append(f"sequences left: {cache.blocks.live_sequences}")
                 poisoned = cache.statistics().poisoned
         finally:
             await engine.close()
-    leaked = [t.name for t in threading.enumerate() if t.ident not in threads_before and t.name.startswith("tiered_kv")]
-    deadline = time.monotonic() + 5
-    while leaked and time.monotonic() < deadline:
-        await asyncio.sleep(0.01)
-        leaked = [t.name for t in threading.enumerate() if t.ident not in threads_before and t.name.startswith("tiered_kv")]
+    leaked = await leaked_threads(threads_before, grace=5)
     if leaked:
         failures.append(f"threads left after close(): {leaked}")
     if failures:

@@ -29,21 +29,18 @@ import contextlib
 import dataclasses
 import random
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ..backends.posix import PosixBackend
 from ..engine import Transfer, TransferEngine
 from ..errors import TransferError
-from ..faults import FaultyBackend, random_faults
-from ..file import FileTierConfig
 from ..layout import KVLayout
 from ..pools import Tier
 from ..testing import stall
+from .soak_common import faulty_file_config, leaked_threads, left_in_flight, threads_now
 
 __all__ = ["LoadReport", "SoakConfig", "SoakFailure", "SoakReport", "generate_ops", "load", "soak"]
 
@@ -142,7 +139,8 @@ class _Op:
         tok = f", num_tokens={self.num_tokens}" if self.num_tokens else ""
         keys = f", keys={list(self.keys)}" if self.keys else ""
         st = f"stall({self.stall[0]}, {self.stall[1] * 1e3:.2f} ms); " if self.stall else ""
-        return f"{st}copy({self.src.name}, {list(self.src_idx)}, {self.dst.name}, {list(self.dst_idx)}{tok}{keys})  [{self.mode}]"
+        copy = f"copy({self.src.name}, {list(self.src_idx)}, {self.dst.name}, {list(self.dst_idx)}{tok}{keys})"
+        return f"{st}{copy}  [{self.mode}]"
 
 
 def generate_ops(config: SoakConfig) -> list[_Op]:
@@ -239,16 +237,11 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 async def _run(config: SoakConfig, ops: list[_Op]) -> SoakReport:
     rng = random.Random(config.seed ^ 0x5EED)
-    threads_before = {t.ident for t in threading.enumerate()}
+    threads_before = threads_now()
     tmp = tempfile.TemporaryDirectory(prefix="tiered-kv-soak-") if config.file_blocks else None
-    file_config = None
-    if tmp is not None:
-        seed = config.seed
-
-        def faulty(path: str) -> FaultyBackend:
-            return random_faults(PosixBackend(path, direct=False), seed, config.file_fault_rate)
-
-        file_config = FileTierConfig(tmp.name, config.file_blocks, backend_factory=faulty, io_threads=2)
+    file_config = (
+        None if tmp is None else faulty_file_config(tmp.name, config.file_blocks, config.seed, config.file_fault_rate)
+    )
     host_blocks = config.host_blocks + (config.pristine_blocks if config.file_blocks else 0)
     engine = TransferEngine(
         config.layout,
@@ -361,8 +354,8 @@ async def _run(config: SoakConfig, ops: list[_Op]) -> SoakReport:
                     for i in range(actual.shape[0])
                     if (t, i) not in shadow.unknown and not _same(actual[i], shadow.pools[t][i])
                 )
-        stats = engine.statistics()
-        if stats.fences.fenced_blocks or stats.in_flight or stats.deferred:
+        stats = left_in_flight(engine)
+        if stats is not None:
             failures.append(f"left behind after drain: {stats}")
     finally:
         c0 = time.perf_counter()
@@ -370,7 +363,7 @@ async def _run(config: SoakConfig, ops: list[_Op]) -> SoakReport:
         close_seconds = time.perf_counter() - c0
         if tmp is not None:
             tmp.cleanup()
-    leaked = [t.name for t in threading.enumerate() if t.ident not in threads_before and t.name.startswith("tiered_kv")]
+    leaked = await leaked_threads(threads_before)
     if leaked:
         failures.append(f"threads left after close(): {leaked}")
     if close_seconds > 5:

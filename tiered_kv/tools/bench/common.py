@@ -2,7 +2,7 @@
 
 Primitives:
 
-* :func:`machine_info`, :func:`timeit`, :func:`percentile` -- measuring.
+* :func:`machine_info`, :func:`timeit`, :func:`median_seconds`, :func:`sync`, :func:`percentile` -- measuring.
 * :func:`print_table`, :func:`print_grouped`, :func:`write_json`, :func:`bench_main` -- reporting.
 
 Convention: each benchmark module ``tiered_kv.tools.bench.<name>`` has ``run(quick: bool, device: str) -> dict``
@@ -24,7 +24,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["bench_main", "machine_info", "percentile", "print_grouped", "print_table", "timeit", "write_json"]
+__all__ = [
+    "bench_main",
+    "machine_info",
+    "median_seconds",
+    "percentile",
+    "print_grouped",
+    "print_table",
+    "sync",
+    "timeit",
+    "write_json",
+]
 
 
 def machine_info(device: str = "auto") -> dict[str, Any]:
@@ -54,6 +64,25 @@ def timeit(fn: Callable[[], object], repeat: int, warmup: int = 1) -> list[float
         fn()
         out.append(time.perf_counter() - t0)
     return out
+
+
+def sync(cuda: bool) -> None:
+    """Wait for the GPU's queued work when ``cuda`` (a no-op on the emulated device)."""
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def median_seconds(fn: Callable[[], object], repeat: int, cuda: bool) -> float:
+    """Median wall seconds of ``fn`` (synchronized before and after), after one warm-up call."""
+    times = []
+    for i in range(repeat + 1):
+        sync(cuda)
+        t0 = time.perf_counter()
+        fn()
+        sync(cuda)
+        if i:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def percentile(values: Sequence[float], q: float) -> float:

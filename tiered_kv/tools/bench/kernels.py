@@ -49,7 +49,7 @@ from ...layout import KVLayout
 from ...pools import BlockPool, Tier
 from ...testing import fill_random
 from . import layouts
-from .common import bench_main, machine_info
+from .common import bench_main, machine_info, median_seconds, sync
 
 __all__ = ["main", "run"]
 
@@ -58,24 +58,6 @@ def _block_pool(engine: TransferEngine, tier: Tier) -> BlockPool:
     pool = engine.pool(tier)
     assert isinstance(pool, BlockPool)
     return pool
-
-
-def _sync(cuda: bool) -> None:
-    if cuda:
-        torch.cuda.synchronize()
-
-
-def _median_seconds(fn: Callable[[], object], repeat: int, cuda: bool) -> float:
-    """Median wall seconds of ``fn`` (synchronized before and after), after one warm-up call."""
-    times = []
-    for i in range(repeat + 1):
-        _sync(cuda)
-        t0 = time.perf_counter()
-        fn()
-        _sync(cuda)
-        if i:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _device_seconds(fn: Callable[[], object], repeat: int) -> float:
@@ -150,8 +132,8 @@ async def _layer_major(
         path = next(iter(engine.copier.statistics().calls))
         flat_gpu = torch.empty(nbytes, dtype=torch.uint8, device=pool.device)
         flat_host = host.view(-1).view(torch.uint8)
-        contig_d2h = _median_seconds(lambda: flat_host.copy_(flat_gpu, non_blocking=True), repeat, cuda)
-        contig_h2d = _median_seconds(lambda: flat_gpu.copy_(flat_host, non_blocking=True), repeat, cuda)
+        contig_d2h = median_seconds(lambda: flat_host.copy_(flat_gpu, non_blocking=True), repeat, cuda)
+        contig_h2d = median_seconds(lambda: flat_gpu.copy_(flat_host, non_blocking=True), repeat, cuda)
 
         # per-chunk loops: every (block, layer, kv) chunk its own copy
         chunks = layout.num_layers * layout.kv_factor
@@ -162,14 +144,14 @@ async def _layer_major(
                 for c, t in enumerate(pool.tensors):
                     host_chunks[b, c].copy_(t[b].view(-1), non_blocking=True)
 
-        loop_d2h = _median_seconds(python_loop_d2h, loop_repeat, cuda)
+        loop_d2h = median_seconds(python_loop_d2h, loop_repeat, cuda)
         table = torch.tensor(
             [[c, b * chunk, 0, (b * chunks + c) * chunk, chunk] for b in range(blocks) for c in range(chunks)],
             dtype=torch.int64,
         )
         cxx_loop = float("nan")
         if cuda and engine.copier.kernels:
-            cxx_loop = _median_seconds(
+            cxx_loop = median_seconds(
                 lambda: ops.copy_chunks([host], pool.tensors, table, method=ops.METHOD_DMA), repeat, cuda
             )
     for direction, ours, base in (("offload", off, contig_d2h), ("onboard", on, contig_h2d)):
@@ -258,8 +240,8 @@ async def _partial(device: str, blocks: int, repeat: int) -> list[dict[str, Any]
             a = gpu.view(-1).view(torch.uint8)[:nbytes]
             b = gpu.view(-1).view(torch.uint8)[nbytes : 2 * nbytes]
             h = host.view(-1).view(torch.uint8)[:nbytes]
-            base_d2d = _median_seconds(functools.partial(b.copy_, a, non_blocking=True), repeat, cuda)
-            base_h2d = _median_seconds(functools.partial(a.copy_, h, non_blocking=True), repeat, cuda)
+            base_d2d = median_seconds(functools.partial(b.copy_, a, non_blocking=True), repeat, cuda)
+            base_h2d = median_seconds(functools.partial(a.copy_, h, non_blocking=True), repeat, cuda)
             # the op alone (no engine: no fences, waiter thread or loop wake-up), device time next to the
             # baseline's device time: what the kernel itself achieves
             op_dev = {"gpu->gpu": float("nan"), "host->gpu": float("nan")}
@@ -329,9 +311,9 @@ def _gather(device: str, seqs: int, pools: int, max_blocks: int, repeat: int) ->
     result = []
     for name, fn in (("tiered_kv.gather_block_offsets", ours), ("index_select + non_blocking copy", plain)):
         host_times, dev_times = [], []
-        end_to_end = _median_seconds(fn, repeat, cuda)
+        end_to_end = median_seconds(fn, repeat, cuda)
         for _ in range(repeat):
-            _sync(cuda)
+            sync(cuda)
             if cuda:
                 e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 e0.record()
@@ -350,7 +332,7 @@ def _gather(device: str, seqs: int, pools: int, max_blocks: int, repeat: int) ->
                 end_to_end,
             )
         )
-    _sync(cuda)
+    sync(cuda)
     assert torch.equal(dst.cpu(), dst_ref.cpu()), "gather result differs from the plain torch path"
     base_e2e = result[1][3]
     return [
@@ -416,12 +398,14 @@ def run(quick: bool = False, device: str = "auto") -> dict[str, Any]:
         "py_loop = one torch copy_ per chunk; cxx_loop = one cudaMemcpyAsync per chunk issued from C++",
         "sweep: GPU->host of a layer-major (split K/V) pool, scattered block indices on both sides; "
         "the path is forced per column, 'choice' is EngineConfig.dma_min_chunk_bytes at work",
-        "partial: block-major pools, tokens [0, n) of every (layer, kv, head); fraction = contiguous time / engine time; "
+        "partial: block-major pools, tokens [0, n) of every (layer, kv, head); "
+        "fraction = contiguous time / engine time; "
         "op_dev = the copy_blocks op alone, device time (CUDA events behind a sleep kernel, host issue excluded), "
         "base_dev = the contiguous copy's device time measured the same way",
         "layouts: one row per GPU pool kind (tiered_kv.pool_kinds) and direction, all blocks in one engine call, "
         "vs one contiguous copy of the same bytes; bit_exact = a random-content round trip through the host tier",
-        "gather: host_us = CPU time to issue one call; device_us = CUDA events around it; end_to_end = issue to synchronize",
+        "gather: host_us = CPU time to issue one call; device_us = CUDA events around it; "
+        "end_to_end = issue to synchronize",
     ]
     notes += errors
     if not cuda:

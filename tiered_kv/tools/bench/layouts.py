@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -28,7 +28,7 @@ from ... import pool_kinds as pk
 from ...engine import TransferEngine
 from ...layout import KVLayout
 from ...pools import BlockPool, Tier
-from .common import bench_main, machine_info
+from .common import bench_main, machine_info, median_seconds, sync
 
 __all__ = ["KINDS", "kind_pool", "main", "rows", "run"]
 
@@ -80,23 +80,6 @@ def kind_pool(
     raise ValueError(f"unknown kind {kind!r}; use one of {', '.join(KINDS)}")
 
 
-def _sync(cuda: bool) -> None:
-    if cuda:
-        torch.cuda.synchronize()
-
-
-def _median(fn: Callable[[], object], repeat: int, cuda: bool) -> float:
-    times = []
-    for i in range(repeat + 1):
-        _sync(cuda)
-        t0 = time.perf_counter()
-        fn()
-        _sync(cuda)
-        if i:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def _random(t: torch.Tensor) -> None:
     flat = t.view(torch.uint8) if t.dtype == torch.int8 else t
     if flat.dtype == torch.uint8:
@@ -119,7 +102,7 @@ async def _one(kind: str, device: str, piece: int, layers: int, blocks: int, rep
         for p in phys:
             p.zero_()
         await engine.copy(Tier.HOST, idx, Tier.GPU, idx)
-        _sync(cuda)
+        sync(cuda)
         exact = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(phys, want, strict=True))
         del want
 
@@ -138,8 +121,8 @@ async def _one(kind: str, device: str, piece: int, layers: int, blocks: int, rep
         nbytes = blocks * pool.layout.bytes_per_block
         flat_host = host.tensor.view(-1).view(torch.uint8)
         flat_dev = torch.empty(nbytes, dtype=torch.uint8, device=pool.device)
-        base_off = _median(lambda: flat_host.copy_(flat_dev, non_blocking=True), repeat, cuda)
-        base_on = _median(lambda: flat_dev.copy_(flat_host, non_blocking=True), repeat, cuda)
+        base_off = median_seconds(lambda: flat_host.copy_(flat_dev, non_blocking=True), repeat, cuda)
+        base_on = median_seconds(lambda: flat_dev.copy_(flat_host, non_blocking=True), repeat, cuda)
     out = []
     for direction, ours, base in (("offload", off, base_off), ("onboard", on, base_on)):
         ratio = base / ours
