@@ -164,8 +164,13 @@ class RemoteTier:
         log.warning("remote store error (backing off %.1f s): %s", self._backoff, exc)
 
     async def drain(self) -> None:
-        """Wait for every put and get in flight. Cancellation: cancels only this wait."""
-        while self._tasks:
+        """Wait for every put and get in flight. Cancellation: cancels only this wait.
+
+        A task that has finished may stay in the set until its done callback runs on a later loop iteration;
+        only unfinished tasks are waited for: from Python 3.12 on, ``gather`` of finished tasks completes
+        without yielding to the loop, so waiting for the set to empty would spin forever.
+        """
+        while any(not task.done() for task in self._tasks):
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
     async def close(self) -> None:
