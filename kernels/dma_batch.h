@@ -22,9 +22,10 @@ struct DmaBatch {
 };
 
 // Issue every copy of `batch` on `stream` in stream order: one cudaMemcpyBatchAsync when the runtime has it
-// (CUDA >= 12.8, decided at build time with CUDART_VERSION), it is enabled (dma_batch_set_enabled) and the
-// batch holds more than one copy; else, or when the call returns cudaErrorNotSupported (remembered for the
-// process), one cudaMemcpyAsync per copy. Returns the first error, cudaSuccess otherwise.
+// (CUDA >= 12.8, decided at build time with CUDART_VERSION), it is enabled (dma_batch_set_enabled), the
+// stream is not the legacy default stream (the batch call refuses it) and the batch holds more than one
+// copy; else, or when the call refuses the batch (cudaErrorNotSupported is remembered for the process), one
+// cudaMemcpyAsync per copy. Returns the first error, cudaSuccess otherwise.
 cudaError_t dma_flush(const DmaBatch& batch, cudaStream_t stream);
 
 // Whether dma_flush may use the batch call (built with it, enabled, not refused by the runtime so far).

@@ -40,13 +40,21 @@ def batch_mode() -> Iterator[Callable[[int], int]]:
     torch.ops.tiered_kv.dma_batch_mode(1 if previous else 0)
 
 
+@pytest.mark.parametrize("stream", ["default", "side"])
 @pytest.mark.parametrize(("src_at", "dst_at"), [("cuda", "pinned"), ("pinned", "cuda"), ("cuda", "cuda")])
 @pytest.mark.parametrize("kind", ["block", "layer"])
 @pytest.mark.parametrize("indices", ["scattered", "contiguous", "mixed"])
 @pytest.mark.parametrize("num_tokens", [None, 5])
 def test_batch_and_per_block_dma_match_the_reference(
-    batch_mode: Callable[[int], int], src_at: str, dst_at: str, kind: str, indices: str, num_tokens: int | None
+    batch_mode: Callable[[int], int],
+    stream: str,
+    src_at: str,
+    dst_at: str,
+    kind: str,
+    indices: str,
+    num_tokens: int | None,
 ) -> None:
+    """On the legacy default stream (which the batch call refuses) and on a side stream, batch on and off."""
     n = 24
     pairs = {
         "scattered": ([7, 2, 19, 11, 4, 15, 0, 22], [3, 9, 1, 17, 12, 6, 20, 14]),
@@ -56,22 +64,27 @@ def test_batch_and_per_block_dma_match_the_reference(
     s, d = (torch.tensor(x, dtype=torch.int64) for x in pairs)
     src = _side(kind, n, src_at)
     src_log = _logical(kind, src)
+    base = _side(kind, n, dst_at)  # both modes start from the same destination bytes
     t = T if num_tokens is None else num_tokens
-    results: dict[int, torch.Tensor] = {}
+    expected = _logical(kind, base)
+    for a, b in zip(s.tolist(), d.tolist(), strict=True):
+        expected[b, :, :, :, :t] = src_log[a, :, :, :, :t]
+    side = torch.cuda.Stream() if stream == "side" else torch.cuda.default_stream()
     for mode in (1, 0):
         available = bool(batch_mode(mode))
         assert available == bool(mode) or mode == 1  # off means off; on may be refused by an old runtime
-        dst = _side(kind, n, dst_at)
-        expected = _logical(kind, dst)
-        for a, b in zip(s.tolist(), d.tolist(), strict=True):
-            expected[b, :, :, :, :t] = src_log[a, :, :, :, :t]
+        dst = [x.clone().pin_memory() if dst_at == "pinned" else x.clone() for x in base]
         torch.cuda.synchronize()
-        ops.copy_blocks(dst, src, s, d, num_tokens=num_tokens, method=ops.METHOD_DMA)
+        before = batch_mode(2)
+        with torch.cuda.stream(side):
+            ops.copy_blocks(dst, src, s, d, num_tokens=num_tokens, method=ops.METHOD_DMA)
         torch.cuda.synchronize()
-        got = _logical(kind, dst)
-        assert_blocks_equal(got, expected, f"{kind} {indices} tokens={num_tokens} batch={mode}")
-        results[mode] = got
-    assert_blocks_equal(results[1], results[0], "batch vs per-block")
+        assert_blocks_equal(_logical(kind, dst), expected, f"{kind} {indices} tokens={num_tokens} batch={mode}")
+        batched = batch_mode(2) - before
+        if not (available and stream == "side"):
+            assert batched == 0, "the batch call ran while off or on the legacy default stream"
+        elif indices == "scattered" and num_tokens is None:
+            assert batched == 1, "eight scattered whole-block copies went out as one batch call"
 
 
 def test_batch_call_is_used_where_the_runtime_has_it(batch_mode: Callable[[int], int]) -> None:
@@ -80,6 +93,9 @@ def test_batch_call_is_used_where_the_runtime_has_it(batch_mode: Callable[[int],
     batch_mode(1)
     src, dst = _side("block", 8, "cuda"), _side("block", 8, "pinned")
     s, d = torch.tensor([5, 1, 3], dtype=torch.int64), torch.tensor([0, 6, 2], dtype=torch.int64)
-    ops.copy_blocks(dst, src, s, d, method=ops.METHOD_DMA)
+    before = batch_mode(2)
+    with torch.cuda.stream(torch.cuda.Stream()):  # the legacy default stream never takes the batch call
+        ops.copy_blocks(dst, src, s, d, method=ops.METHOD_DMA)
     torch.cuda.synchronize()
+    assert batch_mode(2) - before == (1 if built else 0)
     assert bool(batch_mode(-1)) == built, "the batch call was refused (cudaErrorNotSupported): the loop is in use"

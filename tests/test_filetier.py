@@ -584,6 +584,7 @@ async def test_random_mix_with_faults_never_serves_wrong_data(
         transfers: list[Transfer] = []
         last_write: dict[int, int] = {}  # file slot -> transfer that last wrote it (at issue time)
         reads_from: dict[int, set[int]] = {}  # file->x transfer -> the writes whose data it reads
+        read_slots: dict[int, dict[int, int]] = {}  # file->x transfer -> {slot: the write it expects there}
         routes = [(a, b) for a in sizes for b in sizes if a != b or a is not Tier.FILE]
         for step in range(80):
             src_t, dst_t = rng.choice(routes)
@@ -605,6 +606,7 @@ async def test_random_mix_with_faults_never_serves_wrong_data(
                 model[(dst_t, b)] = (content, deps | {tid})
             if src_t is Tier.FILE:
                 reads_from[tid] = {last_write[a] for a in src}
+                read_slots[tid] = {a: last_write[a] for a in src}
             if dst_t is Tier.FILE:
                 last_write.update(dict.fromkeys(dst, tid))
             if rng.random() < 0.15:
