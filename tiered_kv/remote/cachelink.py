@@ -209,6 +209,10 @@ class RemoteLink:
     def _on_evict(self, block: Block, plan: Plan) -> None:
         if block.tier is not Tier.HOST or block.key is None or block.key in self._known:
             return
+        if not _delivered(block.sources):
+            # its data is still arriving by a copy that may fail (or did): a put would store undefined bytes
+            self.put_skipped += 1
+            return
         slot = block.slot
         if any(m.dst_tier is Tier.HOST and m.dst_slot == slot for m in plan.moves):
             # its data arrives by a copy of this very plan, not issued yet: a read fenced now would not wait
@@ -233,11 +237,21 @@ class RemoteLink:
         blocks = self.cache.blocks
         batch_size = self.tier._chunk * 2
         while self._queue:
+            picked = [self._queue.popitem(last=False) for _ in range(min(batch_size, len(self._queue)))]
+            # A block's data may still be arriving by a copy (a move between tiers, a load from the file tier)
+            # that can fail. A put fenced behind such a copy would read its undefined bytes when it fails and
+            # store them under a valid checksum: wait for the copies, then put only data they delivered.
+            arriving = [t for _, b in picked for t in b.sources if isinstance(t, Transfer) and not t.done()]
+            if arriving:
+                await asyncio.gather(*arriving, return_exceptions=True)
             by_tier: dict[Tier, tuple[list[int], list[bytes]]] = {}
-            for _ in range(min(batch_size, len(self._queue))):
-                key, block = self._queue.popitem(last=False)
+            for key, block in picked:
                 # only a block that is still the cached one for its key, in memory, with its data there
-                if blocks.lookup(key) is not block or block.tier not in (Tier.GPU, Tier.HOST) or _failed(block.sources):
+                if blocks.lookup(key) is not block or block.tier not in (Tier.GPU, Tier.HOST):
+                    continue
+                if not _delivered(block.sources):
+                    if not _failed(block.sources) and len(self._queue) < self.max_pending:
+                        self._queue[key] = block  # moved again meanwhile: tried again after that copy
                     continue
                 slots, keys = by_tier.setdefault(block.tier, ([], []))
                 slots.append(block.slot)
@@ -266,3 +280,8 @@ class RemoteLink:
 
 def _failed(sources: list[object]) -> bool:
     return any(isinstance(t, Transfer) and t.done() and t.exception() is not None for t in sources)
+
+
+def _delivered(sources: list[object]) -> bool:
+    """Every copy that produced the block's data finished and succeeded (its bytes are defined)."""
+    return all(not isinstance(t, Transfer) or (t.done() and t.exception() is None) for t in sources)

@@ -214,7 +214,9 @@ async def cache_soak(config: CacheSoakConfig, *, progress: Callable[[int, int], 
                 counts["requested"] += len(prompt)
                 for tier, n in adm.blocks_from.items():
                     hits[tier] += n
-                check(adm.seq_id, adm.tokens_reused, f"admission of seed {config.seed}")
+                served = ", ".join(f"{t} {n}" for t, n in adm.blocks_from.items() if n)
+                what = f"admission of seed {config.seed} (blocks from {served or 'none'})"
+                check(adm.seq_id, adm.tokens_reused, what)
                 return adm.seq_id, adm.tokens_reused
 
         async def worker(w: int) -> None:
