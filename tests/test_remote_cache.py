@@ -290,3 +290,28 @@ async def test_the_cache_soak_with_the_remote_tier_in_the_loop(server, policy): 
     report = await cache_soak(CacheSoakConfig(ops=300, tasks=8, seed=13, host_blocks=16, file_blocks=32,
                                               remote=store_url(server), remote_policy=policy))
     assert report.hits["remote"] > 0  # blocks dropped from every local tier came back from the store, verified
+
+
+async def test_a_block_whose_source_copy_fails_is_never_put(redis_server):  # noqa: F811
+    """Commit policy: a committed block whose data was still arriving by a copy is put only once that copy
+    succeeded. The put used to be fenced behind the copy and issued at once: when the copy failed, the put read
+    the slot's undefined bytes and stored them under a valid checksum, for other caches to be served."""
+    from tiered_kv import Tier, TransferError
+
+    async with _cache(store_url(redis_server), _model("source-failed")) as cache:
+        tpb = LAYOUT.tokens_per_block
+        [adm] = await cache.add_sequences([list(range(1, 2 * tpb + 2))])
+        write_expected(cache, adm.seq_id, 0)
+        first = cache.blocks.sequence_blocks(adm.seq_id)[0]
+        assert first.tier is Tier.GPU
+        # a copy of the cache's own (the engine belongs to the cache) into the first block's slot, still in
+        # flight, that fails: the store has no such object
+        failing = cache.engine._copy(Tier.REMOTE, [0], Tier.GPU, [first.slot], keys=[b"\x00" * 16])
+        first.sources.append(failing)
+        cache.commit(adm.seq_id)
+        with pytest.raises(TransferError):
+            await failing
+        await cache.flush()
+        blocks = cache.statistics().remote.blocks
+        cache.free(adm.seq_id)
+    assert blocks["put"] == 1, blocks  # the second block only: the first one's data came from a failed copy
