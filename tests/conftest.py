@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import gc
 import inspect
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 
 import pytest
 import torch
 import uvloop
 
-from tiered_kv import KVLayout
+from tiered_kv import KVLayout, resolve_device
+from tiered_kv.device import Device, Stream
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -52,6 +53,21 @@ def device(request: pytest.FixtureRequest) -> str:
     """Every engine test runs on the emulated device, and on CUDA where there is one."""
     name: str = request.param
     return name
+
+
+@pytest.fixture
+def dev(device: str) -> Iterator[Device]:
+    """The device named by ``device``, resolved."""
+    yield resolve_device(device)
+
+
+@pytest.fixture
+def stream(dev: Device) -> Iterator[Stream]:
+    """A compute stream of ``dev``, synchronized and closed after the test."""
+    s = dev.new_stream("compute")
+    yield s
+    s.synchronize()
+    s.close()
 
 
 @pytest.fixture

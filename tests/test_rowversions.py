@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import random
 import threading
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -24,19 +23,6 @@ from tiered_kv.testing import stall
 from tiered_kv.tools.baselines import InplaceShipper
 
 SCALE, V_OFFSET = [3, 5], [1, 1000]
-
-
-@pytest.fixture
-def dev(device: str) -> Iterator[Device]:
-    yield resolve_device(device)
-
-
-@pytest.fixture
-def stream(dev: Device) -> Iterator[Stream]:
-    s = dev.new_stream("compute")
-    yield s
-    s.synchronize()
-    s.close()
 
 
 class Model:

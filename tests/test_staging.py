@@ -38,19 +38,6 @@ from tiered_kv.tools.bench import pagetables
 MODES: list[Mode] = ["copy", "gather"]
 
 
-@pytest.fixture
-def dev(device: str) -> Iterator[Device]:
-    yield resolve_device(device)
-
-
-@pytest.fixture
-def stream(dev: Device) -> Iterator[Stream]:
-    s = dev.new_stream("compute")
-    yield s
-    s.synchronize()
-    s.close()
-
-
 @contextlib.contextmanager
 def held(stream: Stream, dev: Device) -> Iterator[None]:
     """Keep ``stream`` from executing what is enqueued inside the block until the block exits.
