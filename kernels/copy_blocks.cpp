@@ -9,6 +9,7 @@
 
 #include <algorithm>
 
+#include "copy_blocks.h"
 #include "dma_batch.h"
 #include "tkv_kernels.cuh"
 #include "tkv_torch.h"
@@ -38,6 +39,8 @@ void check_side(at::TensorList side, const char* what) {
   TORCH_CHECK(f.dim() >= 4 && f.dim() <= 6, "copy_blocks: ", what, " tensors must be 4-D to 6-D");
   if (f.size(0) > 0) TORCH_CHECK(f[0].is_contiguous(), "copy_blocks: the blocks of ", what, " must be dense");
 }
+
+}  // namespace
 
 BlockCopyGeometry geometry_of(at::TensorList dst, at::TensorList src, int64_t num_pairs, int64_t num_tokens) {
   check_side(src, "src");
@@ -85,13 +88,10 @@ at::Device run_device(at::TensorList dst, at::TensorList src) {
 }
 
 // One cudaMemcpy(2D)Async per run of blocks contiguous on both sides and per group.
-void issue_dma(const BlockCopyGeometry& g, at::TensorList dst, at::TensorList src, const int64_t* sb, const int64_t* db,
-               cudaStream_t stream) {
+void issue_dma(const BlockCopyGeometry& g, const std::vector<char*>& dbase, const std::vector<char*>& sbase,
+               const int64_t* sb, const int64_t* db, cudaStream_t stream) {
   const int64_t ks = g.src_tensors, kd = g.dst_tensors, groups = g.groups;
   const int64_t sper = groups / ks, dper = groups / kd;
-  std::vector<char*> sbase, dbase;
-  for (const at::Tensor& t : src) sbase.push_back(static_cast<char*>(t.data_ptr()));
-  for (const at::Tensor& t : dst) dbase.push_back(static_cast<char*>(t.data_ptr()));
   auto addr = [&](bool is_src, int64_t block, int64_t group) {
     const int64_t per = is_src ? sper : dper;
     char* base = is_src ? sbase[group / per] : dbase[group / per];
@@ -125,6 +125,13 @@ void issue_dma(const BlockCopyGeometry& g, at::TensorList dst, at::TensorList sr
   check_launch(dma_flush(dense, stream), "copy_blocks DMA");
 }
 
+std::vector<char*> host_bases(at::TensorList side) {
+  std::vector<char*> out;
+  out.reserve(side.size());
+  for (const at::Tensor& t : side) out.push_back(static_cast<char*>(t.data_ptr()));
+  return out;
+}
+
 // Kernel bases: source tensors then destination tensors, as the kernel addresses them.
 std::vector<int64_t> kernel_bases(at::TensorList dst, at::TensorList src, size_t extra) {
   std::vector<int64_t> bases;
@@ -142,10 +149,9 @@ bool all_aligned16(const std::vector<int64_t>& bases, size_t count) {
 
 // Kernel launch with host-side indices: by value in the kernel's parameters when bases and indices fit
 // (no allocation, no H2D copy: the small-call path), else one pinned H2D of bases + indices on `stream`.
-void issue_kernel_host_indices(const BlockCopyGeometry& g, at::TensorList dst, at::TensorList src, const int64_t* sb,
+void issue_kernel_host_indices(const BlockCopyGeometry& g, std::vector<int64_t> bases, const int64_t* sb,
                                const int64_t* db, const at::Device& device, cudaStream_t stream) {
-  const size_t nb = src.size() + dst.size(), pairs = static_cast<size_t>(g.num_pairs);
-  std::vector<int64_t> bases = kernel_bases(dst, src, 2 * pairs);
+  const size_t nb = static_cast<size_t>(g.src_tensors + g.dst_tensors), pairs = static_cast<size_t>(g.num_pairs);
   const bool aligned16 = all_aligned16(bases, nb);
   if (nb + 2 * pairs <= static_cast<size_t>(kInlineSlots)) {
     InlineMeta meta{};
@@ -157,6 +163,7 @@ void issue_kernel_host_indices(const BlockCopyGeometry& g, at::TensorList dst, a
     check_launch(launch_copy_blocks_inline(g, meta, aligned16, stream), "copy_blocks kernel launch");
     return;
   }
+  bases.resize(nb);
   bases.insert(bases.end(), sb, sb + pairs);
   bases.insert(bases.end(), db, db + pairs);
   // the caching allocators tie the pinned staging buffer and the device copy to the current stream: make it ours
@@ -166,6 +173,8 @@ void issue_kernel_host_indices(const BlockCopyGeometry& g, at::TensorList dst, a
   check_launch(launch_copy_blocks(g, base_ptr, base_ptr + nb, base_ptr + nb + pairs, aligned16, stream),
                "copy_blocks kernel launch");
 }
+
+namespace {
 
 void copy_blocks_cuda(at::TensorList dst, at::TensorList src, const at::Tensor& src_blocks, const at::Tensor& dst_blocks,
                       int64_t num_tokens, int64_t method) {
@@ -179,12 +188,12 @@ void copy_blocks_cuda(at::TensorList dst, at::TensorList src, const at::Tensor& 
   if (method == 1) {  // DMA
     TORCH_CHECK(src_blocks.device().is_cpu() && dst_blocks.device().is_cpu(), "copy_blocks: DMA needs host indices");
     const std::vector<int64_t> sb = indices_on_host(src_blocks), db = indices_on_host(dst_blocks);
-    issue_dma(g, dst, src, sb.data(), db.data(), stream);
+    issue_dma(g, host_bases(dst), host_bases(src), sb.data(), db.data(), stream);
     return;
   }
   if (src_blocks.device().is_cpu() && dst_blocks.device().is_cpu()) {
     const std::vector<int64_t> sb = indices_on_host(src_blocks), db = indices_on_host(dst_blocks);
-    issue_kernel_host_indices(g, dst, src, sb.data(), db.data(), device, stream);
+    issue_kernel_host_indices(g, kernel_bases(dst, src, 2 * sb.size()), sb.data(), db.data(), device, stream);
     return;
   }
   const std::vector<int64_t> bases = kernel_bases(dst, src, 0);
@@ -216,9 +225,10 @@ void copy_blocks_list_cuda(at::TensorList dst, at::TensorList src, at::IntArrayR
   const cudaStream_t stream = stream_handle != 0 ? reinterpret_cast<cudaStream_t>(stream_handle)
                                                  : static_cast<cudaStream_t>(c10::cuda::getCurrentCUDAStream());
   if (method == 1) {
-    issue_dma(g, dst, src, src_blocks.data(), dst_blocks.data(), stream);
+    issue_dma(g, host_bases(dst), host_bases(src), src_blocks.data(), dst_blocks.data(), stream);
   } else {
-    issue_kernel_host_indices(g, dst, src, src_blocks.data(), dst_blocks.data(), device, stream);
+    issue_kernel_host_indices(g, kernel_bases(dst, src, 2 * src_blocks.size()), src_blocks.data(), dst_blocks.data(),
+                              device, stream);
   }
 }
 

@@ -5,6 +5,8 @@ Primitives:
 * :func:`load` -- make the CUDA implementations of the ``tiered_kv`` ops available; returns ``True`` when
   they are, ``False`` (logged once) when the CPU reference / pure-torch paths will be used instead.
 * :func:`build` -- compile now (ahead of time, or in CI to prove the sources compile) and load.
+* :func:`native` -- the library's Python functions (the native submission path of small copies, see
+  ``kernels/fast_path.cpp``), or ``None`` without the extension.
 * :func:`status` -- what was found (toolkit, nvcc version, CUDA torch, GPU, cache, error), for ``doctor``.
 * :func:`find_cuda_home` -- the real CUDA toolkit root.
 
@@ -50,7 +52,16 @@ import torch
 
 from . import opdefs as _opdefs  # the op schemas must exist before the library registers CUDA kernels
 
-__all__ = ["OPS", "ExtensionBuildError", "build", "cuda_kernels_registered", "find_cuda_home", "load", "status"]
+__all__ = [
+    "OPS",
+    "ExtensionBuildError",
+    "build",
+    "cuda_kernels_registered",
+    "find_cuda_home",
+    "load",
+    "native",
+    "status",
+]
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +72,7 @@ _CXX_FLAGS = ["-O3"]
 _NVCC_FLAGS = ["-O3", "-lineinfo"]
 
 _lock = threading.Lock()
-_state: dict[str, Any] = {"loaded": None, "error": None, "logged": False, "path": None}
+_state: dict[str, Any] = {"loaded": None, "error": None, "logged": False, "path": None, "native": None}
 
 
 class ExtensionBuildError(RuntimeError):
@@ -397,6 +408,42 @@ def load() -> bool:
                 "tiered_kv: CUDA kernels unavailable (%s); using the CPU reference / pure-torch copy paths", reason
             )
     return False
+
+
+def native() -> Any:
+    """The extension's Python module (``submit``, ``record``, ``DeviceEvent``), or ``None``.
+
+    ``None`` when the kernels are not loaded (:func:`load` is ``False``), when they were loaded from a library
+    this process did not build or find in the cache (no path known), or when that library has no Python entry
+    (an older build): callers then take the torch-op path. Imported once per process.
+    """
+    if _state["native"] is not None:
+        return _state["native"] or None
+    module: Any = False
+    loaded = load()
+    path = _state["path"]
+    if loaded and path is None:  # preloaded (torch.ops.load_library): find this tree's cache entry
+        key = _build_key(_arch_list())
+        candidate = _cache_root() / key / f"tiered_kv_ext_{key}.so"
+        path = str(candidate) if candidate.exists() else None
+    if loaded and path is not None:
+        import importlib.machinery
+        import importlib.util
+
+        name = Path(path).stem
+        try:
+            loader = importlib.machinery.ExtensionFileLoader(name, path)
+            spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+            assert spec is not None
+            module = importlib.util.module_from_spec(spec)
+            loader.exec_module(module)
+            if not hasattr(module, "submit"):
+                module = False
+        except ImportError as exc:
+            log.info("tiered_kv: the extension has no native submission path (%s); using the torch ops", exc)
+            module = False
+    _state["native"] = module
+    return module or None
 
 
 def status() -> dict[str, Any]:

@@ -11,8 +11,11 @@ Paths:
 
 * ``"kernel"`` -- CUDA, extension loaded: one launch of the ``copy_blocks`` kernel (any layout, partial or
   full, pinned host memory read/written through unified addressing). A call of at most
-  ``SMALL_CALL_BLOCKS`` pairs made with its stream goes through ``copy_blocks_list``: indices as int lists,
-  the stream by handle, and bases + indices in the kernel's parameters when they fit (no H2D of metadata).
+  ``SMALL_CALL_BLOCKS`` pairs made with its stream takes the *native submission path* (:class:`NativeCopy`,
+  ``kernels/fast_path.cpp``): one call into C++ that checks the int-list indices, launches with bases + indices
+  in the kernel's parameters when they fit (no H2D of metadata), records a pooled event and enqueues the
+  completion signal -- no torch dispatcher, tensor or event per call. Without it (``TIERED_KV_NATIVE=0``, an
+  extension built without it) the same call goes through the ``copy_blocks_list`` op.
 * ``"dma"`` -- CUDA, extension loaded: ``cudaMemcpyAsync`` / ``cudaMemcpy2DAsync`` per run of blocks
   contiguous on both sides (and per layer group), issued in C++.
 * ``"reference"`` -- the emulated device and host-to-host copies: the vectorized CPU reference op.
@@ -34,22 +37,27 @@ prefill did not overlap the compute at all, 1.02-1.05x the serial time; see note
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import logging
 import math
+import os
 import threading
+import weakref
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
 
 from . import opdefs, ops, pool_kinds
 from .config import EngineConfig
-from .device import CudaStream, Device, Stream
+from .device import CudaStream, Device, Event, Stream
 from .layer_major import LayerMajorPool, LayerSlice
 from .pools import SMALL_CALL_BLOCKS, BlockPool, merge_runs
 
-__all__ = ["Copier", "CopierStatistics", "CopyPlan", "Side", "choose_path", "pool_tensors"]
+__all__ = ["Copier", "CopierStatistics", "CopyPlan", "NativeCopy", "Side", "choose_path", "pool_tensors"]
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +140,14 @@ class Copier:
         self._slices: dict[tuple[int, int, int], LayerSlice] = {}  # (id(pool), start, stop) -> layer range view
         # (id(pair info), pairs, runs, kernels) -> (pair info, config, plan) of a small call
         self._plans: dict[tuple[int, int, int, bool], tuple[_PairInfo, EngineConfig, CopyPlan]] = {}
+        # the native submission path (kernels/fast_path.cpp): its module, and (id(pair info), method) -> plan
+        self._native: Any = None
+        if self.kernels and os.environ.get("TIERED_KV_NATIVE", "1") != "0":
+            from . import _ext
+
+            self._native = _ext.native()
+        self._native_plans: dict[tuple[int, int], tuple[_PairInfo, int]] = {}
+        self._finalizer = weakref.finalize(self, _free_native_plans, self._native_plans)
 
     def _pair(self, src_pool: Side, dst_pool: Side, n: int) -> _PairInfo:
         """What does not change between calls for one (source pool, destination pool, num_tokens)."""
@@ -158,6 +174,26 @@ class Copier:
             )
             self._pairs[key] = info
         return info
+
+    def _native_plan(self, info: _PairInfo, n: int, method: int) -> int:
+        """The native copy plan of a pair of pools and a method, made once (``tiered_kv::copy_plan``)."""
+        key = (id(info), method)
+        entry = self._native_plans.get(key)
+        if entry is None or entry[0] is not info:
+            if entry is not None:
+                torch.ops.tiered_kv.copy_plan_free(entry[1])
+            plan = int(torch.ops.tiered_kv.copy_plan(info.dst_t, info.src_t, n, method))
+            entry = self._native_plans[key] = (info, plan)
+        return entry[1]
+
+    @property
+    def native(self) -> bool:
+        """Whether small calls take the native submission path (CUDA, extension built with it)."""
+        return self._native is not None
+
+    def close(self) -> None:
+        """Free the native copy plans (the engine is closing). Idempotent."""
+        self._finalizer()
 
     def layer_slice(self, pool: BlockPool | LayerMajorPool, start: int, stop: int) -> LayerSlice:
         """Layers ``[start, stop)`` of ``pool``, made once per range (so its geometry is cached like a pool's).
@@ -259,6 +295,8 @@ class Copier:
             s_l = s if isinstance(s, list) else s.tolist()
             d_l = d if isinstance(d, list) else d.tolist()
             method = ops.METHOD_DMA if plan.path == "dma" else ops.METHOD_KERNEL
+            if self._native is not None:  # one call into C++: no dispatcher, no torch event (NativeCopy)
+                return NativeCopy(stream, self._native.submit, self._native_plan(info, n, method), s_l, d_l)
             handle = stream.torch_stream.cuda_stream
             list_op = torch.ops.tiered_kv.copy_blocks_list.default
 
@@ -327,6 +365,47 @@ class Copier:
         kernels = "kernels" if self.kernels else ("no kernels" if self.device.is_cuda else "emulated")
         cfg = self.config
         return f"<Copier {kernels} dma>={cfg.dma_min_chunk_bytes}B path={cfg.copy_path} calls={self._calls}>"
+
+
+class NativeCopy:
+    """A small copy on a CUDA stream through the native submission path: one call into C++ per copy.
+
+    ``start(done)`` checks the indices, issues the DMA or the kernel, records a pooled event and enqueues the
+    completion signal in that one call (:meth:`~tiered_kv.device.CudaStream.notify_native`); calling the op
+    (``op()``, as other ops are called under :meth:`~tiered_kv.device.Stream.submit`) issues the copy on its stream
+    without a completion.
+    """
+
+    __slots__ = ("_issue", "stream")
+    explicit_stream = True
+
+    def __init__(self, stream: CudaStream, submit: Callable[..., Event], plan: int, s: list[int], d: list[int]):
+        self.stream = stream
+        self._issue: Callable[[int, int], Event] = functools.partial(submit, plan, s, d)
+
+    def __call__(self) -> None:
+        """Issue the copy on its stream, without a completion (an op under ``Stream.submit``)."""
+        self._issue(self.stream.torch_stream.cuda_stream, 0)
+
+    def start(self, done: Callable[[BaseException | None], None]) -> Event:
+        """Issue the copy and its completion: ``done(None)`` from the stream's waiter once it has run.
+
+        An error of the call itself (nothing enqueued) reaches ``done`` in stream order, like an op's error.
+        """
+        try:
+            return self.stream.notify_native(self._issue, lambda: done(None))
+        except (RuntimeError, ValueError, IndexError, TypeError) as exc:
+            if self.stream.closed:
+                raise
+            error = exc  # `exc` is unbound after the except block; the callback runs later
+            return self.stream.notify(lambda: done(error))
+
+
+def _free_native_plans(plans: dict[tuple[int, int], tuple[_PairInfo, int]]) -> None:
+    for _info, plan in plans.values():
+        with contextlib.suppress(Exception):  # at interpreter exit the op may already be gone
+            torch.ops.tiered_kv.copy_plan_free(plan)
+    plans.clear()
 
 
 def choose_path(piece_bytes: int, config: EngineConfig, *, on_cuda: bool, kernels: bool) -> str:

@@ -200,6 +200,7 @@ class _HostFuncSignal:
         self._launch, self._post_fn, self._sem_init, self._sem_wait, self._sem_destroy, ctypes = api
         self._sem = ctypes.create_string_buffer(64)  # sem_t: 32 bytes on 64-bit glibc; room to spare
         self._address = ctypes.addressof(self._sem)
+        self.address: int = self._address  # for native code that posts it (kernels/fast_path.cpp)
         if self._sem_init(self._address, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "sem_init failed")
 
@@ -269,6 +270,13 @@ class CudaStream:
         self._lock = threading.Lock()
         self._closed = False
         self._signal: _HostFuncSignal | None = None  # made with the waiter, at the first notify()
+        self._sem_address = 0  # the signal's semaphore, for native code (0: event mode)
+        self._handle: int = self.torch_stream.cuda_stream
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called."""
+        return self._closed
 
     @property
     def completion(self) -> str:
@@ -298,31 +306,58 @@ class CudaStream:
         return event
 
     def wait(self, event: Event) -> None:
-        """Make work queued from now on wait for a CUDA ``event`` (stream-side)."""
+        """Make work queued from now on wait for a CUDA ``event`` (stream-side).
+
+        ``event``: a ``torch.cuda.Event`` or an event of the native submission path (:meth:`notify_native`).
+        """
         if isinstance(event, torch.cuda.Event):
             self.torch_stream.wait_event(event)
-        else:
-            raise TypeError(f"a CUDA stream can only wait on a torch.cuda.Event, got {type(event).__name__}")
+            return
+        from . import _ext  # lazy: the device layer does not need the extension
+
+        native = _ext.native()
+        if native is not None and isinstance(event, native.DeviceEvent):
+            event.wait(self.torch_stream.cuda_stream)
+            return
+        raise TypeError(f"a CUDA stream can only wait on a torch.cuda.Event, got {type(event).__name__}")
 
     def notify(self, callback: Callback) -> torch.cuda.Event:
         """Call ``callback()`` from the waiter thread once the work queued so far has finished; its event."""
         if self._waiter is None:
-            with self._lock:
-                if self._waiter is None:
-                    if _completion_mode() == "hostfunc":
-                        try:
-                            self._signal = _HostFuncSignal()
-                        except (OSError, AttributeError, RuntimeError) as exc:
-                            log.info("CUDA host-function completion unavailable (%s); waiting on events instead", exc)
-                    self._waiter = threading.Thread(
-                        target=self._wait_loop, name=f"tiered_kv-cuda-{self.name}", daemon=True
-                    )
-                    self._waiter.start()
+            self._start_waiter()
         event = self.record()  # other streams wait on it stream-side
         self._waits.put((event, callback))
         if self._signal is not None:
             self._signal.enqueue(self.torch_stream)
         return event
+
+    def notify_native(self, issue: Callable[[int, int], Event], callback: Callback) -> Event:
+        """Enqueue native work and call ``callback()`` as :meth:`notify` does, in one call into C++.
+
+        ``issue(stream handle, semaphore address)`` enqueues the work on this stream, records an event after it
+        and, when the address is not 0, a host function that posts that semaphore (the waiter's), and returns
+        the event (the native submission path of small copies, ``kernels/fast_path.cpp``). If it raises,
+        nothing was enqueued.
+        """
+        if self._closed:
+            raise RuntimeError(f"stream {self.name} is closed")
+        if self._waiter is None:
+            self._start_waiter()
+        event = issue(self._handle, self._sem_address)
+        self._waits.put((event, callback))
+        return event
+
+    def _start_waiter(self) -> None:
+        with self._lock:
+            if self._waiter is None:
+                if _completion_mode() == "hostfunc":
+                    try:
+                        self._signal = _HostFuncSignal()
+                        self._sem_address = self._signal.address
+                    except (OSError, AttributeError, RuntimeError) as exc:
+                        log.info("CUDA host-function completion unavailable (%s); waiting on events instead", exc)
+                self._waiter = threading.Thread(target=self._wait_loop, name=f"tiered_kv-cuda-{self.name}", daemon=True)
+                self._waiter.start()
 
     def _wait_loop(self) -> None:
         while True:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from .copyops import Copier, Pool, Side
+from .copyops import Copier, NativeCopy, Pool, Side
 from .device import Event, Stream
 from .handlers import Batch, Done, Medium
 from .layer_major import LayerMajorPool, LayerSlice
@@ -45,9 +45,11 @@ class _StreamJob:
         self.op = op
 
     def start(self, done: Done) -> Event:
+        op = self.op
+        if type(op) is NativeCopy:  # one call into C++ issues the copy, its event and its completion signal
+            return op.start(done)
         lane = self.lane
         assert lane is not None
-        op = self.op
         error: list[BaseException] = []
 
         def run() -> None:
@@ -154,8 +156,9 @@ class StreamCopier:
         return self.copier.build(src_pool, s, dst_pool, d, n, stream=self._streams[lane] if lane is not None else None)
 
     def close(self) -> None:
-        """Stop the host threads (after the engine drained). Idempotent."""
+        """Stop the host threads and free the native copy plans (after the engine drained). Idempotent."""
         self._threads.shutdown(wait=True)
+        self.copier.close()
 
     def __repr__(self) -> str:
         return f"<StreamCopier {self.copier!r}>"

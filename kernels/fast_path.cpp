@@ -1,0 +1,279 @@
+// The native submission path of one small engine copy: a Python call straight into C++ (no torch dispatcher,
+// no torch tensors or events per call).
+//
+// Per pair of pools (and tokens, and path) the engine makes a plan once, through the op
+// tiered_kv::copy_plan (geometry checked and bases resolved from the pool tensors, as copy_blocks does).
+// Per call, `submit(plan, src, dst, stream, sem)` -- a function of this library's Python module, reached by
+// importing the library as an extension module -- checks the indices, issues the DMA or the kernel on `stream`,
+// records a pooled CUDA event after it and, when `sem` is non-zero, enqueues a host function that posts that
+// POSIX semaphore (the stream's waiter thread sleeps on it). It returns the event as a `DeviceEvent`:
+// query(), synchronize() (GIL released), wait(stream) (stream-side), recycled when the last reference goes.
+//
+// Errors raise RuntimeError (IndexError for an index out of range) before anything is enqueued where they can
+// be found before, and carry the CUDA error otherwise.
+#include <pybind11/pybind11.h>
+#include <semaphore.h>
+#include <torch/library.h>
+
+#include <array>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "copy_blocks.h"
+#include "tkv_kernels.cuh"
+#include "tkv_torch.h"
+
+namespace py = pybind11;
+
+namespace tiered_kv {
+namespace {
+
+struct FastPlan {
+  BlockCopyGeometry g{};         // num_pairs is set per call
+  std::vector<char*> sbase;      // host addresses (DMA)
+  std::vector<char*> dbase;
+  std::vector<int64_t> kbases;   // device-readable bases, src then dst (kernel)
+  int64_t src_blocks = 0;        // pool sizes, for the index check
+  int64_t dst_blocks = 0;
+  int device = 0;
+  int64_t method = 0;            // 0 kernel, 1 DMA
+};
+
+// Plans live until copy_plan_free (the copier frees a plan when its pair of pools goes away).
+std::mutex g_plans_mutex;
+std::map<int64_t, std::unique_ptr<FastPlan>> g_plans;
+
+int64_t copy_plan(at::TensorList dst, at::TensorList src, int64_t num_tokens, int64_t method) {
+  TORCH_CHECK(method == 0 || method == 1, "copy_plan: method must be 0 (kernel) or 1 (DMA), got ", method);
+  auto plan = std::make_unique<FastPlan>();
+  plan->g = geometry_of(dst, src, 0, num_tokens);
+  const at::Device device = run_device(dst, src);
+  const c10::cuda::CUDAGuard guard(device);
+  plan->sbase = host_bases(src);
+  plan->dbase = host_bases(dst);
+  plan->kbases = kernel_bases(dst, src, 0);
+  plan->src_blocks = src[0].size(0);
+  plan->dst_blocks = dst[0].size(0);
+  plan->device = device.index();
+  plan->method = method;
+  const int64_t id = reinterpret_cast<int64_t>(plan.get());
+  const std::lock_guard<std::mutex> lock(g_plans_mutex);
+  g_plans.emplace(id, std::move(plan));
+  return id;
+}
+
+int64_t copy_plan_free(int64_t id) {
+  const std::lock_guard<std::mutex> lock(g_plans_mutex);
+  return static_cast<int64_t>(g_plans.erase(id));
+}
+
+FastPlan& plan_of(int64_t id) {
+  const std::lock_guard<std::mutex> lock(g_plans_mutex);
+  const auto it = g_plans.find(id);
+  if (it == g_plans.end()) throw std::runtime_error("tiered_kv fast path: unknown copy plan " + std::to_string(id));
+  return *it->second;
+}
+
+// ------------------------------------------------------------------------------------------ events
+
+std::mutex g_events_mutex;
+std::map<int, std::vector<cudaEvent_t>> g_free_events;  // device -> recycled events
+
+cudaEvent_t take_event(int device) {
+  {
+    const std::lock_guard<std::mutex> lock(g_events_mutex);
+    std::vector<cudaEvent_t>& free = g_free_events[device];
+    if (!free.empty()) {
+      cudaEvent_t ev = free.back();
+      free.pop_back();
+      return ev;
+    }
+  }
+  cudaEvent_t ev = nullptr;
+  // blocking sync: a waiter that must synchronize (no host-function signal) sleeps instead of spinning
+  const cudaError_t err = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming | cudaEventBlockingSync);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    throw std::runtime_error(std::string("cudaEventCreateWithFlags failed: ") + cudaGetErrorString(err));
+  }
+  return ev;
+}
+
+class DeviceEvent {
+ public:
+  DeviceEvent(cudaEvent_t ev, int device) : ev_(ev), device_(device) {}
+  DeviceEvent(const DeviceEvent&) = delete;
+  DeviceEvent& operator=(const DeviceEvent&) = delete;
+  ~DeviceEvent() {
+    // recycled, not destroyed: re-recording a pooled event is how CUDA events are meant to be reused; a stream
+    // still waiting on an earlier record of it is not affected by a later record (cudaStreamWaitEvent copies the
+    // event's state at the call)
+    const std::lock_guard<std::mutex> lock(g_events_mutex);
+    g_free_events[device_].push_back(ev_);
+  }
+
+  bool query() const {
+    const cudaError_t err = cudaEventQuery(ev_);
+    if (err == cudaSuccess) return true;
+    if (err == cudaErrorNotReady) {
+      cudaGetLastError();
+      return false;
+    }
+    cudaGetLastError();
+    throw std::runtime_error(std::string("cudaEventQuery failed: ") + cudaGetErrorString(err));
+  }
+
+  void synchronize() const {
+    cudaError_t err;
+    {
+      const py::gil_scoped_release release;
+      err = cudaEventSynchronize(ev_);
+    }
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      throw std::runtime_error(std::string("cudaEventSynchronize failed: ") + cudaGetErrorString(err));
+    }
+  }
+
+  // Make work queued on `stream` from now on wait for this event (stream-side).
+  void wait(int64_t stream) const {
+    const cudaError_t err = cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), ev_, 0);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      throw std::runtime_error(std::string("cudaStreamWaitEvent failed: ") + cudaGetErrorString(err));
+    }
+  }
+
+  int64_t handle() const { return reinterpret_cast<int64_t>(ev_); }
+
+ private:
+  cudaEvent_t ev_;
+  int device_;
+};
+
+// ------------------------------------------------------------------------------------------ submit
+
+void post_semaphore(void* sem) { sem_post(static_cast<sem_t*>(sem)); }
+
+constexpr size_t kMaxPairs = 256;  // the engine's small calls (tiered_kv.pools.SMALL_CALL_BLOCKS)
+
+size_t read_indices(py::handle seq, int64_t* out, int64_t limit, const char* what) {
+  PyObject* obj = seq.ptr();
+  if (!PyList_Check(obj)) throw py::type_error(std::string(what) + " must be a list of ints");
+  const Py_ssize_t n = PyList_GET_SIZE(obj);
+  if (n < 0 || static_cast<size_t>(n) > kMaxPairs) {
+    throw py::value_error(std::string(what) + ": at most " + std::to_string(kMaxPairs) + " blocks per call");
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    const int64_t v = PyLong_AsLongLong(PyList_GET_ITEM(obj, i));
+    if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+    if (v < 0 || v >= limit) {
+      throw py::index_error(std::string(what) + " holds " + std::to_string(v) + ", out of range for a pool of " +
+                            std::to_string(limit) + " blocks");
+    }
+    out[i] = v;
+  }
+  return static_cast<size_t>(n);
+}
+
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    if (cudaGetDevice(&previous_) == cudaSuccess && previous_ != device) {
+      cudaSetDevice(device);
+      switched_ = true;
+    }
+  }
+  ~DeviceGuard() {
+    if (switched_) cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+  bool switched_ = false;
+};
+
+std::unique_ptr<DeviceEvent> submit(int64_t plan_id, py::handle src, py::handle dst, int64_t stream_handle,
+                                    int64_t sem) {
+  FastPlan& plan = plan_of(plan_id);
+  std::array<int64_t, kMaxPairs> sb{}, db{};
+  const size_t ns = read_indices(src, sb.data(), plan.src_blocks, "src_blocks");
+  const size_t nd = read_indices(dst, db.data(), plan.dst_blocks, "dst_blocks");
+  if (ns != nd) {
+    throw py::value_error("got " + std::to_string(ns) + " source and " + std::to_string(nd) +
+                          " destination blocks; they must pair up");
+  }
+  const DeviceGuard guard(plan.device);
+  const cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  BlockCopyGeometry g = plan.g;
+  g.num_pairs = static_cast<int64_t>(ns);
+  if (ns > 0) {
+    try {
+      if (plan.method == 1) {
+        issue_dma(g, plan.dbase, plan.sbase, sb.data(), db.data(), stream);
+      } else {
+        issue_kernel_host_indices(g, plan.kbases, sb.data(), db.data(), at::Device(at::kCUDA, plan.device), stream);
+      }
+    } catch (const c10::Error& e) {
+      throw std::runtime_error(e.what_without_backtrace());
+    }
+  }
+  cudaEvent_t ev = take_event(plan.device);
+  auto event = std::make_unique<DeviceEvent>(ev, plan.device);  // returns ev to the pool on any exit
+  cudaError_t err = cudaEventRecord(ev, stream);
+  if (err == cudaSuccess && sem != 0) {
+    err = cudaLaunchHostFunc(stream, post_semaphore, reinterpret_cast<void*>(sem));
+  }
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    throw std::runtime_error(std::string("tiered_kv fast path: ") + cudaGetErrorString(err));
+  }
+  return event;
+}
+
+// An event after the work queued so far on `stream` (and the host-function post, as submit does).
+std::unique_ptr<DeviceEvent> record(int device, int64_t stream_handle, int64_t sem) {
+  const DeviceGuard guard(device);
+  const cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  cudaEvent_t ev = take_event(device);
+  auto event = std::make_unique<DeviceEvent>(ev, device);
+  cudaError_t err = cudaEventRecord(ev, stream);
+  if (err == cudaSuccess && sem != 0) err = cudaLaunchHostFunc(stream, post_semaphore, reinterpret_cast<void*>(sem));
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    throw std::runtime_error(std::string("tiered_kv fast path: ") + cudaGetErrorString(err));
+  }
+  return event;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tiered_kv, m) {
+  m.def("copy_plan(Tensor[] dst, Tensor[] src, int num_tokens, int method) -> int", &copy_plan);
+  m.def("copy_plan_free(int plan) -> int", &copy_plan_free);
+}
+
+}  // namespace tiered_kv
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using tiered_kv::DeviceEvent;
+  m.doc() = "tiered_kv native submission path (see kernels/fast_path.cpp)";
+  py::class_<DeviceEvent>(m, "DeviceEvent")
+      .def("query", &DeviceEvent::query)
+      .def("synchronize", &DeviceEvent::synchronize)
+      .def("wait", &DeviceEvent::wait, py::arg("stream"))
+      .def_property_readonly("handle", &DeviceEvent::handle)
+      .def("__repr__", [](const DeviceEvent& e) {
+        return "<DeviceEvent " + std::string(e.query() ? "done" : "pending") + ">";
+      });
+  m.def("submit", &tiered_kv::submit, py::arg("plan"), py::arg("src"), py::arg("dst"), py::arg("stream"),
+        py::arg("sem"));
+  m.def("record", &tiered_kv::record, py::arg("device"), py::arg("stream"), py::arg("sem"));
+}
