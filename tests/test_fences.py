@@ -122,3 +122,43 @@ def test_pending_readers_keep_registration_order_and_release_in_any_order():
     assert table.pending("host", 3) == (None, (markers[3],))
     table.release(markers[3])
     assert table.statistics().fenced_blocks == 0
+
+
+def test_fence_of_a_copy_equals_dependencies_then_register() -> None:
+    """``fence`` (the per-call path: one pair with plain dict operations) keeps the rules of the general calls.
+
+    Two tables see the same random copies (one or several pairs, one pool or two, releases in random order):
+    one through ``dependencies`` + ``register``, one through ``fence``; the dependencies and the pending state
+    must match after every step.
+    """
+    rng = random.Random(3)
+    ref, fast = FenceTable(), FenceTable()
+    live: list[tuple[Marker, Marker]] = []
+    names = ["gpu", "host"]
+    for _ in range(4000):
+        if live and rng.random() < 0.4:
+            a, b = live.pop(rng.randrange(len(live)))
+            for table, m in ((ref, a), (fast, b)):
+                table.release(m)
+                m.complete()
+            continue
+        src, dst = rng.choice(names), rng.choice(names)
+        k = rng.choice([1, 1, 1, 2, 3])
+        s = rng.sample(range(8), k)
+        d = rng.sample([b for b in range(8) if src != dst or b not in s], k)
+        a, b = Marker(None), Marker(None)
+        r, w = [(src, s)], [(dst, d)]
+        want = ref.dependencies(r, w)
+        ref.register(a, r, w)
+        got = fast.fence(b, src, list(s), dst, list(d))
+        assert len(got) == len(set(got)), "each dependency once"
+        pairs = dict(live)
+        assert {pairs[m] for m in want} == set(got)
+        live.append((a, b))
+        pairs[a] = b
+        for pool in names:
+            for block in range(8):
+                w_ref, r_ref = ref.pending(pool, block)
+                w_fast, r_fast = fast.pending(pool, block)
+                assert w_fast is (None if w_ref is None else pairs[w_ref])
+                assert list(r_fast) == [pairs[m] for m in r_ref]

@@ -60,6 +60,7 @@ def test_native_copies_match_the_source_bytes(
             gpu, host = _tensor(engine, Tier.GPU), _tensor(engine, Tier.HOST)
             fill_random(gpu)
             fill_random(host)
+            torch.cuda.synchronize()  # the fill runs on the default stream; the engine's streams do not wait for it
             rng = random.Random(7)
             for _ in range(40):
                 k = rng.choice([1, 2, 5, 9])
@@ -121,11 +122,14 @@ def test_index_errors_raise_before_anything_is_enqueued(native: Any) -> None:
             assert isinstance(op, NativeCopy)
             with pytest.raises(IndexError, match="out of range for a pool of 32 blocks"):
                 op()
-            op = copier.build(gpu, [0, 1], host, [2], None, stream=engine.stream("offload"))
+            plan = copier._native_plan(copier._pair(gpu, host, 8), 8, 0)
+            handle = engine.stream("offload").torch_stream.cuda_stream  # type: ignore[attr-defined]
             with pytest.raises(ValueError, match="must pair up"):
-                op()
+                native.submit(plan, [0, 1], [2], handle, 0)
             with pytest.raises(TypeError, match="list of ints"):
-                native.submit(copier._native_plan(copier._pair(gpu, host, 8), 8, 0), (1,), [2], 0, 0)
+                native.submit(plan, (1,), [2], handle, 0)
+            with pytest.raises(IndexError, match="src_blocks holds -1"):
+                native.submit(plan, [-1], [2], handle, 0)
             torch.cuda.synchronize()
             assert torch.equal(host_t, before)
 
@@ -165,6 +169,7 @@ def test_cross_stream_fences_with_pooled_events_under_load(native: Any) -> None:
             gpu_t, host_t = _tensor(engine, Tier.GPU), _tensor(engine, Tier.HOST)
             fill_random(gpu_t)
             fill_random(host_t)
+            torch.cuda.synchronize()
             oracle = {Tier.GPU: gpu_t.cpu().clone(), Tier.HOST: host_t.cpu().clone()}
             rng = random.Random(11)
             pending = []

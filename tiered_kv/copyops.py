@@ -57,7 +57,16 @@ from .device import CudaStream, Device, Event, Stream
 from .layer_major import LayerMajorPool, LayerSlice
 from .pools import SMALL_CALL_BLOCKS, BlockPool, merge_runs
 
-__all__ = ["Copier", "CopierStatistics", "CopyPlan", "NativeCopy", "Side", "choose_path", "pool_tensors"]
+__all__ = [
+    "Copier",
+    "CopierStatistics",
+    "CopyPlan",
+    "NativeCopy",
+    "NativeRoute",
+    "Side",
+    "choose_path",
+    "pool_tensors",
+]
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +195,26 @@ class Copier:
             entry = self._native_plans[key] = (info, plan)
         return entry[1]
 
+    def native_route(self, src_pool: Side, dst_pool: Side, stream: Stream | None) -> NativeRoute | None:
+        """The native path of whole-block small copies between two pools on ``stream``, or ``None``.
+
+        ``None`` without the native module, for a host-to-host pair (no stream), a chunked pool, or a forced path
+        other than the kernel or DMA.
+        """
+        if self._native is None or not isinstance(stream, CudaStream):
+            return None
+        if isinstance(src_pool, pool_kinds.ChunkedPool) or isinstance(dst_pool, pool_kinds.ChunkedPool):
+            return None
+        info = self._pair(src_pool, dst_pool, src_pool.layout.tokens_per_block)
+        if self._plan(info, [0], [0]).path not in ("kernel", "dma"):
+            return None
+        return NativeRoute(self, info, stream, self._native.submit)
+
+    def _account(self, path: str, nbytes: int) -> None:
+        with self._lock:
+            self._calls[path] = self._calls.get(path, 0) + 1
+            self._bytes[path] = self._bytes.get(path, 0) + nbytes
+
     @property
     def native(self) -> bool:
         """Whether small calls take the native submission path (CUDA, extension built with it)."""
@@ -286,10 +315,7 @@ class Copier:
         info = self._pair(src_pool, dst_pool, n)
         plan = self._plan(info, s, d)
         size = len(s)
-        nbytes = size * info.block_bytes
-        with self._lock:
-            self._calls[plan.path] = self._calls.get(plan.path, 0) + 1
-            self._bytes[plan.path] = self._bytes.get(plan.path, 0) + nbytes
+        self._account(plan.path, size * info.block_bytes)
         src_t, dst_t = info.src_t, info.dst_t
         if plan.path in ("kernel", "dma") and isinstance(stream, CudaStream) and size <= SMALL_CALL_BLOCKS:
             s_l = s if isinstance(s, list) else s.tolist()
@@ -383,6 +409,11 @@ class NativeCopy:
         self.stream = stream
         self._issue: Callable[[int, int], Event] = functools.partial(submit, plan, s, d)
 
+    @property
+    def lane(self) -> CudaStream:
+        """The stream the copy runs on (a :class:`~tiered_kv.handlers.Job` of its own)."""
+        return self.stream
+
     def __call__(self) -> None:
         """Issue the copy on its stream, without a completion (an op under ``Stream.submit``)."""
         self._issue(self.stream.torch_stream.cuda_stream, 0)
@@ -399,6 +430,41 @@ class NativeCopy:
                 raise
             error = exc  # `exc` is unbound after the except block; the callback runs later
             return self.stream.notify(lambda: done(error))
+
+
+class NativeRoute:
+    """The native path of one pair of pools on one stream: whole-block small copies as :class:`NativeCopy` jobs.
+
+    Made once per (source tier, destination tier) by :meth:`Copier.native_route`; :meth:`job` is the whole
+    per-call work above the C++ entry: the path choice (memoized per call shape, as :meth:`Copier.build` does),
+    the copier's per-path totals, and the job.
+    """
+
+    __slots__ = ("_block_bytes", "_copier", "_info", "_plans", "_single", "_stream", "_submit")
+
+    def __init__(self, copier: Copier, info: _PairInfo, stream: CudaStream, submit: Callable[..., Event]) -> None:
+        self._copier = copier
+        self._info = info
+        self._stream = stream
+        self._submit = submit
+        self._block_bytes = info.block_bytes
+        n = info.src_pool.layout.tokens_per_block
+        self._plans = {
+            "kernel": copier._native_plan(info, n, ops.METHOD_KERNEL),
+            "dma": copier._native_plan(info, n, ops.METHOD_DMA),
+        }
+        single = copier._plan(info, [0], [0]).path  # one pair is one run: its path never changes
+        self._single = (single, self._plans[single])
+
+    def job(self, s: list[int], d: list[int]) -> NativeCopy:
+        """The job of copying blocks ``s`` to blocks ``d`` (valid small int lists: the engine checked them)."""
+        if len(s) == 1:
+            path, plan = self._single
+        else:
+            path = self._copier._plan(self._info, s, d).path
+            plan = self._plans[path]
+        self._copier._account(path, len(s) * self._block_bytes)
+        return NativeCopy(self._stream, self._submit, plan, s, d)
 
 
 def _free_native_plans(plans: dict[tuple[int, int], tuple[_PairInfo, int]]) -> None:

@@ -44,7 +44,7 @@ import torch
 
 from .completions import CompletionInbox
 from .config import EngineConfig
-from .copyops import Copier
+from .copyops import Copier, NativeRoute
 from .device import Device, Stream, resolve_device
 from .errors import EngineClosedError, OwnedEngineError
 from .fences import FenceTable, Marker
@@ -61,8 +61,9 @@ __all__ = ["LATENCY_BUCKETS", "EngineStatistics", "Transfer", "TransferEngine", 
 
 log = logging.getLogger(__name__)
 
-# a resolved pair: source and destination tier and medium, its handler, whether it is a memory pair, "src->dst"
-_Route = tuple[Tier, Tier, Medium, Medium, TransferHandler, bool, str]
+# a resolved pair: source and destination tier and medium, its handler, whether it is a memory pair, "src->dst",
+# and the native path of its whole-block small copies (CUDA with the extension; else None)
+_Route = tuple[Tier, Tier, Medium, Medium, TransferHandler, bool, str, NativeRoute | None]
 
 
 class _DirectionTotals:
@@ -426,7 +427,8 @@ class TransferEngine:
         src_pool, dst_pool = self.medium(src_t), self.medium(dst_t)
         handler = self.route(src_t, dst_t)
         memory = isinstance(handler, StreamCopier)
-        route = (src_t, dst_t, src_pool, dst_pool, handler, memory, f"{src_t.value}->{dst_t.value}")
+        native = handler.native_route(src_t, dst_t) if isinstance(handler, StreamCopier) else None
+        route = (src_t, dst_t, src_pool, dst_pool, handler, memory, f"{src_t.value}->{dst_t.value}", native)
         if type(src_tier) in (Tier, str) and type(dst_tier) in (Tier, str):
             self._resolved[src_tier, dst_tier] = route
         return route
@@ -580,12 +582,24 @@ class TransferEngine:
             route = self._resolved[src_tier, dst_tier]
         except (KeyError, TypeError):
             route = self._resolve_route(src_tier, dst_tier)
-        src_t, dst_t, src_pool, dst_pool, handler, memory, direction = route
+        src_t, dst_t, src_pool, dst_pool, handler, memory, direction, native = route
         small = (
             small_pairs(src_indices, dst_indices, src_pool.num_blocks, dst_pool.num_blocks, src_pool is dst_pool)
             if memory
             else None
         )
+        if native is not None and small is not None and num_tokens is None and layers is None and keys is None:
+            # the per-call path of small whole-block copies on CUDA: no Batch, handler or op objects in between
+            s_list, d_list = small
+            job = native.job(s_list, d_list)
+            marker = Marker(job.stream)
+            count = len(s_list)
+            transfer = Transfer(marker, src_t, dst_t, count, count * self._block_bytes)
+            self._submitted += 1
+            self._start(loop, marker, job, self._fences.fence(marker, src_pool.name, s_list, dst_pool.name, d_list))
+            self._inflight.add(marker)
+            self._meta[marker] = (direction, transfer.nbytes, count, transfer.submitted_at)
+            return transfer
         s: np.ndarray | list[int]
         d: np.ndarray | list[int]
         if small is not None:  # the per-call fast path: valid small int lists, no numpy
@@ -609,27 +623,9 @@ class TransferEngine:
             return Transfer(marker, src_t, dst_t, 0, 0)
 
         job = handler.prepare(batch)
-        lane = job.lane
-        marker = Marker(lane)
+        marker = Marker(job.lane)
         transfer = Transfer(marker, src_t, dst_t, count, count * per_block)
-        reads = [(src_pool.name, s_list)]
-        writes = [(dst_pool.name, d_list)]
-        deps = self._fences.dependencies(reads, writes)
-        stream_deps: list[Marker] = []
-        loop_deps: list[Marker] = []
-        for dep in deps:
-            if lane is not None and dep.lane is not None and dep.event is not None:
-                if dep.lane is not lane:  # same stream: FIFO already orders it
-                    stream_deps.append(dep)
-            else:
-                loop_deps.append(dep)
-        if loop_deps:
-            task = loop.create_task(self._enqueue_after(marker, job, stream_deps, loop_deps))
-            self._deferred.add(task)
-            task.add_done_callback(self._deferred.discard)
-        else:
-            self._enqueue(marker, job, stream_deps)
-        self._fences.register(marker, reads, writes)
+        self._start(loop, marker, job, self._fences.fence(marker, src_pool.name, s_list, dst_pool.name, d_list))
         self._inflight.add(marker)
         self._meta[marker] = (
             direction,
@@ -689,6 +685,28 @@ class TransferEngine:
         return None if num_tokens == tpb else int(num_tokens)
 
     # ------------------------------------------------------------------------------------ internals
+
+    def _start(self, loop: asyncio.AbstractEventLoop, marker: Marker, job: Job, deps: Iterable[Marker]) -> None:
+        """Enqueue ``job`` now behind its stream-side dependencies, or from a task once its loop-side ones are done.
+
+        A dependency on another stream is waited for stream-side; one on the same stream is ordered by the stream
+        itself; one without an event (off-stream work, or not enqueued yet) is awaited on the loop.
+        """
+        lane = marker.lane
+        stream_deps: list[Marker] = []
+        loop_deps: list[Marker] = []
+        for dep in deps:
+            if lane is not None and dep.lane is not None and dep.event is not None:
+                if dep.lane is not lane:  # same stream: FIFO already orders it
+                    stream_deps.append(dep)
+            else:
+                loop_deps.append(dep)
+        if loop_deps:
+            task = loop.create_task(self._enqueue_after(marker, job, stream_deps, loop_deps))
+            self._deferred.add(task)
+            task.add_done_callback(self._deferred.discard)
+        else:
+            self._enqueue(marker, job, stream_deps)
 
     def _enqueue(self, marker: Marker, job: Job, stream_deps: list[Marker]) -> None:
         """Start ``job`` behind ``stream_deps`` (waited for on its lane); its completion calls :meth:`_complete`."""

@@ -229,6 +229,53 @@ class FenceTable:
                     del pending_reads[i]
             self._writes.setdefault(pool, {}).update(dict.fromkeys(indices, marker))
 
+    def fence(self, marker: Marker, src_pool: str, s: list[int], dst_pool: str, d: list[int]) -> list[Marker]:
+        """:meth:`dependencies` then :meth:`register`: a copy of blocks ``s`` of ``src_pool`` to ``d`` of ``dst_pool``.
+
+        The per-call path of small copies: one pair is handled with plain dict operations (no sets, no
+        generator). ``d`` holds no duplicates and, within one pool, no block of ``s`` (the engine checked).
+        Returns the pending markers to wait for, each once.
+        """
+        if len(s) != 1:
+            reads, writes = [(src_pool, s)], [(dst_pool, d)]
+            deps = self.dependencies(reads, writes)
+            self.register(marker, reads, writes)
+            return list(deps)
+        x, y = s[0], d[0]
+        out: list[Marker] = []
+        wt = self._writes.get(src_pool)
+        if wt:
+            dep = wt.get(x)
+            if dep is not None and not dep.completed:
+                out.append(dep)
+        wt = self._writes.get(dst_pool)
+        if wt is None:
+            wt = self._writes[dst_pool] = {}
+        dep = wt.get(y)
+        if dep is not None and not dep.completed and dep not in out:
+            out.append(dep)
+        rt = self._reads.get(dst_pool)
+        if rt:
+            readers = rt.pop(y, None)  # the new write waits for them; ordering is transitive
+            if readers is not None:
+                for dep in readers if isinstance(readers, dict) else (readers,):
+                    if not dep.completed and dep not in out:
+                        out.append(dep)
+        wt[y] = marker
+        rt = self._reads.get(src_pool)
+        if rt is None:
+            rt = self._reads[src_pool] = {}
+        readers = rt.get(x)
+        if readers is None:
+            rt[x] = marker
+        elif isinstance(readers, dict):
+            readers[marker] = None
+        else:
+            rt[x] = {readers: None, marker: None}
+        marker.reads = [(src_pool, s)]
+        marker.writes = [(dst_pool, d)]
+        return out
+
     def release(self, marker: Marker) -> None:
         """Drop ``marker``'s entries (called once the op has completed)."""
         for pool, indices in marker.reads:
