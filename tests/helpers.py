@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from tiered_kv import TransferEngine
@@ -28,3 +30,19 @@ def snapshot(engine: TransferEngine, tier: str, index: int) -> torch.Tensor:
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit-exact equality (random bits include NaN patterns, which == would call different)."""
     return bool((a.contiguous().view(torch.uint8) == b.contiguous().view(torch.uint8)).all())
+
+
+def disable_fences(monkeypatch: Any) -> None:
+    """Break the engine on purpose: no copy waits for another (pending reads and writes are still recorded).
+
+    Both ways the engine asks the fence table are patched: ``dependencies`` (general calls) and ``fence`` (the
+    per-call path of small copies).
+    """
+    from tiered_kv import FenceTable
+
+    def fence(self: FenceTable, marker: Any, src_pool: str, s: list[int], dst_pool: str, d: list[int]) -> list[Any]:
+        FenceTable.register(self, marker, [(src_pool, s)], [(dst_pool, d)])
+        return []
+
+    monkeypatch.setattr(FenceTable, "dependencies", lambda self, reads, writes: set())
+    monkeypatch.setattr(FenceTable, "fence", fence)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import disable_fences
 
 from tiered_kv.cache import TieredKVCache
 from tiered_kv.tools.cache_soak import CacheSoakConfig, CacheSoakFailure, cache_soak
@@ -67,10 +68,9 @@ async def test_engine_soak_with_the_file_tier_all_routes_faults_on() -> None:
 
 
 async def test_engine_soak_with_the_file_tier_catches_missing_fences(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tiered_kv import FenceTable
     from tiered_kv.tools.soak import SoakConfig, SoakFailure, soak
 
-    monkeypatch.setattr(FenceTable, "dependencies", lambda self, reads, writes: set())
+    disable_fences(monkeypatch)
     with pytest.raises(SoakFailure, match="seed=3"):
         await soak(SoakConfig(ops=3_000, seed=3, file_blocks=24, stall_prob=0.2, stall_max=0.003), minimize=False)
 

@@ -1,6 +1,6 @@
 """Hazard ordering under injected stalls (emulated device in CI; the same scenarios on CUDA).
 
-Each scenario has a twin that removes the fence waits (``FenceTable.dependencies`` returns nothing) and
+Each scenario has a twin that removes the fence waits (``tests/helpers.py: disable_fences``) and
 asserts that the corruption then *is* observed: proof that the scenario can see the race it guards.
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from helpers import fill_pool, same, snapshot
+from helpers import disable_fences, fill_pool, same, snapshot
 
-from tiered_kv import FenceTable, Tier, TransferEngine
+from tiered_kv import Tier, TransferEngine
 from tiered_kv.device import CudaStream
 from tiered_kv.testing import assert_blocks_equal, stall
 
@@ -22,11 +22,8 @@ STALL = 0.25
 def no_fences(monkeypatch):
     """Break the engine on purpose: no op waits for anything."""
 
-    def disabled(self, reads, writes):
-        return set()
-
     def apply():
-        monkeypatch.setattr(FenceTable, "dependencies", disabled)
+        disable_fences(monkeypatch)
 
     return apply
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from helpers import disable_fences
 
-from tiered_kv import FenceTable
 from tiered_kv.tools.soak import SoakConfig, SoakFailure, generate_ops, soak
 
 
@@ -29,7 +29,7 @@ def test_op_sequence_is_a_function_of_the_seed():
 
 
 async def test_soak_catches_missing_fences_and_prints_a_reproducer(monkeypatch):
-    monkeypatch.setattr(FenceTable, "dependencies", lambda self, reads, writes: set())
+    disable_fences(monkeypatch)
     with pytest.raises(SoakFailure) as info:
         await soak(SoakConfig(ops=3_000, seed=3, stall_prob=0.2, stall_max=0.003))
     failure = info.value
