@@ -25,7 +25,7 @@ Everything runs on the :mod:`tiered_kv.device` stream abstraction, so the same c
 tests) runs on the emulated device, where a stream op executes when the worker thread reaches it, and on
 CUDA.
 
-Size: about 870 lines, because the snapshot pool and the table it protects are one race-free protocol
+Size: about 890 lines, because the snapshot pool and the table it protects are one race-free protocol
 (snapshot, ship, retire after the consuming op's event); the two ship modes share it.
 """
 
@@ -553,10 +553,11 @@ class BlockOffsetTable:
             reads only that buffer. Gather mode writes the batch's physical row numbers into a fresh staging
             buffer; the op reads it, the cached tensor of the scale and V offset values (never written) and
             the row versions, whose rows it reads are never overwritten before its event completes (a row
-            refilled meanwhile is written to a spare row). So the caller may refill the host table, reuse the slots, or mutate ``slots``/``scale``/
-            ``v_offset`` as soon as this returns, even if the device runs the op much later. The buffer (and
-            ``dst``, kept alive with it) is released only after the returned event completes (FIFO); at most
-            ``depth`` are in flight (this call waits for the oldest beyond that).
+            refilled meanwhile is written to a spare row). So the caller may refill the host table, reuse the
+            slots, or mutate ``slots``/``scale``/``v_offset`` as soon as this returns, even if the device runs
+            the op much later. The buffer (and ``dst``, kept alive with it) is released only after the
+            returned event completes (FIFO); at most ``depth`` are in flight (this call waits for the oldest
+            beyond that).
         """
         if mode == "gather":
             return self._gather(dst, slots, stream, max_blocks, scale, v_offset)
