@@ -4,6 +4,7 @@ Primitives (namespace ``torch.ops.tiered_kv``):
 
 * :func:`gather_block_offsets` -- ``dst[p, s, k, j] = scale[p] * src[p, idx[s], k, j] + (k == 1 ? v_offset[p] : 0)``
   for ``j < max_blocks``; a ``sentinel`` entry ("no block") passes through unchanged.
+  :func:`unchecked_gather` -- the same op without the per-call checks, for a caller that made its arguments.
 * :func:`copy_blocks` -- copy blocks (all tokens, or tokens ``[0, num_tokens)`` of every (layer, kv, head))
   between pools that are block-major (one tensor ``[N, layers, kv, heads, tokens, head_dim]``) or
   layer-major (one tensor per layer ``[N, kv, heads, tokens, head_dim]``, or per layer and K/V
@@ -25,7 +26,7 @@ Notes:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -38,6 +39,7 @@ __all__ = [
     "copy_chunks",
     "gather_block_offsets",
     "normalize_groups",
+    "unchecked_gather",
 ]
 
 from .opdefs import (
@@ -192,6 +194,28 @@ def gather_block_offsets(
     else:
         torch.ops.tiered_kv.gather_block_offsets(dst, src, idx, scale, v_offset, cols, sentinel)
     return dst
+
+
+GatherFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, int, int], None
+]
+"""``(dst, src, idx, scale, v_offset, max_blocks, sentinel)``: the positional form of :func:`gather_block_offsets`."""
+
+
+def unchecked_gather(device: torch.device) -> GatherFn:
+    """:func:`gather_block_offsets` for tensors on ``device``, positional and without any per-call check.
+
+    For a caller that builds every argument itself and checked them once (:mod:`tiered_kv.staging`): the
+    checks of :func:`gather_block_offsets` cost a dozen tensor calls, two reductions over ``idx`` among them,
+    on every call. What it still needs, the callable does not check: ``dst`` and ``src`` contiguous int32 of
+    one geometry, ``idx`` in range, a host tensor pinned on CUDA (the CUDA implementation refuses pageable
+    memory), ``max_blocks`` within both tables. Resolve it once (on CUDA this builds or loads the extension,
+    and falls back to the reference when there is none).
+    """
+    if _use_reference(device):
+        return gather_block_offsets_ref
+    op: GatherFn = torch.ops.tiered_kv.gather_block_offsets.default
+    return op
 
 
 def _side_shape(tensors: Sequence[torch.Tensor], what: str) -> tuple[int, tuple[int, ...], torch.dtype, torch.device]:

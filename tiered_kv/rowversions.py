@@ -8,7 +8,8 @@ whole batch each step. :class:`RowVersions` ships only what changed instead:
 * writers of the source table only mark the slot dirty (:meth:`RowVersions.mark`);
 * :meth:`RowVersions.prepare` refreshes the batch's dirty slots from the source: in place when no pending
   op reads the slot's physical row, otherwise into a free spare row (copy-on-write), the old row being
-  retired to the op that reads it last; it returns the batch's physical rows;
+  retired to the op that reads it last; it returns the batch's physical rows (or writes them where the op
+  will read them: ``out=``);
 * :meth:`RowVersions.commit` records that an op reading those rows was enqueued, with an event after it.
   Rows retired to an op become free once its event has completed (FIFO, from the oldest op); when no
   spare row is free, ``prepare`` waits for the oldest op.
@@ -90,7 +91,9 @@ class RowVersions:
         self.table[:, :slots].copy_(source)
         self.table[:, slots:].copy_(source[:, :1].expand(pools, spare_rows, kv, cols))  # any defined value
         self._table_np, self._source_np = self.table.numpy(), source.numpy()
-        self._phys = np.arange(slots, dtype=np.int64)  # slot -> physical row
+        if slots + spare_rows >= 2**31:
+            raise ValueError(f"{slots + spare_rows} physical rows do not fit int32 row numbers")
+        self._phys = np.arange(slots, dtype=np.int32)  # slot -> physical row (int32: what the gather op reads)
         self._dirty = np.zeros(slots, dtype=np.bool_)  # slot changed in source since its row was refreshed
         self._last_use = np.zeros(slots + spare_rows, dtype=np.int64)  # physical row -> last op id reading it
         self._free: list[int] = list(range(slots, slots + spare_rows))
@@ -103,16 +106,18 @@ class RowVersions:
         """The writers' hook: ``slot``'s row of the source changed (a slice: several slots)."""
         self._dirty[slot] = True
 
-    def prepare(self, slots: np.ndarray) -> np.ndarray:
-        """Refresh the dirty rows among ``slots`` (1-D int64, in range); the physical row of each slot, in order.
+    def prepare(self, slots: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Refresh the dirty rows among ``slots`` (1-D ints, in range); the physical row of each slot, in order.
 
         A dirty slot whose physical row a pending op may read gets a spare row (its old row is retired to
-        the last op reading it); waits for the oldest op only when no spare row is free.
+        the last op reading it); waits for the oldest op only when no spare row is free. ``out``: a 1-D
+        int32 array of ``len(slots)`` to write the rows into (e.g. the pinned buffer the op reads them
+        from), returned; ``None``: a new array.
         """
         if self._pending:
             self.reclaim()
         mask = self._dirty[slots]
-        if mask.any():
+        if np.count_nonzero(mask):  # a plain C loop; ndarray.any() goes through the ufunc reduction machinery
             dirty = slots[mask]
             if dirty.size > 1:
                 dirty = np.unique(dirty)
@@ -127,7 +132,8 @@ class RowVersions:
             self._table_np[:, self._phys[dirty]] = self._source_np[:, dirty]
             self._dirty[dirty] = False
             self._refreshed += int(dirty.size)
-        rows: np.ndarray = self._phys[slots]
+        # slots are in range: "clip" only spares numpy the bounds-checked (buffered) take
+        rows: np.ndarray = self._phys.take(slots, out=out, mode="clip")
         return rows
 
     def commit(self, rows: np.ndarray, event: Event) -> None:

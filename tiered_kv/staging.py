@@ -15,15 +15,17 @@ module makes that impossible by construction:
 * :meth:`BlockOffsetTable.copy_batch_block_offsets` (and the function :func:`copy_batch_block_offsets`)
   -- ships a batch of slots to a device table, in *copy* mode (snapshot the rows into a fresh pinned
   buffer, one async H2D) or *gather* mode (the gather op reads a :class:`~tiered_kv.rowversions.RowVersions`
-  copy of the table whose rows are replaced copy-on-write, never in place, while an op may read them, plus
-  a fresh staging buffer of the batch's row numbers; applies a per-pool scale and V offset). Gather mode
-  copies only the batch's rows written since they were last shipped, not the whole batch.
+  copy of the table whose rows are replaced copy-on-write, never in place, while an op may read them, the
+  batch's row numbers from a staging buffer no pending op reads, and the per-pool scale and V offset from
+  cached tensors never written after they are made; all in place, through unified addressing on CUDA, so
+  nothing is copied per call). Gather mode copies only the batch's rows written since they were last
+  shipped, not the whole batch; its per-call host path is a few numpy calls, the op and the event.
 
 Everything runs on the :mod:`tiered_kv.device` stream abstraction, so the same code (and the same race
 tests) runs on the emulated device, where a stream op executes when the worker thread reaches it, and on
 CUDA.
 
-Size: about 800 lines, because the snapshot pool and the table it protects are one race-free protocol
+Size: about 890 lines, because the snapshot pool and the table it protects are one race-free protocol
 (snapshot, ship, retire after the consuming op's event); the two ship modes share it.
 """
 
@@ -34,7 +36,7 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Iterable, Sequence
-from typing import Final, Literal
+from typing import Final, Literal, NamedTuple, TypeGuard
 
 import numpy as np
 import torch
@@ -125,6 +127,7 @@ class StagingPool:
         # FIFO of (buffer, guard event, objects kept alive with it)
         self._in_flight: collections.deque[tuple[torch.Tensor, Event, object]] = collections.deque()
         self._free: list[torch.Tensor] = []
+        self._views: dict[int, np.ndarray] = {}  # id(buffer) -> its numpy view (which keeps the buffer alive)
         self._held = 0  # acquired, not yet retired or released
         self._peak_live = self._peak_in_flight = 0
         self._acquired = self._allocated = self._waited = 0
@@ -153,6 +156,14 @@ class StagingPool:
             self._held += 1
             self._peak_live = max(self._peak_live, self._live_locked())
             return buf
+
+    def host_view(self, buffer: torch.Tensor) -> np.ndarray:
+        """A numpy view of a buffer from :meth:`acquire`, made once per buffer (numpy writes cost no torch call)."""
+        view = self._views.get(id(buffer))
+        if view is None:
+            with self._lock:
+                view = self._views[id(buffer)] = buffer.numpy()
+        return view
 
     def retire(self, buffer: torch.Tensor, event: Event, keep: object = None) -> None:
         """Keep ``buffer`` (and ``keep``, e.g. the op's device output) until ``event`` has completed.
@@ -189,6 +200,8 @@ class StagingPool:
         """Drain, then drop every free buffer (memory goes back to the allocator)."""
         self.drain()
         with self._lock:
+            for buf in self._free:
+                self._views.pop(id(buf), None)
             self._free.clear()
 
     def statistics(self) -> StagingStatistics:
@@ -237,12 +250,15 @@ class StagingPool:
     def _take_free_locked(self, numel: int) -> torch.Tensor | None:
         if not self._free:
             return None
+        if len(self._free) == 1 and self._free[0].numel() >= numel:  # the steady state of one call in flight
+            return self._free.pop()
         fitting = [i for i, b in enumerate(self._free) if b.numel() >= numel]
         if fitting:
             best = min(fitting, key=lambda i: self._free[i].numel())  # best fit keeps big buffers for big calls
             return self._free.pop(best)
         # Nothing big enough: drop the largest free buffer so the count (and memory bound) stays put.
-        self._free.pop(max(range(len(self._free)), key=lambda i: self._free[i].numel()))
+        dropped = self._free.pop(max(range(len(self._free)), key=lambda i: self._free[i].numel()))
+        self._views.pop(id(dropped), None)
         return None
 
 
@@ -392,7 +408,8 @@ class BlockOffsetTable:
         # Gather mode reads this copy (made at the first gather), never `host`: see RowVersions.
         self._spare_rows = max_seqs if spare_rows is None else spare_rows
         self._versions: RowVersions | None = None
-        self._coeff_cache: dict[tuple[tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
+        self._coeff_cache: dict[tuple[tuple[int, ...], tuple[int, ...]], _Coefficients] = {}
+        self._gather_op: ops.GatherFn | None = None  # the unchecked op for this device, resolved at the first gather
 
     # ------------------------------------------------------------------------------------ writers
 
@@ -533,15 +550,18 @@ class BlockOffsetTable:
 
         Notes:
             Copy mode writes the batch's rows into one fresh staging buffer before this returns and the op
-            reads only that buffer. Gather mode writes the batch's physical row numbers and the scale and V
-            offset into a fresh staging buffer; the op reads it and the row versions, whose rows it reads are
-            never overwritten before its event completes (a row refilled meanwhile is written to a spare
-            row). So the caller may refill the host table, reuse the slots, or mutate ``slots``/``scale``/
-            ``v_offset`` as soon as this returns, even if the device runs the op much later. The buffer (and
-            ``dst``, kept alive with it) is released only after the returned event completes (FIFO); at most
-            ``depth`` are in flight (this call waits for the oldest beyond that).
+            reads only that buffer. Gather mode writes the batch's physical row numbers into a fresh staging
+            buffer; the op reads it, the cached tensor of the scale and V offset values (never written) and
+            the row versions, whose rows it reads are never overwritten before its event completes (a row
+            refilled meanwhile is written to a spare row). So the caller may refill the host table, reuse the
+            slots, or mutate ``slots``/``scale``/``v_offset`` as soon as this returns, even if the device runs
+            the op much later. The buffer (and ``dst``, kept alive with it) is released only after the
+            returned event completes (FIFO); at most ``depth`` are in flight (this call waits for the oldest
+            beyond that).
         """
-        target, index, width, coeffs = self._prepare(dst, slots, stream, mode, max_blocks, scale, v_offset)
+        if mode == "gather":
+            return self._gather(dst, slots, stream, max_blocks, scale, v_offset)
+        target, index, width, _ = self._prepare(dst, slots, stream, mode, max_blocks, scale, v_offset)
         n = index.numel()
         pools, kv = self.num_pools, self.kv_factor
         self._calls[mode] += 1
@@ -552,9 +572,6 @@ class BlockOffsetTable:
         self._sequences += n
         self._bytes += pools * n * kv * width * 4
 
-        if mode == "gather":
-            assert coeffs is not None
-            return self._gather(target, dst, index, width, coeffs)
         snap_numel = pools * n * kv * width
         buf = self.staging.acquire(snap_numel)
         try:
@@ -578,35 +595,66 @@ class BlockOffsetTable:
         return event
 
     def _gather(
-        self, target: Stream, dst: torch.Tensor, index: torch.Tensor, width: int, coeffs: torch.Tensor
+        self,
+        dst: torch.Tensor,
+        slots: Sequence[int] | np.ndarray | torch.Tensor,
+        stream: object,
+        max_blocks: int | None,
+        scale: Sequence[int] | torch.Tensor | None,
+        v_offset: Sequence[int] | torch.Tensor | None,
     ) -> Event:
-        """Gather mode: refresh the batch's changed rows in the row versions, ship its row numbers, enqueue."""
-        versions = self._versions
-        if versions is None:
+        """Gather mode: refresh the batch's changed rows in the row versions, write its row numbers, enqueue.
+
+        The per-call path is kept to what the race-free protocol needs (issue 14): the row numbers are
+        written by numpy straight into a staging buffer that the op reads where it is (pinned memory on
+        CUDA, read through unified addressing: no copy), the scale and V offset are the cached pinned
+        tensors of their values (never written after they are made), and the op is called without the
+        checks of :func:`tiered_kv.ops.gather_block_offsets`, which the arguments it gets here satisfy by
+        construction. Torch calls per call: the op, the event, and ``torch.from_numpy`` of the row numbers
+        (plus ``dst[:, :n]`` when ``dst`` has more rows than the batch).
+        """
+        target = self._stream(stream)
+        rows = self._slot_array(slots)
+        n = rows.size
+        width = self._width(rows, max_blocks)
+        self._check_dst(dst, n, width)
+        coeffs = self._coefficients(scale, v_offset)
+        self._calls["gather"] += 1
+        if n == 0 or width == 0:
+            event = target.record()  # nothing to write; keep the return type uniform
+            self._last_event = event
+            return event
+        self._sequences += n
+        self._bytes += self.num_pools * n * self.kv_factor * width * 4
+        versions, gather = self._versions, self._gather_op
+        if versions is None or gather is None:
             versions = self._versions = RowVersions(self.host, self.device, spare_rows=self._spare_rows)
-        n, pools = index.numel(), self.num_pools
-        buf = self.staging.acquire(n + 2 * pools)
+            gather = self._gather_op = ops.unchecked_gather(self.device.torch_device)
+        staging = self.staging
+        buf = staging.acquire(n)
         try:
-            phys = versions.prepare(index.numpy())
-            ids = buf[:n]  # the batch's physical rows: the op reads them where they are, so a fresh buffer
-            ids.copy_(torch.from_numpy(phys))
-            tail = buf[n : n + 2 * pools]
-            tail.copy_(coeffs)
-            src, s_view, v_view, sentinel = versions.table, tail[:pools], tail[pools:], self.sentinel
-            rows = dst[:, :n]  # full columns: contiguous whenever the batch fills the device table
+            # The batch's physical rows, written where the op reads them: a buffer no pending op reads.
+            phys = versions.prepare(rows, out=staging.host_view(buf)[:n])
+            ids = torch.from_numpy(phys)
+            out = dst if dst.shape[1] == n else dst[:, :n]  # full columns: contiguous when the batch fills dst
+            src, s_view, v_view, sentinel = versions.table, coeffs.scale, coeffs.v_offset, self.sentinel
 
             def op() -> None:
-                gather_block_offsets(rows, src, ids, s_view, v_view, width, sentinel)
+                if out.is_contiguous():
+                    gather(out, src, ids, s_view, v_view, width, sentinel)
+                else:  # a batch smaller than a multi-pool device table: through a contiguous temporary
+                    gather_block_offsets(out, src, ids, s_view, v_view, width, sentinel)
 
             target.submit(op)
         except BaseException:
-            self.staging.release(buf)
+            staging.release(buf)
             raise
         event = target.record()
         versions.commit(phys, event)
         # dst too: freeing it while the op is pending would let the allocator hand its memory to someone
-        # else on another stream, and the late write would land there.
-        self.staging.retire(buf, event, keep=dst)
+        # else on another stream, and the late write would land there. The coefficients: the cache may
+        # drop them meanwhile.
+        staging.retire(buf, event, keep=(dst, coeffs))
         self._last_event = event
         return event
 
@@ -629,8 +677,8 @@ class BlockOffsetTable:
             raise ValueError("scale and v_offset apply only in gather mode; copy mode ships the stored values")
         width = self._width(index, max_blocks)
         self._check_dst(dst, index.numel(), width)
-        # [scale..., v_offset...] int32 (gather mode): copied into the staging buffer with the snapshot
-        coeffs = self._coefficients(scale, v_offset) if mode == "gather" else None
+        # [scale..., v_offset...] int32 (gather mode)
+        coeffs = self._coefficients(scale, v_offset).packed if mode == "gather" else None
         return target, index, width, coeffs
 
     def synchronize(self) -> None:
@@ -680,14 +728,9 @@ class BlockOffsetTable:
         return ids.to(torch.int32)
 
     def _slots(self, slots: Sequence[int] | np.ndarray | torch.Tensor) -> torch.Tensor:
-        if isinstance(slots, np.ndarray) and slots.ndim == 1 and slots.dtype.kind in "iu":
+        if _is_int_array(slots):
             # Fast path for the usual scheduler input; numpy reductions are cheaper than torch ones.
-            if slots.size and (int(slots.min()) < 0 or int(slots.max()) >= self.max_seqs):
-                raise ValueError(
-                    f"slots must be in [0, {self.max_seqs}), got values in [{int(slots.min())}, {int(slots.max())}]"
-                )
-            if slots.size > self.max_seqs:
-                raise ValueError(f"{slots.size} slots exceed max_seqs={self.max_seqs}")
+            self._check_slot_array(slots)
             return torch.from_numpy(slots.astype(np.int64, copy=True))  # private copy: the caller may mutate its own
         index = _as_int_tensor(slots, "slots")
         if index.dim() != 1:
@@ -701,11 +744,28 @@ class BlockOffsetTable:
         # A private copy: the caller may mutate its index buffer once we return.
         return index.to(torch.int64, copy=True)
 
-    def _width(self, index: torch.Tensor, max_blocks: int | None) -> int:
+    def _slot_array(self, slots: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:
+        """The slots as a validated 1-D numpy int array, read before the call returns (a caller's array as is)."""
+        if _is_int_array(slots):
+            self._check_slot_array(slots)
+            return slots
+        rows: np.ndarray = self._slots(slots).numpy()
+        return rows
+
+    def _check_slot_array(self, slots: np.ndarray) -> None:
+        if slots.size and (int(slots.min()) < 0 or int(slots.max()) >= self.max_seqs):
+            raise ValueError(
+                f"slots must be in [0, {self.max_seqs}), got values in [{int(slots.min())}, {int(slots.max())}]"
+            )
+        if slots.size > self.max_seqs:
+            raise ValueError(f"{slots.size} slots exceed max_seqs={self.max_seqs}")
+
+    def _width(self, index: torch.Tensor | np.ndarray, max_blocks: int | None) -> int:
         if max_blocks is None:
-            if index.numel() == 0:
+            if len(index) == 0:
                 return 0
-            return int(self._counts[:, index.numpy()].max())
+            rows = index if isinstance(index, np.ndarray) else index.numpy()
+            return int(self._counts[:, rows].max())
         if isinstance(max_blocks, bool) or not isinstance(max_blocks, (int, np.integer)):
             raise TypeError(f"max_blocks must be an int or None, got {type(max_blocks).__name__}")
         if not 0 <= max_blocks <= self.max_blocks_per_seq:
@@ -728,14 +788,21 @@ class BlockOffsetTable:
 
     def _coefficients(
         self, scale: Sequence[int] | torch.Tensor | None, v_offset: Sequence[int] | torch.Tensor | None
-    ) -> torch.Tensor:
-        """``[scale..., v_offset...]`` as int32, validated; cached by value (a scheduler passes the same ones)."""
+    ) -> _Coefficients:
+        """``[scale..., v_offset...]`` as int32 host memory, validated; cached by value.
+
+        A scheduler passes the same ones every step. Never written once made, so an op may read them where
+        they are (pinned on CUDA).
+        """
         key = (self._per_pool(scale, "scale", 1), self._per_pool(v_offset, "v_offset", 0))
         cached = self._coeff_cache.get(key)
         if cached is None:
             if len(self._coeff_cache) >= 64:
-                self._coeff_cache.clear()
-            cached = self._coeff_cache[key] = torch.tensor(key[0] + key[1], dtype=torch.int32)
+                self._coeff_cache.clear()  # a pending op keeps its own (retired with its staging buffer)
+            pools = self.num_pools
+            packed = self.device.empty_host((2 * pools,), torch.int32)
+            packed.copy_(torch.tensor(key[0] + key[1], dtype=torch.int32))
+            cached = self._coeff_cache[key] = _Coefficients(packed, packed[:pools], packed[pools:])
         return cached
 
     def _per_pool(self, values: Sequence[int] | torch.Tensor | None, what: str, default: int) -> tuple[int, ...]:
@@ -792,6 +859,18 @@ def copy_batch_block_offsets(
     return table.copy_batch_block_offsets(
         dst, slots, stream=stream, mode=mode, max_blocks=max_blocks, scale=scale, v_offset=v_offset
     )
+
+
+class _Coefficients(NamedTuple):
+    """Gather mode's per-pool coefficients: ``packed`` = ``[scale..., v_offset...]`` and its two halves."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    v_offset: torch.Tensor
+
+
+def _is_int_array(values: object) -> TypeGuard[np.ndarray]:
+    return isinstance(values, np.ndarray) and values.ndim == 1 and values.dtype.kind in "iu"
 
 
 def _as_int_tensor(values: object, what: str) -> torch.Tensor:

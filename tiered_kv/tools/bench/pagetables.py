@@ -3,6 +3,8 @@
 Primitives:
 
 * :func:`run` -- ``run(quick, device) -> dict`` (rows next to their same-run baselines).
+* :func:`host_work` -- the torch calls and Python bytecodes of one gather-mode call, staged and racy, counted
+  on the emulated device with the op run at submit as on CUDA (the same counts on any machine).
 * :func:`main` -- the command line.
 
 For 64, 256 and 1,024 sequences, in copy mode and gather mode, it measures per call:
@@ -21,21 +23,24 @@ Run: ``python -m tiered_kv.tools.bench.pagetables [--quick] [--device cpu|cuda] 
 from __future__ import annotations
 
 import statistics
+import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
+from torch.overrides import TorchFunctionMode
 
 from ... import _ext
-from ...device import CudaStream, Device, Stream, resolve_device
+from ...device import CudaStream, Device, EmulatedStream, Stream, resolve_device
 from ...staging import BlockOffsetTable, Mode
 from ..baselines import InplaceShipper
 from .common import bench_main, machine_info
 
-__all__ = ["main", "run"]
+__all__ = ["host_work", "main", "run"]
 
 NAME = "pagetables"
 
@@ -125,6 +130,99 @@ def _d2d_time(dev: Device, stream: Stream, shape: Sequence[int], iters: int) -> 
     return statistics.median(times)
 
 
+class _InlineStream(EmulatedStream):
+    """An emulated stream that runs submitted work at once, on the caller's thread, as CUDA's ``submit`` does."""
+
+    def submit(self, fn: Callable[[], object], *, explicit: bool = False) -> None:
+        """Run ``fn`` now."""
+        fn()
+
+
+class _TorchCalls(TorchFunctionMode):
+    """Counts the torch calls made at the top level (not those inside another torch call), by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter[str] = Counter()
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        owner = getattr(func, "__self__", None)  # a property's getter: name the property (shape, dtype, ...)
+        name = getattr(owner, "__name__", None) if type(owner).__name__ == "getset_descriptor" else None
+        self.calls[name or getattr(func, "__name__", None) or str(func)] += 1
+        tracer = sys.gettrace()
+        sys.settrace(None)  # what runs inside a torch call (the CPU reference of an op) is not the caller's work
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            sys.settrace(tracer)
+
+
+_COUNTER_CODE = _TorchCalls.__torch_function__.__code__
+
+
+def host_work(seqs: int = 64, calls: int = 50) -> dict[str, dict[str, Any]]:
+    """Per gather-mode call of ``seqs`` sequences: torch calls and Python bytecodes, staged and racy.
+
+    Counted on the emulated device through a stream that runs the op at submit (so the op's own Python path,
+    which CUDA runs at submit too, is counted; the op itself is one torch call). Between calls (uncounted)
+    one slot of the batch is refilled, as a scheduler does, so every staged call refreshes one row. Torch
+    calls are those a ``TorchFunctionMode`` sees (tensor methods, properties, ops; ``torch.from_numpy`` and
+    CUDA events are not among them); bytecodes are counted with ``sys.settrace``.
+    """
+    pools, max_blocks = 2, 16
+    table = BlockOffsetTable(pools, 4 * seqs, max_blocks, device="cpu", depth=4)
+    rng = np.random.default_rng(0)
+    for slot in range(4 * seqs):
+        for p in range(pools):
+            table.set_row(slot, p, rng.integers(0, 1 << 20, size=max_blocks))
+    slots = np.sort(rng.choice(4 * seqs, size=seqs, replace=False))
+    dst = torch.zeros(table.device_shape(seqs), dtype=torch.int32)
+    stream = _InlineStream("host-work")
+    naive = InplaceShipper(table)
+    kw: dict[str, Any] = {"stream": stream, "mode": "gather", "max_blocks": max_blocks, "scale": [2, 2]}
+    paths: dict[str, Callable[[], object]] = {
+        "staged": lambda: table.copy_batch_block_offsets(dst, slots, v_offset=[1, 1], **kw),
+        "racy": lambda: naive.ship(dst, slots, v_offset=[1, 1], **kw),
+    }
+    out: dict[str, dict[str, Any]] = {}
+    try:
+        for name, call in paths.items():
+            for _ in range(3):  # warm-up: the row versions, the coefficient cache, the staging buffer
+                call()
+            opcodes: Counter[str] = Counter()
+
+            def tracer(frame: Any, event: str, arg: object, opcodes: Counter[str] = opcodes) -> Any:
+                if event == "call":
+                    if frame.f_code is _COUNTER_CODE:
+                        return None  # the counter's own bytecodes
+                    frame.f_trace_opcodes = True
+                elif event == "opcode":
+                    opcodes[frame.f_code.co_qualname] += 1
+                return tracer
+
+            counter = _TorchCalls()
+            for i in range(calls):
+                table.set_row(int(slots[i % seqs]), 0, rng.integers(0, 1 << 20, size=max_blocks))
+                with counter:
+                    sys.settrace(tracer)
+                    try:
+                        call()
+                    finally:
+                        sys.settrace(None)
+            out[name] = {
+                "torch_calls": counter.calls.total() / calls,
+                "bytecodes": sum(opcodes.values()) / calls,
+                "torch_by_name": {k: v / calls for k, v in counter.calls.most_common()},
+                "bytecodes_by_function": {k: v / calls for k, v in opcodes.most_common(12)},
+            }
+    finally:
+        table.synchronize()
+        stream.close()
+    return out
+
+
 def run(quick: bool, device: str) -> dict[str, Any]:
     """Run the page-table benchmarks; the JSON payload."""
     dev = resolve_device(device)
@@ -197,6 +295,7 @@ def run(quick: bool, device: str) -> dict[str, Any]:
         table.synchronize()
         stream.close()
     stats = table.staging.statistics()
+    work = host_work()
     return {
         "name": NAME,
         "machine": machine_info(device if dev.is_cuda else "cpu"),
@@ -210,6 +309,10 @@ def run(quick: bool, device: str) -> dict[str, Any]:
             f"gather implementation: {gather_impl}",
             "targets: host_x_racy <= 1.2; gather dev_x_d2d <= 2 (d2d = a bare device-to-device copy of the same bytes)",
             f"staging after the run: peak_live={stats.peak_live} allocated={stats.allocated} acquired={stats.acquired}",
+            "host work per gather call (64 seqs, counted on the emulated device, op run at submit as on CUDA): "
+            + ", ".join(
+                f"{k} {v['torch_calls']:.0f} torch calls / {v['bytecodes']:.0f} bytecodes" for k, v in work.items()
+            ),
         ],
     }
 
