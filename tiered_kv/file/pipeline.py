@@ -13,12 +13,20 @@ after a failure no further block starts, and an exception in a step fails that b
 
 * host pool -> file: checksum on the launcher thread, then ``pwrite`` (header, payload, padding).
 * file -> host pool: ``pread``, length checked on the I/O thread, verified on a worker.
-* GPU -> file: GPU block -> staging block on the offload stream (``_stage_out``); from the stream's
-  completion, ``pwrite`` of the staging block (with GDS: of the GPU block itself; the staged copy is what is
-  checksummed).
-* file -> GPU: ``pread`` into a staging block, verified, then staging -> GPU block on the onboard stream
-  (``_stage_in``): a block that fails verification never reaches the GPU pool. With GDS: ``pread`` into
-  the GPU block, a staged copy back (``_stage_out``), verified.
+
+GPU pools go through the staging ring (:mod:`~tiered_kv.file.ring`) in *groups*: a group of up to
+``ring.group`` blocks takes its staging blocks at once and crosses the host<->device link in **one stream op**
+(one copier call for all its block pairs) with **one completion**, instead of one op, one event and one
+thread hop per block (on a host where a torch call costs tens of microseconds that fixed cost, not the ring
+depth, bounded 1 MiB blocks; notes/issue-14-filepipe.md). After a failure no further group starts.
+
+* GPU -> file: the group's GPU blocks -> its staging blocks on the offload stream (``_link``); from that
+  op's completion, one ``pwrite`` per staging block (with GDS: of the GPU block itself; the staged copy is
+  what is checksummed).
+* file -> GPU: one ``pread`` per block into its staging block, each verified on a worker; once every member
+  of the group is in, the verified ones go staging -> GPU blocks in one op on the onboard stream: a block
+  that fails verification is left out of the op and never reaches the GPU pool, and the group's good blocks
+  still land. With GDS: ``pread`` into the GPU blocks, one staged copy back for the group, each verified.
 
 A batch that writes finishes through the index (:meth:`~tiered_kv.file.index.SlotIndex.finish_write`: its
 slots become valid only if every block landed and, per :class:`~tiered_kv.file.config.Durability`, was
@@ -127,6 +135,7 @@ class FileCopy:
         self.io = io
         self.write = write
         self.layer_major = pool if isinstance(pool, LayerMajorPool) else None
+        self._side = pool if isinstance(pool, BlockPool) else None
         self.pool = pool.tensor if isinstance(pool, BlockPool) else torch.empty(0)
         if self.layer_major is not None and copier is None:
             raise ValueError("copies between a layer-major pool and the file tier need the engine's copier")
@@ -176,11 +185,12 @@ class FileCopy:
         self._hdrs = aligned_empty(HEADER_SIZE * n).numpy().reshape(n, HEADER_SIZE)  # one aligned header per block
         if ring is None:
             self._pool_np = self.pool.reshape(self.pool.shape[0], -1).view(torch.uint8).numpy()  # block -> bytes
-        for j in range(n):
-            if ring is not None:
-                ring.acquire(functools.partial(self._step, j, step=self._run_staged))
-            else:
+            for j in range(n):
                 self._step(j, None, step=self._run_host)
+            return
+        for first in range(0, n, ring.group):  # a group of staging blocks crosses the link in one stream op
+            js = list(range(first, min(n, first + ring.group)))
+            ring.acquire_group(len(js), functools.partial(self._run_group, js))
 
     def _step(self, j: int, buf: int | None, step: Step) -> None:
         """Run ``step(j, buf)`` unless the batch already failed; an exception in it fails block ``j``."""
@@ -204,65 +214,177 @@ class FileCopy:
         else:
             self._read(j, buf, payload, verify_with=payload, then=self._block_done)
 
-    # GPU pools through staging ---------------------------------------------------------------------
+    # GPU pools through staging, a group of blocks per stream op -------------------------------------
 
-    def _staging(self, buf: int | None) -> torch.Tensor:
+    def _run_group(self, js: list[int], bufs: list[int]) -> None:
+        """Blocks ``js`` hold staging blocks ``bufs``: start their group (all of it, or none after a failure)."""
+        if self._error is not None:  # fail fast: do not start more groups after a block failed
+            for j, buf in zip(js, bufs, strict=True):
+                self._job_done(j, buf, None)
+            return
+        if self.write:  # GPU blocks -> staging in one op; then one pwrite per block
+            self._link(js, bufs, to_staging=True, then=self._write_group)
+            return
+        group = _Group(js, bufs)
+        for k in range(len(js)):
+            self._read_member(group, k)
+
+    def _write_group(self, js: list[int], bufs: list[int]) -> None:
+        for j, buf in zip(js, bufs, strict=True):
+            self._step(j, buf, step=self._write_staged)
+
+    def _write_staged(self, j: int, buf: int | None) -> None:
         assert buf is not None
-        return self.io.ring().tensor[buf]
+        staging = self.io.ring().array[buf]
+        self._write(j, buf, self._gpu_block(j) if self.direct_device else staging, staging)
+
+    def _read_member(self, group: _Group, k: int) -> None:
+        """Read (and, unless GDS, verify) member ``k`` of a read group; the group crosses the link when all are in.
+
+        Every member of a started group is read and verified, also after another block failed: the group's
+        verified blocks land together (a block that failed verification is left out of the group's op).
+        """
+        io, geo = self.io, self.io.geometry
+        j, buf = group.js[k], group.bufs[k]
+        hdr = self._hdrs[j]
+        staging = io.ring().array[buf]  # a numpy row: no torch call per block
+
+        def failed(exc: BaseException) -> None:
+            self._job_done(j, buf, exc)
+            self._member_in(group, k, ok=False)
+
+        def check(n: int) -> None:
+            if n < HEADER_SIZE + geo.payload_bytes:
+                raise IntegrityError(
+                    f"file slot {self.slots[j]}: short read ({n} of {geo.slot_size} bytes; the file is truncated)"
+                )
+
+        def read(_: object) -> None:
+            if self.direct_device:  # GDS: the GPU block was read; it is verified after the group's staged copy
+                self._member_in(group, k, ok=True)
+                return
+            _chain(
+                io.workers.submit(self._verify, j, hdr, staging), lambda _: self._member_in(group, k, ok=True), failed
+            )
+
+        try:
+            payload: Buffer = self._gpu_block(j) if self.direct_device else staging
+            pad = [io.trash_pad] if io.trash_pad is not None else []
+            fut = io.backend.pread([hdr, payload, *pad], geo.offset(self.slots[j]), after=check)
+        except BaseException as exc:  # reported through done()
+            failed(exc)
+            return
+        _chain(fut, read, failed)
+
+    def _member_in(self, group: _Group, k: int, *, ok: bool) -> None:
+        """Member ``k`` of a read group is read and verified (``ok``) or failed; the last one sends the group on."""
+        with self._lock:
+            if ok:
+                group.good.append(k)
+            group.left -= 1
+            last = group.left == 0
+        if not last or not group.good:
+            return
+        good = sorted(group.good)
+        js = [group.js[k] for k in good]
+        bufs = [group.bufs[k] for k in good]
+        if not self.direct_device:  # staging -> GPU blocks in one op; a block is done when the op is
+            self._link(js, bufs, to_staging=False, then=self._blocks_done)
+        else:  # GDS: GPU blocks -> staging in one op, then each staged copy is verified
+            self._link(js, bufs, to_staging=True, then=self._verify_group)
+
+    def _verify_group(self, js: list[int], bufs: list[int]) -> None:
+        ring = self.io.ring()
+        for j, buf in zip(js, bufs, strict=True):
+            fut = self.io.workers.submit(self._verify, j, self._hdrs[j], ring.array[buf])
+            _chain(fut, functools.partial(self._ok, j, buf), functools.partial(self._job_done, j, buf))
+
+    def _ok(self, j: int, buf: int, _: object) -> None:
+        self._job_done(j, buf, None)
+
+    def _blocks_done(self, js: list[int], bufs: list[int]) -> None:
+        for j, buf in zip(js, bufs, strict=True):
+            self._job_done(j, buf, None)
+
+    def _link(
+        self, js: list[int], bufs: list[int], *, to_staging: bool, then: Callable[[list[int], list[int]], None]
+    ) -> None:
+        """One stream op: GPU blocks of ``js`` -> staging blocks ``bufs`` (or back), and one completion.
+
+        The completion runs ``then(js, bufs)`` on the stream's waiter thread. If the op fails, every block of
+        it fails with that error (and ``then`` does not run). Never raises: a failure fails the blocks.
+        """
+        stream = self.stream
+        assert stream is not None
+        failure: list[BaseException] = []
+
+        def fail_all(exc: BaseException) -> None:
+            for j, buf in zip(js, bufs, strict=True):
+                self._job_done(j, buf, exc)
+
+        def run() -> None:
+            try:
+                with self._cuda_device():
+                    op()
+            except BaseException as exc:  # reported by the completion below
+                failure.append(exc)
+
+        def landed() -> None:
+            if failure:
+                fail_all(failure[0])
+                return
+            try:
+                then(js, bufs)
+            except BaseException as exc:  # a bug; do not strand the group
+                fail_all(exc)
+
+        try:
+            op, explicit = self._group_op([self.blocks[j] for j in js], bufs, to_staging)
+            stream.submit(run, explicit=explicit)
+            stream.notify(landed)
+        except BaseException as exc:  # reported through done()
+            fail_all(exc)
+
+    def _group_op(self, blocks: list[int], bufs: list[int], to_staging: bool) -> tuple[Callable[[], None], bool]:
+        """The op copying ``blocks`` of the GPU pool to/from staging ``bufs``, and whether it names its stream."""
+        ring = self.io.ring()
+        side = self.layer_major if self.layer_major is not None else self._side
+        if self.io.device.is_cuda or (side is not None and not isinstance(side, BlockPool)):
+            if self.copier is not None and side is not None:  # the engine's copier: one kernel / DMA batch call
+                if to_staging:
+                    op = self.copier.build(side, blocks, ring.pool, bufs, None, stream=self.stream)
+                else:
+                    op = self.copier.build(ring.pool, bufs, side, blocks, None, stream=self.stream)
+                return op, bool(getattr(op, "explicit_stream", False))
+            gpu_t = self.pool.reshape(self.pool.shape[0], -1).view(torch.uint8)
+            staging_t = ring.tensor
+
+            def copy_each() -> None:  # no copier (a FileCopy made by hand): one copy_ per pair, one stream op
+                for b, s in zip(blocks, bufs, strict=True):
+                    if to_staging:
+                        staging_t[s].copy_(gpu_t[b], non_blocking=True)
+                    else:
+                        gpu_t[b].copy_(staging_t[s], non_blocking=True)
+
+            return copy_each, False
+        # The emulated device (block-major pool in host memory): a memcpy per pair through numpy rows. The
+        # copier's CPU reference gathers into a fresh temporary first (two copies and an allocation per op),
+        # which would make the emulated link leg, not the pipeline, what a CPU run measures.
+        gpu_np = self.pool.reshape(self.pool.shape[0], -1).view(torch.uint8).numpy()
+        staging_np = ring.array
+
+        def copy_rows() -> None:
+            for b, s in zip(blocks, bufs, strict=True):
+                if to_staging:
+                    np.copyto(staging_np[s], gpu_np[b])
+                else:
+                    np.copyto(gpu_np[b], staging_np[s])
+
+        return copy_rows, False
 
     def _gpu_block(self, j: int) -> torch.Tensor:
         """Block ``j`` of a block-major GPU pool as bytes (the I/O buffer of GDS)."""
         return self.pool[self.blocks[j]].reshape(-1).view(torch.uint8)
-
-    def _run_staged(self, j: int, buf: int | None) -> None:
-        if self.write:
-            self._on_stream(j, buf, self._to_staging, then=self._write_staged)
-        elif not self.direct_device:
-            staging = self._staging(buf)
-            self._read(j, buf, staging, verify_with=staging, then=self._stage_in)
-        else:
-            self._read(j, buf, self._gpu_block(j), verify_with=None, then=self._stage_out_to_verify)
-
-    def _write_staged(self, j: int, buf: int | None) -> None:
-        staging = self._staging(buf)
-        self._write(j, buf, self._gpu_block(j) if self.direct_device else staging, staging)
-
-    def _stage_in(self, j: int, buf: int | None) -> None:
-        self._on_stream(j, buf, self._from_staging, then=self._block_done)
-
-    def _stage_out_to_verify(self, j: int, buf: int | None) -> None:
-        self._on_stream(j, buf, self._to_staging, then=self._verify_staged)
-
-    def _verify_staged(self, j: int, buf: int | None) -> None:
-        fut = self.io.workers.submit(self._verify, j, self._hdrs[j], self._staging(buf))
-        self._then(fut, j, buf, lambda _: self._job_done(j, buf, None))
-
-    def _on_stream(self, j: int, buf: int | None, op: Step, *, then: Step) -> None:
-        """Queue ``op(j, buf)`` on the batch's stream; its completion runs ``then`` (on the stream's waiter)."""
-        assert self.stream is not None
-        self.stream.submit(functools.partial(op, j, buf))
-        self.stream.notify(functools.partial(self._step, j, buf, step=then))
-
-    def _to_staging(self, j: int, buf: int | None) -> None:
-        """(On the stream.) GPU block ``j`` -> staging block ``buf``."""
-        with self._cuda_device():
-            if self.layer_major is not None:  # gather the block's layers*kv chunks with the engine's copier
-                assert self.copier is not None and buf is not None
-                at, sb = np.array([self.blocks[j]]), np.array([buf])
-                self.copier.build(self.layer_major, at, self.io.ring().pool, sb, None)()
-            else:
-                self._staging(buf).copy_(self._gpu_block(j), non_blocking=True)
-
-    def _from_staging(self, j: int, buf: int | None) -> None:
-        """(On the stream.) Staging block ``buf`` -> GPU block ``j``."""
-        with self._cuda_device():
-            if self.layer_major is not None:  # scatter into the block's layers*kv chunks
-                assert self.copier is not None and buf is not None
-                self.copier.build(
-                    self.io.ring().pool, np.array([buf]), self.layer_major, np.array([self.blocks[j]]), None
-                )()
-            else:
-                self._gpu_block(j).copy_(self._staging(buf), non_blocking=True)
 
     def _cuda_device(self) -> contextlib.AbstractContextManager[Any]:
         dev = self.io.device
@@ -454,3 +576,34 @@ class FileCopy:
 
     def __repr__(self) -> str:
         return f"<FileCopy {'write' if self.write else 'read'} blocks:{len(self.slots)} left:{self._left}>"
+
+
+class _Group:
+    """A read group: its blocks, their staging blocks, and which members are in (under the copy's lock)."""
+
+    __slots__ = ("bufs", "good", "js", "left")
+
+    def __init__(self, js: list[int], bufs: list[int]) -> None:
+        self.js = js
+        self.bufs = bufs
+        self.left = len(js)
+        self.good: list[int] = []  # members read and verified
+
+
+def _chain(
+    fut: Completion | concurrent.futures.Future[Any], ok: Callable[[Any], None], failed: Callable[[BaseException], None]
+) -> None:
+    """When ``fut`` is done: ``ok(result)``, or ``failed(error)`` if it (or ``ok``) raised."""
+
+    def cb(f: Any) -> None:
+        try:
+            value = f.result()
+        except BaseException as exc:  # reported through failed()
+            failed(exc)
+            return
+        try:
+            ok(value)
+        except BaseException as exc:  # reported through failed()
+            failed(exc)
+
+    fut.add_done_callback(cb)

@@ -49,7 +49,7 @@ from .index import SlotIndex, SlotState
 from .pipeline import FileCopy, IoCounters, SlabIO
 from .place import check_space, prepare_directory
 from .recovery import OpenReport, open_slab, take_lock
-from .ring import StagingRing, measure_legs, ring_depth
+from .ring import StagingRing, group_size, measure_legs, ring_depth
 
 __all__ = ["FileTier", "FileTierStatistics"]
 
@@ -320,7 +320,8 @@ class FileTier:
     def _staging_ring(self) -> StagingRing:
         with self._ring_lock:
             if self._ring is None:
-                self._ring = StagingRing(self.device, self.layout, self._ring_depth())
+                depth, group = self._ring_depth()
+                self._ring = StagingRing(self.device, self.layout, depth, group)
             return self._ring
 
     @property
@@ -328,22 +329,37 @@ class FileTier:
         """Blocks in the GPU<->file staging ring (sizes it now if no GPU copy has yet)."""
         return self._staging_ring().count
 
-    def _ring_depth(self) -> int:
-        """The configured ring size, or one from bandwidth x latency measured now (once per tier)."""
+    @property
+    def staging_group(self) -> int:
+        """Blocks moved between the GPU and the staging ring in one stream op (sizes the ring now if needed)."""
+        return self._staging_ring().group
+
+    def _ring_depth(self) -> tuple[int, int]:
+        """``(depth, group)``: the ring size and the blocks per host<->device stream op.
+
+        The size is the configured one, or one from bandwidth x latency measured now (once per tier); the group
+        is :func:`~tiered_kv.file.ring.group_size` of it.
+        """
+        bpb = self.layout.bytes_per_block
         if self.config.staging_blocks is not None:
-            return self.config.staging_blocks
-        limit = max(2, self.config.staging_bytes // self.layout.bytes_per_block)
+            depth = self.config.staging_blocks
+            return depth, group_size(bpb, depth)
+        limit = max(2, self.config.staging_bytes // bpb)
+        group = group_size(bpb, limit)
         disk_s, link_s = measure_legs(self.device, self.path, self.geometry.offset(0), self.slot_size)
-        depth = ring_depth(disk_s, link_s, self.config.io_threads, limit=limit)
+        depth = ring_depth(disk_s, link_s, self.config.io_threads, limit=limit, group=group)
+        group = group_size(bpb, depth)
         log.info(
-            "file tier %s: staging ring of %d blocks (one block: file %.0f us, host<->device %.0f us, %d I/O threads)",
+            "file tier %s: staging ring of %d blocks, %d per stream op (one block: file %.0f us, host<->device "
+            "%.0f us, %d I/O threads)",
             self.path,
             depth,
+            group,
             disk_s * 1e6,
             link_s * 1e6,
             self.config.io_threads,
         )
-        return depth
+        return depth, group
 
     # ------------------------------------------------------------------------------------ lifecycle
 
