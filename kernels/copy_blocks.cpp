@@ -113,6 +113,9 @@ void issue_dma(const BlockCopyGeometry& g, const std::vector<char*>& dbase, cons
       if (g.rows == 1 && g.width == g.src_block_stride && g.width == g.dst_block_stride) {
         dense.add(d, s, static_cast<size_t>(run * g.width));  // dense run: one 1-D copy
         continue;
+      } else if (g.rows == 1 && run == 1) {
+        dense.add(d, s, static_cast<size_t>(g.width));  // one chunk of one block (scattered layer-major): 1-D too
+        continue;
       } else if (g.rows == 1) {
         err = cudaMemcpy2DAsync(d, g.dst_block_stride, s, g.src_block_stride, g.width, run, cudaMemcpyDefault, stream);
       } else {
