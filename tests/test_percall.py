@@ -196,24 +196,38 @@ def test_copy_blocks_list_cuda_matches_reference(
 
 
 @pytest.mark.gpu
-async def test_engine_small_calls_use_the_list_op_on_their_stream(layout: KVLayout) -> None:
+@pytest.mark.parametrize("native", [True, False])
+async def test_engine_small_calls_use_the_list_op_on_their_stream(
+    layout: KVLayout, native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A small call is one native submission (or, with TIERED_KV_NATIVE=0, the list op); a big one the tensor op."""
+    from tiered_kv.copyops import NativeRoute
+
+    monkeypatch.setenv("TIERED_KV_NATIVE", "1" if native else "0")
     big = SMALL_CALL_BLOCKS + 8
     async with TransferEngine(layout, gpu_blocks=big, host_blocks=big, device="cuda") as engine:
+        assert engine.copier.native is native
         g = fill_pool(engine, "gpu", 9)
+        torch.cuda.synchronize()
         calls: list[str] = []
-        real_build = engine.copier.build
+        real_build, real_job = engine.copier.build, NativeRoute.job
 
         def build(*args, **kwargs):
             op = real_build(*args, **kwargs)
             calls.append("list" if getattr(op, "explicit_stream", False) else "tensor")
             return op
 
+        def job(self, s, d):
+            calls.append("native")
+            return real_job(self, s, d)
+
         engine.copier.build = build  # type: ignore[method-assign]
+        monkeypatch.setattr(NativeRoute, "job", job)
         engine.stream("offload").submit(lambda: torch.cuda._sleep(50_000_000))  # later work must queue behind it
         await engine.copy(Tier.GPU, [1, 2], Tier.HOST, [3, 4])
         everything = np.arange(big)
         await engine.copy(Tier.GPU, everything, Tier.HOST, everything[::-1].copy())
-        assert calls == ["list", "tensor"]
+        assert calls == ["native" if native else "list", "tensor"]
         host = engine.pool(Tier.HOST).tensor.cpu()
         for i in range(big):
             assert same(host[big - 1 - i], g[i]), i

@@ -156,6 +156,7 @@ class Copier:
 
             self._native = _ext.native()
         self._native_plans: dict[tuple[int, int], tuple[_PairInfo, int]] = {}
+        self._native_routes: list[NativeRoute] = []  # their per-path totals are part of statistics()
         self._finalizer = weakref.finalize(self, _free_native_plans, self._native_plans)
 
     def _pair(self, src_pool: Side, dst_pool: Side, n: int) -> _PairInfo:
@@ -208,7 +209,9 @@ class Copier:
         info = self._pair(src_pool, dst_pool, src_pool.layout.tokens_per_block)
         if self._plan(info, [0], [0]).path not in ("kernel", "dma"):
             return None
-        return NativeRoute(self, info, stream, self._native.submit)
+        route = NativeRoute(self, info, stream, self._native.submit)
+        self._native_routes.append(route)
+        return route
 
     def _account(self, path: str, nbytes: int) -> None:
         with self._lock:
@@ -385,7 +388,13 @@ class Copier:
     def statistics(self) -> CopierStatistics:
         """Calls and bytes per path so far."""
         with self._lock:
-            return CopierStatistics(dict(self._calls), dict(self._bytes))
+            calls, nbytes = dict(self._calls), dict(self._bytes)
+        for route in self._native_routes:
+            for path, (n, b) in route.totals.items():
+                if n:
+                    calls[path] = calls.get(path, 0) + n
+                    nbytes[path] = nbytes.get(path, 0) + b
+        return CopierStatistics(calls, nbytes)
 
     def __repr__(self) -> str:
         kernels = "kernels" if self.kernels else ("no kernels" if self.device.is_cuda else "emulated")
@@ -440,7 +449,7 @@ class NativeRoute:
     the copier's per-path totals, and the job.
     """
 
-    __slots__ = ("_block_bytes", "_copier", "_info", "_plans", "_single", "_stream", "_submit")
+    __slots__ = ("_block_bytes", "_copier", "_info", "_plans", "_single", "_stream", "_submit", "totals")
 
     def __init__(self, copier: Copier, info: _PairInfo, stream: CudaStream, submit: Callable[..., Event]) -> None:
         self._copier = copier
@@ -453,17 +462,20 @@ class NativeRoute:
             "kernel": copier._native_plan(info, n, ops.METHOD_KERNEL),
             "dma": copier._native_plan(info, n, ops.METHOD_DMA),
         }
+        #: path -> [calls, bytes] of this route, summed into the copier's statistics (updated on the loop only)
+        self.totals: dict[str, list[int]] = {"kernel": [0, 0], "dma": [0, 0]}
         single = copier._plan(info, [0], [0]).path  # one pair is one run: its path never changes
-        self._single = (single, self._plans[single])
+        self._single = (self._plans[single], self.totals[single])
 
     def job(self, s: list[int], d: list[int]) -> NativeCopy:
         """The job of copying blocks ``s`` to blocks ``d`` (valid small int lists: the engine checked them)."""
         if len(s) == 1:
-            path, plan = self._single
+            plan, totals = self._single
         else:
             path = self._copier._plan(self._info, s, d).path
-            plan = self._plans[path]
-        self._copier._account(path, len(s) * self._block_bytes)
+            plan, totals = self._plans[path], self.totals[path]
+        totals[0] += 1
+        totals[1] += len(s) * self._block_bytes
         return NativeCopy(self._stream, self._submit, plan, s, d)
 
 

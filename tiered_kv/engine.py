@@ -596,7 +596,11 @@ class TransferEngine:
             count = len(s_list)
             transfer = Transfer(marker, src_t, dst_t, count, count * self._block_bytes)
             self._submitted += 1
-            self._start(loop, marker, job, self._fences.fence(marker, src_pool.name, s_list, dst_pool.name, d_list))
+            deps = self._fences.fence(marker, src_pool.name, s_list, dst_pool.name, d_list)
+            if deps:
+                self._start(loop, marker, job, deps)
+            else:
+                self._enqueue(marker, job, deps)
             self._inflight.add(marker)
             self._meta[marker] = (direction, transfer.nbytes, count, transfer.submitted_at)
             return transfer
@@ -720,7 +724,7 @@ class TransferEngine:
             inbox.post(marker)
 
         lane = marker.lane
-        if lane is not None:
+        if lane is not None and stream_deps:
             for dep in stream_deps:
                 assert dep.event is not None
                 lane.wait(dep.event)
