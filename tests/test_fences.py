@@ -126,12 +126,14 @@ def test_pending_readers_keep_registration_order_and_release_in_any_order():
 
 def test_fence_of_a_copy_equals_dependencies_then_register() -> None:
     """``fence`` (the per-call path: one pair with plain dict operations) keeps the rules of the general calls.
+    Copies of up to 12 pairs, some reading one source block twice.
 
     Two tables see the same random copies (one or several pairs, one pool or two, releases in random order):
     one through ``dependencies`` + ``register``, one through ``fence``; the dependencies and the pending state
     must match after every step.
     """
     rng = random.Random(3)
+    blocks = 30
     ref, fast = FenceTable(), FenceTable()
     live: list[tuple[Marker, Marker]] = []
     names = ["gpu", "host"]
@@ -143,9 +145,11 @@ def test_fence_of_a_copy_equals_dependencies_then_register() -> None:
                 m.complete()
             continue
         src, dst = rng.choice(names), rng.choice(names)
-        k = rng.choice([1, 1, 1, 2, 3])
-        s = rng.sample(range(8), k)
-        d = rng.sample([b for b in range(8) if src != dst or b not in s], k)
+        k = rng.choice([1, 1, 1, 2, 3, 9, 12])
+        s = rng.sample(range(blocks), k)
+        if k > 3 and rng.random() < 0.5:
+            s[-1] = s[0]  # a source block read twice by one copy
+        d = rng.sample([b for b in range(blocks) if src != dst or b not in s], k)
         a, b = Marker(None), Marker(None)
         r, w = [(src, s)], [(dst, d)]
         want = ref.dependencies(r, w)
@@ -157,7 +161,7 @@ def test_fence_of_a_copy_equals_dependencies_then_register() -> None:
         live.append((a, b))
         pairs[a] = b
         for pool in names:
-            for block in range(8):
+            for block in range(blocks):
                 w_ref, r_ref = ref.pending(pool, block)
                 w_fast, r_fast = fast.pending(pool, block)
                 assert w_fast is (None if w_ref is None else pairs[w_ref])

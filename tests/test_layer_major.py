@@ -208,6 +208,11 @@ async def test_cuda_engine_uses_kernel_for_small_chunks_and_dma_for_blocks() -> 
         await engine.copy(Tier.GPU, list(range(64)), Tier.HOST, list(range(64)))  # one 8 MiB run
         assert engine.copier.statistics().calls == {"dma": 1}
         assert_blocks_equal(engine.pool(Tier.HOST).tensor, engine.pool(Tier.GPU).tensor)
+        await engine.copy(Tier.HOST, [3], Tier.GPU, [9])  # one 128 KiB block: one piece, one DMA call
+        assert engine.copier.statistics().calls == {"dma": 2}
+        await engine.copy(Tier.GPU, [1, 5], Tier.HOST, [2, 6])  # two pieces of 128 KiB: the kernel
+        assert engine.copier.statistics().calls == {"dma": 2, "kernel": 1}
+        assert_blocks_equal(engine.pool(Tier.HOST).tensor, engine.pool(Tier.GPU).tensor)
 
 
 @pytest.mark.parametrize("num_tokens", [None, 3])
