@@ -26,6 +26,9 @@ Notes:
     ``TORCH_CUDA_ARCH_LIST``) picks the architectures (default: the visible GPU's, or ``9.0`` without one);
     ``TIERED_KV_KERNELS_DIR`` points at the sources; ``TIERED_KV_EXT_BUILDER`` = ``auto`` (ninja when
     present) / ``ninja`` / ``direct``.
+
+Size: a little over 500 lines: discovery, the two builders (ninja and direct), the build cache and the two
+loaders (torch ops, Python module) of one extension.
 """
 
 from __future__ import annotations

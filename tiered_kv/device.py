@@ -8,12 +8,17 @@ Primitives (one small interface, two implementations):
   calls ``cb`` from another thread once everything submitted before it has executed (no polling),
   ``synchronize()``, ``close()``.
 * :class:`Event` -- ``query()``, ``synchronize()``.
+* :meth:`CudaStream.notify_native` -- ``notify`` for native code that enqueues the work, a pooled event and the
+  waiter's signal in one call (the native submission path of small copies, ``kernels/fast_path.cpp``).
 * :class:`Device` -- makes streams and pool memory; ``resolve_device("auto")`` picks CUDA when present.
 
 On CUDA, ``submit(fn)`` calls ``fn`` at once under the stream, so whatever ``fn`` enqueues (copies, kernels)
 runs later on the GPU. The emulated device keeps the same semantics with threads: each stream is a FIFO
 worker thread and ``fn`` runs when the worker reaches it, *not* when it is submitted. That is what makes
 the races of the seeds reproducible on a CPU: a host buffer read by a queued op is read at execution time.
+
+Size: a little over 500 lines: one stream / event interface and its two implementations (CUDA with its
+waiter thread and host-function signal, and the emulated device).
 """
 
 from __future__ import annotations

@@ -31,6 +31,9 @@ depth, bounded 1 MiB blocks; notes/issue-14-filepipe.md). After a failure no fur
 A batch that writes finishes through the index (:meth:`~tiered_kv.file.index.SlotIndex.finish_write`: its
 slots become valid only if every block landed and, per :class:`~tiered_kv.file.config.Durability`, was
 synced); a read that fails verification drops its slot (:meth:`~tiered_kv.file.index.SlotIndex.drop_if`).
+
+Size: about 600 lines: the per-block steps of the four directions and the grouped GPU legs share one set of
+rules (a block that fails never lands, a batch's slots become valid only when every block landed).
 """
 
 from __future__ import annotations

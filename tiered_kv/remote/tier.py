@@ -25,6 +25,9 @@ Failure model: a missing object, one that fails verification or a lease that exp
 transfer with :class:`~tiered_kv.errors.RemoteStoreError` (destination blocks untouched). After a failure the
 tier stays away from the store for ``backoff`` seconds (gets answer "miss" at once, puts are dropped), then
 tries again: requests are never stalled behind a dead or hung store for more than one timeout.
+
+Size: a little over 500 lines: the tier's put / get / drain life cycle and its lease rules (staging and
+counters are modules of their own).
 """
 
 from __future__ import annotations
