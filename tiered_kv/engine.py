@@ -591,16 +591,16 @@ class TransferEngine:
         if native is not None and small is not None and num_tokens is None and layers is None and keys is None:
             # the per-call path of small whole-block copies on CUDA: no Batch, handler or op objects in between
             s_list, d_list = small
-            job = native.job(s_list, d_list)
-            marker = Marker(job.stream)
+            native_job = native.job(s_list, d_list)
+            marker = Marker(native_job.stream)
             count = len(s_list)
             transfer = Transfer(marker, src_t, dst_t, count, count * self._block_bytes)
             self._submitted += 1
             deps = self._fences.fence(marker, src_pool.name, s_list, dst_pool.name, d_list)
             if deps:
-                self._start(loop, marker, job, deps)
+                self._start(loop, marker, native_job, deps)
             else:
-                self._enqueue(marker, job, deps)
+                self._enqueue(marker, native_job, deps)
             self._inflight.add(marker)
             self._meta[marker] = (direction, transfer.nbytes, count, transfer.submitted_at)
             return transfer
