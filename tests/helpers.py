@@ -46,3 +46,12 @@ def disable_fences(monkeypatch: Any) -> None:
 
     monkeypatch.setattr(FenceTable, "dependencies", lambda self, reads, writes: set())
     monkeypatch.setattr(FenceTable, "fence", fence)
+
+
+def flip_byte(path: str, offset: int) -> None:
+    """Corrupt one byte of a file in place (bit 6 flipped): what a torn or rotten sector leaves behind."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x40]))

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import flip_byte
 
 from tiered_kv import (
     IntegrityError,
@@ -319,14 +320,6 @@ def _exists(path: str) -> bool:
     return os.access(path, os.F_OK)
 
 
-def _flip(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x40]))
-
-
 @pytest.mark.parametrize("where", ["payload", "payload_last", "header_key", "header_generation", "header_tail"])
 async def test_corruption_is_an_integrity_error(layout: KVLayout, tmp_path, device: str, where: str) -> None:
     async with make_engine(layout, tmp_path, device) as eng:
@@ -342,7 +335,7 @@ async def test_corruption_is_an_integrity_error(layout: KVLayout, tmp_path, devi
             "header_generation": base + 44,
             "header_tail": base + HEADER_SIZE - 1,
         }[where]
-        _flip(ft.path, where_at)
+        flip_byte(ft.path, where_at)
         eng.block(Tier.GPU, 1).zero_()
         settle(eng)
         with pytest.raises(IntegrityError, match="file slot 3 failed verification"):
@@ -389,8 +382,8 @@ async def test_restart_recovers_verified_blocks_and_nothing_else(layout: KVLayou
         await eng.copy(Tier.HOST, [7], Tier.FILE, [15], keys=keys(7))
         assert eng.file_tier.lookup(b"key-7") == 15
         ft = eng.file_tier
-        _flip(ft.path, ft.offset(2) + HEADER_SIZE + 5)  # payload of key-1
-        _flip(ft.path, ft.offset(4) + 30)  # header of key-2
+        flip_byte(ft.path, ft.offset(2) + HEADER_SIZE + 5)  # payload of key-1
+        flip_byte(ft.path, ft.offset(4) + 30)  # header of key-2
         path = ft.path
     _copy_slot(path, 6, 9, HEADER_SIZE + 4096)  # a slot copied to another position is foreign
     async with make_engine(layout, tmp_path) as eng:
