@@ -258,6 +258,21 @@ async def test_cancelled_transfer_await_forgets_its_waiter(layout: KVLayout) -> 
 # --------------------------------------------------------------------------------------------- host work
 
 
+async def _host_work_of_one_copy(device: str) -> dict[str, Any]:
+    """Bytecodes and Python calls per 1-block ``copy()`` (warmed up), counted by the per-call probe."""
+    from tiered_kv.tools.bench.percall_probe import host_work
+
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, tokens_per_block=4)
+    async with TransferEngine(layout, gpu_blocks=64, host_blocks=64, device=device) as engine:
+        if device == "cuda":
+            assert engine.copier.native, "the extension must expose the native submission path on a CUDA machine"
+        for _ in range(20):
+            await engine.copy(Tier.GPU, [0], Tier.HOST, [1])
+        work = host_work(engine)
+        await asyncio.gather(*work.pop("_transfers"))
+    return work
+
+
 async def test_host_work_of_one_small_copy_stays_within_budget() -> None:
     """The Python work of one 1-block ``copy()``, counted in bytecodes and calls (the same on any machine).
 
@@ -265,14 +280,7 @@ async def test_host_work_of_one_small_copy_stays_within_budget() -> None:
     were memoized; 1,226 / 31 after (CPython 3.11). The budget leaves room for another interpreter version,
     not for new per-call work: that needs a measurement and a new budget.
     """
-    from tiered_kv.tools.bench.percall_probe import host_work
-
-    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, tokens_per_block=4)
-    async with TransferEngine(layout, gpu_blocks=64, host_blocks=64, device="cpu") as engine:
-        for _ in range(20):
-            await engine.copy(Tier.GPU, [0], Tier.HOST, [1])
-        work = host_work(engine)
-        await asyncio.gather(*work.pop("_transfers"))
+    work = await _host_work_of_one_copy("cpu")
     assert work["python_calls_per_copy"] <= 36, work["by_function"]
     assert work["bytecodes_per_copy"] <= 1400, work["by_function"]
 
@@ -284,14 +292,6 @@ async def test_host_work_of_one_native_copy_stays_within_budget() -> None:
     1,030 bytecodes and 31 Python calls through the torch ops; 533 / 13.7 through the native path (H100 and
     H200, CPython 3.12, measured by ``python -m tiered_kv.tools.bench.percall_probe``).
     """
-    from tiered_kv.tools.bench.percall_probe import host_work
-
-    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, tokens_per_block=4)
-    async with TransferEngine(layout, gpu_blocks=64, host_blocks=64, device="cuda") as engine:
-        assert engine.copier.native, "the extension must expose the native submission path on a CUDA machine"
-        for _ in range(20):
-            await engine.copy(Tier.GPU, [0], Tier.HOST, [1])
-        work = host_work(engine)
-        await asyncio.gather(*work.pop("_transfers"))
+    work = await _host_work_of_one_copy("cuda")
     assert work["python_calls_per_copy"] <= 18, work["by_function"]
     assert work["bytecodes_per_copy"] <= 650, work["by_function"]
