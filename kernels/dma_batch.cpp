@@ -12,34 +12,37 @@ namespace {
 std::atomic<bool> g_enabled{true};
 std::atomic<bool> g_refused{false};  // the runtime answered cudaErrorNotSupported once: never try again
 std::atomic<int64_t> g_batches{0};   // batch calls the runtime accepted (tests check the batch path ran)
+constexpr size_t kSplitFrom = 16;    // batches of at least this many copies go as a head and the rest
+constexpr size_t kHead = 4;
 
 #if defined(CUDART_VERSION) && CUDART_VERSION >= 12080
 constexpr bool kBuiltWithBatch = true;
 
-cudaError_t batch_call(const DmaBatch& b, cudaStream_t stream) {
+// copies [first, first + count) of b as one batch call
+cudaError_t batch_call(const DmaBatch& b, size_t first, size_t count, cudaStream_t stream) {
   cudaMemcpyAttributes attr{};
   attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;  // sources read in stream order, like cudaMemcpyAsync
   attr.flags = cudaMemcpyFlagDefault;
   size_t attr_index = 0;
-  void* const* dsts = b.dsts.data();
-  const void* const* srcs = b.srcs.data();
-  size_t* sizes = const_cast<size_t*>(b.sizes.data());
+  void* const* dsts = b.dsts.data() + first;
+  const void* const* srcs = b.srcs.data() + first;
+  size_t* sizes = const_cast<size_t*>(b.sizes.data()) + first;
 #if CUDART_VERSION >= 13000
-  return cudaMemcpyBatchAsync(dsts, srcs, sizes, b.sizes.size(), &attr, &attr_index, 1, stream);
+  return cudaMemcpyBatchAsync(dsts, srcs, sizes, count, &attr, &attr_index, 1, stream);
 #else
   size_t fail_index = 0;
-  return cudaMemcpyBatchAsync(const_cast<void**>(dsts), const_cast<void**>(srcs), sizes, b.sizes.size(), &attr,
-                              &attr_index, 1, &fail_index, stream);
+  return cudaMemcpyBatchAsync(const_cast<void**>(dsts), const_cast<void**>(srcs), sizes, count, &attr, &attr_index, 1,
+                              &fail_index, stream);
 #endif
 }
 #else
 constexpr bool kBuiltWithBatch = false;
 
-cudaError_t batch_call(const DmaBatch&, cudaStream_t) { return cudaErrorNotSupported; }
+cudaError_t batch_call(const DmaBatch&, size_t, size_t, cudaStream_t) { return cudaErrorNotSupported; }
 #endif
 
-cudaError_t per_copy(const DmaBatch& b, cudaStream_t stream) {
-  for (size_t i = 0; i < b.sizes.size(); ++i) {
+cudaError_t per_copy(const DmaBatch& b, size_t first, cudaStream_t stream) {
+  for (size_t i = first; i < b.sizes.size(); ++i) {
     const cudaError_t err = cudaMemcpyAsync(b.dsts[i], b.srcs[i], b.sizes[i], cudaMemcpyDefault, stream);
     if (err != cudaSuccess) return err;
   }
@@ -63,21 +66,33 @@ bool dma_batch_available() { return kBuiltWithBatch && g_enabled.load() && !g_re
 bool dma_batch_set_enabled(bool enabled) { return g_enabled.exchange(enabled); }
 
 cudaError_t dma_flush(const DmaBatch& batch, cudaStream_t stream) {
-  if (batch.sizes.empty()) return cudaSuccess;
+  const size_t n = batch.sizes.size();
+  if (n == 0) return cudaSuccess;
   // The batch call does not take the legacy default stream (cudaErrorInvalidValue): the loop serves it.
   const bool legacy = stream == nullptr || stream == cudaStreamLegacy;
-  if (batch.sizes.size() > 1 && !legacy && dma_batch_available()) {
-    const cudaError_t err = batch_call(batch, stream);
-    if (err == cudaSuccess) {
+  if (n > 1 && !legacy && dma_batch_available()) {
+    // The runtime starts a batch only once the whole call has returned (~1 us of host time per copy): a long
+    // batch goes as a short head, which the copy engines start on at once, then the rest behind it. Measured on
+    // an H100, 256 scattered 2 MiB copies: one call 10.47 ms issue-to-done, head of 4 + rest 10.28 ms, one
+    // contiguous copy of the same bytes 10.21 ms (kernels/probes/pcie_probe.cu, dma_issue).
+    const size_t head = n >= kSplitFrom ? kHead : n;
+    size_t done = 0;
+    for (const size_t count : {head, n - head}) {
+      if (count == 0) break;
+      const cudaError_t err = batch_call(batch, done, count, stream);
+      if (err != cudaSuccess) {
+        (void)cudaGetLastError();  // neither error is sticky: clear it so the loop starts clean
+        if (err == cudaErrorNotSupported) g_refused.store(true);
+        // Any refusal: the loop issues the copies not yet issued and reports the error that is really there,
+        // if any (the batch call validates before it enqueues anything).
+        return per_copy(batch, done, stream);
+      }
       g_batches.fetch_add(1);
-      return cudaSuccess;
+      done += count;
     }
-    (void)cudaGetLastError();  // neither error is sticky: clear it so the loop starts clean
-    if (err == cudaErrorNotSupported) g_refused.store(true);
-    // Any other refusal: the loop issues the same copies and reports the error that is really there, if any
-    // (the batch call validates before it enqueues anything, and re-issuing a copy writes the same bytes).
+    return cudaSuccess;
   }
-  return per_copy(batch, stream);
+  return per_copy(batch, 0, stream);
 }
 
 }  // namespace tiered_kv

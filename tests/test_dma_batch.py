@@ -99,3 +99,25 @@ def test_batch_call_is_used_where_the_runtime_has_it(batch_mode: Callable[[int],
     torch.cuda.synchronize()
     assert batch_mode(2) - before == (1 if built else 0)
     assert bool(batch_mode(-1)) == built, "the batch call was refused (cudaErrorNotSupported): the loop is in use"
+
+
+@pytest.mark.parametrize(("src_at", "dst_at"), [("cuda", "pinned"), ("pinned", "cuda")])
+def test_a_long_batch_goes_as_a_head_and_the_rest(batch_mode: Callable[[int], int], src_at: str, dst_at: str) -> None:
+    """40 scattered copies: two batch calls (a short head the copy engines start on at once, then the rest), and
+    every block lands where the reference puts it; 15 copies stay one call."""
+    built = tuple(int(x) for x in (torch.version.cuda or "0.0").split(".")[:2]) >= (12, 8)
+    batch_mode(1)
+    n = 64
+    gen = torch.Generator().manual_seed(3)
+    for pairs, calls in ((40, 2), (15, 1)):
+        s = torch.randperm(n, generator=gen)[:pairs]
+        d = torch.randperm(n, generator=gen)[:pairs]
+        src, dst = _side("block", n, src_at), _side("block", n, dst_at)
+        expected = _logical("block", dst)
+        expected[d] = _logical("block", src)[s]
+        before = batch_mode(2)
+        with torch.cuda.stream(torch.cuda.Stream()):
+            ops.copy_blocks(dst, src, s, d, method=ops.METHOD_DMA)
+        torch.cuda.synchronize()
+        assert_blocks_equal(_logical("block", dst), expected, f"{pairs} scattered copies")
+        assert batch_mode(2) - before == (calls if built else 0)

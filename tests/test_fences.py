@@ -166,3 +166,20 @@ def test_fence_of_a_copy_equals_dependencies_then_register() -> None:
                 w_fast, r_fast = fast.pending(pool, block)
                 assert w_fast is (None if w_ref is None else pairs[w_ref])
                 assert list(r_fast) == [pairs[m] for m in r_ref]
+
+
+def test_live_counts_registered_ops_per_pool_until_released() -> None:
+    """``live(pool)``: ops holding entries in the pool, registered by either path and not released yet."""
+    table = FenceTable()
+    a, b, c = Marker(None), Marker(None), Marker(None)
+    table.register(a, [("gpu", [0, 1])], [("host", [5])])
+    table.fence(b, "host", [7], "host", [8])  # one pool on both sides counts once
+    table.fence(c, "gpu", [2], "disk", [0])
+    assert (table.live("gpu"), table.live("host"), table.live("disk"), table.live("other")) == (2, 2, 1, 0)
+    table.release(a)
+    table.release(a)  # a second release changes nothing
+    assert (table.live("gpu"), table.live("host")) == (1, 1)
+    table.release(b)
+    table.release(c)
+    assert (table.live("gpu"), table.live("host"), table.live("disk")) == (0, 0, 0)
+    assert not table

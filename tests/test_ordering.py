@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 from helpers import disable_fences, fill_pool, same, snapshot
 
@@ -195,6 +196,76 @@ async def test_many_blocks_scattered_and_contiguous(device, layout):
         assert result.num_blocks == len(src) and result.nbytes == len(src) * layout.bytes_per_block
         for si, di in zip(src, dst, strict=True):
             assert_blocks_equal(snapshot(engine, "host", di), g[si], f"host {di}")
+
+
+LARGE = 300  # more pairs than the small-call path takes: the general path, whose fence entries go in after the launch
+
+
+def _large_pairs(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.permutation(2 * LARGE)[:LARGE], rng.permutation(2 * LARGE)[:LARGE], rng.permutation(2 * LARGE)
+
+
+async def large_raw_scenario(engine: TransferEngine) -> bool:
+    """A large offload behind a stall, then a large onboard of the same host blocks. True when the onboard read
+    what the offload wrote."""
+    g = fill_pool(engine, "gpu", 31)
+    fill_pool(engine, "host", 32)
+    src, host, _ = _large_pairs(1)
+    back = np.setdiff1d(np.arange(2 * LARGE), src)[:LARGE]
+    stall(engine.stream("offload"), STALL)
+    t1 = engine.copy(Tier.GPU, src, Tier.HOST, host)
+    t2 = engine.copy(Tier.HOST, host, Tier.GPU, back)
+    await asyncio.gather(t1, t2)
+    return all(same(snapshot(engine, "gpu", int(b)), g[int(a)]) for a, b in zip(src, back, strict=True))
+
+
+async def test_large_calls_read_after_write(device, layout):
+    """Regression: the general path registers its fence entries after the launch; the next call still sees
+    them (and a pool whose every op was released has nothing live)."""
+    async with TransferEngine(layout, gpu_blocks=2 * LARGE, host_blocks=2 * LARGE, device=device) as engine:
+        assert await large_raw_scenario(engine)
+        assert engine.fences.stream_waits >= 1
+        assert engine.fences.live("host") == 0 and engine.fences.live("gpu") == 0
+        assert not engine.fences
+
+
+async def test_large_calls_read_after_write_without_fences_is_corrupted(device, layout, no_fences):
+    no_fences()
+    async with TransferEngine(layout, gpu_blocks=2 * LARGE, host_blocks=2 * LARGE, device=device) as engine:
+        assert not await large_raw_scenario(engine)
+
+
+async def test_large_calls_write_after_read(device, layout):
+    """A large onboard behind a stall reads host blocks that a large offload then overwrites: the onboard gets
+    the old bytes, the host the new ones."""
+    async with TransferEngine(layout, gpu_blocks=2 * LARGE, host_blocks=2 * LARGE, device=device) as engine:
+        g = fill_pool(engine, "gpu", 33)
+        h = fill_pool(engine, "host", 34)
+        host, dst, _ = _large_pairs(2)
+        src = np.setdiff1d(np.arange(2 * LARGE), dst)[:LARGE]
+        stall(engine.stream("onboard"), STALL)
+        t1 = engine.copy(Tier.HOST, host, Tier.GPU, dst)
+        t2 = engine.copy(Tier.GPU, src, Tier.HOST, host)
+        await asyncio.gather(t1, t2)
+        for i in range(LARGE):
+            assert same(snapshot(engine, "gpu", int(dst[i])), h[int(host[i])]), f"gpu {dst[i]} read the new bytes"
+            assert same(snapshot(engine, "host", int(host[i])), g[int(src[i])]), f"host {host[i]}"
+
+
+@pytest.mark.parametrize("pool_blocks", [2 * LARGE, 64 * LARGE])
+async def test_large_call_index_errors(device, layout, pool_blocks):
+    """The vectorized checks of a large call (a count per block in a small pool, a sort in a large one) give the
+    same errors as the small-call path, before anything is enqueued."""
+    async with TransferEngine(layout, gpu_blocks=pool_blocks, host_blocks=pool_blocks, device=device) as engine:
+        src = np.arange(LARGE)
+        dup = np.arange(LARGE)
+        dup[7] = dup[200]
+        with pytest.raises(ValueError, match=r"destination indices contain duplicates: \[200\]"):
+            engine.copy(Tier.GPU, src, Tier.HOST, dup)
+        with pytest.raises(ValueError, match=r"blocks \[299\] are both a source and a destination"):
+            engine.copy(Tier.GPU, src, Tier.GPU, np.arange(LARGE - 1, 2 * LARGE - 1))
+        assert engine.statistics().submitted == 0 and not engine.fences
 
 
 async def test_done_respects_fence_order(device, layout):

@@ -183,6 +183,20 @@ class FenceTable:
         self._reads: dict[str, dict[int, Marker | dict[Marker, None]]] = {}
         self.stream_waits = 0
         self.loop_waits = 0
+        # pool -> registered markers holding entries there and not released yet; a pool at 0 has nothing to wait
+        # for, whatever its size (the engine then skips the lookups, and the index lists, before a launch)
+        self._live: dict[str, int] = {}
+        self._holding: dict[Marker, tuple[str, ...]] = {}  # marker -> the pools it counts in
+
+    def live(self, pool: str) -> int:
+        """How many registered, not yet released ops hold entries in ``pool`` (0: nothing to wait for there)."""
+        return self._live.get(pool, 0)
+
+    def _hold(self, marker: Marker, pools: tuple[str, ...]) -> None:
+        live = self._live
+        for pool in pools:
+            live[pool] = live.get(pool, 0) + 1
+        self._holding[marker] = pools
 
     def dependencies(
         self, reads: Iterable[tuple[str, list[int]]], writes: Iterable[tuple[str, list[int]]]
@@ -211,6 +225,7 @@ class FenceTable:
         """Record ``marker`` as a pending read of ``reads`` and the pending write of ``writes``."""
         marker.reads = reads
         marker.writes = writes
+        self._hold(marker, tuple({pool: None for pool, _ in (*reads, *writes)}))
         for pool, indices in reads:
             rt = self._reads.setdefault(pool, {})
             shared = rt.keys() & indices
@@ -274,10 +289,15 @@ class FenceTable:
             rt[x] = {readers: None, marker: None}
         marker.reads = [(src_pool, s)]
         marker.writes = [(dst_pool, d)]
+        self._hold(marker, (src_pool,) if src_pool == dst_pool else (src_pool, dst_pool))
         return out
 
     def release(self, marker: Marker) -> None:
         """Drop ``marker``'s entries (called once the op has completed)."""
+        pools = self._holding.pop(marker, ())
+        live = self._live
+        for pool in pools:
+            live[pool] -= 1
         for pool, indices in marker.reads:
             rt = self._reads[pool]
             rget = rt.get

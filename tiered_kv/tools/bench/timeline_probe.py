@@ -1,0 +1,177 @@
+"""Timeline probe (CUDA): where the wall time of one large engine copy goes.
+
+Primitives:
+
+* :func:`timeline` -- one case's split; :func:`main`.
+
+For each case, a few awaited copies run under torch's profiler (CPU and CUDA activity); per call the trace
+gives the host time before the first device activity starts (``before_device_us``), the device's busy span
+(``device_us``), and the time from the last device activity to the awaiting coroutine resuming
+(``after_device_us``), next to the time ``copy()`` itself took to return. Run on a GPU::
+
+    python -m tiered_kv.tools.bench.timeline_probe --json timeline.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from ...config import EngineConfig
+from ...engine import TransferEngine
+from ...layer_major import LayerMajorPool
+from ...layout import KVLayout
+from ...pools import Tier
+
+__all__ = ["main", "timeline"]
+
+_DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+
+
+async def _profiled_calls(
+    engine: TransferEngine, src: Tier, s: np.ndarray, dst: Tier, d: np.ndarray, calls: int
+) -> Any:
+    for _ in range(3):  # warm-up: plans, staging, lazy init
+        await engine.copy(src, s, dst, d)
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    returns: list[float] = []
+    with torch.profiler.profile(activities=activities) as prof:
+        for i in range(calls):
+            torch.cuda.synchronize()
+            with torch.profiler.record_function(f"tkv_call_{i}"):
+                t0 = time.perf_counter()
+                transfer = engine.copy(src, s, dst, d)
+                returns.append(time.perf_counter() - t0)
+                await transfer
+    return prof, returns
+
+
+async def _plain_calls(
+    engine: TransferEngine, src: Tier, s: np.ndarray, dst: Tier, d: np.ndarray, calls: int
+) -> dict[str, float]:
+    """The same calls without the profiler: host clock only (``done_at`` is when the completion signal fired)."""
+    keys = ("returns_us", "signal_us", "signal_to_resume_us", "total_us")
+    out: dict[str, list[float]] = {k: [] for k in keys}
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        transfer = engine.copy(src, s, dst, d)
+        t1 = time.perf_counter()
+        await transfer
+        t2 = time.perf_counter()
+        done = transfer.completed_at or t2
+        for k, v in zip(keys, (t1 - t0, done - t0, t2 - done, t2 - t0), strict=True):
+            out[k].append(v * 1e6)
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
+def _split(prof: Any, calls: int) -> list[dict[str, float]]:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    ranges = {}
+    device = []
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        name, cat = e.get("name", ""), e.get("cat", "")
+        if cat == "user_annotation" and name.startswith("tkv_call_"):
+            ranges[int(name.rsplit("_", 1)[1])] = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+        elif cat in _DEVICE_CATS:
+            device.append((float(e["ts"]), float(e["ts"]) + float(e["dur"]), name))
+    out = []
+    for i in range(calls):
+        if i not in ranges:
+            continue
+        c0, c1 = ranges[i]
+        mine = [(a, b, n) for a, b, n in device if c0 <= a <= c1]
+        if not mine:
+            continue
+        g0, g1 = min(a for a, _, _ in mine), max(b for _, b, _ in mine)
+        busy = sum(b - a for a, b, _ in mine)
+        out.append(
+            {
+                "call_us": c1 - c0,
+                "before_device_us": g0 - c0,
+                "device_us": g1 - g0,
+                "device_busy_us": busy,
+                "after_device_us": c1 - g1,
+                "device_ops": len(mine),
+            }
+        )
+    return out
+
+
+async def timeline(
+    name: str, layout: KVLayout, blocks: int, mode: str, layer_major: bool, calls: int = 5
+) -> dict[str, Any]:
+    """Median split of ``calls`` awaited GPU->host and host->GPU copies of ``blocks`` scattered blocks."""
+    cfg = EngineConfig.from_env(copy_path=mode)
+    kwargs: dict[str, Any] = {}
+    if layer_major:
+        kwargs["gpu_pool"] = LayerMajorPool.allocate(layout, blocks, "cuda", split_kv=True)
+    else:
+        kwargs["gpu_blocks"] = blocks
+    rng = np.random.default_rng(1)
+    s, d = rng.permutation(blocks), rng.permutation(blocks)
+    row: dict[str, Any] = {"case": name, "blocks": blocks, "mode": mode, "MiB": blocks * layout.bytes_per_block / 2**20}
+    async with TransferEngine(layout, host_blocks=blocks, device="cuda", config=cfg, **kwargs) as engine:
+        for direction, (st, dt) in {"offload": (Tier.GPU, Tier.HOST), "onboard": (Tier.HOST, Tier.GPU)}.items():
+            prof, returns = await _profiled_calls(engine, st, s, dt, d, calls)
+            parts = _split(prof, calls)
+            med: dict[str, Any] = {k: statistics.median(p[k] for p in parts) for k in parts[0]} if parts else {}
+            med["profiled_copy_returns_us"] = statistics.median(returns) * 1e6
+            med.update(await _plain_calls(engine, st, s, dt, d, calls))
+            med["path"] = next(iter(engine.copier.statistics().calls), "")
+            row[direction] = med
+    return row
+
+
+async def _all() -> list[dict[str, Any]]:
+    bm2 = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, tokens_per_block=16, dtype=torch.float16)
+    lm4 = KVLayout(num_layers=4, num_kv_heads=1, head_dim=128, tokens_per_block=16, dtype=torch.bfloat16)
+    lm64 = KVLayout(num_layers=4, num_kv_heads=16, head_dim=128, tokens_per_block=16, dtype=torch.bfloat16)
+    rows = [
+        await timeline("block-major 2 MiB", bm2, 256, "auto", False),
+        await timeline("layer-major 4 KiB chunks", lm4, 8192, "kernel", True),
+        await timeline("layer-major 4 KiB chunks", lm4, 8192, "dma", True),
+        await timeline("layer-major 64 KiB chunks", lm64, 512, "kernel", True),
+    ]
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line entry point."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args(argv)
+    rows = asyncio.run(_all())
+    for r in rows:
+        for direction in ("offload", "onboard"):
+            m = r[direction]
+            print(
+                f"{r['case']:28} {r['mode']:6} {direction:8} blocks={r['blocks']:5} MiB={r['MiB']:6.0f}"
+                + f" path={m.get('path')!s:8}"
+                + "".join(f" {k}={v:.0f}" for k, v in m.items() if isinstance(v, float))
+            )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
