@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import time
 from typing import Any
 
 import numpy as np
@@ -151,3 +152,76 @@ async def test_layer_slice_runs_count_as_one_piece(layout: KVLayout) -> None:
         assert (scattered.runs, scattered.piece_bytes) == (4, layer_bytes)
         whole = copier.plan(engine.pool(Tier.HOST), np.arange(8), engine.pool(Tier.GPU), np.arange(8), None)
         assert whole.piece_bytes == 8 * layout.bytes_per_block
+
+
+async def layerwise_then_offload(engine: TransferEngine) -> bool:
+    """A layer-by-layer load whose groups land 50 ms apart, then an offload of the loaded GPU blocks (another
+    stream): True when the offload saw every layer of the load (the fence entry of the whole load is its last
+    group). Emulated device: each piece of work on the onboard stream sleeps after it runs."""
+    h = fill_pool(engine, "host", 11)
+    engine.pool(Tier.GPU).tensor.zero_()
+    onboard = engine.stream("onboard")
+    submit = onboard.submit
+
+    def slow_submit(fn: Any, *, explicit: bool = False) -> None:
+        def run() -> None:
+            fn()
+            time.sleep(0.05)
+
+        submit(run, explicit=explicit)
+
+    onboard.submit = slow_submit  # type: ignore[method-assign]
+    lw = copy_layerwise(engine, Tier.HOST, [3, 1], Tier.GPU, [0, 2], group_layers=1)
+    out = engine.copy(Tier.GPU, [0, 2], Tier.HOST, [5, 4])
+    await lw
+    await out
+    return same(snapshot(engine, "host", 5), h[3]) and same(snapshot(engine, "host", 4), h[1])
+
+
+async def test_a_later_copy_waits_for_every_group(layout: KVLayout) -> None:
+    async with TransferEngine(layout, gpu_blocks=4, host_blocks=6, device="cpu") as engine:
+        assert await layerwise_then_offload(engine)
+        assert engine.fences.stream_waits >= 1 and not engine.fences
+        assert engine.statistics().submitted == layout.num_layers + 1
+
+
+async def test_a_later_copy_without_fences_is_corrupted(layout: KVLayout, monkeypatch: pytest.MonkeyPatch) -> None:
+    from helpers import disable_fences
+
+    disable_fences(monkeypatch)
+    async with TransferEngine(layout, gpu_blocks=4, host_blocks=6, device="cpu") as engine:
+        assert not await layerwise_then_offload(engine)
+
+
+async def test_layerwise_waits_for_a_pending_write_of_its_sources(device: str, layout: KVLayout) -> None:
+    """The dependencies of the whole copy hold for every group: each layer reads the offload's bytes."""
+    async with TransferEngine(layout, gpu_blocks=4, host_blocks=4, device=device) as engine:
+        g = fill_pool(engine, "gpu", 12)
+        stall(engine.stream("offload"), 0.2)
+        first = engine.copy(Tier.GPU, [1], Tier.HOST, [2])
+        lw = copy_layerwise(engine, Tier.HOST, [2], Tier.GPU, [3], group_layers=1)
+        await first
+        await lw
+        assert same(snapshot(engine, "gpu", 3), g[1])
+
+
+async def test_a_bad_group_enqueues_nothing(layout: KVLayout) -> None:
+    async with TransferEngine(layout, gpu_blocks=2, host_blocks=2, device="cpu") as engine:
+        for groups, err in (([(0, 1), (1, 9)], ValueError), ([], ValueError), ([(0, 1), [1, 2]], TypeError)):
+            with pytest.raises(err):
+                engine.copy_layer_groups(Tier.HOST, [0], Tier.GPU, [1], groups)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="duplicates"):
+            engine.copy_layer_groups(Tier.HOST, [0, 1], Tier.GPU, [1, 1], [(0, 1)])
+        assert engine.statistics().submitted == 0 and not engine.fences
+
+
+async def test_host_to_host_groups_are_separate_copies(layout: KVLayout) -> None:
+    """Host-to-host groups run on host threads side by side: each is fenced as a copy of its own."""
+    async with TransferEngine(layout, gpu_blocks=2, host_blocks=6, device="cpu") as engine:
+        h = fill_pool(engine, "host", 13)
+        lw = copy_layerwise(engine, Tier.HOST, [0, 1], Tier.HOST, [4, 5], group_layers=1)
+        after = engine.copy(Tier.HOST, [4], Tier.HOST, [3])
+        await lw
+        await after
+        assert same(snapshot(engine, "host", 4), h[0]) and same(snapshot(engine, "host", 5), h[1])
+        assert same(snapshot(engine, "host", 3), h[0])

@@ -543,6 +543,70 @@ class TransferEngine:
             )
         return self._copy(src_tier, src_indices, dst_tier, dst_indices, num_tokens=num_tokens, keys=keys, layers=layers)
 
+    def copy_layer_groups(
+        self,
+        src_tier: Tier | str,
+        src_indices: Indices,
+        dst_tier: Tier | str,
+        dst_indices: Indices,
+        groups: Sequence[tuple[int, int]],
+        *,
+        num_tokens: int | None = None,
+    ) -> list[Transfer]:
+        """One copy issued as one transfer per layer group, in order (:func:`tiered_kv.layerwise.copy_layerwise`).
+
+        The same as ``[copy(..., layers=g) for g in groups]``, with the per-call work done once: the indices are
+        checked once, every group is planned before any is enqueued (a bad group enqueues nothing), and the fence
+        table is consulted once and holds one entry per block for the whole copy (its last group: the groups run
+        in order on one copy stream, so the last one done means all are).
+
+        Raises:
+            ValueError / TypeError: as :meth:`copy`, or ``groups`` empty. Nothing is enqueued.
+        """
+        if self._owner is not None:
+            return [self.copy(src_tier, src_indices, dst_tier, dst_indices, layers=g) for g in groups]  # raises
+        loop = self._check_open()
+        try:
+            route = self._resolved[src_tier, dst_tier]
+        except (KeyError, TypeError):
+            route = self._resolve_route(src_tier, dst_tier)
+        src_t, dst_t, src_pool, dst_pool, handler, memory, direction, _ = route
+        if not groups:
+            raise ValueError("groups must name at least one (start, stop) layer range")
+        spans: list[tuple[int, int]] = []
+        for g in groups:
+            span = self._check_layers(g, memory)
+            assert span is not None
+            spans.append(span)
+        small = small_pairs(src_indices, dst_indices, src_pool.num_blocks, dst_pool.num_blocks, src_pool is dst_pool)
+        s, d = small if small is not None else self._check_indices(src_pool, src_indices, dst_pool, dst_indices)
+        n = self._check_tokens(num_tokens)
+        tokens = None if num_tokens is None else int(num_tokens)
+        jobs = [handler.prepare(handler.validate(Batch(src_t, s, dst_t, d, tokens, None, span))) for span in spans]
+        lane = jobs[0].lane
+        count = len(s)
+        if lane is None or count == 0 or any(job.lane is not lane for job in jobs):
+            # off-stream groups (host threads) run side by side, not in order: each is its own copy
+            return [self._copy(src_t, s, dst_t, d, num_tokens=num_tokens, layers=g) for g in groups]
+        layout = self.layout
+        per_layer = (self._block_bytes if n is None else layout.partial_bytes(n)) // layout.num_layers
+        fences = self._fences
+        src_name, dst_name = src_pool.name, dst_pool.name
+        reads: list[tuple[str, list[int]]] = [(src_name, s if isinstance(s, list) else s.tolist())]
+        writes: list[tuple[str, list[int]]] = [(dst_name, d if isinstance(d, list) else d.tolist())]
+        deps = list(fences.dependencies(reads, writes)) if fences.live(src_name) or fences.live(dst_name) else []
+        transfers = []
+        for (start, stop), job in zip(spans, jobs, strict=True):
+            marker = Marker(lane)
+            transfer = Transfer(marker, src_t, dst_t, count, count * per_layer * (stop - start))
+            self._submitted += 1
+            self._start(loop, marker, job, deps)  # the same dependencies for each: on one lane they cost nothing
+            self._inflight.add(marker)
+            self._meta[marker] = (direction, transfer.nbytes, count, transfer.submitted_at)
+            transfers.append(transfer)
+        fences.register(transfers[-1]._marker, reads, writes)
+        return transfers
+
     def claim(self, owner: str) -> Callable[..., Transfer]:
         """Give every block of this engine to ``owner`` (a cache's block manager decides what each holds).
 

@@ -135,5 +135,5 @@ def copy_layerwise(
         s = list(src_indices)  # an iterator is consumed once; every group needs the indices
     d: Any = dst_indices if isinstance(dst_indices, (np.ndarray, torch.Tensor, list)) else list(dst_indices)
     groups = layer_groups(engine.layout.num_layers, group_layers)
-    transfers = [engine.copy(src_tier, s, dst_tier, d, num_tokens=num_tokens, layers=g) for g in groups]
+    transfers = engine.copy_layer_groups(src_tier, s, dst_tier, d, groups, num_tokens=num_tokens)
     return LayerwiseTransfer(engine, groups, transfers)
