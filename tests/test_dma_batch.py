@@ -84,7 +84,9 @@ def test_batch_and_per_block_dma_match_the_reference(
         if not (available and stream == "side"):
             assert batched == 0, "the batch call ran while off or on the legacy default stream"
         elif indices == "scattered" and num_tokens is None:
-            assert batched == 1, "eight scattered whole-block copies went out as one batch call"
+            # 8 copies (block-major) in one batch call; 24 (8 blocks x 3 layers) as a head and the rest
+            copies = 8 if kind == "block" else 8 * L
+            assert batched == (1 if copies < 16 else 2), f"{copies} scattered whole-chunk copies: batch calls"
 
 
 def test_batch_call_is_used_where_the_runtime_has_it(batch_mode: Callable[[int], int]) -> None:

@@ -201,39 +201,41 @@ async def test_many_blocks_scattered_and_contiguous(device, layout):
 LARGE = 300  # more pairs than the small-call path takes: the general path, whose fence entries go in after the launch
 
 
-def _large_pairs(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _large_pairs(seed: int, n: int = LARGE) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
-    return rng.permutation(2 * LARGE)[:LARGE], rng.permutation(2 * LARGE)[:LARGE], rng.permutation(2 * LARGE)
+    return rng.permutation(2 * LARGE)[:n], rng.permutation(2 * LARGE)[:n], rng.permutation(2 * LARGE)
 
 
-async def large_raw_scenario(engine: TransferEngine) -> bool:
-    """A large offload behind a stall, then a large onboard of the same host blocks. True when the onboard read
-    what the offload wrote."""
+async def large_raw_scenario(engine: TransferEngine, n: int) -> bool:
+    """An offload of ``n`` blocks behind a stall, then an onboard of the same host blocks. True when the onboard
+    read what the offload wrote."""
     g = fill_pool(engine, "gpu", 31)
     fill_pool(engine, "host", 32)
-    src, host, _ = _large_pairs(1)
-    back = np.setdiff1d(np.arange(2 * LARGE), src)[:LARGE]
+    src, host, _ = _large_pairs(1, n)
+    back = np.setdiff1d(np.arange(2 * LARGE), src)[:n]
     stall(engine.stream("offload"), STALL)
-    t1 = engine.copy(Tier.GPU, src, Tier.HOST, host)
+    t1 = engine.copy(Tier.GPU, src.tolist(), Tier.HOST, host.tolist())
     t2 = engine.copy(Tier.HOST, host, Tier.GPU, back)
     await asyncio.gather(t1, t2)
     return all(same(snapshot(engine, "gpu", int(b)), g[int(a)]) for a, b in zip(src, back, strict=True))
 
 
-async def test_large_calls_read_after_write(device, layout):
-    """Regression: the general path registers its fence entries after the launch; the next call still sees
-    them (and a pool whose every op was released has nothing live)."""
+@pytest.mark.parametrize("n", [64, LARGE])  # the small-call path (native on CUDA) and the general path
+async def test_large_calls_read_after_write(device, layout, n):
+    """Regression: a many-block call with nothing pending registers its fence entries after the launch; the
+    next call still sees them (and a pool whose every op was released has nothing live)."""
     async with TransferEngine(layout, gpu_blocks=2 * LARGE, host_blocks=2 * LARGE, device=device) as engine:
-        assert await large_raw_scenario(engine)
+        assert await large_raw_scenario(engine, n)
         assert engine.fences.stream_waits >= 1
         assert engine.fences.live("host") == 0 and engine.fences.live("gpu") == 0
         assert not engine.fences
 
 
-async def test_large_calls_read_after_write_without_fences_is_corrupted(device, layout, no_fences):
+@pytest.mark.parametrize("n", [64, LARGE])
+async def test_large_calls_read_after_write_without_fences_is_corrupted(device, layout, no_fences, n):
     no_fences()
     async with TransferEngine(layout, gpu_blocks=2 * LARGE, host_blocks=2 * LARGE, device=device) as engine:
-        assert not await large_raw_scenario(engine)
+        assert not await large_raw_scenario(engine, n)
 
 
 async def test_large_calls_write_after_read(device, layout):

@@ -660,11 +660,17 @@ class TransferEngine:
             count = len(s_list)
             transfer = Transfer(marker, src_t, dst_t, count, count * self._block_bytes)
             self._submitted += 1
-            deps = self._fences.fence(marker, src_pool.name, s_list, dst_pool.name, d_list)
-            if deps:
-                self._start(loop, marker, native_job, deps)
+            fences = self._fences
+            if count > 1 and not fences.live(src_pool.name) and not fences.live(dst_pool.name):
+                # nothing to wait for: launch, then the entries (a many-block call's bookkeeping overlaps its copy)
+                self._enqueue(marker, native_job, [])
+                fences.register(marker, [(src_pool.name, s_list)], [(dst_pool.name, d_list)])
             else:
-                self._enqueue(marker, native_job, deps)
+                deps = fences.fence(marker, src_pool.name, s_list, dst_pool.name, d_list)
+                if deps:
+                    self._start(loop, marker, native_job, deps)
+                else:
+                    self._enqueue(marker, native_job, deps)
             self._inflight.add(marker)
             self._meta[marker] = (direction, transfer.nbytes, count, transfer.submitted_at)
             return transfer

@@ -233,13 +233,31 @@ static void emit(const char* what, const char* dir, int64_t chunk, const std::st
 // dir: 0 = host -> GPU (onboard, reads host), 1 = GPU -> host (offload, writes host)
 template <int U, int Hint>
 static void run_warp(Ctx& c, Offsets& o, int dir, int64_t chunk, int64_t piece, int ctas_per_sm, int threads,
-                     cudaStream_t st, int64_t first, int64_t count) {
+                     cudaStream_t st, int64_t first, int64_t count, int grid = 0) {
   char* dst = dir == 0 ? c.dev : c.host;
   const char* src = dir == 0 ? c.host : c.dev;
   const int64_t* doff = (dir == 0 ? o.dev_d : o.host_d) + first;
   const int64_t* soff = (dir == 0 ? o.host_d : o.dev_d) + first;
-  warp_kernel<U, Hint><<<c.sms * ctas_per_sm, threads, 0, st>>>(dst, src, doff, soff, count, chunk,
-                                                                 std::min(piece, chunk));
+  warp_kernel<U, Hint><<<grid > 0 ? grid : c.sms * ctas_per_sm, threads, 0, st>>>(dst, src, doff, soff, count, chunk,
+                                                                                  std::min(piece, chunk));
+}
+
+// How few SMs can carry the link: a copy kernel on a small grid leaves the rest of the GPU to compute.
+static void grid(Ctx& c) {
+  const char* dirs[2] = {"h2d", "d2h"};
+  for (int64_t chunk : {int64_t{8} << 10, int64_t{64} << 10}) {
+    Offsets o = make_offsets(chunk);
+    for (int dir = 0; dir < 2; ++dir) {
+      for (int g : {4, 8, 16, 24, 32, 48, 66, 132}) {
+        for (int threads : {512, 1024}) {
+          emit("grid", dirs[dir], chunk, std::to_string(g) + " CTAs x " + std::to_string(threads), kTotal, timed(c, [&] {
+                 run_warp<8, 0>(c, o, dir, chunk, 16 << 10, 0, threads, c.s[0], 0, o.chunks, g);
+               }));
+        }
+      }
+    }
+    free_offsets(o);
+  }
 }
 
 static void dma_batch(Ctx& c, Offsets& o, int dir, int64_t chunk, int64_t first, int64_t count, cudaStream_t st) {
@@ -467,6 +485,8 @@ int main(int argc, char** argv) {
     loads(c);
   } else if (which == "dma") {
     dma(c);
+  } else if (which == "grid") {
+    grid(c);
   } else if (which == "dma_issue") {
     dma_issue(c);
   } else if (which == "hybrid") {
