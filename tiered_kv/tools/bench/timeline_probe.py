@@ -76,6 +76,27 @@ async def _plain_calls(
     return {k: statistics.median(v) for k, v in out.items()}
 
 
+async def _host_profile(engine: TransferEngine, src: Tier, s: np.ndarray, dst: Tier, d: np.ndarray) -> str:
+    """A profile (cProfile) of the loop thread over one call: ``copy()`` itself, then the wait and the completion."""
+    import cProfile
+    import io
+    import pstats
+
+    torch.cuda.synchronize()
+    submit, wait = cProfile.Profile(), cProfile.Profile()
+    submit.enable()
+    transfer = engine.copy(src, s, dst, d)
+    submit.disable()
+    wait.enable()
+    await transfer
+    wait.disable()
+    out = io.StringIO()
+    for title, prof in (("copy()", submit), ("await", wait)):
+        out.write(f"--- {title}\n")
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
+    return out.getvalue()
+
+
 def _split(prof: Any, calls: int) -> list[dict[str, float]]:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
@@ -135,6 +156,7 @@ async def timeline(
             med: dict[str, Any] = {k: statistics.median(p[k] for p in parts) for k in parts[0]} if parts else {}
             med["profiled_copy_returns_us"] = statistics.median(returns) * 1e6
             med.update(await _plain_calls(engine, st, s, dt, d, calls))
+            row.setdefault("host_profile", {})[direction] = await _host_profile(engine, st, s, dt, d)
             med["path"] = next(iter(engine.copier.statistics().calls), "")
             row[direction] = med
     return row
@@ -143,11 +165,12 @@ async def timeline(
 async def _all() -> list[dict[str, Any]]:
     bm2 = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, tokens_per_block=16, dtype=torch.float16)
     lm4 = KVLayout(num_layers=4, num_kv_heads=1, head_dim=128, tokens_per_block=16, dtype=torch.bfloat16)
+    lm8 = KVLayout(num_layers=32, num_kv_heads=2, head_dim=128, tokens_per_block=16, dtype=torch.bfloat16)
     lm64 = KVLayout(num_layers=4, num_kv_heads=16, head_dim=128, tokens_per_block=16, dtype=torch.bfloat16)
     rows = [
         await timeline("block-major 2 MiB", bm2, 256, "auto", False),
         await timeline("layer-major 4 KiB chunks", lm4, 8192, "kernel", True),
-        await timeline("layer-major 4 KiB chunks", lm4, 8192, "dma", True),
+        await timeline("layer-major 8 KiB x 32 layers", lm8, 256, "kernel", True),
         await timeline("layer-major 64 KiB chunks", lm64, 512, "kernel", True),
     ]
     return rows
@@ -167,6 +190,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 + f" path={m.get('path')!s:8}"
                 + "".join(f" {k}={v:.0f}" for k, v in m.items() if isinstance(v, float))
             )
+    for r in rows:
+        for direction, text in r.get("host_profile", {}).items():
+            print(f"==== {r['case']} {r['mode']} {direction}\n{text}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
