@@ -78,6 +78,7 @@ BlockCopyGeometry geometry_of(at::TensorList dst, at::TensorList src, int64_t nu
   g.dst_tensors = kd;
   g.src_block_stride = s0.stride(0) * isz;
   g.dst_block_stride = d0.stride(0) * isz;
+  g.via_host = s0.device().is_cpu() || d0.device().is_cpu();
   return g;
 }
 

@@ -176,13 +176,19 @@ unsigned grid_for(int64_t items, int64_t max_blocks = 132 * 16) {
 // ones lost ~4%.
 constexpr int64_t kCtasPerSm = 16;
 
-int max_ctas() {
-  // kCtasPerSm x the current device's SM count (looked up once per device)
+// A copy through PCIe needs few SMs: 4 CTAs of 512 threads already carry the link at 50-52 GB/s on an H100,
+// as does the full grid (kernels/probes/pcie_probe.cu, `grid`). One CTA of kThreads per 4 SMs (33 CTAs, 4x the
+// warps of that smallest grid, on an H100) leaves three quarters of the SMs to compute that runs beside the copy
+// (layer-by-layer loads). Copies between GPU buffers keep the full grid: they are bound by HBM, not PCIe.
+constexpr int kSmsPerPcieCta = 4;
+
+int max_ctas(bool via_host) {
+  // kCtasPerSm x the current device's SM count (looked up once per device); SMs / kSmsPerPcieCta via host
   static int cached[64] = {0};
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
     cudaGetLastError();
-    return 132 * static_cast<int>(kCtasPerSm);
+    return via_host ? 132 / kSmsPerPcieCta : 132 * static_cast<int>(kCtasPerSm);
   }
   if (cached[dev] == 0) {
     int sms = 0;
@@ -190,16 +196,16 @@ int max_ctas() {
       cudaGetLastError();
       sms = 132;
     }
-    cached[dev] = sms * static_cast<int>(kCtasPerSm);
+    cached[dev] = sms;
   }
-  return cached[dev];
+  return via_host ? (cached[dev] + kSmsPerPcieCta - 1) / kSmsPerPcieCta : cached[dev] * static_cast<int>(kCtasPerSm);
 }
 
 template <typename Meta>
 cudaError_t launch_with(const BlockCopyGeometry& g, const Meta& meta, bool bases_aligned16, cudaStream_t stream) {
   if (g.num_pairs == 0 || g.width == 0) return cudaSuccess;
   const CopyWork w = plan_copy_work(g, bases_aligned16);
-  const unsigned grid = grid_for(w.items, max_ctas());
+  const unsigned grid = grid_for(w.items, max_ctas(g.via_host));
   // the 32-bit variant needs every item index (up to items + one grid of warps) to fit
   if (w.items + static_cast<int64_t>(grid) * kWarpsPerBlock < (int64_t{1} << 32)) {
     copy_blocks_kernel<uint32_t, Meta><<<grid, kThreads, 0, stream>>>(g, meta, w);
@@ -221,7 +227,7 @@ cudaError_t launch_copy_blocks_inline(const BlockCopyGeometry& g, const InlineMe
 
 cudaError_t launch_copy_segments(const int64_t* segments, int64_t count, cudaStream_t stream) {
   if (count == 0) return cudaSuccess;
-  copy_segments_kernel<<<grid_for(count, max_ctas()), kThreads, 0, stream>>>(segments, count);
+  copy_segments_kernel<<<grid_for(count, max_ctas(false)), kThreads, 0, stream>>>(segments, count);
   return cudaGetLastError();
 }
 

@@ -31,6 +31,7 @@ struct BlockCopyGeometry {
   int64_t group_bytes;
   int64_t src_tensors, dst_tensors;
   int64_t src_block_stride, dst_block_stride;
+  bool via_host;  // a side is pinned host memory: the copy is bound by PCIe and runs on a small grid
 };
 
 // How a launch splits a BlockCopyGeometry into warp work items (plan_copy_work in copy_blocks.cu).
