@@ -12,7 +12,8 @@ Per block, each step is a named method run when the previous one's completion fi
 after a failure no further block starts, and an exception in a step fails that block):
 
 * host pool -> file: checksum on the launcher thread, then ``pwrite`` (header, payload, padding).
-* file -> host pool: ``pread``, length checked on the I/O thread, verified on a worker.
+* file -> host pool: ``pread``, length checked on the I/O thread, verified on a worker; at most
+  ``reads_in_flight`` reads started at once (``FileCopy._pump``), the next one when a block is verified.
 
 GPU pools go through the staging ring (:mod:`~tiered_kv.file.ring`) in *groups*: a group of up to
 ``ring.group`` blocks takes its staging blocks at once and crosses the host<->device link in **one stream op**
@@ -102,6 +103,8 @@ class SlabIO:
         index: the slot index (writes finish through it, failed verification drops through it).
         counters: I/O statistics.
         zero_pad / trash_pad: padding written after a payload / read and discarded (``None``: no padding).
+        reads_in_flight: host-pool reads a batch keeps started at once (a few per I/O thread, so a thread that
+            finishes one always finds the next queued; not the whole batch, see ``FileCopy._pump``).
     """
 
     geometry: SlabGeometry
@@ -114,6 +117,7 @@ class SlabIO:
     counters: IoCounters
     zero_pad: np.ndarray | None
     trash_pad: np.ndarray | None
+    reads_in_flight: int = 16
 
 
 class FileCopy:
@@ -156,6 +160,10 @@ class FileCopy:
         self._done: Done | None = None
         self._hdrs = np.empty((0, HEADER_SIZE), dtype=np.uint8)
         self._pool_np = np.empty(0, dtype=np.uint8)
+        # host-pool reads: the next block to start, reads it may still start, whether a thread is starting them
+        self._next = 0
+        self._credit = 0
+        self._pumping = False
 
     # entry point ------------------------------------------------------------------------------
 
@@ -188,6 +196,9 @@ class FileCopy:
         self._hdrs = aligned_empty(HEADER_SIZE * n).numpy().reshape(n, HEADER_SIZE)  # one aligned header per block
         if ring is None:
             self._pool_np = self.pool.reshape(self.pool.shape[0], -1).view(torch.uint8).numpy()  # block -> bytes
+            if not self.write:
+                self._pump(self.io.reads_in_flight)
+                return
             for j in range(n):
                 self._step(j, None, step=self._run_host)
             return
@@ -210,12 +221,94 @@ class FileCopy:
     def _run_host(self, j: int, buf: int | None) -> None:
         # numpy views: a few hundred ns per block, where torch indexing costs microseconds
         payload = self._pool_np[self.blocks[j]]
-        if self.write:
-            # Checksum on the launcher thread (xxh3 runs at ~15 GB/s, above any single disk, and releases the
-            # GIL), so the I/O threads only do I/O and keep as many requests in flight as raw pwritev would.
-            self._write(j, buf, payload, payload, prehash=True)
+        # Checksum on the launcher thread (xxh3 runs at ~15 GB/s, above any single disk, and releases the
+        # GIL), so the I/O threads only do I/O and keep as many requests in flight as raw pwritev would.
+        self._write(j, buf, payload, payload, prehash=True)
+
+    # file -> host pool: a window of reads in flight, each verified on a worker ------------------------------
+
+    def _pump(self, credit: int) -> None:
+        """Start up to ``credit`` more host-pool reads (one per finished read, ``reads_in_flight`` at launch).
+
+        Only a window of reads is started, not the whole batch: a started read holds a future, a work item and
+        a callback until it is done, and a thousand of them outlive the young GC generations and set off full
+        collections (~150 ms with the GIL held in a process that imported torch; measured in
+        notes/issue-14-fileread.md), which stall every I/O thread. A few per thread keep each one busy.
+        One thread at a time starts reads; a call while another thread does only adds its credit (so a backend
+        that completes inline cannot recurse).
+        """
+        n = len(self.slots)
+        with self._lock:
+            self._credit += credit
+            if self._pumping:
+                return
+            self._pumping = True
+        while True:
+            with self._lock:
+                skip = self._error is not None  # fail fast: after a failure the rest finish unread
+                if self._next >= n or (self._credit <= 0 and not skip):
+                    self._pumping = False
+                    return
+                j = self._next
+                self._next = j + 1
+                if not skip:
+                    self._credit -= 1
+            if skip:
+                self._job_done(j, None, None)
+                continue
+            try:
+                fut = self.io.backend.pread(
+                    self._host_read_buffers(j),
+                    self.io.geometry.offset(self.slots[j]),
+                    after=functools.partial(self._read_check, j),
+                )
+            except BaseException as exc:  # reported through done(); the rest then finish unread
+                self._job_done(j, None, exc)
+                continue
+            fut.add_done_callback(functools.partial(self._host_read_done, j))
+
+    def _host_read_buffers(self, j: int) -> list[Buffer]:
+        pad = self.io.trash_pad
+        payload = self._pool_np[self.blocks[j]]
+        return [self._hdrs[j], payload] if pad is None else [self._hdrs[j], payload, pad]
+
+    def _read_check(self, j: int, n: int) -> None:
+        """On the I/O thread, right after the read of block ``j`` (``n`` bytes): the length only.
+
+        The checksum runs on a tier worker (``_host_verify``), not here: under load xxh3 of a cache-cold MiB
+        took ~120 us and the header checks ~50 us more, during which this thread would start no read (measured
+        in notes/issue-14-fileread.md: the gap between one thread's reads grew from ~50 to ~210 us).
+        """
+        geo = self.io.geometry
+        if n < HEADER_SIZE + geo.payload_bytes:
+            raise IntegrityError(
+                f"file slot {self.slots[j]}: short read ({n} of {geo.slot_size} bytes; the file is truncated)"
+            )
+
+    def _host_read_done(self, j: int, fut: Completion) -> None:
+        """Block ``j`` was read (or failed): verify it on a worker; the verification starts the next read."""
+        try:
+            fut.result()
+        except BaseException as exc:  # reported through done()
+            self._job_done(j, None, exc)
+            self._pump(1)
+            return
+        try:
+            self.io.workers.submit(self._host_verify, j)
+        except BaseException as exc:  # reported through done()
+            self._job_done(j, None, exc)
+            self._pump(1)
+
+    def _host_verify(self, j: int) -> None:
+        """On a tier worker: verify block ``j`` (header and xxh3-128 payload checksum); it is good only if so."""
+        try:
+            if self._error is None:  # after a failure the block is not reported good anyway (see _job_done)
+                self._verify(j, self._hdrs[j], self._pool_np[self.blocks[j]])
+        except BaseException as exc:  # reported through done()
+            self._job_done(j, None, exc)
         else:
-            self._read(j, buf, payload, verify_with=payload, then=self._block_done)
+            self._job_done(j, None, None)
+        self._pump(1)
 
     # GPU pools through staging, a group of blocks per stream op -------------------------------------
 
@@ -422,30 +515,6 @@ class FileCopy:
 
         self._then(fut, j, buf, written)
 
-    def _read(self, j: int, buf: int | None, payload: Buffer, *, verify_with: Buffer | None, then: Step) -> None:
-        """Read slot ``j``; the length check runs on the I/O thread, verification (``verify_with``) on a worker."""
-        io, geo, hdr = self.io, self.io.geometry, self._hdrs[j]
-
-        def check(n: int) -> None:
-            if n < HEADER_SIZE + geo.payload_bytes:
-                raise IntegrityError(
-                    f"file slot {self.slots[j]}: short read ({n} of {geo.slot_size} bytes; the file is truncated)"
-                )
-
-        bufs = [hdr, payload] + ([io.trash_pad] if io.trash_pad is not None else [])
-        fut = io.backend.pread(bufs, geo.offset(self.slots[j]), after=check)
-        if verify_with is None:
-            self._then(fut, j, buf, lambda _: then(j, buf))
-            return
-        # Verify on a tier worker, not on the I/O thread: the I/O threads keep as many reads in flight as raw
-        # preadv would while earlier blocks are checksummed.
-        self._then(
-            fut,
-            j,
-            buf,
-            lambda _: self._then(io.workers.submit(self._verify, j, hdr, verify_with), j, buf, lambda _: then(j, buf)),
-        )
-
     def _verify(self, j: int, hdr: np.ndarray, payload: Buffer) -> None:
         geo = self.io.geometry
         slot = self.slots[j]
@@ -490,9 +559,6 @@ class FileCopy:
         fut.add_done_callback(cb)
 
     # completion ------------------------------------------------------------------------------------
-
-    def _block_done(self, j: int, buf: int | None) -> None:
-        self._job_done(j, buf, None)
 
     def _job_done(self, j: int, buf: int | None, exc: BaseException | None) -> None:
         io = self.io

@@ -178,6 +178,7 @@ class FileTier:
             self._counters,
             zero_pad,
             trash_pad,
+            reads_in_flight=4 * config.io_threads,  # a few queued per I/O thread (see FileCopy._pump)
         )
         r = self.open_report
         log.info(
