@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
+
+import pytest
 
 from tiered_kv import FenceTable
 from tiered_kv.fences import Marker
@@ -166,3 +169,42 @@ def test_fence_of_a_copy_equals_dependencies_then_register() -> None:
                 w_fast, r_fast = fast.pending(pool, block)
                 assert w_fast is (None if w_ref is None else pairs[w_ref])
                 assert list(r_fast) == [pairs[m] for m in r_ref]
+
+
+def test_release_later_is_done_before_any_query():
+    t = FenceTable()
+    w, _ = op(t, writes=[("host", [0])])
+    r, _ = op(t, reads=[("host", [0])])
+    w.completed = True
+    t.release_later(w)
+    assert t.pending("host", 0) == (None, (r,))
+    r.completed = True
+    t.release_later(r)
+    assert not t and len(t) == 0 and t.statistics().pending_reads == 0
+
+
+def test_late_release_of_a_completed_marker_keeps_the_newer_entries():
+    t = FenceTable()
+    w, _ = op(t, writes=[("host", [0])])
+    r, _ = op(t, reads=[("gpu", [5])])
+    w.completed = r.completed = True
+    t.release_later(w)
+    t.release_later(r)
+    r2, deps = op(t, reads=[("host", [0]), ("gpu", [5])])  # registered while w and r are still in the table
+    assert deps == set()
+    w2, deps = op(t, writes=[("gpu", [5])])
+    assert deps == {r2}
+    t.release_done()
+    assert t.pending("host", 0) == (None, (r2,)) and t.pending("gpu", 5) == (w2, ())
+
+
+async def test_complete_skips_a_cancelled_wait_not_yet_forgotten():
+    m = Marker(None)
+    waiting = [asyncio.ensure_future(m.wait()) for _ in range(2)]
+    await asyncio.sleep(0)
+    waiting[0].cancel()  # its future is cancelled now; its task forgets the waiter only when it next runs
+    m.complete()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting[0]
+    await waiting[1]
+    assert m._waiters == []

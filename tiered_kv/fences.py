@@ -2,7 +2,8 @@
 
 Primitives:
 
-* :class:`FenceTable` -- ``dependencies(reads, writes)``, ``register``, ``release``, ``pending``.
+* :class:`FenceTable` -- ``dependencies(reads, writes)``, ``register``, ``release`` (or ``release_later``),
+  ``pending``.
 * :class:`Marker` -- the completion of one enqueued op (awaitable, callbacks, lane and event).
 * :class:`FenceStatistics` -- a snapshot.
 
@@ -16,6 +17,12 @@ The pool is part of the key, so GPU block 0 and host block 0 never alias. A fenc
 :class:`Marker`, the completion of one enqueued op. Entries are released when the op *completes*
 (on the event loop, from the device's completion callback), never by the coroutine awaiting it: a
 cancelled ``await`` does not cancel work already enqueued, so the fence must stay until it is done.
+
+The engine wakes a completed op's awaiters first and drops its entries right after (``release_later``, then
+``release_done`` from a loop callback queued behind the wake-ups): the awaiting coroutine resumes sooner. The
+entries of a completed marker already order nothing (``dependencies`` and ``fence`` skip completed markers, and
+``release`` of an entry that a later op overwrote is a no-op), and every query (``pending``, ``statistics``,
+``len``, ``bool``) drops them first, so no reader sees them.
 """
 
 from __future__ import annotations
@@ -116,11 +123,12 @@ class Marker:
         if waiters:
             self._waiters = []
             for waiter in waiters:
-                if not waiter.done():
-                    try:
-                        waiter.set_result(None)
-                    except RuntimeError:  # its loop is closed (completion taken over by close() on a new loop)
-                        pass
+                try:  # no done() check first: this runs before every awaiting coroutine can resume
+                    waiter.set_result(None)
+                except asyncio.InvalidStateError:  # a cancelled wait whose task has not yet forgotten it
+                    pass
+                except RuntimeError:  # its loop is closed (completion taken over by close() on a new loop)
+                    pass
         callbacks = self._callbacks
         if callbacks:
             self._callbacks = []
@@ -169,6 +177,10 @@ class FenceStatistics:
 class FenceTable:
     """Pending reads and writes per (pool, block index).
 
+    Attributes:
+        release_later: ``release_later(marker)`` drops a completed marker's entries at the next
+            :meth:`release_done` or query (see the module docstring).
+
     Notes:
         Per pool, two dicts: block -> pending write marker, and block -> pending reader(s) (a marker, or an
         insertion-ordered dict of markers when several copies read the block at once, so adding or dropping
@@ -183,6 +195,9 @@ class FenceTable:
         self._reads: dict[str, dict[int, Marker | dict[Marker, None]]] = {}
         self.stream_waits = 0
         self.loop_waits = 0
+        self._done: list[Marker] = []  # completed markers whose entries are still to be dropped (release_later)
+        # release_later(marker): the list's own append, so the engine's completion path runs no Python frame for it
+        self.release_later: Callable[[Marker], None] = self._done.append
 
     def dependencies(
         self, reads: Iterable[tuple[str, list[int]]], writes: Iterable[tuple[str, list[int]]]
@@ -295,8 +310,18 @@ class FenceTable:
                 if get(i) is marker:
                     del wt[i]
 
+    def release_done(self) -> None:
+        """Drop the entries of the completed markers given to ``release_later(marker)`` so far."""
+        done = self._done
+        if done:
+            markers = done.copy()
+            done.clear()  # in place: release_later is bound to this list
+            for marker in markers:
+                self.release(marker)
+
     def pending(self, pool: str, index: int) -> tuple[Marker | None, tuple[Marker, ...]]:
         """``(pending write, pending reads)`` of one block."""
+        self.release_done()
         write = self._writes.get(pool, {}).get(index)
         readers = self._reads.get(pool, {}).get(index)
         if readers is None:
@@ -305,6 +330,7 @@ class FenceTable:
 
     def statistics(self) -> FenceStatistics:
         """A snapshot: fenced blocks, pending reads and writes, waits so far."""
+        self.release_done()
         fenced: set[tuple[str, int]] = set()
         reads = writes = 0
         for pool, wt in self._writes.items():
@@ -320,6 +346,7 @@ class FenceTable:
         return self.statistics().fenced_blocks
 
     def __bool__(self) -> bool:
+        self.release_done()
         return any(self._writes.values()) or any(self._reads.values())
 
     def __repr__(self) -> str:
