@@ -165,7 +165,9 @@ async def test_inbox_runs_after_behind_the_wake_ups_its_handlers_scheduled() -> 
     assert order == ["woken 0", "woken 1", "after"]
 
 
-async def test_engine_wakes_the_awaiter_before_its_bookkeeping(layout: KVLayout, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_engine_wakes_the_awaiter_before_its_bookkeeping(
+    layout: KVLayout, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The fence release and statistics of a completion run after the awaiting coroutine resumed, not before."""
     from tiered_kv import FenceTable
 

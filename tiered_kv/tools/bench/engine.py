@@ -125,7 +125,8 @@ def _instrument(engine_cls: type[TransferEngine]) -> None:
     def timed_settle(self: TransferEngine) -> None:
         c0 = time.thread_time()
         settle(self)
-        self._bench_settle_cpu = getattr(self, "_bench_settle_cpu", 0.0) + time.thread_time() - c0  # type: ignore[attr-defined]
+        spent = time.thread_time() - c0
+        self._bench_settle_cpu = getattr(self, "_bench_settle_cpu", 0.0) + spent  # type: ignore[attr-defined]
 
     timed._bench_wrapped = True  # type: ignore[attr-defined]
     engine_cls._complete = timed  # type: ignore[method-assign]
