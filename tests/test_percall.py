@@ -156,9 +156,11 @@ async def test_engine_completions_that_arrive_together_wake_the_loop_once(layout
 async def test_inbox_runs_after_behind_the_wake_ups_its_handlers_scheduled() -> None:
     loop = asyncio.get_running_loop()
     order: list[str] = []
-    inbox: CompletionInbox[int] = CompletionInbox(
-        loop, lambda i: loop.call_soon(order.append, f"woken {i}"), lambda: order.append("after")
-    )
+
+    def wake(i: int) -> None:
+        loop.call_soon(order.append, f"woken {i}")
+
+    inbox: CompletionInbox[int] = CompletionInbox(loop, wake, lambda: order.append("after"))
     for i in range(2):
         inbox.post(i)
     await asyncio.sleep(0.01)
