@@ -353,12 +353,14 @@ async def test_host_work_of_one_small_copy_stays_within_budget() -> None:
     """The Python work of one 1-block ``copy()``, counted in bytecodes and calls (the same on any machine).
 
     1,564 bytecodes and 54 Python calls before a pair's route was resolved once per pair and small-call plans
-    were memoized; 1,226 / 31 after (CPython 3.11). The budget leaves room for another interpreter version,
-    not for new per-call work: that needs a measurement and a new budget.
+    were memoized; 1,226 / 31 after (CPython 3.11); 1,120 / 28 before and 1,094 / 26 after the open-and-loop
+    check was inlined into ``_copy`` and the in-flight set and the per-copy statistics became one dict (CPython
+    3.11.7). The budget leaves room for another interpreter version, not for new per-call work: that needs a
+    measurement and a new budget.
     """
     work = await _host_work_of_one_copy("cpu")
-    assert work["python_calls_per_copy"] <= 36, work["by_function"]
-    assert work["bytecodes_per_copy"] <= 1400, work["by_function"]
+    assert work["python_calls_per_copy"] <= 30, work["by_function"]
+    assert work["bytecodes_per_copy"] <= 1250, work["by_function"]
 
 
 @pytest.mark.gpu
@@ -366,8 +368,11 @@ async def test_host_work_of_one_native_copy_stays_within_budget() -> None:
     """The same count on CUDA, where a small whole-block copy takes the native submission path.
 
     1,030 bytecodes and 31 Python calls through the torch ops; 533 / 13.7 through the native path (H100 and
-    H200, CPython 3.12, measured by ``python -m tiered_kv.tools.bench.percall_probe``).
+    H200, CPython 3.12, measured by ``python -m tiered_kv.tools.bench.percall_probe``). The budget then was 650 /
+    18; lowered by what the CPU count of the same code before the native branch lost since (the inlined
+    open-and-loop check, one in-flight dict: 25 bytecodes and 2 calls, counted on the emulated device through a
+    stand-in native route), with the same room above the expected ~508 / 11.7.
     """
     work = await _host_work_of_one_copy("cuda")
-    assert work["python_calls_per_copy"] <= 18, work["by_function"]
-    assert work["bytecodes_per_copy"] <= 650, work["by_function"]
+    assert work["python_calls_per_copy"] <= 16, work["by_function"]
+    assert work["bytecodes_per_copy"] <= 625, work["by_function"]

@@ -220,10 +220,8 @@ class TransferEngine:
         self._resolved: dict[tuple[Tier | str, Tier | str], _Route] = {}  # see _resolve_route
         self._block_bytes = layout.bytes_per_block
         self._fences = FenceTable()
-        self._inflight: set[Marker] = set()
-        self._meta: dict[
-            Marker, tuple[str, int, int, float]
-        ] = {}  # in-flight marker -> (direction, bytes, blocks, submitted at)
+        # in-flight marker -> ("src->dst" direction, its transfer): one dict for the in-flight set and the statistics
+        self._inflight: dict[Marker, tuple[str, Transfer]] = {}
         # The engine owns its deferred enqueues (copies waiting on the loop for an off-lane dependency): each
         # task leaves this set when it ends, and close() waits for the set to empty before stopping anything.
         self._deferred: set[asyncio.Task[None]] = set()
@@ -587,7 +585,11 @@ class TransferEngine:
         layers: tuple[int, int] | None = None,
     ) -> Transfer:
         """The copy itself (see :meth:`copy`): validate, fence, enqueue."""
-        loop = self._check_open()
+        if self._closing:
+            raise EngineClosedError("the TransferEngine is closed")
+        loop = self._loop
+        if loop is None or loop is not asyncio._get_running_loop():  # _check_open() inline: no frames per call
+            loop = self._bind_loop()
         try:  # the route of a (src, dst) pair as the caller names it, resolved once (see _resolve_route)
             route = self._resolved[src_tier, dst_tier]
         except (KeyError, TypeError):
@@ -611,8 +613,7 @@ class TransferEngine:
                 self._start(loop, marker, native_job, deps)
             else:
                 self._enqueue(marker, native_job, deps)
-            self._inflight.add(marker)
-            self._meta[marker] = (direction, transfer.nbytes, count, transfer.submitted_at)
+            self._inflight[marker] = (direction, transfer)
             return transfer
         s: np.ndarray | list[int]
         d: np.ndarray | list[int]
@@ -640,13 +641,7 @@ class TransferEngine:
         marker = Marker(job.lane)
         transfer = Transfer(marker, src_t, dst_t, count, count * per_block)
         self._start(loop, marker, job, self._fences.fence(marker, src_pool.name, s_list, dst_pool.name, d_list))
-        self._inflight.add(marker)
-        self._meta[marker] = (
-            direction,
-            transfer.nbytes,
-            transfer.num_blocks,
-            transfer.submitted_at,
-        )
+        self._inflight[marker] = (direction, transfer)
         return transfer
 
     @staticmethod
@@ -799,19 +794,18 @@ class TransferEngine:
             return
         self._settling = []
         for marker in markers:
-            self._inflight.discard(marker)
+            direction, transfer = self._inflight.pop(marker)
             self._completed += 1
-            direction, nbytes, nblocks, submitted = self._meta.pop(marker)
             if marker.error is not None:
                 self._failed += 1
-                log.warning("%s transfer of %d blocks failed: %r", direction, nblocks, marker.error)
+                log.warning("%s transfer of %d blocks failed: %r", direction, transfer.num_blocks, marker.error)
                 continue
-            seconds = (marker.done_at or time.perf_counter()) - submitted
+            seconds = (marker.done_at or time.perf_counter()) - transfer.submitted_at
             totals = self._by_direction.get(direction)
             if totals is None:
                 totals = self._by_direction[direction] = _DirectionTotals()
-            totals.nbytes += nbytes
-            totals.blocks += nblocks
+            totals.nbytes += transfer.nbytes
+            totals.blocks += transfer.num_blocks
             totals.seconds += seconds
             totals.counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
 

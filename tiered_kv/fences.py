@@ -285,6 +285,8 @@ class FenceTable:
             rt[x] = marker
         elif isinstance(readers, dict):
             readers[marker] = None
+        elif readers.completed:  # its entries are still to be dropped (release_later): no need to keep it
+            rt[x] = marker
         else:
             rt[x] = {readers: None, marker: None}
         marker.reads = [(src_pool, s)]
