@@ -208,3 +208,18 @@ async def test_complete_skips_a_cancelled_wait_not_yet_forgotten():
         await waiting[0]
     await waiting[1]
     assert m._waiters == []
+
+
+def test_fence_replaces_a_completed_lone_reader_and_its_late_release_keeps_the_new_one():
+    t = FenceTable()
+    m1 = Marker(None)
+    assert t.fence(m1, "gpu", [0], "host", [1]) == []
+    m1.completed = True
+    t.release_later(m1)  # not dropped yet: the next copy still finds m1 as gpu 0's reader
+    m2 = Marker(None)
+    assert t.fence(m2, "gpu", [0], "host", [2]) == []
+    assert t._reads["gpu"][0] is m2  # replaced, no reader set of a completed marker and m2
+    t.release_done()
+    assert t.pending("gpu", 0) == (None, (m2,))
+    w = Marker(None)
+    assert t.fence(w, "host", [5], "gpu", [0]) == [m2]
