@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
+
+import pytest
 
 from tiered_kv import FenceTable
 from tiered_kv.fences import Marker
@@ -168,18 +171,77 @@ def test_fence_of_a_copy_equals_dependencies_then_register() -> None:
                 assert list(r_fast) == [pairs[m] for m in r_ref]
 
 
-def test_live_counts_registered_ops_per_pool_until_released() -> None:
-    """``live(pool)``: ops holding entries in the pool, registered by either path and not released yet."""
+def test_live_is_true_while_a_running_op_holds_entries_in_the_pool() -> None:
+    """``live(pool)``: an op registered by either path, not completed, holds entries there."""
     table = FenceTable()
     a, b, c = Marker(None), Marker(None), Marker(None)
     table.register(a, [("gpu", [0, 1])], [("host", [5])])
-    table.fence(b, "host", [7], "host", [8])  # one pool on both sides counts once
+    table.fence(b, "host", [7], "host", [8])  # one pool on both sides
     table.fence(c, "gpu", [2], "disk", [0])
-    assert (table.live("gpu"), table.live("host"), table.live("disk"), table.live("other")) == (2, 2, 1, 0)
+    assert [table.live(p) for p in ("gpu", "host", "disk", "other")] == [True, True, True, False]
+    a.completed = True
+    table.release_later(a)  # completed, entries not dropped yet: it no longer counts
+    assert [table.live(p) for p in ("gpu", "host")] == [True, True]
+    b.completed = True
+    assert not table.live("host") and table.live("gpu")
     table.release(a)
     table.release(a)  # a second release changes nothing
-    assert (table.live("gpu"), table.live("host")) == (1, 1)
     table.release(b)
+    c.completed = True
     table.release(c)
-    assert (table.live("gpu"), table.live("host"), table.live("disk")) == (0, 0, 0)
-    assert not table
+    assert not any(table.live(p) for p in ("gpu", "host", "disk"))
+    assert not table and not table._holders["gpu"]
+
+
+def test_release_later_is_done_before_any_query():
+    t = FenceTable()
+    w, _ = op(t, writes=[("host", [0])])
+    r, _ = op(t, reads=[("host", [0])])
+    w.completed = True
+    t.release_later(w)
+    assert t.pending("host", 0) == (None, (r,))
+    r.completed = True
+    t.release_later(r)
+    assert not t and len(t) == 0 and t.statistics().pending_reads == 0
+
+
+def test_late_release_of_a_completed_marker_keeps_the_newer_entries():
+    t = FenceTable()
+    w, _ = op(t, writes=[("host", [0])])
+    r, _ = op(t, reads=[("gpu", [5])])
+    w.completed = r.completed = True
+    t.release_later(w)
+    t.release_later(r)
+    r2, deps = op(t, reads=[("host", [0]), ("gpu", [5])])  # registered while w and r are still in the table
+    assert deps == set()
+    w2, deps = op(t, writes=[("gpu", [5])])
+    assert deps == {r2}
+    t.release_done()
+    assert t.pending("host", 0) == (None, (r2,)) and t.pending("gpu", 5) == (w2, ())
+
+
+async def test_complete_skips_a_cancelled_wait_not_yet_forgotten():
+    m = Marker(None)
+    waiting = [asyncio.ensure_future(m.wait()) for _ in range(2)]
+    await asyncio.sleep(0)
+    waiting[0].cancel()  # its future is cancelled now; its task forgets the waiter only when it next runs
+    m.complete()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting[0]
+    await waiting[1]
+    assert m._waiters == []
+
+
+def test_fence_replaces_a_completed_lone_reader_and_its_late_release_keeps_the_new_one():
+    t = FenceTable()
+    m1 = Marker(None)
+    assert t.fence(m1, "gpu", [0], "host", [1]) == []
+    m1.completed = True
+    t.release_later(m1)  # not dropped yet: the next copy still finds m1 as gpu 0's reader
+    m2 = Marker(None)
+    assert t.fence(m2, "gpu", [0], "host", [2]) == []
+    assert t._reads["gpu"][0] is m2  # replaced, no reader set of a completed marker and m2
+    t.release_done()
+    assert t.pending("gpu", 0) == (None, (m2,))
+    w = Marker(None)
+    assert t.fence(w, "host", [5], "gpu", [0]) == [m2]

@@ -227,7 +227,7 @@ async def test_large_calls_read_after_write(device, layout, n):
     async with TransferEngine(layout, gpu_blocks=2 * LARGE, host_blocks=2 * LARGE, device=device) as engine:
         assert await large_raw_scenario(engine, n)
         assert engine.fences.stream_waits >= 1
-        assert engine.fences.live("host") == 0 and engine.fences.live("gpu") == 0
+        assert not engine.fences.live("host") and not engine.fences.live("gpu")
         assert not engine.fences
 
 

@@ -5,6 +5,9 @@ Primitives:
 * :class:`CompletionInbox` -- ``post(item)`` from any thread; the loop runs ``handler(item)`` for every posted
   item, in posting order. Items posted while a delivery is already scheduled ride along with it: a burst of
   completions that arrive together costs one ``call_soon_threadsafe`` (one loop wake-up), not one each.
+  ``after()``, if given, runs once per delivery in a loop callback of its own, queued behind whatever the
+  handlers scheduled: the handlers wake the awaiting coroutines, and the work that need not delay them
+  (bookkeeping) runs after those have resumed.
 
 The rule that keeps nothing stranded: a poster appends first and schedules a delivery only if none is
 pending; the delivery clears the pending flag *before* it takes the items, under the same lock. An item
@@ -33,17 +36,22 @@ class CompletionInbox(Generic[T]):
         loop: the event loop that runs ``handler``.
         handler: called on the loop once per posted item, in posting order. An exception it raises is
             logged and does not stop the rest of the batch.
+        after: called on the loop once per delivery, from a callback queued (``call_soon``) after the
+            delivery's handlers ran: behind the wake-ups they scheduled.
 
     Attributes:
         deliveries: loop callbacks run so far (fewer than ``posted`` when completions were batched).
         posted: items posted so far.
     """
 
-    __slots__ = ("_handler", "_items", "_lock", "_loop", "_pending", "deliveries", "posted")
+    __slots__ = ("_after", "_handler", "_items", "_lock", "_loop", "_pending", "deliveries", "posted")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, handler: Callable[[T], None]) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, handler: Callable[[T], None], after: Callable[[], None] | None = None
+    ) -> None:
         self._loop = loop
         self._handler = handler
+        self._after = after
         self._lock = threading.Lock()
         self._items: list[T] = []
         self._pending = False
@@ -74,6 +82,8 @@ class CompletionInbox(Generic[T]):
                 handler(item)
             except Exception:
                 log.exception("completion handler raised")
+        if self._after is not None:
+            self._loop.call_soon(self._after)
 
     def __repr__(self) -> str:
         return f"<CompletionInbox posted:{self.posted} deliveries:{self.deliveries} queued:{len(self._items)}>"

@@ -220,10 +220,8 @@ class TransferEngine:
         self._resolved: dict[tuple[Tier | str, Tier | str], _Route] = {}  # see _resolve_route
         self._block_bytes = layout.bytes_per_block
         self._fences = FenceTable()
-        self._inflight: set[Marker] = set()
-        self._meta: dict[
-            Marker, tuple[str, int, int, float]
-        ] = {}  # in-flight marker -> (direction, bytes, blocks, submitted at)
+        # in-flight marker -> ("src->dst" direction, its transfer): one dict for the in-flight set and the statistics
+        self._inflight: dict[Marker, tuple[str, Transfer]] = {}
         # The engine owns its deferred enqueues (copies waiting on the loop for an off-lane dependency): each
         # task leaves this set when it ends, and close() waits for the set to empty before stopping anything.
         self._deferred: set[asyncio.Task[None]] = set()
@@ -233,6 +231,7 @@ class TransferEngine:
         self._closed = False
         self._owner: str | None = None  # who the blocks belong to (claim): copy() is theirs alone
         self._submitted = self._completed = self._failed = 0
+        self._settling: list[Marker] = []  # completed, awaiters woken, bookkeeping still to do (_settle)
         # direction -> [bytes, blocks, summed copy durations, counts per LATENCY_BUCKETS bucket (+ overflow)]:
         # one lookup per completion
         self._by_direction: dict[str, _DirectionTotals] = {}
@@ -251,8 +250,10 @@ class TransferEngine:
 
         Cancellation: cancels only the wait; the copies still complete.
         """
+        self._settle()
         while self._inflight:
             await next(iter(self._inflight)).wait()
+            self._settle()
 
     async def close(self) -> None:
         """Wait for every queued copy, then stop the streams' threads and the host threads.
@@ -277,6 +278,7 @@ class TransferEngine:
             await self.drain()
             if self._deferred:  # ended once their markers completed; wait for their last step too
                 await asyncio.wait(set(self._deferred))
+        self._settle()
         self._release_resources()
         assert not self._fences, "fences left after every op completed"
 
@@ -291,6 +293,7 @@ class TransferEngine:
         while self._inflight:
             for marker in [m for m in self._inflight if m.done_at is not None]:
                 self._complete(marker)
+            self._settle()  # here, not from the ended loop's callbacks
             if not self._inflight:
                 break
             if time.monotonic() > deadline:
@@ -298,6 +301,7 @@ class TransferEngine:
                     if not marker.completed:
                         marker.error = EngineClosedError("the copy's event loop ended before it could be enqueued")
                         self._complete(marker)
+                self._settle()
                 break
             await asyncio.sleep(0.005)
 
@@ -344,7 +348,8 @@ class TransferEngine:
             raise RuntimeError("TransferEngine must be used from a coroutine running on an event loop") from None
         if self._loop is None:
             self._loop = loop
-            self._inbox = CompletionInbox(loop, self._complete)  # completions arriving together: one wake-up
+            # completions arriving together: one wake-up; their bookkeeping runs after the awaiters resumed
+            self._inbox = CompletionInbox(loop, self._complete, self._settle)
             for handler in self._routes.handlers:  # SLOT STATE HOOK: handlers that apply state changes on the loop
                 bind = getattr(handler, "bind_loop", None)
                 if bind is not None:
@@ -464,10 +469,12 @@ class TransferEngine:
     @property
     def fences(self) -> FenceTable:
         """The per-block fence table (pending reads and write of each block)."""
+        self._settle()
         return self._fences
 
     def statistics(self) -> EngineStatistics:
         """A snapshot: transfers, bytes and latencies per direction, fences."""
+        self._settle()
         return EngineStatistics(
             device=self.device.kind,
             submitted=self._submitted,
@@ -483,6 +490,7 @@ class TransferEngine:
         )
 
     def __repr__(self) -> str:
+        self._settle()
         state = "closed" if self._closed else ("closing" if self._closing else "open")
         pools = ", ".join(f"{p.name}:{p.num_blocks}" for p in self._media.values())
         return (
@@ -601,8 +609,7 @@ class TransferEngine:
             transfer = Transfer(marker, src_t, dst_t, count, count * per_layer * (stop - start))
             self._submitted += 1
             self._start(loop, marker, job, deps)  # the same dependencies for each: on one lane they cost nothing
-            self._inflight.add(marker)
-            self._meta[marker] = (direction, transfer.nbytes, count, transfer.submitted_at)
+            self._inflight[marker] = (direction, transfer)
             transfers.append(transfer)
         fences.register(transfers[-1]._marker, reads, writes)
         return transfers
@@ -641,7 +648,11 @@ class TransferEngine:
         layers: tuple[int, int] | None = None,
     ) -> Transfer:
         """The copy itself (see :meth:`copy`): validate, fence, enqueue."""
-        loop = self._check_open()
+        if self._closing:
+            raise EngineClosedError("the TransferEngine is closed")
+        loop = self._loop
+        if loop is None or loop is not asyncio._get_running_loop():  # _check_open() inline: no frames per call
+            loop = self._bind_loop()
         try:  # the route of a (src, dst) pair as the caller names it, resolved once (see _resolve_route)
             route = self._resolved[src_tier, dst_tier]
         except (KeyError, TypeError):
@@ -671,8 +682,7 @@ class TransferEngine:
                     self._start(loop, marker, native_job, deps)
                 else:
                     self._enqueue(marker, native_job, deps)
-            self._inflight.add(marker)
-            self._meta[marker] = (direction, transfer.nbytes, count, transfer.submitted_at)
+            self._inflight[marker] = (direction, transfer)
             return transfer
         s: np.ndarray | list[int]
         d: np.ndarray | list[int]
@@ -715,13 +725,7 @@ class TransferEngine:
                 self._start(loop, marker, job, ())
                 reads, writes = [(src_name, s.tolist())], [(dst_name, d.tolist())]
             fences.register(marker, reads, writes)
-        self._inflight.add(marker)
-        self._meta[marker] = (
-            direction,
-            transfer.nbytes,
-            transfer.num_blocks,
-            transfer.submitted_at,
-        )
+        self._inflight[marker] = (direction, transfer)
         return transfer
 
     @staticmethod
@@ -846,10 +850,18 @@ class TransferEngine:
         except BaseException as exc:
             marker.error = exc
             self._complete(marker)
+            self._settle()  # not a delivery of the inbox: no callback settles it
             if isinstance(exc, asyncio.CancelledError):
                 raise
 
     def _complete(self, marker: Marker) -> None:
+        """Complete ``marker`` on the loop: wake its awaiters now, do the bookkeeping later (:meth:`_settle`).
+
+        An awaiting coroutine resumes in the loop's next round of callbacks, behind whatever the current callback
+        still does; so only the wake-up runs here. The fence release and statistics run from the completion inbox's
+        callback queued behind the wake-ups, and every reader of that state settles it first (``statistics``,
+        ``fences``, ``drain``, ``close``): nobody sees it stale.
+        """
         if marker.completed:
             return
         # Ops this one waited for stream-side finished on the device before it did; their own completion
@@ -863,23 +875,33 @@ class TransferEngine:
                         dep.done_at = marker.done_at
                     self._complete(dep)
             marker.after = []
-        self._fences.release(marker)
-        self._inflight.discard(marker)
-        self._completed += 1
-        direction, nbytes, nblocks, submitted = self._meta.pop(marker)
-        if marker.error is not None:
-            self._failed += 1
-            log.warning("%s transfer of %d blocks failed: %r", direction, nblocks, marker.error)
-        else:
-            seconds = (marker.done_at or time.perf_counter()) - submitted
+        # queued before complete(): a done-callback that reads the statistics or the fences settles them first
+        self._fences.release_later(marker)
+        self._settling.append(marker)
+        marker.complete()
+
+    def _settle(self) -> None:
+        """The bookkeeping of the copies completed so far: fence release, in-flight set, statistics."""
+        self._fences.release_done()
+        markers = self._settling
+        if not markers:
+            return
+        self._settling = []
+        for marker in markers:
+            direction, transfer = self._inflight.pop(marker)
+            self._completed += 1
+            if marker.error is not None:
+                self._failed += 1
+                log.warning("%s transfer of %d blocks failed: %r", direction, transfer.num_blocks, marker.error)
+                continue
+            seconds = (marker.done_at or time.perf_counter()) - transfer.submitted_at
             totals = self._by_direction.get(direction)
             if totals is None:
                 totals = self._by_direction[direction] = _DirectionTotals()
-            totals.nbytes += nbytes
-            totals.blocks += nblocks
+            totals.nbytes += transfer.nbytes
+            totals.blocks += transfer.num_blocks
             totals.seconds += seconds
             totals.counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
-        marker.complete()
 
     # ------------------------------------------------------------------------------------ compute sync
 

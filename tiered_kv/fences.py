@@ -2,7 +2,8 @@
 
 Primitives:
 
-* :class:`FenceTable` -- ``dependencies(reads, writes)``, ``register``, ``release``, ``pending``.
+* :class:`FenceTable` -- ``dependencies(reads, writes)``, ``register``, ``release`` (or ``release_later``),
+  ``pending``.
 * :class:`Marker` -- the completion of one enqueued op (awaitable, callbacks, lane and event).
 * :class:`FenceStatistics` -- a snapshot.
 
@@ -16,6 +17,12 @@ The pool is part of the key, so GPU block 0 and host block 0 never alias. A fenc
 :class:`Marker`, the completion of one enqueued op. Entries are released when the op *completes*
 (on the event loop, from the device's completion callback), never by the coroutine awaiting it: a
 cancelled ``await`` does not cancel work already enqueued, so the fence must stay until it is done.
+
+The engine wakes a completed op's awaiters first and drops its entries right after (``release_later``, then
+``release_done`` from a loop callback queued behind the wake-ups): the awaiting coroutine resumes sooner. The
+entries of a completed marker already order nothing (``dependencies`` and ``fence`` skip completed markers, and
+``release`` of an entry that a later op overwrote is a no-op), and every query (``pending``, ``statistics``,
+``len``, ``bool``) drops them first, so no reader sees them.
 """
 
 from __future__ import annotations
@@ -116,11 +123,12 @@ class Marker:
         if waiters:
             self._waiters = []
             for waiter in waiters:
-                if not waiter.done():
-                    try:
-                        waiter.set_result(None)
-                    except RuntimeError:  # its loop is closed (completion taken over by close() on a new loop)
-                        pass
+                try:  # no done() check first: this runs before every awaiting coroutine can resume
+                    waiter.set_result(None)
+                except asyncio.InvalidStateError:  # a cancelled wait whose task has not yet forgotten it
+                    pass
+                except RuntimeError:  # its loop is closed (completion taken over by close() on a new loop)
+                    pass
         callbacks = self._callbacks
         if callbacks:
             self._callbacks = []
@@ -169,6 +177,10 @@ class FenceStatistics:
 class FenceTable:
     """Pending reads and writes per (pool, block index).
 
+    Attributes:
+        release_later: ``release_later(marker)`` drops a completed marker's entries at the next
+            :meth:`release_done` or query (see the module docstring).
+
     Notes:
         Per pool, two dicts: block -> pending write marker, and block -> pending reader(s) (a marker, or an
         insertion-ordered dict of markers when several copies read the block at once, so adding or dropping
@@ -183,19 +195,35 @@ class FenceTable:
         self._reads: dict[str, dict[int, Marker | dict[Marker, None]]] = {}
         self.stream_waits = 0
         self.loop_waits = 0
-        # pool -> registered markers holding entries there and not released yet; a pool at 0 has nothing to wait
-        # for, whatever its size (the engine then skips the lookups, and the index lists, before a launch)
-        self._live: dict[str, int] = {}
-        self._holding: dict[Marker, tuple[str, ...]] = {}  # marker -> the pools it counts in
+        self._done: list[Marker] = []  # completed markers whose entries are still to be dropped (release_later)
+        # release_later(marker): the list's own append, so the engine's completion path runs no Python frame for it
+        self.release_later: Callable[[Marker], None] = self._done.append
+        # pool -> the markers holding entries there, in registration order, until released: a pool none of whose
+        # holders is still running has nothing to wait for, whatever its size (live(); the engine then skips the
+        # lookups, and the index lists, before a launch)
+        self._holders: dict[str, dict[Marker, None]] = {}
+        self._holding: dict[Marker, tuple[str, ...]] = {}  # marker -> the pools it holds entries in
 
-    def live(self, pool: str) -> int:
-        """How many registered, not yet released ops hold entries in ``pool`` (0: nothing to wait for there)."""
-        return self._live.get(pool, 0)
+    def live(self, pool: str) -> bool:
+        """True while an op that has not completed holds entries in ``pool`` (False: nothing to wait for there).
+
+        Completed ops whose entries are still to be dropped (``release_later``) do not count; the scan stops at the
+        first running op, and released ops leave the scan.
+        """
+        holders = self._holders.get(pool)
+        if holders:
+            for marker in holders:
+                if not marker.completed:
+                    return True
+        return False
 
     def _hold(self, marker: Marker, pools: tuple[str, ...]) -> None:
-        live = self._live
+        holders = self._holders
         for pool in pools:
-            live[pool] = live.get(pool, 0) + 1
+            held = holders.get(pool)
+            if held is None:
+                held = holders[pool] = {}
+            held[marker] = None
         self._holding[marker] = pools
 
     def dependencies(
@@ -285,6 +313,8 @@ class FenceTable:
             rt[x] = marker
         elif isinstance(readers, dict):
             readers[marker] = None
+        elif readers.completed:  # its entries are still to be dropped (release_later): no need to keep it
+            rt[x] = marker
         else:
             rt[x] = {readers: None, marker: None}
         marker.reads = [(src_pool, s)]
@@ -294,10 +324,9 @@ class FenceTable:
 
     def release(self, marker: Marker) -> None:
         """Drop ``marker``'s entries (called once the op has completed)."""
-        pools = self._holding.pop(marker, ())
-        live = self._live
-        for pool in pools:
-            live[pool] -= 1
+        holders = self._holders
+        for pool in self._holding.pop(marker, ()):
+            del holders[pool][marker]
         for pool, indices in marker.reads:
             rt = self._reads[pool]
             rget = rt.get
@@ -315,8 +344,18 @@ class FenceTable:
                 if get(i) is marker:
                     del wt[i]
 
+    def release_done(self) -> None:
+        """Drop the entries of the completed markers given to ``release_later(marker)`` so far."""
+        done = self._done
+        if done:
+            markers = done.copy()
+            done.clear()  # in place: release_later is bound to this list
+            for marker in markers:
+                self.release(marker)
+
     def pending(self, pool: str, index: int) -> tuple[Marker | None, tuple[Marker, ...]]:
         """``(pending write, pending reads)`` of one block."""
+        self.release_done()
         write = self._writes.get(pool, {}).get(index)
         readers = self._reads.get(pool, {}).get(index)
         if readers is None:
@@ -325,6 +364,7 @@ class FenceTable:
 
     def statistics(self) -> FenceStatistics:
         """A snapshot: fenced blocks, pending reads and writes, waits so far."""
+        self.release_done()
         fenced: set[tuple[str, int]] = set()
         reads = writes = 0
         for pool, wt in self._writes.items():
@@ -340,6 +380,7 @@ class FenceTable:
         return self.statistics().fenced_blocks
 
     def __bool__(self) -> bool:
+        self.release_done()
         return any(self._writes.values()) or any(self._reads.values())
 
     def __repr__(self) -> str:

@@ -99,22 +99,38 @@ async def _schedule(device: str, sizes: Sequence[int], repeat: int) -> list[dict
 
 
 def _last_complete_cpu(engine: TransferEngine) -> float:
-    return getattr(engine, "_bench_complete_cpu", 0.0)
+    """Loop-thread CPU of the last completion: its wake-up (``_complete``) and its bookkeeping (``_settle``).
+
+    The bookkeeping runs from a callback queued behind the wake-up, so it may not have run yet when the awaiting
+    coroutine resumed: settle it here (timed) so that it is counted either way.
+    """
+    engine._settle()
+    cpu = getattr(engine, "_bench_complete_cpu", 0.0) + getattr(engine, "_bench_settle_cpu", 0.0)
+    engine._bench_settle_cpu = 0.0  # type: ignore[attr-defined]
+    return cpu
 
 
 def _instrument(engine_cls: type[TransferEngine]) -> None:
-    """Time ``_complete`` (the loop-side completion bookkeeping) for the schedule rows."""
+    """Time ``_complete`` and ``_settle`` (the loop-side completion work) for the schedule and call rows."""
     original = engine_cls._complete
     if getattr(original, "_bench_wrapped", False):
         return
+    settle = engine_cls._settle
 
     def timed(self: TransferEngine, marker: Any) -> None:
         c0 = time.thread_time()
         original(self, marker)
         self._bench_complete_cpu = time.thread_time() - c0  # type: ignore[attr-defined]
 
+    def timed_settle(self: TransferEngine) -> None:
+        c0 = time.thread_time()
+        settle(self)
+        spent = time.thread_time() - c0
+        self._bench_settle_cpu = getattr(self, "_bench_settle_cpu", 0.0) + spent  # type: ignore[attr-defined]
+
     timed._bench_wrapped = True  # type: ignore[attr-defined]
     engine_cls._complete = timed  # type: ignore[method-assign]
+    engine_cls._settle = timed_settle  # type: ignore[method-assign]
 
 
 # ------------------------------------------------------------------------------------------ wake-up
