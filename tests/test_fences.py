@@ -245,3 +245,19 @@ def test_fence_replaces_a_completed_lone_reader_and_its_late_release_keeps_the_n
     assert t.pending("gpu", 0) == (None, (m2,))
     w = Marker(None)
     assert t.fence(w, "host", [5], "gpu", [0]) == [m2]
+
+
+def test_register_drops_completed_entries_first_instead_of_building_reader_sets() -> None:
+    """Regression (found on an H100: a repeated 8,192-block copy took 10 ms to return): registering the blocks of a
+    completed, not yet released copy must not turn each block's lone reader into a reader set."""
+    t = FenceTable()
+    blocks = list(range(1000))
+    m1 = Marker(None)
+    t.register(m1, [("gpu", blocks)], [("host", blocks)])
+    m1.completed = True
+    t.release_later(m1)
+    m2 = Marker(None)
+    t.register(m2, [("gpu", blocks)], [("host", blocks)])
+    assert all(r is m2 for r in t._reads["gpu"].values())
+    assert all(w is m2 for w in t._writes["host"].values())
+    assert t.pending("gpu", 7) == (None, (m2,)) and t.pending("host", 7) == (m2, ())

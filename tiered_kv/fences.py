@@ -250,7 +250,15 @@ class FenceTable:
         return {m for m in deps if not m.completed}
 
     def register(self, marker: Marker, reads: list[tuple[str, list[int]]], writes: list[tuple[str, list[int]]]) -> None:
-        """Record ``marker`` as a pending read of ``reads`` and the pending write of ``writes``."""
+        """Record ``marker`` as a pending read of ``reads`` and the pending write of ``writes``.
+
+        Completed ops whose entries are still to be dropped (``release_later``) are dropped first: a copy of the
+        same blocks as the one just completed would otherwise turn every block's lone reader into a reader set
+        (per-block Python, here and in the release). The engine registers a many-block copy after its launch,
+        so this runs while the device copies.
+        """
+        if self._done:
+            self.release_done()
         marker.reads = reads
         marker.writes = writes
         self._hold(marker, tuple({pool: None for pool, _ in (*reads, *writes)}))

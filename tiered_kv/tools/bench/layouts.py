@@ -98,9 +98,15 @@ async def _one(kind: str, device: str, piece: int, layers: int, blocks: int, rep
         for p in phys:
             _random(p)
         want = [p.clone() for p in phys]
+        # the fills ran on the current stream: the engine's copy streams must wait for them (as for any KV the
+        # compute stream writes before an offload)
+        if cuda:
+            engine.sync_with_compute(torch.cuda.current_stream())
         await engine.copy(Tier.GPU, idx, Tier.HOST, idx)
         for p in phys:
             p.zero_()
+        if cuda:
+            engine.sync_with_compute(torch.cuda.current_stream())
         await engine.copy(Tier.HOST, idx, Tier.GPU, idx)
         sync(cuda)
         exact = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(phys, want, strict=True))
