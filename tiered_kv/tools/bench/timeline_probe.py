@@ -39,10 +39,10 @@ _DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 
 
 async def _profiled_calls(
-    engine: TransferEngine, src: Tier, s: np.ndarray, dst: Tier, d: np.ndarray, calls: int
+    engine: TransferEngine, src: Tier, s: np.ndarray, dst: Tier, d: np.ndarray, calls: int, tokens: int | None
 ) -> Any:
     for _ in range(3):  # warm-up: plans, staging, lazy init
-        await engine.copy(src, s, dst, d)
+        await engine.copy(src, s, dst, d, num_tokens=tokens)
     torch.cuda.synchronize()
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     returns: list[float] = []
@@ -51,14 +51,14 @@ async def _profiled_calls(
             torch.cuda.synchronize()
             with torch.profiler.record_function(f"tkv_call_{i}"):
                 t0 = time.perf_counter()
-                transfer = engine.copy(src, s, dst, d)
+                transfer = engine.copy(src, s, dst, d, num_tokens=tokens)
                 returns.append(time.perf_counter() - t0)
                 await transfer
     return prof, returns
 
 
 async def _plain_calls(
-    engine: TransferEngine, src: Tier, s: np.ndarray, dst: Tier, d: np.ndarray, calls: int
+    engine: TransferEngine, src: Tier, s: np.ndarray, dst: Tier, d: np.ndarray, calls: int, tokens: int | None
 ) -> dict[str, float]:
     """The same calls without the profiler: host clock only (``done_at`` is when the completion signal fired)."""
     keys = ("returns_us", "signal_us", "signal_to_resume_us", "total_us")
@@ -66,7 +66,7 @@ async def _plain_calls(
     for _ in range(calls):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        transfer = engine.copy(src, s, dst, d)
+        transfer = engine.copy(src, s, dst, d, num_tokens=tokens)
         t1 = time.perf_counter()
         await transfer
         t2 = time.perf_counter()
@@ -76,7 +76,9 @@ async def _plain_calls(
     return {k: statistics.median(v) for k, v in out.items()}
 
 
-async def _host_profile(engine: TransferEngine, src: Tier, s: np.ndarray, dst: Tier, d: np.ndarray) -> str:
+async def _host_profile(
+    engine: TransferEngine, src: Tier, s: np.ndarray, dst: Tier, d: np.ndarray, tokens: int | None
+) -> str:
     """A profile (cProfile) of the loop thread over one call: ``copy()`` itself, then the wait and the completion."""
     import cProfile
     import io
@@ -85,15 +87,19 @@ async def _host_profile(engine: TransferEngine, src: Tier, s: np.ndarray, dst: T
     torch.cuda.synchronize()
     submit, wait = cProfile.Profile(), cProfile.Profile()
     submit.enable()
-    transfer = engine.copy(src, s, dst, d)
+    transfer = engine.copy(src, s, dst, d, num_tokens=tokens)
     submit.disable()
     wait.enable()
     await transfer
     wait.disable()
     out = io.StringIO()
     for title, prof in (("copy()", submit), ("await", wait)):
-        out.write(f"--- {title}\n")
-        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
+        out.write(f"--- {title}: calls, own us, cumulative us, function\n")
+        stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+        rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:18]
+        for (file, line, name), (_, calls, own, cum, _) in rows:
+            where = f"{os.path.basename(file)}:{line}({name})" if line else name
+            out.write(f"{calls:6d} {own * 1e6:10.1f} {cum * 1e6:10.1f}  {where}\n")
     return out.getvalue()
 
 
@@ -137,7 +143,7 @@ def _split(prof: Any, calls: int) -> list[dict[str, float]]:
 
 
 async def timeline(
-    name: str, layout: KVLayout, blocks: int, mode: str, layer_major: bool, calls: int = 5
+    name: str, layout: KVLayout, blocks: int, mode: str, layer_major: bool, calls: int = 5, tokens: int | None = None
 ) -> dict[str, Any]:
     """Median split of ``calls`` awaited GPU->host and host->GPU copies of ``blocks`` scattered blocks."""
     cfg = EngineConfig.from_env(copy_path=mode)
@@ -151,12 +157,12 @@ async def timeline(
     row: dict[str, Any] = {"case": name, "blocks": blocks, "mode": mode, "MiB": blocks * layout.bytes_per_block / 2**20}
     async with TransferEngine(layout, host_blocks=blocks, device="cuda", config=cfg, **kwargs) as engine:
         for direction, (st, dt) in {"offload": (Tier.GPU, Tier.HOST), "onboard": (Tier.HOST, Tier.GPU)}.items():
-            prof, returns = await _profiled_calls(engine, st, s, dt, d, calls)
+            prof, returns = await _profiled_calls(engine, st, s, dt, d, calls, tokens)
             parts = _split(prof, calls)
             med: dict[str, Any] = {k: statistics.median(p[k] for p in parts) for k in parts[0]} if parts else {}
             med["profiled_copy_returns_us"] = statistics.median(returns) * 1e6
-            med.update(await _plain_calls(engine, st, s, dt, d, calls))
-            row.setdefault("host_profile", {})[direction] = await _host_profile(engine, st, s, dt, d)
+            med.update(await _plain_calls(engine, st, s, dt, d, calls, tokens))
+            row.setdefault("host_profile", {})[direction] = await _host_profile(engine, st, s, dt, d, tokens)
             med["path"] = next(iter(engine.copier.statistics().calls), "")
             row[direction] = med
     return row
@@ -172,6 +178,7 @@ async def _all() -> list[dict[str, Any]]:
         await timeline("layer-major 4 KiB chunks", lm4, 8192, "kernel", True),
         await timeline("layer-major 8 KiB x 32 layers", lm8, 256, "kernel", True),
         await timeline("layer-major 64 KiB chunks", lm64, 512, "kernel", True),
+        await timeline("block-major 2 MiB, 4 of 16 tokens", bm2, 128, "auto", False, tokens=4),
     ]
     return rows
 
