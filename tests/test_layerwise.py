@@ -225,3 +225,13 @@ async def test_host_to_host_groups_are_separate_copies(layout: KVLayout) -> None
         await after
         assert same(snapshot(engine, "host", 4), h[0]) and same(snapshot(engine, "host", 5), h[1])
         assert same(snapshot(engine, "host", 3), h[0])
+
+
+async def test_layer_groups_of_an_owned_engine_are_refused(layout: KVLayout) -> None:
+    from tiered_kv.errors import OwnedEngineError
+
+    async with TransferEngine(layout, gpu_blocks=2, host_blocks=2, device="cpu") as engine:
+        engine.claim("a cache")
+        with pytest.raises(OwnedEngineError, match="a cache"):
+            copy_layerwise(engine, Tier.HOST, [0], Tier.GPU, [1])
+        assert engine.statistics().submitted == 0

@@ -38,6 +38,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -544,11 +545,7 @@ class TransferEngine:
             its fences are released when it completes.
         """
         if self._owner is not None:
-            raise OwnedEngineError(
-                f"this TransferEngine's blocks belong to {self._owner}: a copy through it would change KV the cache "
-                "serves behind its back. Use the cache's API (add_sequences, append_tokens, evict), or an engine of "
-                "your own for copies of your own."
-            )
+            self._refuse_owned()
         return self._copy(src_tier, src_indices, dst_tier, dst_indices, num_tokens=num_tokens, keys=keys, layers=layers)
 
     def copy_layer_groups(
@@ -572,7 +569,7 @@ class TransferEngine:
             ValueError / TypeError: as :meth:`copy`, or ``groups`` empty. Nothing is enqueued.
         """
         if self._owner is not None:
-            return [self.copy(src_tier, src_indices, dst_tier, dst_indices, layers=g) for g in groups]  # raises
+            self._refuse_owned()
         loop = self._check_open()
         try:
             route = self._resolved[src_tier, dst_tier]
@@ -613,6 +610,13 @@ class TransferEngine:
             transfers.append(transfer)
         fences.register(transfers[-1]._marker, reads, writes)
         return transfers
+
+    def _refuse_owned(self) -> NoReturn:
+        raise OwnedEngineError(
+            f"this TransferEngine's blocks belong to {self._owner}: a copy through it would change KV the cache "
+            "serves behind its back. Use the cache's API (add_sequences, append_tokens, evict), or an engine of "
+            "your own for copies of your own."
+        )
 
     def claim(self, owner: str) -> Callable[..., Transfer]:
         """Give every block of this engine to ``owner`` (a cache's block manager decides what each holds).

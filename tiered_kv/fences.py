@@ -202,7 +202,6 @@ class FenceTable:
         # holders is still running has nothing to wait for, whatever its size (live(); the engine then skips the
         # lookups, and the index lists, before a launch)
         self._holders: dict[str, dict[Marker, None]] = {}
-        self._holding: dict[Marker, tuple[str, ...]] = {}  # marker -> the pools it holds entries in
 
     def live(self, pool: str) -> bool:
         """True while an op that has not completed holds entries in ``pool`` (False: nothing to wait for there).
@@ -217,14 +216,13 @@ class FenceTable:
                     return True
         return False
 
-    def _hold(self, marker: Marker, pools: tuple[str, ...]) -> None:
+    def _hold(self, marker: Marker, pools: Iterable[str]) -> None:
         holders = self._holders
         for pool in pools:
             held = holders.get(pool)
             if held is None:
                 held = holders[pool] = {}
             held[marker] = None
-        self._holding[marker] = pools
 
     def dependencies(
         self, reads: Iterable[tuple[str, list[int]]], writes: Iterable[tuple[str, list[int]]]
@@ -261,7 +259,7 @@ class FenceTable:
             self.release_done()
         marker.reads = reads
         marker.writes = writes
-        self._hold(marker, tuple({pool: None for pool, _ in (*reads, *writes)}))
+        self._hold(marker, {pool for pool, _ in (*reads, *writes)})
         for pool, indices in reads:
             rt = self._reads.setdefault(pool, {})
             shared = rt.keys() & indices
@@ -333,8 +331,8 @@ class FenceTable:
     def release(self, marker: Marker) -> None:
         """Drop ``marker``'s entries (called once the op has completed)."""
         holders = self._holders
-        for pool in self._holding.pop(marker, ()):
-            del holders[pool][marker]
+        for pool, _ in (*marker.reads, *marker.writes):  # a pool on both sides: the second pop finds nothing
+            holders[pool].pop(marker, None)
         for pool, indices in marker.reads:
             rt = self._reads[pool]
             rget = rt.get
