@@ -157,13 +157,22 @@ void issue_kernel_host_indices(const BlockCopyGeometry& g, std::vector<int64_t> 
                                const int64_t* db, const at::Device& device, cudaStream_t stream) {
   const size_t nb = static_cast<size_t>(g.src_tensors + g.dst_tensors), pairs = static_cast<size_t>(g.num_pairs);
   const bool aligned16 = all_aligned16(bases, nb);
-  if (nb + 2 * pairs <= static_cast<size_t>(kInlineSlots)) {
-    InlineMeta meta{};
+  auto fill = [&](auto& meta) {
     std::copy(bases.begin(), bases.end(), meta.v);
     std::copy_n(sb, pairs, meta.v + nb);
     std::copy_n(db, pairs, meta.v + nb + pairs);
     meta.src_index = static_cast<int64_t>(nb);
     meta.dst_index = static_cast<int64_t>(nb + pairs);
+  };
+  if (nb + 2 * pairs <= static_cast<size_t>(kInlineSlots)) {
+    InlineMeta meta{};
+    fill(meta);
+    check_launch(launch_copy_blocks_inline(g, meta, aligned16, stream), "copy_blocks kernel launch");
+    return;
+  }
+  if (nb + 2 * pairs <= static_cast<size_t>(kInlineSlotsLarge)) {
+    InlineMetaLarge meta;  // 5 KiB: filled up to what the call uses, not zeroed whole
+    fill(meta);
     check_launch(launch_copy_blocks_inline(g, meta, aligned16, stream), "copy_blocks kernel launch");
     return;
   }

@@ -93,9 +93,12 @@ struct PtrMeta {
 __host__ __device__ __forceinline__ int64_t meta_base(const PtrMeta& m, int64_t i) { return m.base(i); }
 __host__ __device__ __forceinline__ int64_t meta_src(const PtrMeta& m, int64_t p) { return m.src(p); }
 __host__ __device__ __forceinline__ int64_t meta_dst(const PtrMeta& m, int64_t p) { return m.dst(p); }
-__host__ __device__ __forceinline__ int64_t meta_base(const InlineMeta& m, int64_t i) { return m.v[i]; }
-__host__ __device__ __forceinline__ int64_t meta_src(const InlineMeta& m, int64_t p) { return m.v[m.src_index + p]; }
-__host__ __device__ __forceinline__ int64_t meta_dst(const InlineMeta& m, int64_t p) { return m.v[m.dst_index + p]; }
+template <int Slots>
+__host__ __device__ __forceinline__ int64_t meta_base(const InlineMetaN<Slots>& m, int64_t i) { return m.v[i]; }
+template <int Slots>
+__host__ __device__ __forceinline__ int64_t meta_src(const InlineMetaN<Slots>& m, int64_t p) { return m.v[m.src_index + p]; }
+template <int Slots>
+__host__ __device__ __forceinline__ int64_t meta_dst(const InlineMetaN<Slots>& m, int64_t p) { return m.v[m.dst_index + p]; }
 
 template <typename Index, typename Meta, int kUnroll = 8>
 __global__ void copy_blocks_kernel(BlockCopyGeometry g, const __grid_constant__ Meta meta, CopyWork w) {
@@ -222,6 +225,12 @@ cudaError_t launch_copy_blocks(const BlockCopyGeometry& g, const int64_t* bases,
 
 cudaError_t launch_copy_blocks_inline(const BlockCopyGeometry& g, const InlineMeta& meta, bool bases_aligned16,
                                       cudaStream_t stream) {
+  return launch_with(g, meta, bases_aligned16, stream);
+}
+
+cudaError_t launch_copy_blocks_inline(const BlockCopyGeometry& g, const InlineMetaLarge& meta, bool bases_aligned16,
+                                      cudaStream_t stream) {
+  if (kInlineSlotsLarge == 0) return cudaErrorNotSupported;  // the caller checks kInlineSlotsLarge first
   return launch_with(g, meta, bases_aligned16, stream);
 }
 

@@ -51,15 +51,28 @@ cudaError_t launch_copy_blocks(const BlockCopyGeometry& g, const int64_t* bases,
 
 // Bases and block indices passed by value in the kernel's parameters (the small-call path: no allocation,
 // no H2D copy): v[0, src_tensors + dst_tensors) are the bases, v[src_index + p] / v[dst_index + p] the
-// block indices of pair p. 96 slots keep the parameters under 1 KiB (the limit is 4 KiB).
-constexpr int kInlineSlots = 96;
-struct InlineMeta {
-  int64_t v[kInlineSlots];
+// block indices of pair p. Two sizes: 96 slots keep the parameters under 1 KiB (every launch of a few
+// blocks); kInlineSlotsLarge (640 slots, 5 KiB) holds the bases and indices of every engine small call (up to
+// 256 pairs) where the runtime takes parameters above 4 KiB (CUDA 12.1 and later: 32,764 bytes on Volta and
+// newer), so a call of 48..256 blocks needs no pinned staging buffer and no metadata copy either.
+template <int Slots>
+struct InlineMetaN {
+  int64_t v[Slots];
   int64_t src_index;
   int64_t dst_index;
 };
+constexpr int kInlineSlots = 96;
+using InlineMeta = InlineMetaN<kInlineSlots>;
+#if defined(CUDART_VERSION) && CUDART_VERSION >= 12010
+constexpr int kInlineSlotsLarge = 640;
+#else
+constexpr int kInlineSlotsLarge = 0;  // parameters are limited to 4 KiB: larger calls stage their metadata
+#endif
+using InlineMetaLarge = InlineMetaN<(kInlineSlotsLarge > 0 ? kInlineSlotsLarge : 1)>;
 
 cudaError_t launch_copy_blocks_inline(const BlockCopyGeometry& g, const InlineMeta& meta, bool bases_aligned16,
+                                      cudaStream_t stream);
+cudaError_t launch_copy_blocks_inline(const BlockCopyGeometry& g, const InlineMetaLarge& meta, bool bases_aligned16,
                                       cudaStream_t stream);
 
 // segments: [count, 3] int64 rows (src address, dst address, nbytes), device-readable; any alignment.

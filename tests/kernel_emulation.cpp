@@ -34,8 +34,8 @@ extern "C" {
 
 // geometry: num_pairs, groups, rows, row_pitch, width, group_bytes, src_tensors, dst_tensors,
 // src_block_stride, dst_block_stride (the BlockCopyGeometry fields, in order)
-// use_inline: pass bases and indices as an InlineMeta (the kernel's parameters); returns without copying
-// when they do not fit (the caller checks with emu_inline_slots)
+// use_inline: 1 passes bases and indices as an InlineMeta (the kernel's parameters), 2 as an InlineMetaLarge;
+// returns without copying when they do not fit (the caller checks with emu_inline_slots / _large)
 void emu_copy_blocks(const int64_t* geometry, const int64_t* bases, const int64_t* src_blocks, const int64_t* dst_blocks,
                      int max_grid, int index64, int force_unaligned, int use_inline) {
   tiered_kv::BlockCopyGeometry g{geometry[0], geometry[1], geometry[2], geometry[3], geometry[4],
@@ -46,19 +46,27 @@ void emu_copy_blocks(const int64_t* geometry, const int64_t* bases, const int64_
   const tiered_kv::CopyWork w = tiered_kv::plan_copy_work(g, aligned16 && !force_unaligned);
   const tiered_kv::PtrMeta ptrs{bases, src_blocks, dst_blocks};
   tiered_kv::InlineMeta inline_meta{};
+  static tiered_kv::InlineMetaLarge large_meta;  // 5 KiB: static, as the launcher's is on its own stack frame
   const int64_t nb = g.src_tensors + g.dst_tensors;
-  if (use_inline) {  // what kernels/copy_blocks.cpp does when bases and indices fit the kernel's parameters
-    if (nb + 2 * g.num_pairs > tiered_kv::kInlineSlots) return;
-    for (int64_t i = 0; i < nb; ++i) inline_meta.v[i] = bases[i];
+  auto fill = [&](auto& meta, int64_t slots) {  // what kernels/copy_blocks.cpp does when they fit the parameters
+    if (nb + 2 * g.num_pairs > slots) return false;
+    for (int64_t i = 0; i < nb; ++i) meta.v[i] = bases[i];
     for (int64_t p = 0; p < g.num_pairs; ++p) {
-      inline_meta.v[nb + p] = src_blocks[p];
-      inline_meta.v[nb + g.num_pairs + p] = dst_blocks[p];
+      meta.v[nb + p] = src_blocks[p];
+      meta.v[nb + g.num_pairs + p] = dst_blocks[p];
     }
-    inline_meta.src_index = nb;
-    inline_meta.dst_index = nb + g.num_pairs;
-  }
+    meta.src_index = nb;
+    meta.dst_index = nb + g.num_pairs;
+    return true;
+  };
+  if (use_inline == 1 && !fill(inline_meta, tiered_kv::kInlineSlots)) return;
+  if (use_inline == 2 && !fill(large_meta, tiered_kv::kInlineSlotsLarge)) return;
   run_grid(capped(tiered_kv::grid_for(w.items), max_grid), tiered_kv::kThreads, [&] {
-    if (use_inline && index64) {
+    if (use_inline == 2 && index64) {
+      tiered_kv::copy_blocks_kernel<int64_t, tiered_kv::InlineMetaLarge>(g, large_meta, w);
+    } else if (use_inline == 2) {
+      tiered_kv::copy_blocks_kernel<uint32_t, tiered_kv::InlineMetaLarge>(g, large_meta, w);
+    } else if (use_inline && index64) {
       tiered_kv::copy_blocks_kernel<int64_t, tiered_kv::InlineMeta>(g, inline_meta, w);
     } else if (use_inline) {
       tiered_kv::copy_blocks_kernel<uint32_t, tiered_kv::InlineMeta>(g, inline_meta, w);
@@ -71,6 +79,7 @@ void emu_copy_blocks(const int64_t* geometry, const int64_t* bases, const int64_
 }
 
 int emu_inline_slots() { return tiered_kv::kInlineSlots; }
+int emu_inline_slots_large() { return tiered_kv::kInlineSlotsLarge; }
 
 void emu_copy_segments(const int64_t* segments, int64_t count, int max_grid) {
   if (count == 0) return;

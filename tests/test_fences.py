@@ -261,3 +261,51 @@ def test_register_drops_completed_entries_first_instead_of_building_reader_sets(
     assert all(r is m2 for r in t._reads["gpu"].values())
     assert all(w is m2 for w in t._writes["host"].values())
     assert t.pending("gpu", 7) == (None, (m2,)) and t.pending("host", 7) == (m2, ())
+
+
+def test_release_matches_a_per_block_model_when_holders_come_and_go() -> None:
+    """``release`` clears a pool whole when its last holder goes (no per-block loop); with other holders it drops
+    only the marker's own entries. Random copies (whole pools emptied often: one or two ops live) against a
+    per-block model of the rules; pending state must match after every step.
+    """
+    rng = random.Random(17)
+    blocks, names = 24, ["gpu", "host", "file"]
+    table = FenceTable()
+    writes: dict[tuple[str, int], Marker] = {}
+    reads: dict[tuple[str, int], list[Marker]] = {}
+    live: list[Marker] = []
+    for step in range(6000):
+        if live and rng.random() < 0.5:
+            m = live.pop(rng.randrange(len(live)))
+            m.complete()
+            table.release_later(m) if rng.random() < 0.5 else table.release(m)
+            for key in [k for k, v in writes.items() if v is m]:
+                del writes[key]
+            for key in list(reads):
+                reads[key] = [r for r in reads[key] if r is not m]
+                if not reads[key]:
+                    del reads[key]
+        else:
+            src, dst = rng.choice(names), rng.choice(names)
+            k = rng.choice([1, 2, 5, 24 if src != dst else 12])
+            s = rng.sample(range(blocks), k)
+            d = rng.sample([b for b in range(blocks) if src != dst or b not in s], k)
+            m = Marker(None)
+            if rng.random() < 0.5:
+                table.fence(m, src, list(s), dst, list(d))
+            else:
+                table.register(m, [(src, list(s))], [(dst, list(d))])
+            for b in s:
+                reads.setdefault((src, b), []).append(m)
+            for b in d:
+                reads.pop((dst, b), None)
+                writes[(dst, b)] = m
+            live.append(m)
+        for pool in names:
+            for block in range(blocks):
+                w, r = table.pending(pool, block)
+                assert w is writes.get((pool, block)), (step, pool, block)
+                assert list(r) == reads.get((pool, block), []), (step, pool, block)
+    for m in live:
+        table.release(m)
+    assert table.statistics().fenced_blocks == 0

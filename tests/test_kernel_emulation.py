@@ -74,9 +74,8 @@ def _emu_copy_blocks(
 ) -> None:
     geom = _i64(_geometry(dst, src, n, len(s)))
     if use_inline:
-        assert len(src) + len(dst) + 2 * len(s) <= emu.emu_inline_slots(), (
-            "the case does not fit the kernel's parameters"
-        )
+        slots = emu.emu_inline_slots_large() if use_inline == 2 else emu.emu_inline_slots()
+        assert len(src) + len(dst) + 2 * len(s) <= slots, "the case does not fit the kernel's parameters"
     bases = _i64([t.data_ptr() for t in src] + [t.data_ptr() for t in dst])
     s_t, d_t = _i64(s), _i64(d)  # named: a temporary would be freed before the call reads it
     emu.emu_copy_blocks(
@@ -124,6 +123,26 @@ def test_copy_blocks_kernel_inline_parameters_many_pairs(emu, num_tokens) -> Non
     ops.copy_blocks(want, src, _i64(s), _i64(d), num_tokens=num_tokens)
     _emu_copy_blocks(emu, dst, src, s, d, n, max_grid=3, use_inline=True)
     assert_blocks_equal(_logical("block", dst), _logical("block", want), f"inline n={num_tokens}")
+
+
+@pytest.mark.parametrize("num_tokens", [None, 3])
+@pytest.mark.parametrize("index64", [False, True])
+def test_copy_blocks_kernel_large_inline_parameters_every_small_call(emu, num_tokens, index64) -> None:
+    # the engine's largest small call: 256 pairs, from a layer-and-K/V pool (6 tensors) into a block-major one,
+    # bases and indices all in the kernel's parameters (CUDA 12.1+: 5 KiB); each pair must read its own slots
+    if emu.emu_inline_slots_large() == 0:
+        pytest.skip("this CUDA runtime limits kernel parameters to 4 KiB")
+    assert emu.emu_inline_slots_large() >= 2 * 256 + 7
+    src, _ = _make_side("layerkv", 300, torch.float16, "cpu")
+    dst, _ = _make_side("block", 260, torch.float16, "cpu")
+    want = [t.clone() for t in dst]
+    s = list(range(299, 43, -1))
+    d = [(7 * i + 3) % 260 for i in range(256)]
+    assert len(set(d)) == 256
+    n = GEOM["T"] if num_tokens is None else num_tokens
+    ops.copy_blocks(want, src, _i64(s), _i64(d), num_tokens=num_tokens)
+    _emu_copy_blocks(emu, dst, src, s, d, n, max_grid=5, index64=index64, use_inline=2)
+    assert_blocks_equal(_logical("block", dst), _logical("block", want), f"large inline n={num_tokens}")
 
 
 @pytest.mark.parametrize("num_tokens", [1, 2, 3, 4, 13, 16])

@@ -92,6 +92,50 @@ def test_native_copies_match_the_source_bytes(
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("num_tokens", [None, 3])
+def test_calls_of_up_to_256_blocks_take_the_native_path_whole_or_partial(
+    native: Any, num_tokens: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kernel copies of 48..256 blocks (bases and indices in the kernel's large parameters where the runtime takes
+    them) and partial copies go through one NativeCopy each, with no torch event, and land exactly."""
+    made: list[object] = []
+    real = torch.cuda.Event.__new__
+
+    def counting_new(cls: type, *a: object, **k: object) -> Any:
+        made.append(cls)
+        return real(cls)  # type: ignore[no-untyped-call]
+
+    async def main() -> None:
+        small = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, tokens_per_block=8, dtype=torch.float16)
+        cfg = EngineConfig(copy_path="kernel")
+        async with TransferEngine(small, gpu_blocks=600, host_blocks=300, device="cuda", config=cfg) as engine:
+            gpu, host = _tensor(engine, Tier.GPU), _tensor(engine, Tier.HOST)
+            fill_random(gpu)
+            fill_random(host)
+            torch.cuda.synchronize()
+            await engine.copy(Tier.GPU, [0], Tier.HOST, [1], num_tokens=num_tokens)  # warm-up: plans, waiter
+            monkeypatch.setattr(torch.cuda.Event, "__new__", counting_new)
+            rng = random.Random(11)
+            for k in (47, 48, 100, 255, 256):
+                for pair in ((Tier.GPU, Tier.HOST), (Tier.HOST, Tier.GPU), (Tier.GPU, Tier.GPU)):
+                    src = rng.sample(range(300), k)
+                    dst = rng.sample(range(300, 600) if pair == (Tier.GPU, Tier.GPU) else range(300), k)
+                    a = (gpu if pair[0] is Tier.GPU else host).cpu()
+                    expected = (gpu if pair[1] is Tier.GPU else host).cpu()
+                    t = engine.copy(pair[0], src, pair[1], dst, num_tokens=num_tokens)
+                    assert isinstance(t._marker.event, native.DeviceEvent), (k, pair)
+                    assert t.nbytes == k * (small.bytes_per_block if num_tokens is None else small.partial_bytes(3))
+                    await t
+                    n = small.tokens_per_block if num_tokens is None else num_tokens
+                    for s, d in zip(src, dst, strict=True):
+                        expected[d, :, :, :, :n] = a[s, :, :, :, :n]
+                    got = (gpu if pair[1] is Tier.GPU else host).cpu()
+                    assert _bits(got, expected), f"{pair} k={k} tokens={num_tokens}"
+            assert made == []
+
+    asyncio.run(main())
+
+
 def test_native_path_takes_no_torch_event_per_call(native: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """A 1-block copy is one NativeCopy: no torch.cuda.Event is made, the returned marker event is native."""
     made: list[object] = []

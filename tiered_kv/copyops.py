@@ -452,21 +452,21 @@ class NativeCopy:
 
 
 class NativeRoute:
-    """The native path of one pair of pools on one stream: whole-block small copies as :class:`NativeCopy` jobs.
+    """The native path of one pair of pools on one stream: small copies as :class:`NativeCopy` jobs.
 
     Made once per (source tier, destination tier) by :meth:`Copier.native_route`; :meth:`job` is the whole
     per-call work above the C++ entry: the path choice (memoized per call shape, as :meth:`Copier.build` does),
-    the copier's per-path totals, and the job.
+    the copier's per-path totals, and the job. Whole blocks and partial blocks (``num_tokens``) alike: the plans
+    of a token count are made at its first call.
     """
 
-    __slots__ = ("_block_bytes", "_copier", "_info", "_plans", "_single", "_stream", "_submit", "totals")
+    __slots__ = ("_copier", "_info", "_partial", "_plans", "_single", "_stream", "_submit", "totals")
 
     def __init__(self, copier: Copier, info: _PairInfo, stream: CudaStream, submit: Callable[..., Event]) -> None:
         self._copier = copier
         self._info = info
         self._stream = stream
         self._submit = submit
-        self._block_bytes = info.block_bytes
         n = info.src_pool.layout.tokens_per_block
         self._plans = {
             "kernel": copier._native_plan(info, n, ops.METHOD_KERNEL),
@@ -476,16 +476,35 @@ class NativeRoute:
         self.totals: dict[str, list[int]] = {"kernel": [0, 0], "dma": [0, 0]}
         single = copier._plan(info, [0], [0]).path  # one pair is one run: its path never changes
         self._single = (self._plans[single], self.totals[single])
+        # num_tokens -> (its pair info, its plan per path): partial copies, made at first use
+        self._partial: dict[int, tuple[_PairInfo, dict[str, int]]] = {}
 
-    def job(self, s: list[int], d: list[int]) -> NativeCopy:
-        """The job of copying blocks ``s`` to blocks ``d`` (valid small int lists: the engine checked them)."""
-        if len(s) == 1:
-            plan, totals = self._single
+    def job(self, s: list[int], d: list[int], num_tokens: int | None = None) -> NativeCopy:
+        """The job of copying blocks ``s`` to blocks ``d`` (valid small int lists: the engine checked them).
+
+        ``num_tokens``: tokens ``[0, num_tokens)`` of every row, ``None`` for whole blocks (the engine checked
+        it is in ``1..tokens_per_block - 1``).
+        """
+        if num_tokens is not None:
+            entry = self._partial.get(num_tokens)
+            if entry is None:
+                copier = self._copier
+                info = copier._pair(self._info.src_pool, self._info.dst_pool, num_tokens)
+                plans = {
+                    path: copier._native_plan(info, num_tokens, method)
+                    for path, method in (("kernel", ops.METHOD_KERNEL), ("dma", ops.METHOD_DMA))
+                }
+                entry = self._partial[num_tokens] = (info, plans)
+            info, plans = entry
+            path = self._copier._plan(info, s, d).path
+            plan, totals, block_bytes = plans[path], self.totals[path], info.block_bytes
+        elif len(s) == 1:
+            (plan, totals), block_bytes = self._single, self._info.block_bytes
         else:
             path = self._copier._plan(self._info, s, d).path
-            plan, totals = self._plans[path], self.totals[path]
+            plan, totals, block_bytes = self._plans[path], self.totals[path], self._info.block_bytes
         totals[0] += 1
-        totals[1] += len(s) * self._block_bytes
+        totals[1] += len(s) * block_bytes
         return NativeCopy(self._stream, self._submit, plan, s, d)
 
 

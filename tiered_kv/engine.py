@@ -667,13 +667,16 @@ class TransferEngine:
             if memory
             else None
         )
-        if native is not None and small is not None and num_tokens is None and layers is None and keys is None:
-            # the per-call path of small whole-block copies on CUDA: no Batch, handler or op objects in between
+        if native is not None and small is not None and layers is None and keys is None:
+            # the per-call path of small copies on CUDA (whole or partial blocks): no Batch, handler or op objects
+            # in between
+            n = None if num_tokens is None else self._check_tokens(num_tokens)
             s_list, d_list = small
-            native_job = native.job(s_list, d_list)
+            native_job = native.job(s_list, d_list, n)
             marker = Marker(native_job.stream)
             count = len(s_list)
-            transfer = Transfer(marker, src_t, dst_t, count, count * self._block_bytes)
+            nbytes = count * (self._block_bytes if n is None else self.layout.partial_bytes(n))
+            transfer = Transfer(marker, src_t, dst_t, count, nbytes)
             self._submitted += 1
             fences = self._fences
             if count > 1 and not fences.live(src_pool.name) and not fences.live(dst_pool.name):

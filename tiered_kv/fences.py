@@ -331,9 +331,19 @@ class FenceTable:
     def release(self, marker: Marker) -> None:
         """Drop ``marker``'s entries (called once the op has completed)."""
         holders = self._holders
+        cleared: list[str] = []
         for pool, _ in (*marker.reads, *marker.writes):  # a pool on both sides: the second pop finds nothing
-            holders[pool].pop(marker, None)
+            held = holders[pool]
+            if held.pop(marker, 0) is None and not held:
+                # the last holder of the pool: every entry there is this marker's (an op's entries come and go
+                # with its place among the holders), so the pool's tables are cleared whole, without a per-block loop
+                for table in (self._reads.get(pool), self._writes.get(pool)):
+                    if table:
+                        table.clear()
+                cleared.append(pool)
         for pool, indices in marker.reads:
+            if pool in cleared:
+                continue
             rt = self._reads[pool]
             rget = rt.get
             for i in indices:
@@ -344,6 +354,8 @@ class FenceTable:
                     if len(readers) == 1:
                         rt[i] = next(iter(readers))
         for pool, indices in marker.writes:
+            if pool in cleared:
+                continue
             wt = self._writes[pool]
             get = wt.get
             for i in indices:

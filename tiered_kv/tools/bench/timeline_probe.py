@@ -143,9 +143,22 @@ def _split(prof: Any, calls: int) -> list[dict[str, float]]:
 
 
 async def timeline(
-    name: str, layout: KVLayout, blocks: int, mode: str, layer_major: bool, calls: int = 5, tokens: int | None = None
+    name: str,
+    layout: KVLayout,
+    blocks: int,
+    mode: str,
+    layer_major: bool,
+    calls: int = 5,
+    tokens: int | None = None,
+    *,
+    scattered: bool = True,
+    d2d: bool = False,
 ) -> dict[str, Any]:
-    """Median split of ``calls`` awaited GPU->host and host->GPU copies of ``blocks`` scattered blocks."""
+    """Median split of ``calls`` awaited GPU->host and host->GPU copies of ``blocks`` blocks.
+
+    Blocks are scattered, or in order; with ``d2d`` also a GPU->GPU copy of the first half of the GPU pool onto
+    the second half.
+    """
     cfg = EngineConfig.from_env(copy_path=mode)
     kwargs: dict[str, Any] = {}
     if layer_major:
@@ -153,10 +166,14 @@ async def timeline(
     else:
         kwargs["gpu_blocks"] = blocks
     rng = np.random.default_rng(1)
-    s, d = rng.permutation(blocks), rng.permutation(blocks)
+    s, d = (rng.permutation(blocks), rng.permutation(blocks)) if scattered else (np.arange(blocks),) * 2
     row: dict[str, Any] = {"case": name, "blocks": blocks, "mode": mode, "MiB": blocks * layout.bytes_per_block / 2**20}
+    routes = {"offload": (Tier.GPU, s, Tier.HOST, d), "onboard": (Tier.HOST, s, Tier.GPU, d)}
+    if d2d:
+        half = blocks // 2
+        routes["gpu->gpu"] = (Tier.GPU, np.arange(half), Tier.GPU, np.arange(half, 2 * half))
     async with TransferEngine(layout, host_blocks=blocks, device="cuda", config=cfg, **kwargs) as engine:
-        for direction, (st, dt) in {"offload": (Tier.GPU, Tier.HOST), "onboard": (Tier.HOST, Tier.GPU)}.items():
+        for direction, (st, s, dt, d) in routes.items():
             prof, returns = await _profiled_calls(engine, st, s, dt, d, calls, tokens)
             parts = _split(prof, calls)
             med: dict[str, Any] = {k: statistics.median(p[k] for p in parts) for k in parts[0]} if parts else {}
@@ -179,6 +196,8 @@ async def _all() -> list[dict[str, Any]]:
         await timeline("layer-major 8 KiB x 32 layers", lm8, 256, "kernel", True),
         await timeline("layer-major 64 KiB chunks", lm64, 512, "kernel", True),
         await timeline("block-major 2 MiB, 4 of 16 tokens", bm2, 128, "auto", False, tokens=4),
+        # the kernels bench's partial rows: 128 blocks in order, host->GPU and GPU->GPU
+        await timeline("partial 4 of 16, in order", bm2, 128, "auto", False, tokens=4, scattered=False, d2d=True),
     ]
     return rows
 
@@ -190,7 +209,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows = asyncio.run(_all())
     for r in rows:
-        for direction in ("offload", "onboard"):
+        for direction in ("offload", "onboard", "gpu->gpu"):
+            if direction not in r:
+                continue
             m = r[direction]
             print(
                 f"{r['case']:28} {r['mode']:6} {direction:8} blocks={r['blocks']:5} MiB={r['MiB']:6.0f}"
