@@ -153,13 +153,40 @@ __global__ void copy_blocks_kernel(BlockCopyGeometry g, const __grid_constant__ 
   }
 }
 
+// One warp per segment. A segment whose source, destination and length are 16-byte multiples (what real pools
+// have) takes the same unrolled path as copy_blocks_kernel: each lane issues kUnroll independent 16-byte loads
+// before its stores (4 KiB in flight per warp), what a read of pinned memory over PCIe needs; any other segment
+// is copied by warp_copy.
+template <int kUnroll = 8>
 __global__ void copy_segments_kernel(const int64_t* __restrict__ segments, int64_t count) {
   const int lane = threadIdx.x & 31;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
   for (int64_t item = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5); item < count;
        item += warps) {
     const int64_t* row = segments + 3 * item;
-    warp_copy(reinterpret_cast<char*>(row[1]), reinterpret_cast<const char*>(row[0]), row[2], lane);
+    const char* src = reinterpret_cast<const char*>(row[0]);
+    char* dst = reinterpret_cast<char*>(row[1]);
+    const int64_t len = row[2];
+    if (((static_cast<uint64_t>(row[0]) | static_cast<uint64_t>(row[1]) | static_cast<uint64_t>(len)) & 15) != 0) {
+      warp_copy(dst, src, len, lane);
+      continue;
+    }
+    const uint32_t nvec = static_cast<uint32_t>(len >> 4);
+    const uint4* s4 = reinterpret_cast<const uint4*>(src);
+    uint4* d4 = reinterpret_cast<uint4*>(dst);
+    for (uint32_t base = 0; base < nvec; base += 32 * kUnroll) {
+      uint4 v[kUnroll];
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        const uint32_t f = base + static_cast<uint32_t>(lane + 32 * k);
+        if (f < nvec) v[k] = s4[f];
+      }
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        const uint32_t f = base + static_cast<uint32_t>(lane + 32 * k);
+        if (f < nvec) d4[f] = v[k];
+      }
+    }
   }
 }
 
@@ -234,9 +261,9 @@ cudaError_t launch_copy_blocks_inline(const BlockCopyGeometry& g, const InlineMe
   return launch_with(g, meta, bases_aligned16, stream);
 }
 
-cudaError_t launch_copy_segments(const int64_t* segments, int64_t count, cudaStream_t stream) {
+cudaError_t launch_copy_segments(const int64_t* segments, int64_t count, bool via_host, cudaStream_t stream) {
   if (count == 0) return cudaSuccess;
-  copy_segments_kernel<<<grid_for(count, max_ctas(false)), kThreads, 0, stream>>>(segments, count);
+  copy_segments_kernel<<<grid_for(count, max_ctas(via_host)), kThreads, 0, stream>>>(segments, count);
   return cudaGetLastError();
 }
 

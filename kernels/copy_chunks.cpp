@@ -17,8 +17,9 @@ void copy_chunks_cuda(at::TensorList dst, at::TensorList src, const at::Tensor& 
   const int64_t n = chunks.size(0);
   if (n == 0) return;
   at::Device device = at::kCPU;
-  for (const at::Tensor& t : src) if (t.is_cuda()) device = t.device();
-  for (const at::Tensor& t : dst) if (t.is_cuda()) device = t.device();
+  bool via_host = false;  // a side in pinned host memory: the kernel runs on the small grid of PCIe copies
+  for (const at::Tensor& t : src) t.is_cuda() ? void(device = t.device()) : void(via_host = true);
+  for (const at::Tensor& t : dst) t.is_cuda() ? void(device = t.device()) : void(via_host = true);
   TORCH_CHECK(device.is_cuda(), "copy_chunks: no tensor is on a CUDA device");
   const c10::cuda::CUDAGuard guard(device);
   auto stream = c10::cuda::getCurrentCUDAStream();
@@ -74,7 +75,7 @@ void copy_chunks_cuda(at::TensorList dst, at::TensorList src, const at::Tensor& 
   }
   if (segments.empty()) return;
   const at::Tensor dev = to_device_pinned(segments, device);
-  check_launch(launch_copy_segments(dev.data_ptr<int64_t>(), static_cast<int64_t>(segments.size() / 3), stream),
+  check_launch(launch_copy_segments(dev.data_ptr<int64_t>(), static_cast<int64_t>(segments.size() / 3), via_host, stream),
                "copy_chunks kernel launch");
 }
 

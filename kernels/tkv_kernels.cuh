@@ -76,7 +76,8 @@ cudaError_t launch_copy_blocks_inline(const BlockCopyGeometry& g, const InlineMe
                                       cudaStream_t stream);
 
 // segments: [count, 3] int64 rows (src address, dst address, nbytes), device-readable; any alignment.
-cudaError_t launch_copy_segments(const int64_t* segments, int64_t count, cudaStream_t stream);
+// via_host: a segment touches pinned host memory (the copy is bound by PCIe and runs on a small grid).
+cudaError_t launch_copy_segments(const int64_t* segments, int64_t count, bool via_host, cudaStream_t stream);
 
 // Largest piece one warp copies; longer chunks are split so that big chunks use many warps.
 constexpr int64_t kSegmentBytes = 16 * 1024;

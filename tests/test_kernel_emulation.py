@@ -203,6 +203,27 @@ def test_copy_segments_kernel_any_alignment(emu, max_grid) -> None:
     assert_blocks_equal(dst, want, "segments")
 
 
+@pytest.mark.parametrize("max_grid", [0, 1, 3])
+def test_copy_segments_kernel_aligned_segments_take_the_unrolled_path(emu, max_grid) -> None:
+    # 16-byte aligned addresses and lengths (real pools): the unrolled 16-byte path, with lengths that end inside
+    # an unrolled step (not a multiple of 32 lanes x 8 loads x 16 bytes); one unaligned segment among them
+    g = torch.Generator().manual_seed(5)
+    src = fill_random(torch.empty(400_000, dtype=torch.uint8), g)
+    dst = fill_random(torch.empty(400_000, dtype=torch.uint8), g)
+    want = dst.clone()
+    base_s, base_d = (-src.data_ptr()) % 16, (-dst.data_ptr()) % 16
+    segments, cursor = [], 0
+    for nbytes in [16, 32, 4096, 4096 + 16, 8192 + 48, 16 * 1024, 16 * 1024 - 16, 4000 + 3]:
+        so = base_s + 16 * int(torch.randint(0, 20_000, (1,), generator=g))
+        do = base_d + cursor
+        segments += [src.data_ptr() + so, dst.data_ptr() + do, nbytes]
+        want[do : do + nbytes] = src[so : so + nbytes]
+        cursor += (nbytes + 15) // 16 * 16 + 16 * int(torch.randint(0, 4, (1,), generator=g))
+    table = _i64(segments)
+    emu.emu_copy_segments(_ptr(table), ctypes.c_int64(len(segments) // 3), ctypes.c_int(max_grid))
+    assert_blocks_equal(dst, want, "aligned segments")
+
+
 @pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize(("grid_x", "threads"), [(1, 64), (3, 256), (40, 128)])
 def test_gather_kernel_matches_reference(emu, idx_dtype, grid_x, threads) -> None:
