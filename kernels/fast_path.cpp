@@ -3,10 +3,11 @@
 //
 // Per pair of pools (and tokens, and path) the engine makes a plan once, through the op
 // tiered_kv::copy_plan (geometry checked and bases resolved from the pool tensors, as copy_blocks does).
-// Per call, `submit(plan, src, dst, stream, sem)` -- a function of this library's Python module, reached by
-// importing the library as an extension module -- checks the indices, issues the DMA or the kernel on `stream`,
-// records a pooled CUDA event after it and, when `sem` is non-zero, enqueues a host function that posts that
-// POSIX semaphore (the stream's waiter thread sleeps on it). It returns the event as a `DeviceEvent`:
+// Per call, `submit(plan, src, dst, stream, sem, signal_stream=0)` -- a function of this library's Python
+// module, reached by importing the library as an extension module -- checks the indices, issues the DMA or the
+// kernel on `stream`, records a pooled CUDA event after it and, when `sem` is non-zero, enqueues a host function
+// that posts that POSIX semaphore (the stream's waiter thread sleeps on it), on `stream` or on `signal_stream`
+// (signal_after). It returns the event as a `DeviceEvent`:
 // query(), synchronize() (GIL released), wait(stream) (stream-side), recycled when the last reference goes.
 //
 // Errors raise RuntimeError (IndexError for an index out of range) before anything is enqueued where they can
@@ -200,8 +201,22 @@ class DeviceGuard {
   bool switched_ = false;
 };
 
+// The host function that posts `sem` goes on `stream` itself, or, when `signal_stream` is not 0, on that stream
+// behind a stream-side wait for the event: a host function holds up the stream it is on until it has run, and the
+// copies queued next on `stream` (the layer groups of one load) must not wait for it.
+cudaError_t signal_after(cudaEvent_t ev, cudaStream_t stream, int64_t sem, int64_t signal_stream) {
+  if (sem == 0) return cudaSuccess;
+  cudaStream_t target = stream;
+  if (signal_stream != 0) {
+    target = reinterpret_cast<cudaStream_t>(signal_stream);
+    const cudaError_t err = cudaStreamWaitEvent(target, ev, 0);
+    if (err != cudaSuccess) return err;
+  }
+  return cudaLaunchHostFunc(target, post_semaphore, reinterpret_cast<void*>(sem));
+}
+
 std::unique_ptr<DeviceEvent> submit(int64_t plan_id, py::handle src, py::handle dst, int64_t stream_handle,
-                                    int64_t sem) {
+                                    int64_t sem, int64_t signal_stream) {
   FastPlan& plan = plan_of(plan_id);
   std::array<int64_t, kMaxPairs> sb{}, db{};
   const size_t ns = read_indices(src, sb.data(), plan.src_blocks, "src_blocks");
@@ -228,9 +243,7 @@ std::unique_ptr<DeviceEvent> submit(int64_t plan_id, py::handle src, py::handle 
   cudaEvent_t ev = take_event(plan.device);
   auto event = std::make_unique<DeviceEvent>(ev, plan.device);  // returns ev to the pool on any exit
   cudaError_t err = cudaEventRecord(ev, stream);
-  if (err == cudaSuccess && sem != 0) {
-    err = cudaLaunchHostFunc(stream, post_semaphore, reinterpret_cast<void*>(sem));
-  }
+  if (err == cudaSuccess) err = signal_after(ev, stream, sem, signal_stream);
   if (err != cudaSuccess) {
     cudaGetLastError();
     throw std::runtime_error(std::string("tiered_kv fast path: ") + cudaGetErrorString(err));
@@ -274,6 +287,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return "<DeviceEvent " + std::string(e.query() ? "done" : "pending") + ">";
       });
   m.def("submit", &tiered_kv::submit, py::arg("plan"), py::arg("src"), py::arg("dst"), py::arg("stream"),
-        py::arg("sem"));
+        py::arg("sem"), py::arg("signal_stream") = 0);
   m.def("record", &tiered_kv::record, py::arg("device"), py::arg("stream"), py::arg("sem"));
 }

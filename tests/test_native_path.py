@@ -116,8 +116,9 @@ def test_calls_of_up_to_256_blocks_take_the_native_path_whole_or_partial(
             await engine.copy(Tier.GPU, [0], Tier.HOST, [1], num_tokens=num_tokens)  # warm-up: plans, waiter
             monkeypatch.setattr(torch.cuda.Event, "__new__", counting_new)
             rng = random.Random(11)
+            pairs: list[tuple[Tier, Tier]] = [(Tier.GPU, Tier.HOST), (Tier.HOST, Tier.GPU), (Tier.GPU, Tier.GPU)]
             for k in (47, 48, 100, 255, 256):
-                for pair in ((Tier.GPU, Tier.HOST), (Tier.HOST, Tier.GPU), (Tier.GPU, Tier.GPU)):
+                for pair in pairs:
                     src = rng.sample(range(300), k)
                     dst = rng.sample(range(300, 600) if pair == (Tier.GPU, Tier.GPU) else range(300), k)
                     a = (gpu if pair[0] is Tier.GPU else host).cpu()

@@ -298,6 +298,45 @@ async def test_both_cuda_completion_signals_keep_order(layout, mode, monkeypatch
         assert war_old and war_new
 
 
+@pytest.mark.gpu
+def test_signals_beside_the_stream_keep_callback_order_and_never_run_early(monkeypatch):
+    """``notify(beside=True)`` posts from the side stream: posts may arrive out of notify order (in-stream ones can
+    overtake), yet every callback runs in notify order and only once its own event is done."""
+    import functools
+    import threading
+    import time
+
+    import torch
+
+    monkeypatch.setenv("TIERED_KV_COMPLETION", "hostfunc")
+    stream = CudaStream("beside-test", device=torch.device("cuda"))
+    x = torch.zeros(4 << 20, device="cuda")
+    events: dict[int, object] = {}
+    seen: list[tuple[int, bool]] = []
+    finished = threading.Event()
+    count = 300
+
+    def callback(i: int) -> None:
+        while i not in events:  # the callback may fire before notify() has returned
+            time.sleep(0)
+        seen.append((i, events[i].query()))  # type: ignore[attr-defined]
+        if len(seen) == count:
+            finished.set()
+
+    try:
+        for i in range(count):
+            with torch.cuda.stream(stream.torch_stream):
+                x.add_(1)  # tens of microseconds of work per item
+            events[i] = stream.notify(functools.partial(callback, i), beside=i % 4 != 3)
+        assert finished.wait(30), f"{len(seen)} of {count} callbacks ran"
+        assert stream.completion == "hostfunc" and stream._side is not None
+        assert [i for i, _ in seen] == list(range(count))
+        assert all(done for _, done in seen), [i for i, done in seen if not done][:5]
+        assert float(x[0]) == count
+    finally:
+        stream.close()
+
+
 def test_completion_mode_is_validated(monkeypatch):
     from tiered_kv.device import _completion_mode
 

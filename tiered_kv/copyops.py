@@ -426,7 +426,7 @@ class NativeCopy:
 
     def __init__(self, stream: CudaStream, submit: Callable[..., Event], plan: int, s: list[int], d: list[int]):
         self.stream = stream
-        self._issue: Callable[[int, int], Event] = functools.partial(submit, plan, s, d)
+        self._issue: Callable[[int, int, int], Event] = functools.partial(submit, plan, s, d)
 
     @property
     def lane(self) -> CudaStream:
@@ -435,15 +435,16 @@ class NativeCopy:
 
     def __call__(self) -> None:
         """Issue the copy on its stream, without a completion (an op under ``Stream.submit``)."""
-        self._issue(self.stream.torch_stream.cuda_stream, 0)
+        self._issue(self.stream.torch_stream.cuda_stream, 0, 0)
 
-    def start(self, done: Callable[[BaseException | None], None]) -> Event:
+    def start(self, done: Callable[[BaseException | None], None], beside: bool = False) -> Event:
         """Issue the copy and its completion: ``done(None)`` from the stream's waiter once it has run.
 
+        ``beside``: signal the completion from the stream's side stream (:meth:`~tiered_kv.device.CudaStream.notify`).
         An error of the call itself (nothing enqueued) reaches ``done`` in stream order, like an op's error.
         """
         try:
-            return self.stream.notify_native(self._issue, lambda: done(None))
+            return self.stream.notify_native(self._issue, lambda: done(None), beside=beside)
         except (RuntimeError, ValueError, IndexError, TypeError) as exc:
             if self.stream.closed:
                 raise

@@ -74,8 +74,12 @@ class Stream(Protocol):
     def wait(self, event: Event) -> None:
         """Make work queued from now on wait for ``event`` (stream-side: nothing blocks)."""
 
-    def notify(self, callback: Callback) -> Event:
-        """Call ``callback()`` from a waiter thread once the work queued so far has finished; its event."""
+    def notify(self, callback: Callback, *, beside: bool = False) -> Event:
+        """Call ``callback()`` from a waiter thread once the work queued so far has finished; its event.
+
+        ``beside``: the completion signal must not hold up the work queued after it on this stream (a CUDA
+        stream signals from a side stream then); the callbacks still run in order.
+        """
 
     def synchronize(self) -> None:
         """Block until the work queued so far has finished."""
@@ -158,8 +162,8 @@ class EmulatedStream:
 
             self.submit(wait_flag)
 
-    def notify(self, callback: Callback) -> EmulatedEvent:
-        """Call ``callback()`` once the work queued so far has run; its event."""
+    def notify(self, callback: Callback, *, beside: bool = False) -> EmulatedEvent:
+        """Call ``callback()`` once the work queued so far has run; its event (``beside`` changes nothing here)."""
         event = EmulatedEvent()
 
         def fire() -> None:
@@ -276,6 +280,7 @@ class CudaStream:
         self._closed = False
         self._signal: _HostFuncSignal | None = None  # made with the waiter, at the first notify()
         self._sem_address = 0  # the signal's semaphore, for native code (0: event mode)
+        self._side: torch.cuda.Stream | None = None  # carries the ``beside`` signals (notify), made at first use
         self._handle: int = self.torch_stream.cuda_stream
 
     @property
@@ -326,31 +331,57 @@ class CudaStream:
             return
         raise TypeError(f"a CUDA stream can only wait on a torch.cuda.Event, got {type(event).__name__}")
 
-    def notify(self, callback: Callback) -> torch.cuda.Event:
-        """Call ``callback()`` from the waiter thread once the work queued so far has finished; its event."""
+    def notify(self, callback: Callback, *, beside: bool = False) -> torch.cuda.Event:
+        """Call ``callback()`` from the waiter thread once the work queued so far has finished; its event.
+
+        A host function holds up its stream until it has run (tens of microseconds on a busy host): ``beside``
+        enqueues it on this stream's side stream, behind a stream-side wait for the event, so the work queued next
+        on this stream starts at once (a load issued as many layer groups). Posts may then reach the waiter in
+        another order than their notifies; each callback still runs in notify order, after its own event.
+        """
         if self._waiter is None:
             self._start_waiter()
         event = self.record()  # other streams wait on it stream-side
         self._waits.put((event, callback))
-        if self._signal is not None:
-            self._signal.enqueue(self.torch_stream)
+        signal = self._signal
+        if signal is not None:
+            if beside:
+                side = self._side_stream()
+                side.wait_event(event)
+                signal.enqueue(side)
+            else:
+                signal.enqueue(self.torch_stream)
         return event
 
-    def notify_native(self, issue: Callable[[int, int], Event], callback: Callback) -> Event:
+    def notify_native(
+        self, issue: Callable[[int, int, int], Event], callback: Callback, *, beside: bool = False
+    ) -> Event:
         """Enqueue native work and call ``callback()`` as :meth:`notify` does, in one call into C++.
 
-        ``issue(stream handle, semaphore address)`` enqueues the work on this stream, records an event after it
-        and, when the address is not 0, a host function that posts that semaphore (the waiter's), and returns
-        the event (the native submission path of small copies, ``kernels/fast_path.cpp``). If it raises,
-        nothing was enqueued.
+        ``issue(stream handle, semaphore address, signal stream handle)`` enqueues the work on this stream,
+        records an event after it and, when the address is not 0, a host function that posts that semaphore (the
+        waiter's) -- on the signal stream behind a wait for the event when its handle is not 0 (``beside``, as in
+        :meth:`notify`) -- and returns the event (the native submission path of small copies,
+        ``kernels/fast_path.cpp``). If it raises, nothing was enqueued.
         """
         if self._closed:
             raise RuntimeError(f"stream {self.name} is closed")
         if self._waiter is None:
             self._start_waiter()
-        event = issue(self._handle, self._sem_address)
+        side = self._side_stream().cuda_stream if beside and self._signal is not None else 0
+        event = issue(self._handle, self._sem_address, side)
         self._waits.put((event, callback))
         return event
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        """The stream that carries this stream's ``beside`` completion signals (made at first use)."""
+        side = self._side
+        if side is None:
+            with self._lock:
+                if self._side is None:
+                    self._side = torch.cuda.Stream(device=self.torch_stream.device)
+                side = self._side
+        return side
 
     def _start_waiter(self) -> None:
         with self._lock:

@@ -587,7 +587,13 @@ class TransferEngine:
         s, d = small if small is not None else self._check_indices(src_pool, src_indices, dst_pool, dst_indices)
         n = self._check_tokens(num_tokens)
         tokens = None if num_tokens is None else int(num_tokens)
-        jobs = [handler.prepare(handler.validate(Batch(src_t, s, dst_t, d, tokens, None, span))) for span in spans]
+        # every group but the last has more of the copy right behind it on the lane: its completion signal must
+        # not hold that up (a CUDA host function on the copy stream would stall the next group until it has run)
+        last = len(spans) - 1
+        jobs = [
+            handler.prepare(handler.validate(Batch(src_t, s, dst_t, d, tokens, None, span, more_follows=i < last)))
+            for i, span in enumerate(spans)
+        ]
         lane = jobs[0].lane
         count = len(s)
         if lane is None or count == 0 or any(job.lane is not lane for job in jobs):

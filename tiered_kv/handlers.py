@@ -90,6 +90,8 @@ class Batch:
             batch with them normalized (a tuple, one per block) from :meth:`TransferHandler.validate`.
         layers: copy only layers ``[start, stop)`` of each block; ``None``: every layer (the engine passes a
             range only to the memory handler).
+        more_follows: more of the same copy is queued right behind this batch on its lane (the layer groups of
+            one load): a handler signals its completion without holding up the lane (``Stream.notify(beside=True)``).
 
     Notes:
         ``src``/``dst`` are int64 arrays, or int lists on the engine's per-call fast path (memory pairs only).
@@ -102,6 +104,7 @@ class Batch:
     num_tokens: int | None = None
     keys: Iterable[object] | None = None
     layers: tuple[int, int] | None = None
+    more_follows: bool = False
 
     @property
     def size(self) -> int:

@@ -36,18 +36,23 @@ STREAM_ROUTES: dict[tuple[Tier, Tier], str | None] = {
 
 
 class _StreamJob:
-    """One op queued on a stream; ``done`` is called by the stream's completion callback."""
+    """One op queued on a stream; ``done`` is called by the stream's completion callback.
 
-    __slots__ = ("lane", "op")
+    ``beside``: its completion signal must not hold up the work queued after it (``Stream.notify``): the batch's
+    ``more_follows`` (the layer groups of one copy, which follow each other on one stream).
+    """
+
+    __slots__ = ("beside", "lane", "op")
 
     def __init__(self, lane: Stream, op: Op) -> None:
         self.lane: Stream | None = lane
         self.op = op
+        self.beside = False
 
     def start(self, done: Done) -> Event:
         op = self.op
         if type(op) is NativeCopy:  # one call into C++ issues the copy, its event and its completion signal
-            return op.start(done)
+            return op.start(done, self.beside)
         lane = self.lane
         assert lane is not None
         error: list[BaseException] = []
@@ -59,7 +64,7 @@ class _StreamJob:
                 error.append(exc)
 
         lane.submit(run, explicit=getattr(op, "explicit_stream", False))
-        return lane.notify(lambda: done(error[0] if error else None))
+        return lane.notify(lambda: done(error[0] if error else None), beside=self.beside)
 
 
 class _HostJob:
@@ -149,7 +154,9 @@ class StreamCopier:
         lane = STREAM_ROUTES[(batch.src_tier, batch.dst_tier)]
         if lane is None:
             return _HostJob(self._threads, op)
-        return _StreamJob(self._streams[lane], op)
+        job = _StreamJob(self._streams[lane], op)
+        job.beside = batch.more_follows
+        return job
 
     def build_op(
         self, src_pool: Side, s: np.ndarray | list[int], dst_pool: Side, d: np.ndarray | list[int], n: int | None
