@@ -207,18 +207,25 @@ unsigned grid_for(int64_t items, int64_t max_blocks = 132 * 16) {
 constexpr int64_t kCtasPerSm = 16;
 
 // A copy through PCIe needs few SMs: 4 CTAs of 512 threads already carry the link at 50-52 GB/s on an H100,
-// as does the full grid (kernels/probes/pcie_probe.cu, `grid`). One CTA of kThreads per 4 SMs (33 CTAs, 4x the
-// warps of that smallest grid, on an H100) leaves three quarters of the SMs to compute that runs beside the copy
-// (layer-by-layer loads). Copies between GPU buffers keep the full grid: they are bound by HBM, not PCIe.
-constexpr int kSmsPerPcieCta = 4;
+// as does the full grid (kernels/probes/pcie_probe.cu, `grid`). One CTA of kThreads per 16 SMs (9 CTAs, 72 warps,
+// on an H100) moves 64 KiB chunks as fast as one per 4 or 8 SMs did, and a layer-by-layer load beside compute
+// overlaps far better with it: the forced-kernel prefill went from 1.40-1.47x to 1.21-1.24x of max(load, compute)
+// (H100, same run, 4 -> 16 SMs per CTA). Copies between GPU buffers keep the full grid: they are bound by HBM.
+constexpr int kSmsPerPcieCta = 16;
 
 int max_ctas(bool via_host) {
   // kCtasPerSm x the current device's SM count (looked up once per device); SMs / kSmsPerPcieCta via host
+  // (TIERED_KV_PCIE_SMS_PER_CTA overrides it, for measuring)
+  static const int sms_per_pcie_cta = [] {
+    const char* v = std::getenv("TIERED_KV_PCIE_SMS_PER_CTA");
+    const int x = v != nullptr ? std::atoi(v) : 0;
+    return x > 0 ? x : kSmsPerPcieCta;
+  }();
   static int cached[64] = {0};
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
     cudaGetLastError();
-    return via_host ? 132 / kSmsPerPcieCta : 132 * static_cast<int>(kCtasPerSm);
+    return via_host ? 132 / sms_per_pcie_cta : 132 * static_cast<int>(kCtasPerSm);
   }
   if (cached[dev] == 0) {
     int sms = 0;
@@ -228,7 +235,7 @@ int max_ctas(bool via_host) {
     }
     cached[dev] = sms;
   }
-  return via_host ? (cached[dev] + kSmsPerPcieCta - 1) / kSmsPerPcieCta : cached[dev] * static_cast<int>(kCtasPerSm);
+  return via_host ? (cached[dev] + sms_per_pcie_cta - 1) / sms_per_pcie_cta : cached[dev] * static_cast<int>(kCtasPerSm);
 }
 
 template <typename Meta>
