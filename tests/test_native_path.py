@@ -51,6 +51,18 @@ def _tensor(engine: TransferEngine, tier: Tier) -> torch.Tensor:
     return pool.tensor
 
 
+def _event_counter() -> tuple[list[object], Any]:
+    """A list and a ``torch.cuda.Event.__new__`` that appends to it (to patch in once warmed up)."""
+    made: list[object] = []
+    real = torch.cuda.Event.__new__
+
+    def counting_new(cls: type, *a: object, **k: object) -> Any:
+        made.append(cls)
+        return real(cls)  # type: ignore[no-untyped-call]
+
+    return made, counting_new
+
+
 @pytest.mark.parametrize("path", ["kernel", "dma"])
 @pytest.mark.parametrize("num_tokens", [None, 3])
 @pytest.mark.parametrize("layers", [None, (1, 3)])
@@ -98,12 +110,7 @@ def test_calls_of_up_to_256_blocks_take_the_native_path_whole_or_partial(
 ) -> None:
     """Kernel copies of 48..256 blocks (bases and indices in the kernel's large parameters where the runtime takes
     them) and partial copies go through one NativeCopy each, with no torch event, and land exactly."""
-    made: list[object] = []
-    real = torch.cuda.Event.__new__
-
-    def counting_new(cls: type, *a: object, **k: object) -> Any:
-        made.append(cls)
-        return real(cls)  # type: ignore[no-untyped-call]
+    made, counting_new = _event_counter()
 
     async def main() -> None:
         small = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, tokens_per_block=8, dtype=torch.float16)
@@ -139,12 +146,7 @@ def test_calls_of_up_to_256_blocks_take_the_native_path_whole_or_partial(
 
 def test_native_path_takes_no_torch_event_per_call(native: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """A 1-block copy is one NativeCopy: no torch.cuda.Event is made, the returned marker event is native."""
-    made: list[object] = []
-    real = torch.cuda.Event.__new__
-
-    def counting_new(cls: type, *a: object, **k: object) -> Any:
-        made.append(cls)
-        return real(cls)  # type: ignore[no-untyped-call]
+    made, counting_new = _event_counter()
 
     async def main() -> None:
         async with _engine("kernel") as engine:
