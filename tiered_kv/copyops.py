@@ -468,17 +468,21 @@ class NativeRoute:
         self._info = info
         self._stream = stream
         self._submit = submit
-        n = info.src_pool.layout.tokens_per_block
-        self._plans = {
-            "kernel": copier._native_plan(info, n, ops.METHOD_KERNEL),
-            "dma": copier._native_plan(info, n, ops.METHOD_DMA),
-        }
+        self._plans = self._plans_of(info, info.src_pool.layout.tokens_per_block)
         #: path -> [calls, bytes] of this route, summed into the copier's statistics (updated on the loop only)
         self.totals: dict[str, list[int]] = {"kernel": [0, 0], "dma": [0, 0]}
         single = copier._plan(info, [0], [0]).path  # one pair is one run: its path never changes
         self._single = (self._plans[single], self.totals[single])
         # num_tokens -> (its pair info, its plan per path): partial copies, made at first use
         self._partial: dict[int, tuple[_PairInfo, dict[str, int]]] = {}
+
+    def _plans_of(self, info: _PairInfo, num_tokens: int) -> dict[str, int]:
+        """The native plan per path (kernel, DMA) of a pair of pools and a token count."""
+        copier = self._copier
+        return {
+            "kernel": copier._native_plan(info, num_tokens, ops.METHOD_KERNEL),
+            "dma": copier._native_plan(info, num_tokens, ops.METHOD_DMA),
+        }
 
     def job(self, s: list[int], d: list[int], num_tokens: int | None = None) -> NativeCopy:
         """The job of copying blocks ``s`` to blocks ``d`` (valid small int lists: the engine checked them).
@@ -489,13 +493,8 @@ class NativeRoute:
         if num_tokens is not None:
             entry = self._partial.get(num_tokens)
             if entry is None:
-                copier = self._copier
-                info = copier._pair(self._info.src_pool, self._info.dst_pool, num_tokens)
-                plans = {
-                    path: copier._native_plan(info, num_tokens, method)
-                    for path, method in (("kernel", ops.METHOD_KERNEL), ("dma", ops.METHOD_DMA))
-                }
-                entry = self._partial[num_tokens] = (info, plans)
+                info = self._copier._pair(self._info.src_pool, self._info.dst_pool, num_tokens)
+                entry = self._partial[num_tokens] = (info, self._plans_of(info, num_tokens))
             info, plans = entry
             path = self._copier._plan(info, s, d).path
             plan, totals, block_bytes = plans[path], self.totals[path], info.block_bytes
