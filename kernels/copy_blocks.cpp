@@ -155,36 +155,16 @@ bool all_aligned16(const std::vector<int64_t>& bases, size_t count) {
 // (no allocation, no H2D copy: the small-call path), else one pinned H2D of bases + indices on `stream`.
 void issue_kernel_host_indices(const BlockCopyGeometry& g, std::vector<int64_t> bases, const int64_t* sb,
                                const int64_t* db, const at::Device& device, cudaStream_t stream) {
-  const size_t nb = static_cast<size_t>(g.src_tensors + g.dst_tensors), pairs = static_cast<size_t>(g.num_pairs);
+  const size_t nb = static_cast<size_t>(g.src_tensors + g.dst_tensors);
   const bool aligned16 = all_aligned16(bases, nb);
-  auto fill = [&](auto& meta) {
-    std::copy(bases.begin(), bases.end(), meta.v);
-    std::copy_n(sb, pairs, meta.v + nb);
-    std::copy_n(db, pairs, meta.v + nb + pairs);
-    meta.src_index = static_cast<int64_t>(nb);
-    meta.dst_index = static_cast<int64_t>(nb + pairs);
-  };
-  if (nb + 2 * pairs <= static_cast<size_t>(kInlineSlots)) {
-    InlineMeta meta{};
-    fill(meta);
-    check_launch(launch_copy_blocks_inline(g, meta, aligned16, stream), "copy_blocks kernel launch");
-    return;
-  }
-  if (nb + 2 * pairs <= static_cast<size_t>(kInlineSlotsLarge)) {
-    InlineMetaLarge meta;  // 5 KiB: filled up to what the call uses, not zeroed whole
-    fill(meta);
-    check_launch(launch_copy_blocks_inline(g, meta, aligned16, stream), "copy_blocks kernel launch");
-    return;
-  }
-  bases.resize(nb);
-  bases.insert(bases.end(), sb, sb + pairs);
-  bases.insert(bases.end(), db, db + pairs);
-  // the caching allocators tie the pinned staging buffer and the device copy to the current stream: make it ours
-  const c10::cuda::CUDAStreamGuard stream_guard(c10::cuda::getStreamFromExternal(stream, device.index()));
-  const at::Tensor meta = to_device_pinned(bases, device);
-  const int64_t* base_ptr = meta.data_ptr<int64_t>();
-  check_launch(launch_copy_blocks(g, base_ptr, base_ptr + nb, base_ptr + nb + pairs, aligned16, stream),
-               "copy_blocks kernel launch");
+  with_host_meta(
+      std::move(bases), nb, sb, db, static_cast<size_t>(g.num_pairs), device, stream,
+      [&](const auto& meta) {
+        check_launch(launch_copy_blocks_inline(g, meta, aligned16, stream), "copy_blocks kernel launch");
+      },
+      [&](const int64_t* b, const int64_t* s, const int64_t* d) {
+        check_launch(launch_copy_blocks(g, b, s, d, aligned16, stream), "copy_blocks kernel launch");
+      });
 }
 
 namespace {

@@ -190,6 +190,51 @@ __global__ void copy_segments_kernel(const int64_t* __restrict__ segments, int64
   }
 }
 
+// One warp per (pair, chunk, piece) of a chunked copy (ChunkCopyGeometry): the chunk's row of the table
+// gives both sides' tensor, offset and block stride, the meta the bases and block indices. Pieces past a
+// shorter chunk's end are skipped. vec16 takes the unrolled 16-byte path of the kernels above.
+template <typename Index, typename Meta, int kUnroll = 8>
+__global__ void copy_chunk_blocks_kernel(ChunkCopyGeometry g, const __grid_constant__ Meta meta,
+                                         const int64_t* __restrict__ table, Index total) {
+  const int lane = threadIdx.x & 31;
+  const Index warps = static_cast<Index>(gridDim.x) * kWarpsPerBlock;
+  const Index pieces = static_cast<Index>(g.pieces), chunks = static_cast<Index>(g.chunks);
+  for (Index item = static_cast<Index>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5); item < total; item += warps) {
+    Index rest = item;
+    const Index piece = rest % pieces;
+    rest /= pieces;
+    const Index chunk = rest % chunks;
+    const Index pair = rest / chunks;
+    const int64_t* row = table + 7 * static_cast<int64_t>(chunk);
+    const int64_t off = static_cast<int64_t>(piece) * kSegmentBytes;
+    int64_t len = row[6] - off;
+    if (len <= 0) continue;
+    if (len > kSegmentBytes) len = kSegmentBytes;
+    const char* s = reinterpret_cast<const char*>(meta_base(meta, row[0])) + row[1] + meta_src(meta, pair) * row[2] + off;
+    char* d = reinterpret_cast<char*>(meta_base(meta, g.src_tensors + row[3])) + row[4] + meta_dst(meta, pair) * row[5] + off;
+    if (!g.vec16) {
+      warp_copy(d, s, len, lane);
+      continue;
+    }
+    const uint32_t nvec = static_cast<uint32_t>(len >> 4);
+    const uint4* s4 = reinterpret_cast<const uint4*>(s);
+    uint4* d4 = reinterpret_cast<uint4*>(d);
+    for (uint32_t base = 0; base < nvec; base += 32 * kUnroll) {
+      uint4 v[kUnroll];
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        const uint32_t f = base + static_cast<uint32_t>(lane + 32 * k);
+        if (f < nvec) v[k] = s4[f];
+      }
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        const uint32_t f = base + static_cast<uint32_t>(lane + 32 * k);
+        if (f < nvec) d4[f] = v[k];
+      }
+    }
+  }
+}
+
 unsigned grid_for(int64_t items, int64_t max_blocks = 132 * 16) {
   // Enough warps to cover the work, capped (each warp loops): more CTAs than ~16 per SM only add
   // scheduling cost. The launcher passes 16 x the device's SM count.
@@ -266,6 +311,35 @@ cudaError_t launch_copy_blocks_inline(const BlockCopyGeometry& g, const InlineMe
                                       cudaStream_t stream) {
   if (kInlineSlotsLarge == 0) return cudaErrorNotSupported;  // the caller checks kInlineSlotsLarge first
   return launch_with(g, meta, bases_aligned16, stream);
+}
+
+template <typename Meta>
+cudaError_t launch_chunks_with(const ChunkCopyGeometry& g, const int64_t* table, const Meta& meta, cudaStream_t stream) {
+  const int64_t items = g.num_pairs * g.chunks * g.pieces;
+  if (items == 0) return cudaSuccess;
+  const unsigned grid = grid_for(items, max_ctas(g.via_host));
+  if (items + static_cast<int64_t>(grid) * kWarpsPerBlock < (int64_t{1} << 32)) {
+    copy_chunk_blocks_kernel<uint32_t, Meta><<<grid, kThreads, 0, stream>>>(g, meta, table, static_cast<uint32_t>(items));
+  } else {
+    copy_chunk_blocks_kernel<int64_t, Meta><<<grid, kThreads, 0, stream>>>(g, meta, table, items);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t launch_copy_chunk_blocks(const ChunkCopyGeometry& g, const int64_t* table, const int64_t* bases,
+                                     const int64_t* src_blocks, const int64_t* dst_blocks, cudaStream_t stream) {
+  return launch_chunks_with(g, table, PtrMeta{bases, src_blocks, dst_blocks}, stream);
+}
+
+cudaError_t launch_copy_chunk_blocks_inline(const ChunkCopyGeometry& g, const int64_t* table, const InlineMeta& meta,
+                                            cudaStream_t stream) {
+  return launch_chunks_with(g, table, meta, stream);
+}
+
+cudaError_t launch_copy_chunk_blocks_inline(const ChunkCopyGeometry& g, const int64_t* table,
+                                            const InlineMetaLarge& meta, cudaStream_t stream) {
+  if (kInlineSlotsLarge == 0) return cudaErrorNotSupported;  // the caller checks kInlineSlotsLarge first
+  return launch_chunks_with(g, table, meta, stream);
 }
 
 cudaError_t launch_copy_segments(const int64_t* segments, int64_t count, bool via_host, cudaStream_t stream) {

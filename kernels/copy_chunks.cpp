@@ -1,10 +1,20 @@
-// CUDA implementation of tiered_kv::copy_chunks (schema and CPU reference: tiered_kv/ops.py).
+// CUDA implementations of tiered_kv::copy_chunks and tiered_kv::copy_chunk_blocks (schemas and CPU
+// references: tiered_kv/opdefs.py).
 //
-// Kernel path: the host table becomes absolute (src, dst, nbytes) segments of at most kSegmentBytes, shipped
-// in one pinned H2D, copied by one launch. DMA path: one cudaMemcpyAsync per run of chunks adjacent on both
-// sides, issued here in C++.
+// copy_chunks (any byte chunks): the host table becomes absolute (src, dst, nbytes) segments of at most
+// kSegmentBytes, shipped in one pinned H2D, copied by one launch; DMA: one cudaMemcpyAsync per run of chunks
+// adjacent on both sides, issued here in C++.
+//
+// copy_chunk_blocks (whole blocks of chunked pools, the engine's path): a per-chunk table made once for a
+// pair of pools (kept on the device by the caller) and the block indices of the call; the kernel computes
+// every address itself, so a call ships only bases and indices (in the kernel's parameters when they fit).
+// DMA: the (block, chunk) copies, merged where they continue each other on both sides, as batched copies.
 #include <torch/library.h>
 
+#include <algorithm>
+
+#include "copy_blocks.h"
+#include "dma_batch.h"
 #include "tkv_kernels.cuh"
 #include "tkv_torch.h"
 
@@ -79,8 +89,97 @@ void copy_chunks_cuda(at::TensorList dst, at::TensorList src, const at::Tensor& 
                "copy_chunks kernel launch");
 }
 
+void copy_chunk_blocks_cuda(at::TensorList dst, at::TensorList src, const at::Tensor& table,
+                            const std::optional<at::Tensor>& table_dev, at::IntArrayRef src_blocks,
+                            at::IntArrayRef dst_blocks, int64_t method) {
+  TORCH_CHECK(table.device().is_cpu() && table.scalar_type() == at::kLong && table.dim() == 2 && table.size(1) == 7,
+              "copy_chunk_blocks: table must be a CPU int64 [chunks, 7] tensor");
+  TORCH_CHECK(src_blocks.size() == dst_blocks.size(), "copy_chunk_blocks: ", src_blocks.size(), " source and ",
+              dst_blocks.size(), " destination blocks");
+  TORCH_CHECK(!src.empty() && !dst.empty(), "copy_chunk_blocks: src and dst must be non-empty tensor lists");
+  const int64_t chunks = table.size(0), pairs = static_cast<int64_t>(src_blocks.size());
+  if (chunks == 0 || pairs == 0) return;
+  at::Device device = at::kCPU;
+  bool via_host = false;  // a side in pinned host memory: the kernel runs on the small grid of PCIe copies
+  for (const at::Tensor& t : src) t.is_cuda() ? void(device = t.device()) : void(via_host = true);
+  for (const at::Tensor& t : dst) t.is_cuda() ? void(device = t.device()) : void(via_host = true);
+  TORCH_CHECK(device.is_cuda(), "copy_chunk_blocks: no tensor is on a CUDA device");
+  const c10::cuda::CUDAGuard guard(device);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+
+  // every address of the call stays inside its tensor: per chunk, its offset + the largest block * stride
+  const auto [smin, smax] = std::minmax_element(src_blocks.begin(), src_blocks.end());
+  const auto [dmin, dmax] = std::minmax_element(dst_blocks.begin(), dst_blocks.end());
+  TORCH_CHECK(*smin >= 0 && *dmin >= 0, "copy_chunk_blocks: negative block index");
+  const at::Tensor t = table.contiguous();
+  const int64_t* row = t.data_ptr<int64_t>();
+  const int64_t ns = static_cast<int64_t>(src.size()), nd = static_cast<int64_t>(dst.size());
+  auto bytes_of = [](const at::Tensor& x) { return x.numel() * static_cast<int64_t>(x.element_size()); };
+  bool vec16 = true;
+  int64_t largest = 0;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t* r = row + 7 * c;
+    TORCH_CHECK(r[0] >= 0 && r[0] < ns && r[3] >= 0 && r[3] < nd, "copy_chunk_blocks: tensor index out of range in row ",
+                c);
+    TORCH_CHECK(r[1] >= 0 && r[2] >= 0 && r[4] >= 0 && r[5] >= 0 && r[6] >= 0,
+                "copy_chunk_blocks: negative offset, stride or size in row ", c);
+    TORCH_CHECK(r[1] + *smax * r[2] + r[6] <= bytes_of(src[r[0]]) && r[4] + *dmax * r[5] + r[6] <= bytes_of(dst[r[3]]),
+                "copy_chunk_blocks: chunk ", c, " of the largest block index reaches past the end of its tensor");
+    vec16 = vec16 && ((r[1] | r[2] | r[4] | r[5] | r[6]) & 15) == 0;
+    largest = std::max(largest, r[6]);
+  }
+  if (largest == 0) return;
+
+  if (method == 1) {  // DMA: (block, chunk) copies in order, merged where one continues the last on both sides
+    const std::vector<char*> sbase = host_bases(src), dbase = host_bases(dst);
+    DmaBatch batch;
+    for (int64_t p = 0; p < pairs; ++p) {
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t* r = row + 7 * c;
+        if (r[6] == 0) continue;
+        const char* s = sbase[r[0]] + r[1] + src_blocks[p] * r[2];
+        char* d = dbase[r[3]] + r[4] + dst_blocks[p] * r[5];
+        if (!batch.sizes.empty() && static_cast<const char*>(batch.srcs.back()) + batch.sizes.back() == s &&
+            static_cast<char*>(batch.dsts.back()) + batch.sizes.back() == d) {
+          batch.sizes.back() += static_cast<size_t>(r[6]);
+        } else {
+          batch.add(d, s, static_cast<size_t>(r[6]));
+        }
+      }
+    }
+    check_launch(dma_flush(batch, stream), "copy_chunk_blocks DMA");
+    return;
+  }
+
+  at::Tensor on_device;  // the table where the kernel reads it: the caller's copy, else shipped with this call
+  if (table_dev.has_value() && table_dev->defined()) {
+    TORCH_CHECK(table_dev->device() == device && table_dev->scalar_type() == at::kLong && table_dev->is_contiguous() &&
+                    table_dev->sizes() == table.sizes(),
+                "copy_chunk_blocks: table_dev must be a contiguous int64 copy of table on ", device);
+    on_device = *table_dev;
+  } else {
+    on_device = to_device_pinned(std::vector<int64_t>(row, row + 7 * chunks), device);
+  }
+  std::vector<int64_t> bases = kernel_bases(dst, src, 2 * static_cast<size_t>(pairs));
+  const size_t nb = static_cast<size_t>(ns + nd);
+  for (size_t i = 0; i < nb; ++i) vec16 = vec16 && (bases[i] & 15) == 0;
+  const ChunkCopyGeometry g{pairs, chunks, (largest + kSegmentBytes - 1) / kSegmentBytes, ns, vec16, via_host};
+  const int64_t* tab = on_device.data_ptr<int64_t>();
+  with_host_meta(
+      std::move(bases), nb, src_blocks.data(), dst_blocks.data(), static_cast<size_t>(pairs), device, stream,
+      [&](const auto& meta) {
+        check_launch(launch_copy_chunk_blocks_inline(g, tab, meta, stream), "copy_chunk_blocks kernel launch");
+      },
+      [&](const int64_t* b, const int64_t* s, const int64_t* d) {
+        check_launch(launch_copy_chunk_blocks(g, tab, b, s, d, stream), "copy_chunk_blocks kernel launch");
+      });
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(tiered_kv, CUDA, m) { m.impl("copy_chunks", &copy_chunks_cuda); }
+TORCH_LIBRARY_IMPL(tiered_kv, CUDA, m) {
+  m.impl("copy_chunks", &copy_chunks_cuda);
+  m.impl("copy_chunk_blocks", &copy_chunk_blocks_cuda);
+}
 
 }  // namespace tiered_kv

@@ -75,6 +75,29 @@ cudaError_t launch_copy_blocks_inline(const BlockCopyGeometry& g, const InlineMe
 cudaError_t launch_copy_blocks_inline(const BlockCopyGeometry& g, const InlineMetaLarge& meta, bool bases_aligned16,
                                       cudaStream_t stream);
 
+// A copy of whole blocks between pools whose blocks are lists of chunks (engine layouts: one chunk per
+// (layer, K/V) or per layer, anywhere in a buffer). table: [chunks, 7] int64 rows, device-readable:
+// (src tensor, src offset of block 0, src block stride, dst tensor, dst offset of block 0, dst block stride,
+// bytes); block b's chunk c is at base[tensor] + offset + b * stride on each side. The table is fixed for a
+// pair of pools (made once, kept on the device); a call passes only the tensors' bases and the block indices
+// (bases: src_tensors source bases then the destination bases, as for copy_blocks). vec16: every base,
+// offset, stride and size is a multiple of 16 (checked on the host).
+struct ChunkCopyGeometry {
+  int64_t num_pairs;
+  int64_t chunks;
+  int64_t pieces;  // pieces of at most kSegmentBytes of the largest chunk
+  int64_t src_tensors;
+  bool vec16;
+  bool via_host;  // a side is pinned host memory: the small grid of PCIe copies
+};
+
+cudaError_t launch_copy_chunk_blocks(const ChunkCopyGeometry& g, const int64_t* table, const int64_t* bases,
+                                     const int64_t* src_blocks, const int64_t* dst_blocks, cudaStream_t stream);
+cudaError_t launch_copy_chunk_blocks_inline(const ChunkCopyGeometry& g, const int64_t* table, const InlineMeta& meta,
+                                            cudaStream_t stream);
+cudaError_t launch_copy_chunk_blocks_inline(const ChunkCopyGeometry& g, const int64_t* table,
+                                            const InlineMetaLarge& meta, cudaStream_t stream);
+
 // segments: [count, 3] int64 rows (src address, dst address, nbytes), device-readable; any alignment.
 // via_host: a segment touches pinned host memory (the copy is bound by PCIe and runs on a small grid).
 cudaError_t launch_copy_segments(const int64_t* segments, int64_t count, bool via_host, cudaStream_t stream);

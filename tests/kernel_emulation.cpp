@@ -81,6 +81,54 @@ void emu_copy_blocks(const int64_t* geometry, const int64_t* bases, const int64_
 int emu_inline_slots() { return tiered_kv::kInlineSlots; }
 int emu_inline_slots_large() { return tiered_kv::kInlineSlotsLarge; }
 
+// table: [chunks, 7] rows (see ChunkCopyGeometry); bases: src_tensors source then destination bases.
+// use_inline: 0 device-readable arrays (the staged path), 1 InlineMeta, 2 InlineMetaLarge (returns without
+// copying when they do not fit). vec16 as kernels/copy_chunks.cpp decides, unless force_unaligned.
+void emu_copy_chunk_blocks(const int64_t* table, int64_t chunks, const int64_t* bases, int64_t src_tensors,
+                           int64_t dst_tensors, const int64_t* src_blocks, const int64_t* dst_blocks, int64_t pairs,
+                           int max_grid, int index64, int force_unaligned, int use_inline) {
+  int64_t largest = 0;
+  bool vec16 = !force_unaligned;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t* r = table + 7 * c;
+    vec16 = vec16 && ((r[1] | r[2] | r[4] | r[5] | r[6]) & 15) == 0;
+    if (r[6] > largest) largest = r[6];
+  }
+  const int64_t nb = src_tensors + dst_tensors;
+  for (int64_t i = 0; i < nb; ++i) vec16 = vec16 && (bases[i] & 15) == 0;
+  if (pairs == 0 || largest == 0) return;
+  const tiered_kv::ChunkCopyGeometry g{pairs, chunks, (largest + tiered_kv::kSegmentBytes - 1) / tiered_kv::kSegmentBytes,
+                                       src_tensors, vec16, false};
+  const int64_t items = pairs * chunks * g.pieces;
+  const tiered_kv::PtrMeta ptrs{bases, src_blocks, dst_blocks};
+  tiered_kv::InlineMeta inline_meta{};
+  static tiered_kv::InlineMetaLarge large_meta;
+  auto fill = [&](auto& meta, int64_t slots) {
+    if (nb + 2 * pairs > slots) return false;
+    for (int64_t i = 0; i < nb; ++i) meta.v[i] = bases[i];
+    for (int64_t p = 0; p < pairs; ++p) {
+      meta.v[nb + p] = src_blocks[p];
+      meta.v[nb + pairs + p] = dst_blocks[p];
+    }
+    meta.src_index = nb;
+    meta.dst_index = nb + pairs;
+    return true;
+  };
+  if (use_inline == 1 && !fill(inline_meta, tiered_kv::kInlineSlots)) return;
+  if (use_inline == 2 && !fill(large_meta, tiered_kv::kInlineSlotsLarge)) return;
+  run_grid(capped(tiered_kv::grid_for(items), max_grid), tiered_kv::kThreads, [&] {
+    if (use_inline == 2) {
+      tiered_kv::copy_chunk_blocks_kernel<uint32_t, tiered_kv::InlineMetaLarge>(g, large_meta, table, uint32_t(items));
+    } else if (use_inline == 1) {
+      tiered_kv::copy_chunk_blocks_kernel<uint32_t, tiered_kv::InlineMeta>(g, inline_meta, table, uint32_t(items));
+    } else if (index64) {
+      tiered_kv::copy_chunk_blocks_kernel<int64_t, tiered_kv::PtrMeta>(g, ptrs, table, items);
+    } else {
+      tiered_kv::copy_chunk_blocks_kernel<uint32_t, tiered_kv::PtrMeta>(g, ptrs, table, uint32_t(items));
+    }
+  });
+}
+
 void emu_copy_segments(const int64_t* segments, int64_t count, int max_grid) {
   if (count == 0) return;
   run_grid(capped(tiered_kv::grid_for(count), max_grid), tiered_kv::kThreads,

@@ -84,9 +84,9 @@ def test_batch_and_per_block_dma_match_the_reference(
         if not (available and stream == "side"):
             assert batched == 0, "the batch call ran while off or on the legacy default stream"
         elif indices == "scattered" and num_tokens is None:
-            # 8 copies (block-major) in one batch call; 24 (8 blocks x 3 layers) as a head and the rest
+            # 8 copies (block-major) in one batch call; 24 (8 blocks x 3 layers) as calls of 4, 8 and 12
             copies = 8 if kind == "block" else 8 * L
-            assert batched == (1 if copies < 16 else 2), f"{copies} scattered whole-chunk copies: batch calls"
+            assert batched == batch_calls(copies), f"{copies} scattered whole-chunk copies: batch calls"
 
 
 def test_batch_call_is_used_where_the_runtime_has_it(batch_mode: Callable[[int], int]) -> None:
@@ -103,15 +103,30 @@ def test_batch_call_is_used_where_the_runtime_has_it(batch_mode: Callable[[int],
     assert bool(batch_mode(-1)) == built, "the batch call was refused (cudaErrorNotSupported): the loop is in use"
 
 
+def batch_calls(copies: int) -> int:
+    """The batch calls kernels/dma_batch.cpp makes for ``copies`` copies: one below 16; else 4, 8, 16, ... 256."""
+    if copies < 16:
+        return 1
+    calls, call, done = 0, 4, 0
+    while done < copies:
+        done, call, calls = done + min(call, copies - done), min(2 * call, 256), calls + 1
+    return calls
+
+
+def test_batch_calls_model() -> None:
+    assert [batch_calls(n) for n in (1, 15, 16, 24, 40, 60, 61, 1020, 1021, 1276)] == [1, 1, 3, 3, 4, 4, 5, 9, 10, 10]
+
+
 @pytest.mark.parametrize(("src_at", "dst_at"), [("cuda", "pinned"), ("pinned", "cuda")])
-def test_a_long_batch_goes_as_a_head_and_the_rest(batch_mode: Callable[[int], int], src_at: str, dst_at: str) -> None:
-    """40 scattered copies: two batch calls (a short head the copy engines start on at once, then the rest), and
-    every block lands where the reference puts it; 15 copies stay one call."""
+def test_a_long_batch_goes_as_calls_that_double(batch_mode: Callable[[int], int], src_at: str, dst_at: str) -> None:
+    """A long batch goes as a short head the copy engines start on at once, then calls that double in size (each
+    issued while the ones before it run): 40 copies are calls of 4, 8, 16 and 12, 300 copies seven calls; every
+    block lands where the reference puts it; 15 copies stay one call."""
     built = tuple(int(x) for x in (torch.version.cuda or "0.0").split(".")[:2]) >= (12, 8)
     batch_mode(1)
-    n = 64
+    n = 320
     gen = torch.Generator().manual_seed(3)
-    for pairs, calls in ((40, 2), (15, 1)):
+    for pairs, calls in ((40, 4), (300, 7), (15, 1)):
         s = torch.randperm(n, generator=gen)[:pairs]
         d = torch.randperm(n, generator=gen)[:pairs]
         src, dst = _side("block", n, src_at), _side("block", n, dst_at)

@@ -224,6 +224,94 @@ def test_copy_segments_kernel_aligned_segments_take_the_unrolled_path(emu, max_g
     assert_blocks_equal(dst, want, "aligned segments")
 
 
+def _emu_chunk_blocks(emu, dst, src, table, s, d, max_grid=0, index64=False, force_unaligned=False, use_inline=0):
+    bases = _i64([t.data_ptr() for t in src] + [t.data_ptr() for t in dst])
+    sb, db, t = _i64(s), _i64(d), table.contiguous()
+    emu.emu_copy_chunk_blocks(
+        _ptr(t),
+        ctypes.c_int64(t.size(0)),
+        _ptr(bases),
+        ctypes.c_int64(len(src)),
+        ctypes.c_int64(len(dst)),
+        _ptr(sb),
+        _ptr(db),
+        ctypes.c_int64(len(s)),
+        ctypes.c_int(max_grid),
+        ctypes.c_int(int(index64)),
+        ctypes.c_int(int(force_unaligned)),
+        ctypes.c_int(use_inline),
+    )
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+@pytest.mark.parametrize(
+    ("max_grid", "index64", "force_unaligned", "use_inline"),
+    [(0, False, False, 0), (1, True, False, 0), (3, False, True, 0), (2, False, False, 1), (5, False, False, 2)],
+)
+def test_copy_chunk_blocks_kernel_matches_reference(
+    emu, aligned, max_grid, index64, force_unaligned, use_inline
+) -> None:
+    # chunks of mixed sizes (pieces past a short chunk's end are skipped), each with its own tensor, offset and
+    # block stride on the source side, block-major on the destination side; scattered pairs
+    from tiered_kv import opdefs
+
+    if use_inline == 2 and emu.emu_inline_slots_large() == 0:
+        pytest.skip("the CUDA runtime of this toolkit caps kernel parameters at 4 KiB")
+    g = torch.Generator().manual_seed(7 + max_grid)
+    sizes = [16, 4096, 16 * 1024, 16 * 1024 + 32, 39_984, 48] if aligned else [1, 15, 17, 4096 + 3, 16 * 1024 + 7, 33]
+    blocks, up = 7, (lambda x: (x + 15) // 16 * 16)
+    rows, cursor = [], [0, 0]
+    for c, nbytes in enumerate(sizes):
+        buf = c % 2
+        stride = up(nbytes) + 16 * int(torch.randint(0, 3, (1,), generator=g)) + (0 if aligned else 3)
+        offset = cursor[buf] + (0 if aligned else 5)
+        cursor[buf] = offset + (blocks - 1) * stride + nbytes + 16
+        rows.append([buf, offset, stride, 0, 0, 0, nbytes])
+    block_bytes = sum(up(n) for n in sizes) + 16
+    at = 0
+    for r, nbytes in zip(rows, sizes, strict=True):
+        r[4], r[5], at = at + (0 if aligned else 1), block_bytes, at + up(nbytes)
+    table = _i64([v for r in rows for v in r]).view(-1, 7)
+    src = [
+        fill_random(torch.empty(cursor[0] + 64, dtype=torch.uint8), g),
+        fill_random(torch.empty(cursor[1] + 64, dtype=torch.uint8), g),
+    ]
+    dst = [fill_random(torch.empty(blocks * block_bytes + 64, dtype=torch.uint8), g)]
+    s, d = [6, 0, 3, 3, 5], [1, 4, 0, 6, 2]
+    want = [t.clone() for t in dst]
+    opdefs.copy_chunk_blocks_ref(want, src, table, None, s, d, 0)
+    _emu_chunk_blocks(emu, dst, src, table, s, d, max_grid, index64, force_unaligned, use_inline)
+    assert_blocks_equal(dst[0], want[0], "chunk blocks")
+
+
+@pytest.mark.parametrize("kind", ["flash_attn", "sglang", "vllm_head_outer", "pages"])
+@pytest.mark.parametrize("direction", ["offload", "onboard"])
+def test_copy_chunk_blocks_kernel_on_engine_layouts(emu, kind, direction) -> None:
+    # the real tables of engine layouts (pool_kinds.block_table), whole blocks to and from a block-major pool
+    from test_pool_kinds import _case, _chunked
+
+    from tiered_kv import opdefs
+    from tiered_kv import pool_kinds as pk
+    from tiered_kv.pools import BlockPool, Tier
+
+    gpu_pool, _phys, _ref, lay = _case(kind, "cpu")
+    pool = _chunked(gpu_pool, lay)
+    host = BlockPool(
+        Tier.HOST, pool.layout, fill_random(torch.empty(4, *pool.layout.block_shape, dtype=pool.layout.dtype))
+    )
+    src, dst, s, d = (
+        (pool, host, [5, 0, 3], [1, 3, 0]) if direction == "offload" else (host, pool, [1, 3, 0], [5, 0, 2])
+    )
+    table = torch.from_numpy(pk.block_table(src, dst))
+    dst_t = [t.view(-1).view(torch.uint8) for t in pk.chunk_tensors(dst)]
+    src_t = [t.view(-1).view(torch.uint8) for t in pk.chunk_tensors(src)]
+    want = [t.clone() for t in dst_t]
+    opdefs.copy_chunk_blocks_ref(want, src_t, table, None, s, d, 0)
+    _emu_chunk_blocks(emu, dst_t, src_t, table, s, d, max_grid=2)
+    for a, b in zip(dst_t, want, strict=True):
+        assert torch.equal(a, b), kind
+
+
 @pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize(("grid_x", "threads"), [(1, 64), (3, 256), (40, 128)])
 def test_gather_kernel_matches_reference(emu, idx_dtype, grid_x, threads) -> None:

@@ -226,3 +226,115 @@ async def test_layer_wise_copy_of_a_chunked_pool_is_refused_before_enqueue() -> 
         with pytest.raises(ValueError, match="layer-wise copies"):
             engine.copy(Tier.GPU, [0], Tier.HOST, [0], layers=(0, 1))
         assert engine.statistics().in_flight == 0
+
+
+def _chunked(gpu_pool: pk.ChunkedPool | list[torch.Tensor], lay: KVLayout) -> pk.ChunkedPool:
+    pool = gpu_pool if isinstance(gpu_pool, pk.ChunkedPool) else pk.as_gpu_pool(lay, gpu_pool)
+    assert isinstance(pool, pk.ChunkedPool)
+    return pool
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_block_table_copies_what_the_chunk_table_copies(kind) -> None:
+    # the engine's copies take the pair's fixed table (merged chunks) and the call's indices; the per-call
+    # chunk table is the model: both must move the same bytes, both directions, any indices
+    from tiered_kv import opdefs
+    from tiered_kv.pools import BlockPool
+
+    gpu_pool, _phys, _ref, lay = _case(kind, "cpu")
+    pool = gpu_pool if isinstance(gpu_pool, pk.ChunkedPool) else pk.as_gpu_pool(lay, gpu_pool)
+    assert isinstance(pool, pk.ChunkedPool)
+    host = BlockPool(
+        Tier.HOST, pool.layout, fill_random(torch.empty(5, *pool.layout.block_shape, dtype=pool.layout.dtype))
+    )
+    s, d = np.array([5, 0, 3]), np.array([1, 4, 2])
+    for src, si, dst, di in ((pool, s, host, d), (host, d, pool, s), (pool, s, pool, np.array([1, 2, 4]))):
+        a = [t.clone() for t in pk.chunk_tensors(dst)]
+        b = [t.clone() for t in a]
+        opdefs.copy_chunks_ref(a, pk.chunk_tensors(src), torch.from_numpy(pk.chunk_table(src, si, dst, di)), 0)
+        table = torch.from_numpy(pk.block_table(src, dst))
+        opdefs.copy_chunk_blocks_ref(b, pk.chunk_tensors(src), table, None, si.tolist(), di.tolist(), 0)
+        assert all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, b, strict=True)), kind
+    rows = pk.block_table(pool, host).shape[0]
+    if kind in ("vllm_cross_layer", "pages"):  # a block is one dense run on both sides: one row, the whole block
+        assert rows == 1 and pk.block_table(pool, host)[0, 6] == pool.layout.bytes_per_block
+    elif kind == "vllm_head_outer":
+        assert rows == L * H
+    else:
+        assert rows == pool.num_chunks
+
+
+def test_block_table_rejects_a_call_past_the_pool() -> None:
+    from tiered_kv import opdefs
+
+    gpu_pool, _phys, _ref, lay = _case("flash_attn", "cpu")
+    pool = _chunked(gpu_pool, lay)
+    table = torch.from_numpy(pk.block_table(pool, pool))
+    dst = [fill_random(t.clone()) for t in pk.chunk_tensors(pool)]
+    before = [t.clone() for t in dst]
+    with pytest.raises(ValueError, match="past the end"):
+        opdefs.copy_chunk_blocks_ref(dst, pk.chunk_tensors(pool), table, None, [N], [0], 0)
+    with pytest.raises(ValueError, match="negative block"):
+        opdefs.copy_chunk_blocks_ref(dst, pk.chunk_tensors(pool), table, None, [0], [-1], 0)
+    assert all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(dst, before, strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("method", [0, 1], ids=["kernel", "dma"])
+@pytest.mark.parametrize("pairs", [3, 60, 300], ids=["inline", "inline-large", "staged"])
+def test_copy_chunk_blocks_on_the_device_matches_the_reference(kind, method, pairs) -> None:
+    # the CUDA op against the CPU reference: kernel (bases and indices in the parameters, or staged past them;
+    # the table on the device or shipped with the call) and batched DMA, both directions, scattered pairs
+    from tiered_kv import _ext, opdefs
+    from tiered_kv.pools import BlockPool
+
+    assert _ext.load(), _ext.status()["error"]
+    gpu_pool, _phys, _ref, lay = _case(kind, "cuda")
+    pool = _chunked(gpu_pool, lay)
+    shape, dtype = pool.layout.block_shape, pool.layout.dtype
+    host = BlockPool(Tier.HOST, pool.layout, fill_random(torch.empty(400, *shape, dtype=dtype)).pin_memory())
+    gen = torch.Generator().manual_seed(pairs + method)
+    on_gpu = torch.randint(0, N, (pairs,), generator=gen).tolist()  # repeated sources are fine
+    on_host = torch.randperm(400, generator=gen)[:pairs].tolist()  # destinations are distinct
+    cases: list[tuple[object, list[int], object, list[int]]] = [(pool, on_gpu, host, on_host)]
+    if pairs <= N:
+        cases.append((host, on_host, pool, torch.randperm(N, generator=gen)[:pairs].tolist()))
+    for src, s, dst, d in cases:
+        table = torch.from_numpy(pk.block_table(src, dst))
+        src_t, dst_t = pk.chunk_tensors(src), pk.chunk_tensors(dst)
+        want = [t.cpu().clone() for t in dst_t]
+        opdefs.copy_chunk_blocks_ref(want, [t.cpu() for t in src_t], table, None, s, d, 0)
+        for table_dev in (table.cuda(), None):
+            for t in dst_t:
+                fill_random(t)
+            with torch.cuda.stream(torch.cuda.Stream()):
+                torch.ops.tiered_kv.copy_chunk_blocks(dst_t, src_t, table, table_dev, s, d, method)
+            torch.cuda.synchronize()
+            for a, b in zip(dst_t, want, strict=True):
+                bad = (a.cpu().view(-1).view(torch.uint8) != b.view(-1).view(torch.uint8)).nonzero()
+                assert bad.numel() == 0, f"{kind} method={method} pairs={pairs}: {bad.numel()} bytes differ"
+
+
+@pytest.mark.gpu
+def test_copy_chunk_blocks_refuses_bad_calls_before_any_copy() -> None:
+    from tiered_kv import _ext
+
+    assert _ext.load(), _ext.status()["error"]
+    gpu_pool, _phys, _ref, lay = _case("flash_attn", "cuda")
+    pool = _chunked(gpu_pool, lay)
+    table = torch.from_numpy(pk.block_table(pool, pool))
+    dst = pk.chunk_tensors(pool)
+    before = [t.clone() for t in dst]
+    op = torch.ops.tiered_kv.copy_chunk_blocks
+    for s, d, match in (([N], [0], "past the end"), ([0], [-1], "negative block"), ([0, 1], [2], "destination")):
+        with pytest.raises(RuntimeError, match=match):
+            op(dst, dst, table, None, s, d, 0)
+    bad = table.clone()
+    bad[0, 3] = 9
+    with pytest.raises(RuntimeError, match="tensor index"):
+        op(dst, dst, bad, None, [0], [1], 0)
+    with pytest.raises(RuntimeError, match="table_dev"):
+        op(dst, dst, table, table[:1].cuda(), [0], [1], 0)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(dst, before, strict=True))

@@ -121,6 +121,18 @@ class _PairInfo:
     block_bytes: int  # bytes one block pair moves (num_tokens of every row)
 
 
+@dataclasses.dataclass(frozen=True)
+class _ChunkPair:
+    """What a copy between a chunked pool and another pool keeps between calls (:meth:`Copier._chunk_pair`)."""
+
+    src: Any
+    dst: Any
+    table: torch.Tensor  # int64 [chunks, 7] on the CPU (pool_kinds.block_table)
+    on_device: torch.Tensor | None  # its copy on the GPU, read by the kernel (None without CUDA kernels)
+    piece: int  # the smallest (merged) chunk: the piece size the path is chosen by
+    on_cuda: bool
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class CopierStatistics:
     """Calls and bytes per path since the copier was made (``path -> count``)."""
@@ -163,6 +175,8 @@ class Copier:
 
             self._native = _ext.native()
         self._native_plans: dict[tuple[int, int], tuple[_PairInfo, int]] = {}
+        # (id(src pool), id(dst pool)) -> the pools, their fixed chunk table (CPU, device copy), its piece size
+        self._chunk_tables: dict[tuple[int, int], _ChunkPair] = {}
         self._native_routes: list[NativeRoute] = []  # their per-path totals are part of statistics()
         self._finalizer = weakref.finalize(self, _free_native_plans, self._native_plans)
 
@@ -361,37 +375,51 @@ class Copier:
             return run
         return _torch_op(src_t, s, dst_t, d, n)
 
+    def _chunk_pair(self, src_pool: Side, dst_pool: Side) -> _ChunkPair:
+        """The fixed chunk table of a pair of pools involving a chunked pool (made once, kept on the device)."""
+        key = (id(src_pool), id(dst_pool))
+        entry = self._chunk_tables.get(key)
+        if entry is None or entry.src is not src_pool or entry.dst is not dst_pool:  # ids may be recycled
+            pool_kinds.check_compatible(src_pool, dst_pool)
+            table = pool_kinds.block_table(src_pool, dst_pool)
+            tensors = (*pool_kinds.chunk_tensors(src_pool), *pool_kinds.chunk_tensors(dst_pool))
+            cuda = next((t.device for t in tensors if t.is_cuda), None)
+            table_t = torch.from_numpy(table)
+            on_device = table_t.to(cuda) if cuda is not None and self.kernels else None
+            piece = int(table[:, 6].min()) if table.size else 0
+            entry = self._chunk_tables[key] = _ChunkPair(
+                src_pool, dst_pool, table_t, on_device, piece, cuda is not None
+            )
+        return entry
+
     def _chunked_plan(self, src_pool: Side, s: np.ndarray, dst_pool: Side, d: np.ndarray) -> CopyPlan:
-        piece = pool_kinds.piece_bytes(src_pool, dst_pool)
-        on_cuda = any(t.is_cuda for t in (*pool_kinds.chunk_tensors(src_pool), *pool_kinds.chunk_tensors(dst_pool)))
-        ref = src_pool if isinstance(src_pool, pool_kinds.ChunkedPool) else dst_pool
-        assert isinstance(ref, pool_kinds.ChunkedPool)
-        return CopyPlan(
-            choose_path(piece, self.config, on_cuda=on_cuda, kernels=self.kernels), piece, ref.num_chunks, int(s.size)
-        )
+        pair = self._chunk_pair(src_pool, dst_pool)
+        path = choose_path(pair.piece, self.config, on_cuda=pair.on_cuda, kernels=self.kernels)
+        return CopyPlan(path, pair.piece, int(pair.table.size(0)), int(s.size))
 
     def _chunked_op(self, src_pool: Side, s: np.ndarray, dst_pool: Side, d: np.ndarray, num_tokens: int | None) -> Op:
-        """A copy involving a :class:`~tiered_kv.pool_kinds.ChunkedPool`: one ``copy_chunks`` call."""
+        """A copy involving a :class:`~tiered_kv.pool_kinds.ChunkedPool`: one ``copy_chunk_blocks`` call."""
         if num_tokens is not None and num_tokens != src_pool.layout.tokens_per_block:
             raise ValueError("partial copies (num_tokens) are not supported for chunked GPU pools; copy whole blocks")
-        pool_kinds.check_compatible(src_pool, dst_pool)
+        pair = self._chunk_pair(src_pool, dst_pool)
         plan = self._chunked_plan(src_pool, s, dst_pool, d)
         with self._lock:
             self._calls[plan.path] = self._calls.get(plan.path, 0) + 1
             self._bytes[plan.path] = self._bytes.get(plan.path, 0) + int(s.size) * src_pool.layout.bytes_per_block
-        table = torch.from_numpy(pool_kinds.chunk_table(src_pool, s, dst_pool, d))
         src_t, dst_t = pool_kinds.chunk_tensors(src_pool), pool_kinds.chunk_tensors(dst_pool)
+        s_l, d_l = s.tolist(), d.tolist()
         method = ops.METHOD_DMA if plan.path == "dma" else ops.METHOD_KERNEL
-        op = torch.ops.tiered_kv.copy_chunks
+        table, on_device = pair.table, pair.on_device
         if plan.path == "torch":  # CUDA without the extension: the reference op runs on CUDA tensors too
 
             def run_ref() -> None:
-                opdefs.copy_chunks_ref(dst_t, src_t, table, method)
+                opdefs.copy_chunk_blocks_ref(dst_t, src_t, table, None, s_l, d_l, method)
 
             return run_ref
+        op = torch.ops.tiered_kv.copy_chunk_blocks.default
 
         def run() -> None:
-            op(dst_t, src_t, table, method)
+            op(dst_t, src_t, table, on_device, s_l, d_l, method)
 
         return run
 

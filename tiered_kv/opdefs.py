@@ -5,7 +5,8 @@ The bottom of the ops stack: :mod:`tiered_kv._ext` (building and loading the CUD
 
 Primitives:
 
-* The schemas of ``torch.ops.tiered_kv.gather_block_offsets``, ``copy_blocks``, ``copy_chunks`` and
+* The schemas of ``torch.ops.tiered_kv.gather_block_offsets``, ``copy_blocks``, ``copy_chunks``,
+  ``copy_chunk_blocks`` (whole blocks of chunked pools: a pair's fixed chunk table and int-list indices) and
   ``copy_blocks_list`` (the engine's per-call path: int-list indices, an explicit stream handle), with their
   CPU implementations (the references) and fake kernels.
 * :data:`METHOD_KERNEL`, :data:`METHOD_DMA` -- the ``method`` argument of the copy ops.
@@ -28,6 +29,7 @@ __all__ = [
     "block_geometry",
     "copy_blocks_list_ref",
     "copy_blocks_ref",
+    "copy_chunk_blocks_ref",
     "copy_chunks_ref",
     "gather_block_offsets_ref",
     "normalize_groups",
@@ -50,6 +52,12 @@ _lib.define(
     "int method) -> ()"
 )
 _lib.define("copy_chunks(Tensor(a!)[] dst, Tensor[] src, Tensor chunks, int method) -> ()")
+# Whole blocks of chunked pools: a pair's fixed [chunks, 7] table (pool_kinds.block_table; table_dev, its copy on
+# the device, saves shipping it per call) and the call's block indices as int lists.
+_lib.define(
+    "copy_chunk_blocks(Tensor(a!)[] dst, Tensor[] src, Tensor table, Tensor? table_dev, int[] src_blocks, "
+    "int[] dst_blocks, int method) -> ()"
+)
 # The engine's per-call path: indices as int lists (no index tensors per call), an explicit raw stream handle
 # (0 = the current stream); the CUDA version checks the indices against both pools and launches in one call.
 _lib.define(
@@ -180,9 +188,50 @@ def copy_chunks_ref(dst: list[torch.Tensor], src: list[torch.Tensor], chunks: to
         dst_bytes[d_at.to(dst_bytes.device)] = src_bytes[s_at.to(src_bytes.device)].to(dst_bytes.device)
 
 
+def copy_chunk_blocks_ref(
+    dst: list[torch.Tensor],
+    src: list[torch.Tensor],
+    table: torch.Tensor,
+    table_dev: torch.Tensor | None,
+    src_blocks: list[int],
+    dst_blocks: list[int],
+    method: int,
+) -> None:
+    """CPU reference of ``copy_chunk_blocks``: the per-call ``copy_chunks`` table of the blocks, then that op."""
+    if len(src_blocks) != len(dst_blocks):
+        raise ValueError(f"copy_chunk_blocks: {len(src_blocks)} source and {len(dst_blocks)} destination blocks")
+    t = table.to(torch.int64).cpu()
+    if t.dim() != 2 or t.size(1) != 7:
+        raise ValueError("copy_chunk_blocks: table must be an int64 [chunks, 7] tensor")
+    if t.numel() == 0 or not src_blocks:
+        return
+    s = torch.tensor(src_blocks, dtype=torch.int64)[:, None]
+    d = torch.tensor(dst_blocks, dtype=torch.int64)[:, None]
+    if int(s.min()) < 0 or int(d.min()) < 0:
+        raise ValueError("copy_chunk_blocks: negative block index")
+    n, c = len(src_blocks), t.size(0)
+    chunks = torch.empty(n, c, 5, dtype=torch.int64)
+    chunks[:, :, 0] = t[:, 0]
+    chunks[:, :, 1] = t[:, 1] + s * t[:, 2]
+    chunks[:, :, 2] = t[:, 3]
+    chunks[:, :, 3] = t[:, 4] + d * t[:, 5]
+    chunks[:, :, 4] = t[:, 6]
+    flat = chunks.view(n * c, 5)
+    sizes = [_byte_view(x).numel() for x in src], [_byte_view(x).numel() for x in dst]
+    for col, side in ((0, 0), (2, 1)):
+        idx = flat[:, col]
+        if int(idx.min()) < 0 or int(idx.max()) >= len(sizes[side]):
+            raise ValueError("copy_chunk_blocks: tensor index out of range in the table")
+        ends = flat[:, col + 1] + flat[:, 4]
+        if bool((ends > torch.tensor(sizes[side], dtype=torch.int64)[idx]).any()):
+            raise ValueError("copy_chunk_blocks: a chunk reaches past the end of its tensor")
+    copy_chunks_ref(dst, src, flat, method)
+
+
 _lib.impl("gather_block_offsets", gather_block_offsets_ref, "CPU")
 _lib.impl("copy_blocks", copy_blocks_ref, "CPU")
 _lib.impl("copy_chunks", copy_chunks_ref, "CPU")
+_lib.impl("copy_chunk_blocks", copy_chunk_blocks_ref, "CPU")
 _lib.impl("copy_blocks_list", copy_blocks_list_ref, "CPU")
 
 
@@ -214,10 +263,23 @@ def _copy_chunks_fake(dst: list[Tensor], src: list[Tensor], chunks: Tensor, meth
     return None
 
 
+def _copy_chunk_blocks_fake(
+    dst: list[Tensor],
+    src: list[Tensor],
+    table: Tensor,
+    table_dev: Tensor | None,
+    src_blocks: list[int],
+    dst_blocks: list[int],
+    method: int,
+) -> None:
+    return None
+
+
 # fake (meta) kernels: the ops mutate their destinations in place and return nothing
 torch.library.register_fake("tiered_kv::gather_block_offsets", _gather_fake, lib=_lib)
 torch.library.register_fake("tiered_kv::copy_blocks", _copy_blocks_fake, lib=_lib)
 torch.library.register_fake("tiered_kv::copy_chunks", _copy_chunks_fake, lib=_lib)
+torch.library.register_fake("tiered_kv::copy_chunk_blocks", _copy_chunk_blocks_fake, lib=_lib)
 torch.library.register_fake("tiered_kv::copy_blocks_list", _copy_blocks_list_fake, lib=_lib)
 
 

@@ -4,8 +4,9 @@ A block of such a pool is a fixed list of *chunks* ``(buffer, byte offset of blo
 scattered over one or more storage buffers (views that share one buffer, as vLLM >= 0.29 keeps its layers,
 are one buffer); block ``b``'s chunk ``c`` starts at ``offset[c] + b * stride[c]``. The host and file tiers
 keep a block contiguous: its chunks back to back, in chunk order. Every copy between a chunked pool and
-another pool is one ``tiered_kv::copy_chunks`` call (one kernel launch, or DMA calls issued in C++; the CPU
-reference on the emulated device), never a Python loop per chunk.
+another pool is one ``tiered_kv::copy_chunk_blocks`` call over the pair's fixed chunk table and the call's
+block indices (one kernel launch, or batched DMA issued in C++; the CPU reference on the emulated device),
+never a Python loop per chunk.
 
 Primitives:
 
@@ -18,7 +19,9 @@ Primitives:
   :func:`from_views` for any list of per-block views.
 * :func:`as_gpu_pool` -- what ``TransferEngine(gpu_pool=[...])`` does with a list of tensors: the classic
   layer-major shapes, else the one kind whose shapes match.
-* :func:`chunk_table` -- the ``(src, src offset, dst, dst offset, bytes)`` table of one copy.
+* :func:`block_table` -- the per-chunk table of a pair of pools (what the engine's copies take, with the
+  block indices of a call); :func:`chunk_table` -- the ``(src, src offset, dst, dst offset, bytes)`` table of
+  one copy (``tiered_kv::copy_chunks``).
 
 Host bytes are in the pool's physical order (a chunk is a dense run of memory, whatever the logical order of
 its dimensions), so a block written by one kind reads back bit-exact into a pool of the same
@@ -45,6 +48,7 @@ __all__ = [
     "KINDS",
     "ChunkedPool",
     "as_gpu_pool",
+    "block_table",
     "chunk_table",
     "flash_attn",
     "flashinfer",
@@ -235,6 +239,48 @@ def chunk_table(src: object, s: np.ndarray, dst: object, d: np.ndarray) -> np.nd
             out[:, :, col + 1] = idx[:, None] * block_bytes + ref.host_offset[None, :]
     out[:, :, 4] = ref.chunk_bytes[None, :]
     return out.reshape(n * c, 5)
+
+
+def block_table(src: object, dst: object) -> np.ndarray:
+    """The ``int64 [chunks, 7]`` per-chunk table of copies between two pools, fixed for the pair.
+
+    Row ``(src tensor, src offset, src block stride, dst tensor, dst offset, dst block stride, bytes)``: chunk
+    ``c`` of block ``b`` is at ``offset + b * stride`` of its tensor on each side (``tiered_kv::copy_chunk_blocks``
+    takes it with the block indices of a call). Chunks that continue each other on both sides (same tensors and
+    strides, each starting where the last ends) are merged into one row: a block whose chunks are one dense run
+    on both sides (vLLM's cross-layer buffer, canonical pages) is one row, and its piece size is the whole block.
+    """
+    ref = src if isinstance(src, ChunkedPool) else dst
+    assert isinstance(ref, ChunkedPool)
+    c = ref.num_chunks
+    out = np.empty((c, 7), dtype=np.int64)
+    for col, pool in ((0, src), (3, dst)):
+        if isinstance(pool, ChunkedPool):
+            out[:, col] = pool.chunk_buffer
+            out[:, col + 1] = pool.chunk_offset
+            out[:, col + 2] = pool.chunk_stride
+        else:
+            _tensors, block_bytes = _side(pool)
+            out[:, col] = 0
+            out[:, col + 1] = ref.host_offset
+            out[:, col + 2] = block_bytes
+    out[:, 6] = ref.chunk_bytes
+    rows: list[list[int]] = []
+    for r in out.tolist():
+        last = rows[-1] if rows else None
+        if (
+            last is not None
+            and r[0] == last[0]
+            and r[3] == last[3]
+            and r[2] == last[2]
+            and r[5] == last[5]
+            and r[1] == last[1] + last[6]
+            and r[4] == last[4] + last[6]
+        ):
+            last[6] += r[6]
+        else:
+            rows.append(r)
+    return np.array(rows, dtype=np.int64).reshape(-1, 7)
 
 
 def chunk_tensors(pool: object) -> list[torch.Tensor]:
