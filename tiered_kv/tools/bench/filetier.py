@@ -3,6 +3,7 @@
 Primitives:
 
 * :func:`run` -- ``run(quick, device) -> dict`` (rows next to their same-run baselines).
+* :func:`median_ratio` -- the median over repetitions of ours_i / baseline_i (how every ratio here is made).
 * :func:`main` -- the command line.
 
 Rows, each next to a baseline measured in the same run, on the same directory:
@@ -13,9 +14,16 @@ Rows, each next to a baseline measured in the same run, on the same directory:
   directory. Target >= 0.9x both ways, for every backend available (posix; gds where kvikio and a CUDA
   driver exist).
 * ``gpu->file`` / ``file->gpu`` (CUDA only): end to end, next to min(pinned PCIe copy of the same bytes, the
-  raw disk figure of the same direction). Target >= 0.85x.
+  raw disk figure of the same direction). The raw disk figure is measured inside the same measurement,
+  interleaved with the GPU copies. Target >= 0.85x.
 * ``reopen``: opening a file tier of 65,536 slots (4 KiB blocks) and rebuilding its index from the slot
   headers, next to a bare sequential read of the same file (what the scan cannot beat).
+
+Every repetition times raw and ours back to back (alternating which goes first), and a row's ``ratio`` is the
+median over repetitions of ours_i / baseline_i: a disk whose speed drifts during the run (1.7-3.2 GB/s on a
+virtio disk) moves both sides of a pair together, so the ratio survives what the GB/s figures do not.
+``GB/s`` and ``baseline GB/s`` are the medians over the repetitions; ``ratio min`` / ``ratio max`` the
+spread of the per-repetition ratios.
 
 Run: ``python -m tiered_kv.tools.bench.filetier [--quick] [--device cpu|cuda] [--dir D] [--json F]``.
 The directory defaults to ``TIERED_KV_BENCH_DIR`` or a new temporary directory (removed afterwards). Disk
@@ -68,6 +76,8 @@ class _Raw:
             memoryview(self.buf[i * block_bytes : (i + 1) * block_bytes].numpy().data) for i in range(nblocks)
         ]
         self.ex = concurrent.futures.ThreadPoolExecutor(threads)
+        # one write first: fallocate leaves unwritten extents, whose first write is slower than every later one
+        self.gbps(True)
 
     def gbps(self, write: bool) -> float:
         op = os.pwritev if write else os.preadv
@@ -84,6 +94,17 @@ class _Raw:
         os.unlink(self.path)
 
 
+def median_ratio(ours: Sequence[float], base: Sequence[float]) -> float:
+    """Median over repetitions of ``ours[i] / base[i]``, each pair measured back to back.
+
+    A baseline that drifts between repetitions moves both sides of a pair together; a best-of ours over a
+    best-of baseline would compare figures from different moments.
+    """
+    if not ours or len(ours) != len(base):
+        raise ValueError(f"need one baseline per measurement, got {len(ours)} and {len(base)}")
+    return float(statistics.median(o / b for o, b in zip(ours, base, strict=True)))
+
+
 async def _measure(
     directory: str,
     device: str,
@@ -95,7 +116,13 @@ async def _measure(
     raw: _Raw | None,
     staging: int | None = None,
 ) -> dict[str, Any]:
-    """Best-of-``repeat`` GB/s of ours (and of raw, interleaved with ours so both see the same disk weather)."""
+    """``repeat`` repetitions of ours (and of raw when given, back to back with ours); GB/s medians and samples.
+
+    Returns ``write`` / ``read`` / ``raw_write`` / ``raw_read`` (median GB/s; 0.0 for raw when ``raw`` is
+    None) and ``samples``: the per-repetition GB/s lists under the same keys, index i of ours and raw measured
+    next to each other. Raw goes first in even repetitions and second in odd ones, so a steady drift of the
+    disk favours neither side.
+    """
     layout = _layout(block_bytes)
     cfg = FileTierConfig(
         directory,
@@ -107,7 +134,8 @@ async def _measure(
         discard_mismatch=True,
     )
     n = nblocks
-    out: dict[str, Any] = {"write": 0.0, "read": 0.0, "raw_write": 0.0, "raw_read": 0.0}
+    samples: dict[str, list[float]] = {"write": [], "read": [], "raw_write": [], "raw_read": []}
+    out: dict[str, Any] = {}
     async with TransferEngine(layout, host_blocks=n, gpu_blocks=n if gpu else 0, device=device, file_config=cfg) as eng:
         ft = eng.file_tier
         out["backend"] = ft.backend.name + ("+direct" if ft.direct else "")
@@ -116,21 +144,89 @@ async def _measure(
         src_tier = Tier.GPU if gpu else Tier.HOST
         if gpu:
             eng.pool(Tier.GPU).tensor.view(torch.uint8).random_(0, 255)
-        await eng.copy(src_tier, range(n), Tier.FILE, range(n), keys=keys)  # warm up threads and staging
-        for _ in range(repeat):
-            if raw is not None:
-                out["raw_write"] = max(out["raw_write"], raw.gbps(True))
-            t = await eng.copy(src_tier, range(n), Tier.FILE, range(n), keys=keys)
-            out["write"] = max(out["write"], t.gbps)
-            if raw is not None:
-                out["raw_read"] = max(out["raw_read"], raw.gbps(False))
-            t = await eng.copy(Tier.FILE, range(n), src_tier, range(n))
-            out["read"] = max(out["read"], t.gbps)
+
+        async def ours(write: bool) -> float:
+            if write:
+                t = await eng.copy(src_tier, range(n), Tier.FILE, range(n), keys=keys)
+            else:
+                t = await eng.copy(Tier.FILE, range(n), src_tier, range(n))
+            return t.gbps
+
+        await ours(True)  # warm up threads and staging (and write the new slab's extents once)
+        for i in range(repeat):
+            for write, key in ((True, "write"), (False, "read")):
+                if raw is not None and i % 2 == 0:
+                    samples[f"raw_{key}"].append(raw.gbps(write))
+                samples[key].append(await ours(write))
+                if raw is not None and i % 2 == 1:
+                    samples[f"raw_{key}"].append(raw.gbps(write))
         out["integrity_failures"] = ft.statistics().integrity_failures
         out["staging"] = ft.staging_depth if gpu else 0
         path = ft.path
     os.unlink(path)
+    for key, values in samples.items():
+        out[key] = statistics.median(values) if values else 0.0
+    out["samples"] = samples
     return out
+
+
+def _ratio_fields(ours: Sequence[float], base: Sequence[float]) -> dict[str, float]:
+    """``ratio`` (median of the per-repetition ratios) and its spread, ``ratio min`` / ``ratio max``."""
+    each = [o / b for o, b in zip(ours, base, strict=True)]
+    return {"ratio": median_ratio(ours, base), "ratio min": min(each), "ratio max": max(each)}
+
+
+def _file_rows(ours: dict[str, Any], block: int, n: int, direct: bool) -> list[dict[str, Any]]:
+    """The ``host->file`` / ``file->host`` rows of one host measurement (raw interleaved with ours)."""
+    rows = []
+    samples = ours["samples"]
+    for direction, key, name in (("host->file", "write", "pwritev"), ("file->host", "read", "preadv")):
+        rows.append(
+            {
+                "row": direction,
+                "backend": ours["backend"],
+                "block MiB": block / 2**20,
+                "blocks": n,
+                "threads": THREADS,
+                "GB/s": ours[key],
+                "baseline": f"raw {'O_DIRECT ' if direct else ''}{name}",
+                "baseline GB/s": ours[f"raw_{key}"],
+                **_ratio_fields(samples[key], samples[f"raw_{key}"]),
+                "target": 0.9,
+            }
+        )
+    return rows
+
+
+def _gpu_rows(g: dict[str, Any], d2h: float, h2d: float, block: int, n: int, fixed: int | None) -> list[dict[str, Any]]:
+    """The ``gpu->file`` / ``file->gpu`` rows of one GPU measurement.
+
+    The bound of repetition i is min(PCIe, raw disk of repetition i), the raw disk figure measured inside the
+    same measurement as ours (``g["samples"]``), not the host measurement's.
+    """
+    rows = []
+    samples = g["samples"]
+    for direction, key, pcie in (("gpu->file", "write", d2h), ("file->gpu", "read", h2d)):
+        bounds = [min(pcie, disk) for disk in samples[f"raw_{key}"]]
+        disk = g[f"raw_{key}"]
+        label = {} if fixed is None else {"ring": f"fixed {fixed}"}
+        rows.append(
+            {
+                "row": direction,
+                **label,
+                "staging": g["staging"],
+                "backend": g["backend"],
+                "block MiB": block / 2**20,
+                "blocks": n,
+                "threads": THREADS,
+                "GB/s": g[key],
+                "baseline": f"min(PCIe {pcie:.1f}, raw disk {disk:.2f})",
+                "baseline GB/s": min(pcie, disk),
+                **_ratio_fields(samples[key], bounds),
+                "target": 0.85,
+            }
+        )
+    return rows
 
 
 def _pcie(nbytes: int, device: str) -> tuple[float, float]:
@@ -225,50 +321,12 @@ def run(quick: bool = False, device: str = "auto", directory: str | None = None)
             try:
                 for gds in backends:
                     ours = asyncio.run(_measure(directory, device, gds, block, n, repeat, False, raw))
-                    for direction, mine, base, name in (
-                        ("host->file", ours["write"], ours["raw_write"], "pwritev"),
-                        ("file->host", ours["read"], ours["raw_read"], "preadv"),
-                    ):
-                        rows.append(
-                            {
-                                "row": direction,
-                                "backend": ours["backend"],
-                                "block MiB": block / 2**20,
-                                "blocks": n,
-                                "threads": THREADS,
-                                "GB/s": mine,
-                                "baseline": f"raw {'O_DIRECT ' if direct else ''}{name}",
-                                "baseline GB/s": base,
-                                "ratio": mine / base,
-                                "target": 0.9,
-                            }
-                        )
+                    rows += _file_rows(ours, block, n, direct)
                     # the ring sized from bandwidth x latency (the default), then the fixed 32-block ring of before
                     for fixed in (None, 32) if cuda else ():
-                        g = asyncio.run(_measure(directory, device, gds, block, n, repeat, True, None, fixed))
+                        g = asyncio.run(_measure(directory, device, gds, block, n, repeat, True, raw, fixed))
                         d2h, h2d = _pcie(block * n, device)
-                        for direction, mine, pcie, disk in (
-                            ("gpu->file", g["write"], d2h, ours["raw_write"]),
-                            ("file->gpu", g["read"], h2d, ours["raw_read"]),
-                        ):
-                            bound = min(pcie, disk)
-                            label = {} if fixed is None else {"ring": f"fixed {fixed}"}
-                            rows.append(
-                                {
-                                    "row": direction,
-                                    **label,
-                                    "staging": g["staging"],
-                                    "backend": g["backend"],
-                                    "block MiB": block / 2**20,
-                                    "blocks": n,
-                                    "threads": THREADS,
-                                    "GB/s": mine,
-                                    "baseline": f"min(PCIe {pcie:.1f}, raw disk {disk:.2f})",
-                                    "baseline GB/s": bound,
-                                    "ratio": mine / bound,
-                                    "target": 0.85,
-                                }
-                            )
+                        rows += _gpu_rows(g, d2h, h2d, block, n, fixed)
             finally:
                 raw.close()
         rows.append(_reopen(directory, 65536, 8192 if quick else 65536))
@@ -277,11 +335,19 @@ def run(quick: bool = False, device: str = "auto", directory: str | None = None)
             f"{THREADS} threads on both sides",
             "ours: wall time from copy() to the awaiting coroutine resuming "
             "(headers, xxh3-128 checksums and verification included)",
+            f"{repeat} repetitions, each timing raw and ours back to back (alternating which goes first); "
+            "ratio = median over repetitions of ours/baseline (ratio min/max: their spread); "
+            "GB/s and baseline GB/s = medians over the repetitions",
             f"raw: one pwritev/preadv per block, page-aligned buffers, {DIRECT_ALIGN}-aligned offsets, "
             "same thread count",
         ]
         if not cuda:
             notes.append("no CUDA: gpu<->file rows come only from a CUDA run")
+        else:
+            notes.append(
+                "gpu<->file: baseline = min(pinned PCIe copy, raw disk), the raw disk timed inside the GPU "
+                "measurement, next to each of its copies; PCIe measured once after it"
+            )
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
