@@ -12,6 +12,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <string>
 
 #include "copy_blocks.h"
 #include "dma_batch.h"
@@ -89,6 +90,37 @@ void copy_chunks_cuda(at::TensorList dst, at::TensorList src, const at::Tensor& 
                "copy_chunks kernel launch");
 }
 
+// Why a copy_chunk_blocks call is refused ("" when it is not); on success also whether every offset, stride
+// and size is a multiple of 16 and the largest chunk.
+std::string check_chunk_call(at::TensorList src, at::TensorList dst, const int64_t* row, int64_t chunks,
+                             at::IntArrayRef src_blocks, at::IntArrayRef dst_blocks, bool& vec16, int64_t& largest) {
+  int64_t smax = 0, dmax = 0;
+  for (const int64_t b : src_blocks) {
+    if (b < 0) return "negative block index " + std::to_string(b);
+    smax = std::max(smax, b);
+  }
+  for (const int64_t b : dst_blocks) {
+    if (b < 0) return "negative block index " + std::to_string(b);
+    dmax = std::max(dmax, b);
+  }
+  const int64_t ns = static_cast<int64_t>(src.size()), nd = static_cast<int64_t>(dst.size());
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t* r = row + 7 * c;
+    if (r[0] < 0 || r[0] >= ns || r[3] < 0 || r[3] >= nd) return "tensor index out of range in row " + std::to_string(c);
+    if (r[1] < 0 || r[2] < 0 || r[4] < 0 || r[5] < 0 || r[6] < 0) {
+      return "negative offset, stride or size in row " + std::to_string(c);
+    }
+    const int64_t src_bytes = src[r[0]].numel() * static_cast<int64_t>(src[r[0]].element_size());
+    const int64_t dst_bytes = dst[r[3]].numel() * static_cast<int64_t>(dst[r[3]].element_size());
+    if (r[1] + smax * r[2] + r[6] > src_bytes || r[4] + dmax * r[5] + r[6] > dst_bytes) {
+      return "chunk " + std::to_string(c) + " of the largest block index reaches past the end of its tensor";
+    }
+    vec16 = vec16 && ((r[1] | r[2] | r[4] | r[5] | r[6]) & 15) == 0;
+    largest = std::max(largest, r[6]);
+  }
+  return "";
+}
+
 void copy_chunk_blocks_cuda(at::TensorList dst, at::TensorList src, const at::Tensor& table,
                             const std::optional<at::Tensor>& table_dev, at::IntArrayRef src_blocks,
                             at::IntArrayRef dst_blocks, int64_t method) {
@@ -108,27 +140,14 @@ void copy_chunk_blocks_cuda(at::TensorList dst, at::TensorList src, const at::Te
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
 
   // every address of the call stays inside its tensor: per chunk, its offset + the largest block * stride
-  const auto [smin, smax] = std::minmax_element(src_blocks.begin(), src_blocks.end());
-  const auto [dmin, dmax] = std::minmax_element(dst_blocks.begin(), dst_blocks.end());
-  TORCH_CHECK(*smin >= 0 && *dmin >= 0, "copy_chunk_blocks: negative block index");
   const at::Tensor t = table.contiguous();
   const int64_t* row = t.data_ptr<int64_t>();
-  const int64_t ns = static_cast<int64_t>(src.size()), nd = static_cast<int64_t>(dst.size());
-  auto bytes_of = [](const at::Tensor& x) { return x.numel() * static_cast<int64_t>(x.element_size()); };
   bool vec16 = true;
   int64_t largest = 0;
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t* r = row + 7 * c;
-    TORCH_CHECK(r[0] >= 0 && r[0] < ns && r[3] >= 0 && r[3] < nd, "copy_chunk_blocks: tensor index out of range in row ",
-                c);
-    TORCH_CHECK(r[1] >= 0 && r[2] >= 0 && r[4] >= 0 && r[5] >= 0 && r[6] >= 0,
-                "copy_chunk_blocks: negative offset, stride or size in row ", c);
-    TORCH_CHECK(r[1] + *smax * r[2] + r[6] <= bytes_of(src[r[0]]) && r[4] + *dmax * r[5] + r[6] <= bytes_of(dst[r[3]]),
-                "copy_chunk_blocks: chunk ", c, " of the largest block index reaches past the end of its tensor");
-    vec16 = vec16 && ((r[1] | r[2] | r[4] | r[5] | r[6]) & 15) == 0;
-    largest = std::max(largest, r[6]);
-  }
+  const std::string error = check_chunk_call(src, dst, row, chunks, src_blocks, dst_blocks, vec16, largest);
+  TORCH_CHECK(error.empty(), "copy_chunk_blocks: ", error);
   if (largest == 0) return;
+  const int64_t ns = static_cast<int64_t>(src.size()), nd = static_cast<int64_t>(dst.size());
 
   if (method == 1) {  // DMA: (block, chunk) copies in order, merged where one continues the last on both sides
     const std::vector<char*> sbase = host_bases(src), dbase = host_bases(dst);

@@ -303,11 +303,11 @@ def test_copy_chunk_blocks_on_the_device_matches_the_reference(kind, method, pai
     for src, s, dst, d in cases:
         table = torch.from_numpy(pk.block_table(src, dst))
         src_t, dst_t = pk.chunk_tensors(src), pk.chunk_tensors(dst)
-        want = [t.cpu().clone() for t in dst_t]
-        opdefs.copy_chunk_blocks_ref(want, [t.cpu() for t in src_t], table, None, s, d, 0)
         for table_dev in (table.cuda(), None):
             for t in dst_t:
                 fill_random(t)
+            want = [t.cpu().clone() for t in dst_t]
+            opdefs.copy_chunk_blocks_ref(want, [t.cpu() for t in src_t], table, None, s, d, 0)
             with torch.cuda.stream(torch.cuda.Stream()):
                 torch.ops.tiered_kv.copy_chunk_blocks(dst_t, src_t, table, table_dev, s, d, method)
             torch.cuda.synchronize()

@@ -153,6 +153,7 @@ async def timeline(
     *,
     scattered: bool = True,
     d2d: bool = False,
+    pool_kind: str | None = None,
 ) -> dict[str, Any]:
     """Median split of ``calls`` awaited GPU->host and host->GPU copies of ``blocks`` blocks.
 
@@ -161,7 +162,12 @@ async def timeline(
     """
     cfg = EngineConfig.from_env(copy_path=mode)
     kwargs: dict[str, Any] = {}
-    if layer_major:
+    if pool_kind is not None:  # an engine layout (the layouts bench's pools): 64 KiB pieces, the given layers
+        from .layouts import kind_pool
+
+        pool, _tensors = kind_pool(pool_kind, 64 << 10, layout.num_layers, blocks, "cuda")
+        layout, kwargs["gpu_pool"] = pool.layout, pool
+    elif layer_major:
         kwargs["gpu_pool"] = LayerMajorPool.allocate(layout, blocks, "cuda", split_kv=True)
     else:
         kwargs["gpu_blocks"] = blocks
@@ -196,6 +202,10 @@ async def _all() -> list[dict[str, Any]]:
         await timeline("layer-major 8 KiB x 32 layers", lm8, 256, "kernel", True),
         await timeline("layer-major 64 KiB chunks", lm64, 512, "kernel", True),
         await timeline("block-major 2 MiB, 4 of 16 tokens", bm2, 128, "auto", False, tokens=4),
+        # the layouts bench's rows: 128 blocks in order of a FlashAttention pool (64 KiB pieces, 32 layers), and
+        # of canonical pages (each block one dense run: one DMA)
+        await timeline("flash_attn 64 KiB pieces", lm8, 128, "auto", False, scattered=False, pool_kind="flash_attn"),
+        await timeline("pages 64 KiB pieces", lm8, 128, "auto", False, scattered=False, pool_kind="pages"),
         # the kernels bench's partial rows: 128 blocks in order, host->GPU and GPU->GPU
         await timeline("partial 4 of 16, in order", bm2, 128, "auto", False, tokens=4, scattered=False, d2d=True),
     ]
