@@ -324,17 +324,18 @@ def test_copy_chunk_blocks_refuses_bad_calls_before_any_copy() -> None:
     gpu_pool, _phys, _ref, lay = _case("flash_attn", "cuda")
     pool = _chunked(gpu_pool, lay)
     table = torch.from_numpy(pk.block_table(pool, pool))
-    dst = pk.chunk_tensors(pool)
+    src = pk.chunk_tensors(pool)
+    dst = [fill_random(t.clone()) for t in src]  # a second pool of the same kind (the engine checks its own calls)
     before = [t.clone() for t in dst]
-    op = torch.ops.tiered_kv.copy_chunk_blocks
+    op = torch.ops.tiered_kv.copy_chunk_blocks.default
     for s, d, match in (([N], [0], "past the end"), ([0], [-1], "negative block"), ([0, 1], [2], "destination")):
         with pytest.raises(RuntimeError, match=match):
-            op(dst, dst, table, None, s, d, 0)
+            op(dst, src, table, None, s, d, 0)
     bad = table.clone()
     bad[0, 3] = 9
     with pytest.raises(RuntimeError, match="tensor index"):
-        op(dst, dst, bad, None, [0], [1], 0)
+        op(dst, src, bad, None, [0], [1], 0)
     with pytest.raises(RuntimeError, match="table_dev"):
-        op(dst, dst, table, table[:1].cuda(), [0], [1], 0)
+        op(dst, src, table, table[:1].cuda(), [0], [1], 0)
     torch.cuda.synchronize()
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(dst, before, strict=True))
