@@ -202,15 +202,15 @@ void copy_blocks_cuda(at::TensorList dst, at::TensorList src, const at::Tensor& 
 // (0: the current stream), indices checked against both pools here. One C++ call validates and launches.
 void copy_blocks_list_cuda(at::TensorList dst, at::TensorList src, at::IntArrayRef src_blocks,
                            at::IntArrayRef dst_blocks, int64_t num_tokens, int64_t method, int64_t stream_handle) {
-  TORCH_CHECK(src_blocks.size() == dst_blocks.size(), "copy_blocks_list: ", src_blocks.size(), " source and ",
-              dst_blocks.size(), " destination blocks");
+  TORCH_CHECK(src_blocks.size() == dst_blocks.size(),
+              msg("copy_blocks_list: ", src_blocks.size(), " source and ", dst_blocks.size(), " destination blocks"));
   const BlockCopyGeometry g = geometry_of(dst, src, static_cast<int64_t>(src_blocks.size()), num_tokens);
   const int64_t ns = src[0].size(0), nd = dst[0].size(0);
   for (size_t i = 0; i < src_blocks.size(); ++i) {
-    TORCH_CHECK(src_blocks[i] >= 0 && src_blocks[i] < ns, "copy_blocks_list: src_blocks holds ", src_blocks[i],
-                ", out of range for a pool of ", ns, " blocks");
-    TORCH_CHECK(dst_blocks[i] >= 0 && dst_blocks[i] < nd, "copy_blocks_list: dst_blocks holds ", dst_blocks[i],
-                ", out of range for a pool of ", nd, " blocks");
+    TORCH_CHECK(src_blocks[i] >= 0 && src_blocks[i] < ns,
+                msg("copy_blocks_list: src_blocks holds ", src_blocks[i], ", out of range for a pool of ", ns, " blocks"));
+    TORCH_CHECK(dst_blocks[i] >= 0 && dst_blocks[i] < nd,
+                msg("copy_blocks_list: dst_blocks holds ", dst_blocks[i], ", out of range for a pool of ", nd, " blocks"));
   }
   if (g.num_pairs == 0) return;
   const at::Device device = run_device(dst, src);

@@ -43,9 +43,9 @@ void copy_chunks_cuda(at::TensorList dst, at::TensorList src, const at::Tensor& 
   for (int64_t i = 0; i < n; ++i) {
     const int64_t* r = row + 5 * i;
     TORCH_CHECK(r[0] >= 0 && r[0] < static_cast<int64_t>(src.size()) && r[2] >= 0 && r[2] < static_cast<int64_t>(dst.size()),
-                "copy_chunks: tensor index out of range in row ", i);
+                msg("copy_chunks: tensor index out of range in row ", i));
     TORCH_CHECK(r[1] >= 0 && r[3] >= 0 && r[4] >= 0 && r[1] + r[4] <= src_sizes[r[0]] && r[3] + r[4] <= dst_sizes[r[2]],
-                "copy_chunks: byte range out of bounds in row ", i);
+                msg("copy_chunks: byte range out of bounds in row ", i));
   }
 
   if (method == 1) {  // DMA
@@ -126,8 +126,8 @@ void copy_chunk_blocks_cuda(at::TensorList dst, at::TensorList src, const at::Te
                             at::IntArrayRef dst_blocks, int64_t method) {
   TORCH_CHECK(table.device().is_cpu() && table.scalar_type() == at::kLong && table.dim() == 2 && table.size(1) == 7,
               "copy_chunk_blocks: table must be a CPU int64 [chunks, 7] tensor");
-  TORCH_CHECK(src_blocks.size() == dst_blocks.size(), "copy_chunk_blocks: ", src_blocks.size(), " source and ",
-              dst_blocks.size(), " destination blocks");
+  TORCH_CHECK(src_blocks.size() == dst_blocks.size(),
+              msg("copy_chunk_blocks: ", src_blocks.size(), " source and ", dst_blocks.size(), " destination blocks"));
   TORCH_CHECK(!src.empty() && !dst.empty(), "copy_chunk_blocks: src and dst must be non-empty tensor lists");
   const int64_t chunks = table.size(0), pairs = static_cast<int64_t>(src_blocks.size());
   if (chunks == 0 || pairs == 0) return;
@@ -145,7 +145,7 @@ void copy_chunk_blocks_cuda(at::TensorList dst, at::TensorList src, const at::Te
   bool vec16 = true;
   int64_t largest = 0;
   const std::string error = check_chunk_call(src, dst, row, chunks, src_blocks, dst_blocks, vec16, largest);
-  TORCH_CHECK(error.empty(), "copy_chunk_blocks: ", error);
+  TORCH_CHECK(error.empty(), msg("copy_chunk_blocks: ", error));
   if (largest == 0) return;
   const int64_t ns = static_cast<int64_t>(src.size()), nd = static_cast<int64_t>(dst.size());
 
@@ -174,7 +174,7 @@ void copy_chunk_blocks_cuda(at::TensorList dst, at::TensorList src, const at::Te
   if (table_dev.has_value() && table_dev->defined()) {
     TORCH_CHECK(table_dev->device() == device && table_dev->scalar_type() == at::kLong && table_dev->is_contiguous() &&
                     table_dev->sizes() == table.sizes(),
-                "copy_chunk_blocks: table_dev must be a contiguous int64 copy of table on ", device);
+                msg("copy_chunk_blocks: table_dev must be a contiguous int64 copy of table on ", device.str()));
     on_device = *table_dev;
   } else {
     on_device = to_device_pinned(std::vector<int64_t>(row, row + 7 * chunks), device);

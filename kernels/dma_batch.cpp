@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <atomic>
 
+#include "tkv_torch.h"
+
 namespace tiered_kv {
 namespace {
 
@@ -54,8 +56,8 @@ cudaError_t per_copy(const DmaBatch& b, size_t first, cudaStream_t stream) {
 // mode: -1 query, 0 off, 1 on: returns 1 when the batch call is available (after the change), else 0.
 // mode 2: returns how many batch calls the runtime has accepted in this process.
 int64_t dma_batch_mode(int64_t mode) {
-  TORCH_CHECK(mode >= -1 && mode <= 2, "dma_batch_mode: mode must be -1 (query), 0 (off), 1 (on) or 2 (count), got ",
-              mode);
+  TORCH_CHECK(mode >= -1 && mode <= 2,
+              msg("dma_batch_mode: mode must be -1 (query), 0 (off), 1 (on) or 2 (count), got ", mode));
   if (mode == 2) return g_batches.load();
   if (mode >= 0) dma_batch_set_enabled(mode == 1);
   return dma_batch_available() ? 1 : 0;

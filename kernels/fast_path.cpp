@@ -50,7 +50,7 @@ std::mutex g_plans_mutex;
 std::map<int64_t, std::unique_ptr<FastPlan>> g_plans;
 
 int64_t copy_plan(at::TensorList dst, at::TensorList src, int64_t num_tokens, int64_t method) {
-  TORCH_CHECK(method == 0 || method == 1, "copy_plan: method must be 0 (kernel) or 1 (DMA), got ", method);
+  TORCH_CHECK(method == 0 || method == 1, msg("copy_plan: method must be 0 (kernel) or 1 (DMA), got ", method));
   auto plan = std::make_unique<FastPlan>();
   plan->g = geometry_of(dst, src, 0, num_tokens);
   const at::Device device = run_device(dst, src);

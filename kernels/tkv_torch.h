@@ -7,6 +7,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 namespace tiered_kv {
@@ -45,6 +47,21 @@ inline at::Tensor to_device_pinned(const std::vector<int64_t>& values, const at:
                               at::TensorOptions().dtype(at::kLong).pinned_memory(true));
   std::copy(values.begin(), values.end(), host.data_ptr<int64_t>());
   return host.to(device, /*non_blocking=*/true);
+}
+
+// A check's message from strings and integers, for TORCH_CHECK(cond, msg(...)). TORCH_CHECK formats extra
+// arguments through an ostringstream; on the GPU machine (torch 2.11+cu130) a refused call whose message held
+// an integer crashed the process (SIGSEGV) instead of raising, while messages of strings raised: integers are
+// turned into text with std::to_string here, so TORCH_CHECK only ever sees one string.
+inline std::string msg_piece(const char* s) { return s; }
+inline std::string msg_piece(const std::string& s) { return s; }
+template <typename T, std::enable_if_t<std::is_integral_v<T>, int> = 0>
+std::string msg_piece(T v) {
+  return std::to_string(v);
+}
+template <typename... Args>
+std::string msg(const Args&... args) {
+  return (std::string{} + ... + msg_piece(args));
 }
 
 inline void check_launch(cudaError_t err, const char* what) {

@@ -239,6 +239,27 @@ def test_copy_blocks_rejects_pageable_host_on_cuda() -> None:
 
 
 @pytest.mark.gpu
+def test_refused_native_calls_raise_with_numbers_in_the_message() -> None:
+    # a refused call whose message holds an integer crashed the process (SIGSEGV) on the GPU machine instead of
+    # raising: the CUDA bindings build such messages with std::to_string (tkv_torch.h msg)
+    assert _ext.load(), _ext.status()["error"]
+    src, _ = _make_side("block", 4, torch.float16, "cuda")
+    dst, _ = _make_side("block", 4, torch.float16, "cuda")
+    before = [t.clone() for t in dst]
+    op = torch.ops.tiered_kv.copy_blocks_list.default
+    with pytest.raises(RuntimeError, match="src_blocks holds 9, out of range for a pool of 4 blocks"):
+        op(dst, src, [9], [0], GEOM["T"], 0, 0)
+    with pytest.raises(RuntimeError, match="dst_blocks holds -1"):
+        op(dst, src, [0], [-1], GEOM["T"], 1, 0)
+    with pytest.raises(RuntimeError, match="2 source and 1 destination blocks"):
+        op(dst, src, [0, 1], [2], GEOM["T"], 0, 0)
+    with pytest.raises(RuntimeError, match="got 7"):
+        torch.ops.tiered_kv.dma_batch_mode(7)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(dst, before, strict=True))
+
+
+@pytest.mark.gpu
 def test_copy_blocks_device_indices_kernel() -> None:
     assert _ext.load(), _ext.status()["error"]
     src, src_log = _make_side("layerkv", 4, torch.bfloat16, "cuda")
