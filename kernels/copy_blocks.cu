@@ -53,6 +53,27 @@ __device__ __forceinline__ void warp_copy(char* dst, const char* src, int64_t le
   }
 }
 
+// One warp copies nvec 16-byte words (both sides 16-byte aligned): each lane issues kUnroll independent loads
+// before its stores (4 KiB in flight per warp at kUnroll 8), what a read of pinned memory over PCIe needs.
+template <int kUnroll>
+__device__ __forceinline__ void warp_copy16(char* dst, const char* src, uint32_t nvec, int lane) {
+  const uint4* s4 = reinterpret_cast<const uint4*>(src);
+  uint4* d4 = reinterpret_cast<uint4*>(dst);
+  for (uint32_t base = 0; base < nvec; base += 32 * kUnroll) {
+    uint4 v[kUnroll];
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      const uint32_t f = base + static_cast<uint32_t>(lane + 32 * k);
+      if (f < nvec) v[k] = s4[f];
+    }
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      const uint32_t f = base + static_cast<uint32_t>(lane + 32 * k);
+      if (f < nvec) d4[f] = v[k];
+    }
+  }
+}
+
 // Rows per item: enough rows of a short partial row to make one kSegmentBytes item; one row (split into
 // pieces) otherwise. vec16 needs 16-byte alignment of bases, strides, group and row offsets, and width.
 CopyWork plan_copy_work(const BlockCopyGeometry& g, bool bases_aligned16, int64_t batch_bytes = kSegmentBytes) {
@@ -171,22 +192,7 @@ __global__ void copy_segments_kernel(const int64_t* __restrict__ segments, int64
       warp_copy(dst, src, len, lane);
       continue;
     }
-    const uint32_t nvec = static_cast<uint32_t>(len >> 4);
-    const uint4* s4 = reinterpret_cast<const uint4*>(src);
-    uint4* d4 = reinterpret_cast<uint4*>(dst);
-    for (uint32_t base = 0; base < nvec; base += 32 * kUnroll) {
-      uint4 v[kUnroll];
-#pragma unroll
-      for (int k = 0; k < kUnroll; ++k) {
-        const uint32_t f = base + static_cast<uint32_t>(lane + 32 * k);
-        if (f < nvec) v[k] = s4[f];
-      }
-#pragma unroll
-      for (int k = 0; k < kUnroll; ++k) {
-        const uint32_t f = base + static_cast<uint32_t>(lane + 32 * k);
-        if (f < nvec) d4[f] = v[k];
-      }
-    }
+    warp_copy16<kUnroll>(dst, src, static_cast<uint32_t>(len >> 4), lane);
   }
 }
 
@@ -216,22 +222,7 @@ __global__ void copy_chunk_blocks_kernel(ChunkCopyGeometry g, const __grid_const
       warp_copy(d, s, len, lane);
       continue;
     }
-    const uint32_t nvec = static_cast<uint32_t>(len >> 4);
-    const uint4* s4 = reinterpret_cast<const uint4*>(s);
-    uint4* d4 = reinterpret_cast<uint4*>(d);
-    for (uint32_t base = 0; base < nvec; base += 32 * kUnroll) {
-      uint4 v[kUnroll];
-#pragma unroll
-      for (int k = 0; k < kUnroll; ++k) {
-        const uint32_t f = base + static_cast<uint32_t>(lane + 32 * k);
-        if (f < nvec) v[k] = s4[f];
-      }
-#pragma unroll
-      for (int k = 0; k < kUnroll; ++k) {
-        const uint32_t f = base + static_cast<uint32_t>(lane + 32 * k);
-        if (f < nvec) d4[f] = v[k];
-      }
-    }
+    warp_copy16<kUnroll>(d, s, static_cast<uint32_t>(len >> 4), lane);
   }
 }
 
