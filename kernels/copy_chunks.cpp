@@ -22,16 +22,23 @@
 namespace tiered_kv {
 namespace {
 
+// The CUDA device of a chunk copy's tensors; `via_host`: some tensor is (pinned) host memory.
+at::Device cuda_side(at::TensorList src, at::TensorList dst, bool& via_host, const char* op) {
+  at::Device device = at::kCPU;
+  for (at::TensorList side : {src, dst}) {
+    for (const at::Tensor& t : side) t.is_cuda() ? void(device = t.device()) : void(via_host = true);
+  }
+  TORCH_CHECK(device.is_cuda(), msg(op, ": no tensor is on a CUDA device"));
+  return device;
+}
+
 void copy_chunks_cuda(at::TensorList dst, at::TensorList src, const at::Tensor& chunks, int64_t method) {
   TORCH_CHECK(chunks.device().is_cpu() && chunks.scalar_type() == at::kLong && chunks.dim() == 2 && chunks.size(1) == 5,
               "copy_chunks: chunks must be a CPU int64 [n, 5] table");
   const int64_t n = chunks.size(0);
   if (n == 0) return;
-  at::Device device = at::kCPU;
   bool via_host = false;  // a side in pinned host memory: the kernel runs on the small grid of PCIe copies
-  for (const at::Tensor& t : src) t.is_cuda() ? void(device = t.device()) : void(via_host = true);
-  for (const at::Tensor& t : dst) t.is_cuda() ? void(device = t.device()) : void(via_host = true);
-  TORCH_CHECK(device.is_cuda(), "copy_chunks: no tensor is on a CUDA device");
+  const at::Device device = cuda_side(src, dst, via_host, "copy_chunks");
   const c10::cuda::CUDAGuard guard(device);
   auto stream = c10::cuda::getCurrentCUDAStream();
   const at::Tensor table = chunks.contiguous();
@@ -131,11 +138,8 @@ void copy_chunk_blocks_cuda(at::TensorList dst, at::TensorList src, const at::Te
   TORCH_CHECK(!src.empty() && !dst.empty(), "copy_chunk_blocks: src and dst must be non-empty tensor lists");
   const int64_t chunks = table.size(0), pairs = static_cast<int64_t>(src_blocks.size());
   if (chunks == 0 || pairs == 0) return;
-  at::Device device = at::kCPU;
   bool via_host = false;  // a side in pinned host memory: the kernel runs on the small grid of PCIe copies
-  for (const at::Tensor& t : src) t.is_cuda() ? void(device = t.device()) : void(via_host = true);
-  for (const at::Tensor& t : dst) t.is_cuda() ? void(device = t.device()) : void(via_host = true);
-  TORCH_CHECK(device.is_cuda(), "copy_chunk_blocks: no tensor is on a CUDA device");
+  const at::Device device = cuda_side(src, dst, via_host, "copy_chunk_blocks");
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
 
