@@ -159,8 +159,8 @@ async def _resume(idle: float, reps: int, warm: bool) -> list[float]:
 
         def hand(f: asyncio.Future[float] = fut, t: float = start) -> None:
             _timer_slack(1000)
-            while time.perf_counter() < t + idle:
-                time.sleep(min(t + idle - time.perf_counter(), 0.001) if idle > 0.002 else 0)
+            while (left := t + idle - time.perf_counter()) > 0:
+                time.sleep(min(left, 0.001) if idle > 0.002 else 0)
             loop.call_soon_threadsafe(f.set_result, time.perf_counter())
 
         handles: list[asyncio.TimerHandle] = []
@@ -172,7 +172,7 @@ async def _resume(idle: float, reps: int, warm: bool) -> list[float]:
 
             handles.append(loop.call_at(loop.time() + max(0.0, idle - 300e-6), tick))
         threading.Thread(target=hand, daemon=True).start()
-        stamp = await fut
+        stamp = await asyncio.wait_for(fut, 5.0)
         out.append(time.perf_counter() - stamp)
         for h in handles:
             h.cancel()
