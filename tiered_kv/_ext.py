@@ -62,6 +62,7 @@ __all__ = [
     "cuda_kernels_registered",
     "find_cuda_home",
     "load",
+    "loaded",
     "native",
     "status",
 ]
@@ -411,6 +412,11 @@ def load() -> bool:
                 "tiered_kv: CUDA kernels unavailable (%s); using the CPU reference / pure-torch copy paths", reason
             )
     return False
+
+
+def loaded() -> bool:
+    """Whether :func:`load` already made the kernels available in this process (never builds)."""
+    return bool(_state["loaded"]) or (_state["loaded"] is None and all(cuda_kernels_registered().values()))
 
 
 def native() -> Any:

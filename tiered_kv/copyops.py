@@ -342,14 +342,15 @@ class Copier:
         info = self._pair(src_pool, dst_pool, n)
         plan = self._plan(info, s, d)
         size = len(s)
-        self._account(plan.path, size * info.block_bytes)
+        nbytes = size * info.block_bytes
+        self._account(plan.path, nbytes)
         src_t, dst_t = info.src_t, info.dst_t
         if plan.path in ("kernel", "dma") and isinstance(stream, CudaStream) and size <= SMALL_CALL_BLOCKS:
             s_l = s if isinstance(s, list) else s.tolist()
             d_l = d if isinstance(d, list) else d.tolist()
             method = ops.METHOD_DMA if plan.path == "dma" else ops.METHOD_KERNEL
             if self._native is not None:  # one call into C++: no dispatcher, no torch event (NativeCopy)
-                return NativeCopy(stream, self._native.submit, self._native_plan(info, n, method), s_l, d_l)
+                return NativeCopy(stream, self._native.submit, self._native_plan(info, n, method), s_l, d_l, nbytes)
             handle = stream.torch_stream.cuda_stream
             list_op = torch.ops.tiered_kv.copy_blocks_list.default
 
@@ -357,6 +358,7 @@ class Copier:
                 list_op(dst_t, src_t, s_l, d_l, n, method, handle)
 
             run_small.explicit_stream = True  # type: ignore[attr-defined]
+            run_small.nbytes = nbytes  # type: ignore[attr-defined]
             return run_small
         if isinstance(s, list):
             s = np.asarray(s, dtype=np.int64)
@@ -372,6 +374,7 @@ class Copier:
             def run() -> None:
                 op(dst_t, src_t, s_t, d_t, n, method)
 
+            run.nbytes = nbytes  # type: ignore[attr-defined]
             return run
         return _torch_op(src_t, s, dst_t, d, n)
 
@@ -403,9 +406,8 @@ class Copier:
             raise ValueError("partial copies (num_tokens) are not supported for chunked GPU pools; copy whole blocks")
         pair = self._chunk_pair(src_pool, dst_pool)
         plan = self._chunked_plan(src_pool, s, dst_pool, d)
-        with self._lock:
-            self._calls[plan.path] = self._calls.get(plan.path, 0) + 1
-            self._bytes[plan.path] = self._bytes.get(plan.path, 0) + int(s.size) * src_pool.layout.bytes_per_block
+        nbytes = int(s.size) * src_pool.layout.bytes_per_block
+        self._account(plan.path, nbytes)
         src_t, dst_t = pool_kinds.chunk_tensors(src_pool), pool_kinds.chunk_tensors(dst_pool)
         s_l, d_l = s.tolist(), d.tolist()
         method = ops.METHOD_DMA if plan.path == "dma" else ops.METHOD_KERNEL
@@ -421,6 +423,7 @@ class Copier:
         def run() -> None:
             op(dst_t, src_t, table, on_device, s_l, d_l, method)
 
+        run.nbytes = nbytes  # type: ignore[attr-defined]
         return run
 
     def statistics(self) -> CopierStatistics:
@@ -449,11 +452,14 @@ class NativeCopy:
     without a completion.
     """
 
-    __slots__ = ("_issue", "stream")
+    __slots__ = ("_issue", "nbytes", "stream")
     explicit_stream = True
 
-    def __init__(self, stream: CudaStream, submit: Callable[..., Event], plan: int, s: list[int], d: list[int]):
+    def __init__(
+        self, stream: CudaStream, submit: Callable[..., Event], plan: int, s: list[int], d: list[int], nbytes: int = 0
+    ):
         self.stream = stream
+        self.nbytes = nbytes  # what the copy moves (the stream expects its end from it)
         self._issue: Callable[[int, int, int], Event] = functools.partial(submit, plan, s, d)
 
     @property
@@ -472,7 +478,7 @@ class NativeCopy:
         An error of the call itself (nothing enqueued) reaches ``done`` in stream order, like an op's error.
         """
         try:
-            return self.stream.notify_native(self._issue, lambda: done(None), beside=beside)
+            return self.stream.notify_native(self._issue, lambda: done(None), beside=beside, nbytes=self.nbytes)
         except (RuntimeError, ValueError, IndexError, TypeError) as exc:
             if self.stream.closed:
                 raise
@@ -531,9 +537,10 @@ class NativeRoute:
         else:
             path = self._copier._plan(self._info, s, d).path
             plan, totals, block_bytes = self._plans[path], self.totals[path], self._info.block_bytes
+        nbytes = len(s) * block_bytes
         totals[0] += 1
-        totals[1] += len(s) * block_bytes
-        return NativeCopy(self._stream, self._submit, plan, s, d)
+        totals[1] += nbytes
+        return NativeCopy(self._stream, self._submit, plan, s, d, nbytes)
 
 
 def _free_native_plans(plans: dict[tuple[int, int], tuple[_PairInfo, int]]) -> None:

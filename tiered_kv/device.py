@@ -74,11 +74,12 @@ class Stream(Protocol):
     def wait(self, event: Event) -> None:
         """Make work queued from now on wait for ``event`` (stream-side: nothing blocks)."""
 
-    def notify(self, callback: Callback, *, beside: bool = False) -> Event:
+    def notify(self, callback: Callback, *, beside: bool = False, nbytes: int = 0) -> Event:
         """Call ``callback()`` from a waiter thread once the work queued so far has finished; its event.
 
         ``beside``: the completion signal must not hold up the work queued after it on this stream (a CUDA
-        stream signals from a side stream then); the callbacks still run in order.
+        stream signals from a side stream then); the callbacks still run in order. ``nbytes``: the bytes the
+        work since the previous notify moves (0: unknown), from which a CUDA stream expects its end.
         """
 
     def synchronize(self) -> None:
@@ -162,8 +163,8 @@ class EmulatedStream:
 
             self.submit(wait_flag)
 
-    def notify(self, callback: Callback, *, beside: bool = False) -> EmulatedEvent:
-        """Call ``callback()`` once the work queued so far has run; its event (``beside`` changes nothing here)."""
+    def notify(self, callback: Callback, *, beside: bool = False, nbytes: int = 0) -> EmulatedEvent:
+        """Call ``callback()`` once the work queued so far has run; its event (``beside``, ``nbytes``: unused here)."""
         event = EmulatedEvent()
 
         def fire() -> None:
@@ -253,6 +254,28 @@ def _host_func_api() -> tuple[Any, ...]:
     return _HOST_FUNC_API
 
 
+#: Copies of at least this many bytes, started on an idle stream, teach it its rate (smaller ones are mostly fixed
+#: cost; a queued one's start is not known to the microsecond).
+_RATE_MIN_BYTES = 4 << 20
+
+
+#: Bytes per nanosecond (GB/s) a stream assumes before it has measured its own rate: above a PCIe link, so that
+#: host copies are polled early rather than late; the first large copy on an idle stream replaces it.
+_RATE_GUESS = 100.0
+
+
+def _native_wait() -> Callable[..., int] | None:
+    """The extension's completion wait (``kernels/fast_path.cpp: wait_done``), or ``None`` without it."""
+    if os.environ.get("TIERED_KV_COMPLETION_POLL", "1").strip() == "0":
+        return None
+    from . import _ext  # lazy: the device layer does not need the extension
+
+    if not _ext.loaded():  # never build the extension from here: a stream's first notify must not stall
+        return None
+    native = _ext.native()
+    return getattr(native, "wait_done", None) if native is not None else None
+
+
 def _completion_mode() -> str:
     mode = os.environ.get("TIERED_KV_COMPLETION", "hostfunc").strip().lower()
     if mode not in ("hostfunc", "event"):
@@ -282,6 +305,11 @@ class CudaStream:
         self._sem_address = 0  # the signal's semaphore, for native code (0: event mode)
         self._side: torch.cuda.Stream | None = None  # carries the ``beside`` signals (notify), made at first use
         self._handle: int = self.torch_stream.cuda_stream
+        self._device = self.torch_stream.device.index or 0
+        self._wait_done: Callable[..., int] | None = None  # the native completion wait, when the extension has it
+        #: bytes per nanosecond this stream's copies have reached (the fastest seen; 0: none measured yet)
+        self.rate = 0.0
+        self._busy_until = 0  # monotonic ns when the work notified so far is expected to end
 
     @property
     def closed(self) -> bool:
@@ -331,18 +359,22 @@ class CudaStream:
             return
         raise TypeError(f"a CUDA stream can only wait on a torch.cuda.Event, got {type(event).__name__}")
 
-    def notify(self, callback: Callback, *, beside: bool = False) -> torch.cuda.Event:
+    def notify(self, callback: Callback, *, beside: bool = False, nbytes: int = 0) -> torch.cuda.Event:
         """Call ``callback()`` from the waiter thread once the work queued so far has finished; its event.
 
         A host function holds up its stream until it has run (tens of microseconds on a busy host): ``beside``
         enqueues it on this stream's side stream, behind a stream-side wait for the event, so the work queued next
         on this stream starts at once (a load issued as many layer groups). Posts may then reach the waiter in
         another order than their notifies; each callback still runs in notify order, after its own event.
+
+        ``nbytes`` (the bytes the work since the previous notify moves; 0: unknown): with the extension's
+        completion wait, the waiter expects the end from the bytes and the stream's measured rate and polls the
+        event from shortly before it (see :meth:`_expect`), instead of waiting for the host function alone.
         """
         if self._waiter is None:
             self._start_waiter()
         event = self.record()  # other streams wait on it stream-side
-        self._waits.put((event, callback))
+        self._waits.put((event, callback, *self._expect(nbytes)))
         signal = self._signal
         if signal is not None:
             if beside:
@@ -354,7 +386,7 @@ class CudaStream:
         return event
 
     def notify_native(
-        self, issue: Callable[[int, int, int], Event], callback: Callback, *, beside: bool = False
+        self, issue: Callable[[int, int, int], Event], callback: Callback, *, beside: bool = False, nbytes: int = 0
     ) -> Event:
         """Enqueue native work and call ``callback()`` as :meth:`notify` does, in one call into C++.
 
@@ -362,7 +394,7 @@ class CudaStream:
         records an event after it and, when the address is not 0, a host function that posts that semaphore (the
         waiter's) -- on the signal stream behind a wait for the event when its handle is not 0 (``beside``, as in
         :meth:`notify`) -- and returns the event (the native submission path of small copies,
-        ``kernels/fast_path.cpp``). If it raises, nothing was enqueued.
+        ``kernels/fast_path.cpp``). If it raises, nothing was enqueued. ``nbytes`` as in :meth:`notify`.
         """
         if self._closed:
             raise RuntimeError(f"stream {self.name} is closed")
@@ -370,8 +402,27 @@ class CudaStream:
             self._start_waiter()
         side = self._side_stream().cuda_stream if beside and self._signal is not None else 0
         event = issue(self._handle, self._sem_address, side)
-        self._waits.put((event, callback))
+        self._waits.put((event, callback, *self._expect(nbytes)))
         return event
+
+    def _expect(self, nbytes: int) -> tuple[int, int, int, int]:
+        """(wake, due, nbytes, now): when the waiter starts polling and when the work is expected to end (ns).
+
+        The work starts when the work notified before it is expected to end, or now, and takes ``nbytes`` at the
+        stream's measured rate; the waiter polls from 80 % of that span (a copy that runs faster than any before
+        it is still seen by its host-function post). Before the stream has measured a rate it assumes
+        :data:`_RATE_GUESS` (an optimistic guess: a too-early poll costs a few microseconds of a waiter thread,
+        a too-late one no more than the post's own delay). No bytes or no native wait: ``(-1, -1, ..)`` (the
+        waiter waits for the post alone).
+        """
+        now = time.monotonic_ns()
+        if nbytes <= 0 or self._wait_done is None:
+            return -1, -1, nbytes, now
+        rate = self.rate or _RATE_GUESS
+        start = max(now, self._busy_until)
+        span = nbytes / rate
+        self._busy_until = due = start + int(span)
+        return start + int(0.8 * span), due, nbytes, now
 
     def _side_stream(self) -> torch.cuda.Stream:
         """The stream that carries this stream's ``beside`` completion signals (made at first use)."""
@@ -392,10 +443,15 @@ class CudaStream:
                         self._sem_address = self._signal.address
                     except (OSError, AttributeError, RuntimeError) as exc:
                         log.info("CUDA host-function completion unavailable (%s); waiting on events instead", exc)
+                self._wait_done = _native_wait()
                 self._waiter = threading.Thread(target=self._wait_loop, name=f"tiered_kv-cuda-{self.name}", daemon=True)
                 self._waiter.start()
 
     def _wait_loop(self) -> None:
+        wait_done = self._wait_done
+        if wait_done is not None:
+            self._native_wait_loop(wait_done)
+            return
         while True:
             if self._signal is not None:
                 self._signal.wait()  # one post per notify (or close), in stream order
@@ -406,10 +462,42 @@ class CudaStream:
             callback: Callback = item[1]  # type: ignore[index]
             if self._signal is None or not event.query():
                 event.synchronize()  # event mode; or a guard that cannot wait long in host-function mode
+            self._run(callback)
+
+    def _native_wait_loop(self, wait_done: Callable[..., int]) -> None:
+        """The waiter with the extension's completion wait: poll near each expected end, learn the stream's rate.
+
+        Every notify still enqueues its host-function post; ``owed`` counts the posts of items found done by
+        polling before their post came (``wait_done`` pays them back as they arrive).
+        """
+        owed = 0
+        last_done = 0
+        while True:
+            item = self._waits.get()
+            if item is _STOP:
+                return
+            entry: tuple[Any, Callback, int, int, int, int] = item  # type: ignore[assignment]
+            event, callback, wake, due, nbytes, notified = entry
+            handle = event.cuda_event if isinstance(event, torch.cuda.Event) else event.handle
             try:
-                callback()
-            except BaseException:
-                log.exception("CUDA stream %s: completion callback raised", self.name)
+                owed = wait_done(handle, self._device, self._sem_address, wake, due, owed)
+            except RuntimeError:  # a CUDA error: surface it the way the plain waiter does
+                log.exception("CUDA stream %s: waiting for a completion failed", self.name)
+                event.synchronize()
+            done = time.monotonic_ns()
+            if nbytes >= _RATE_MIN_BYTES and notified >= last_done:  # it started on an idle stream, at its notify
+                span = done - notified
+                if span > 0:
+                    seen = nbytes / span
+                    self.rate = seen if seen > self.rate else 0.98 * self.rate + 0.02 * seen
+            last_done = done
+            self._run(callback)
+
+    def _run(self, callback: Callback) -> None:
+        try:
+            callback()
+        except BaseException:
+            log.exception("CUDA stream %s: completion callback raised", self.name)
 
     def synchronize(self) -> None:
         """Block until the work queued so far has finished."""

@@ -64,7 +64,8 @@ class _StreamJob:
                 error.append(exc)
 
         lane.submit(run, explicit=getattr(op, "explicit_stream", False))
-        return lane.notify(lambda: done(error[0] if error else None), beside=self.beside)
+        nbytes = getattr(op, "nbytes", 0)  # what the op moves: the stream expects its end from it
+        return lane.notify(lambda: done(error[0] if error else None), beside=self.beside, nbytes=nbytes)
 
 
 class _HostJob:

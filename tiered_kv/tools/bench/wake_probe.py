@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import ctypes
 import ctypes.util
+import functools
 import json
 import os
 import queue
@@ -38,10 +39,14 @@ __all__ = ["device_waits", "loop_waits", "main"]
 _SIZES_MIB = (4, 64, 512)
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
 def _timer_slack(ns: int) -> None:
     """Set this thread's timer slack (``prctl(PR_SET_TIMERSLACK)``): how late a short sleep may wake."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    libc.prctl(29, ctypes.c_ulong(ns), 0, 0, 0)
+    _libc().prctl(29, ctypes.c_ulong(ns), 0, 0, 0)
 
 
 class _Copy:
@@ -150,33 +155,43 @@ def device_waits(reps: int) -> list[dict[str, Any]]:
 
 
 async def _resume(idle: float, reps: int, warm: bool) -> list[float]:
-    """Seconds from a thread's ``call_soon_threadsafe`` to the coroutine resuming, after ``idle`` seconds."""
+    """Seconds from a thread's ``call_soon_threadsafe`` to the coroutine resuming, after ``idle`` seconds.
+
+    One hand-off thread for all repetitions: it sleeps (GIL released) until the time, hands the stamp over and
+    goes back to waiting on its queue, so nothing holds the GIL while the loop wakes.
+    """
     loop = asyncio.get_running_loop()
+    requests: queue.SimpleQueue[tuple[asyncio.Future[float], float] | None] = queue.SimpleQueue()
+
+    def hand() -> None:
+        _timer_slack(1000)
+        while (req := requests.get()) is not None:
+            f, until = req
+            while (left := until - time.perf_counter()) > 0:
+                time.sleep(left)
+            loop.call_soon_threadsafe(f.set_result, time.perf_counter())
+
+    thread = threading.Thread(target=hand, daemon=True)
+    thread.start()
     out = []
     for _ in range(reps):
         fut: asyncio.Future[float] = loop.create_future()
-        start = time.perf_counter()
-
-        def hand(f: asyncio.Future[float] = fut, t: float = start) -> None:
-            _timer_slack(1000)
-            while (left := t + idle - time.perf_counter()) > 0:
-                time.sleep(min(left, 0.001) if idle > 0.002 else 0)
-            loop.call_soon_threadsafe(f.set_result, time.perf_counter())
-
         handles: list[asyncio.TimerHandle] = []
         if warm:  # keep short timers armed from 300 us before the expected end
 
-            def tick() -> None:
-                if not fut.done():
+            def tick(f: asyncio.Future[float] = fut) -> None:
+                if not f.done():
                     handles.append(loop.call_later(50e-6, tick))
 
             handles.append(loop.call_at(loop.time() + max(0.0, idle - 300e-6), tick))
-        threading.Thread(target=hand, daemon=True).start()
+        requests.put((fut, time.perf_counter() + idle))
         stamp = await asyncio.wait_for(fut, 5.0)
         out.append(time.perf_counter() - stamp)
         for h in handles:
             h.cancel()
         await asyncio.sleep(0.001)
+    requests.put(None)
+    thread.join()
     return out
 
 
@@ -236,6 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=25)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    _libc()  # looked up before any timing (find_library may run a subprocess)
     out: dict[str, Any] = {"host": _host()}
     print(json.dumps(out["host"]))
     out["loop"] = loop_waits(args.reps * 2)

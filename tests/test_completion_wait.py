@@ -1,0 +1,149 @@
+"""The CUDA stream waiter with the extension's completion wait: it polls each event from shortly before the end
+expected from the bytes and the stream's measured rate, and keeps the host-function post as its fallback.
+
+Whatever the estimate -- none, far too short (polls from the start), far too long (the post, or in event mode a
+sliced sleep, must still end the wait) -- every callback runs once, in notify order, and only after its own event;
+posts of items found done by polling are paid back without ending a later item's wait early.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+ITEM_BYTES = 16 << 20  # 4 Mi floats: tens of microseconds of work per item
+
+
+@pytest.fixture
+def ext() -> Any:
+    from tiered_kv import _ext
+
+    assert _ext.load(), f"the CUDA extension must build on a CUDA machine: {_ext.status()['error']}"
+    return _ext
+
+
+def _run_items(
+    stream: Any, count: int, nbytes_of: Callable[[int], int], beside_of: Callable[[int], bool]
+) -> list[tuple[int, bool]]:
+    import torch
+
+    x = torch.zeros(ITEM_BYTES // 4, device="cuda")
+    events: dict[int, object] = {}
+    seen: list[tuple[int, bool]] = []
+    finished = threading.Event()
+
+    def callback(i: int) -> None:
+        while i not in events:  # the callback may fire before notify() has returned
+            time.sleep(0)
+        seen.append((i, events[i].query()))  # type: ignore[attr-defined]
+        if len(seen) == count:
+            finished.set()
+
+    for i in range(count):
+        with torch.cuda.stream(stream.torch_stream):
+            x.add_(1)
+        events[i] = stream.notify(functools.partial(callback, i), beside=beside_of(i), nbytes=nbytes_of(i))
+    assert finished.wait(60), f"{len(seen)} of {count} callbacks ran"
+    assert float(x[0]) == count
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["hostfunc", "event"])
+@pytest.mark.parametrize("rate", [0.0, 1e9, 1e-6], ids=["guess", "far-too-short", "far-too-long"])
+def test_callbacks_run_in_order_after_their_event_whatever_the_estimate(
+    ext: Any, monkeypatch: pytest.MonkeyPatch, mode: str, rate: float
+) -> None:
+    import torch
+
+    from tiered_kv import device as device_mod
+    from tiered_kv.device import CudaStream
+
+    monkeypatch.setenv("TIERED_KV_COMPLETION", mode)
+    monkeypatch.setattr(device_mod, "_RATE_MIN_BYTES", 1 << 62)  # keep the given rate: no learning
+    stream = CudaStream("estimate-test", device=torch.device("cuda"))
+    stream.rate = rate
+    try:
+        count = 200
+        seen = _run_items(
+            stream,
+            count,
+            nbytes_of=lambda i: 0 if i % 7 == 6 else ITEM_BYTES,  # some items without an estimate: the post
+            beside_of=lambda i: mode == "hostfunc" and i % 4 != 3,  # posts from the side stream may reorder
+        )
+        assert stream._wait_done is not None, "the extension's completion wait was not used"
+        assert [i for i, _ in seen] == list(range(count))
+        assert all(done for _, done in seen), [i for i, done in seen if not done][:5]
+    finally:
+        stream.close()
+
+
+def test_posts_owed_by_polled_items_do_not_end_a_later_wait_early(ext: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many items found done by polling (posts still to come), then items that wait for their post: a late post
+    of an earlier item must pay its debt, not release the item waiting behind a long stall."""
+    import torch
+
+    from tiered_kv import device as device_mod
+    from tiered_kv.device import CudaStream
+
+    monkeypatch.setenv("TIERED_KV_COMPLETION", "hostfunc")
+    monkeypatch.setattr(device_mod, "_RATE_MIN_BYTES", 1 << 62)
+    stream = CudaStream("owed-test", device=torch.device("cuda"))
+    stream.rate = 1e9  # every estimated item polls from the start
+    x = torch.zeros(ITEM_BYTES // 4, device="cuda")
+    order: list[tuple[int, bool]] = []
+    events: dict[int, object] = {}
+    finished = threading.Event()
+    count = 60
+
+    def callback(i: int) -> None:
+        while i not in events:
+            time.sleep(0)
+        order.append((i, events[i].query()))  # type: ignore[attr-defined]
+        if len(order) == count:
+            finished.set()
+
+    try:
+        for i in range(count):
+            with torch.cuda.stream(stream.torch_stream):
+                if i == count // 2:
+                    torch.cuda._sleep(200_000_000)  # a long stall before the first post-only item
+                x.add_(1)
+            nbytes = ITEM_BYTES if i < count // 2 else 0
+            events[i] = stream.notify(functools.partial(callback, i), nbytes=nbytes)
+        assert finished.wait(60), f"{len(order)} of {count} callbacks ran"
+        assert [i for i, _ in order] == list(range(count))
+        assert all(done for _, done in order), [i for i, done in order if not done][:5]
+    finally:
+        stream.close()
+
+
+def test_a_stream_learns_its_rate_from_copies_on_an_idle_stream(ext: Any) -> None:
+    import torch
+
+    from tiered_kv.device import CudaStream
+
+    stream = CudaStream("rate-test", device=torch.device("cuda"))
+    src = torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    try:
+        assert stream.rate == 0.0
+        for _ in range(4):
+            done = threading.Event()
+            with torch.cuda.stream(stream.torch_stream):
+                dst.copy_(src, non_blocking=True)
+            stream.notify(done.set, nbytes=src.numel())
+            assert done.wait(30)
+        gbps = stream.rate  # bytes per nanosecond = GB/s
+        assert 1.0 < gbps < 1000.0, gbps
+        wake, due, nbytes, now = stream._expect(src.numel())
+        assert now <= wake < due and nbytes == src.numel()
+        assert 0.75 < (wake - now) / (due - now) < 0.85
+    finally:
+        stream.close()
