@@ -16,8 +16,6 @@ from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.gpu
-
 ITEM_BYTES = 16 << 20  # 4 Mi floats: tens of microseconds of work per item
 
 
@@ -55,6 +53,7 @@ def _run_items(
     return seen
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["hostfunc", "event"])
 @pytest.mark.parametrize("rate", [0.0, 1e9, 1e-6], ids=["guess", "far-too-short", "far-too-long"])
 def test_callbacks_run_in_order_after_their_event_whatever_the_estimate(
@@ -84,6 +83,7 @@ def test_callbacks_run_in_order_after_their_event_whatever_the_estimate(
         stream.close()
 
 
+@pytest.mark.gpu
 def test_posts_owed_by_polled_items_do_not_end_a_later_wait_early(ext: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Many items found done by polling (posts still to come), then items that wait for their post: a late post
     of an earlier item must pay its debt, not release the item waiting behind a long stall."""
@@ -124,10 +124,11 @@ def test_posts_owed_by_polled_items_do_not_end_a_later_wait_early(ext: Any, monk
         stream.close()
 
 
+@pytest.mark.gpu
 def test_a_stream_learns_its_rate_from_copies_on_an_idle_stream(ext: Any) -> None:
     import torch
 
-    from tiered_kv.device import CudaStream
+    from tiered_kv.device import CudaStream, expected_end
 
     stream = CudaStream("rate-test", device=torch.device("cuda"))
     src = torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True)
@@ -142,8 +143,15 @@ def test_a_stream_learns_its_rate_from_copies_on_an_idle_stream(ext: Any) -> Non
             assert done.wait(30)
         gbps = stream.rate  # bytes per nanosecond = GB/s
         assert 1.0 < gbps < 1000.0, gbps
-        wake, due, nbytes, now = stream._expect(src.numel())
-        assert now <= wake < due and nbytes == src.numel()
-        assert 0.75 < (wake - now) / (due - now) < 0.85
+        wake, due = expected_end(1000, src.numel(), stream.rate)
+        assert 1000 < wake < due and 0.79 < (wake - 1000) / (due - 1000) < 0.81
     finally:
         stream.close()
+
+
+def test_expected_end_polls_from_four_fifths_of_the_span() -> None:
+    from tiered_kv.device import _RATE_GUESS, expected_end
+
+    assert expected_end(5_000, 0, 50.0) == (-1, -1)  # unknown bytes: the host-function post alone
+    assert expected_end(5_000, 1_000_000, 50.0) == (5_000 + 16_000, 5_000 + 20_000)  # 50 bytes per ns
+    assert expected_end(0, 1_000_000, 0.0) == expected_end(0, 1_000_000, _RATE_GUESS)  # not measured yet

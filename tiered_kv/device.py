@@ -254,9 +254,25 @@ def _host_func_api() -> tuple[Any, ...]:
     return _HOST_FUNC_API
 
 
+_now_ns = time.monotonic_ns  # one global lookup per notify
+
 #: Copies of at least this many bytes, started on an idle stream, teach it its rate (smaller ones are mostly fixed
 #: cost; a queued one's start is not known to the microsecond).
 _RATE_MIN_BYTES = 4 << 20
+
+
+def expected_end(start: int, nbytes: int, rate: float) -> tuple[int, int]:
+    """When a stream's waiter starts polling for work of ``nbytes`` started at ``start``, and its expected end.
+
+    Both in monotonic ns, ``(wake, due)``, at ``rate`` bytes per ns (0: not measured yet, :data:`_RATE_GUESS`).
+    The waiter polls from 80 % of the expected span: a copy up to 25 % faster than the rate is still polled
+    before it ends, and one faster still is seen by its host-function post. ``nbytes`` 0 (unknown): ``(-1, -1)``,
+    the post alone.
+    """
+    if nbytes <= 0:
+        return -1, -1
+    span = nbytes / (rate or _RATE_GUESS)
+    return start + int(0.8 * span), start + int(span)
 
 
 #: Bytes per nanosecond (GB/s) a stream assumes before it has measured its own rate: above a PCIe link, so that
@@ -309,7 +325,6 @@ class CudaStream:
         self._wait_done: Callable[..., int] | None = None  # the native completion wait, when the extension has it
         #: bytes per nanosecond this stream's copies have reached (the fastest seen; 0: none measured yet)
         self.rate = 0.0
-        self._busy_until = 0  # monotonic ns when the work notified so far is expected to end
 
     @property
     def closed(self) -> bool:
@@ -369,12 +384,12 @@ class CudaStream:
 
         ``nbytes`` (the bytes the work since the previous notify moves; 0: unknown): with the extension's
         completion wait, the waiter expects the end from the bytes and the stream's measured rate and polls the
-        event from shortly before it (see :meth:`_expect`), instead of waiting for the host function alone.
+        event from shortly before it (:func:`expected_end`), instead of waiting for the host function alone.
         """
         if self._waiter is None:
             self._start_waiter()
         event = self.record()  # other streams wait on it stream-side
-        self._waits.put((event, callback, *self._expect(nbytes)))
+        self._waits.put((event, callback, nbytes, _now_ns()))
         signal = self._signal
         if signal is not None:
             if beside:
@@ -402,27 +417,8 @@ class CudaStream:
             self._start_waiter()
         side = self._side_stream().cuda_stream if beside and self._signal is not None else 0
         event = issue(self._handle, self._sem_address, side)
-        self._waits.put((event, callback, *self._expect(nbytes)))
+        self._waits.put((event, callback, nbytes, _now_ns()))
         return event
-
-    def _expect(self, nbytes: int) -> tuple[int, int, int, int]:
-        """(wake, due, nbytes, now): when the waiter starts polling and when the work is expected to end (ns).
-
-        The work starts when the work notified before it is expected to end, or now, and takes ``nbytes`` at the
-        stream's measured rate; the waiter polls from 80 % of that span (a copy that runs faster than any before
-        it is still seen by its host-function post). Before the stream has measured a rate it assumes
-        :data:`_RATE_GUESS` (an optimistic guess: a too-early poll costs a few microseconds of a waiter thread,
-        a too-late one no more than the post's own delay). No bytes or no native wait: ``(-1, -1, ..)`` (the
-        waiter waits for the post alone).
-        """
-        now = time.monotonic_ns()
-        if nbytes <= 0 or self._wait_done is None:
-            return -1, -1, nbytes, now
-        rate = self.rate or _RATE_GUESS
-        start = max(now, self._busy_until)
-        span = nbytes / rate
-        self._busy_until = due = start + int(span)
-        return start + int(0.8 * span), due, nbytes, now
 
     def _side_stream(self) -> torch.cuda.Stream:
         """The stream that carries this stream's ``beside`` completion signals (made at first use)."""
@@ -476,8 +472,10 @@ class CudaStream:
             item = self._waits.get()
             if item is _STOP:
                 return
-            entry: tuple[Any, Callback, int, int, int, int] = item  # type: ignore[assignment]
-            event, callback, wake, due, nbytes, notified = entry
+            entry: tuple[Any, Callback, int, int] = item  # type: ignore[assignment]
+            event, callback, nbytes, notified = entry
+            # it starts when it was notified, or when the work before it ended (this thread saw that end)
+            wake, due = expected_end(max(notified, last_done), nbytes, self.rate)
             handle = event.cuda_event if isinstance(event, torch.cuda.Event) else event.handle
             try:
                 owed = wait_done(handle, self._device, self._sem_address, wake, due, owed)
