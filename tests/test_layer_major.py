@@ -150,10 +150,14 @@ def test_choose_path_thresholds() -> None:
     assert choose_path(8 << 20, EngineConfig(copy_path="kernel"), on_cuda=True, kernels=True) == "kernel"
     assert choose_path(8, EngineConfig(copy_path="dma"), on_cuda=True, kernels=True) == "dma"
     assert choose_path(64 << 10, EngineConfig(dma_min_chunk_bytes=0), on_cuda=True, kernels=True) == "dma"
+    # no threshold configured: the copier's measured one, else the default
+    assert choose_path(64 << 10, EngineConfig(), on_cuda=True, kernels=True, threshold=64 << 10) == "dma"
+    assert choose_path(1 << 20, EngineConfig(), on_cuda=True, kernels=True) == "kernel"
+    assert choose_path(2 << 20, EngineConfig(), on_cuda=True, kernels=True) == "dma"
 
 
 def test_config_env_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert EngineConfig().dma_min_chunk_bytes == 2 << 20 and EngineConfig().copy_path == "auto"
+    assert EngineConfig().dma_min_chunk_bytes is None and EngineConfig().copy_path == "auto"  # None: measured
     monkeypatch.setenv("TIERED_KV_DMA_MIN_CHUNK", "65536")
     monkeypatch.setenv("TIERED_KV_COPY_PATH", "kernel")
     cfg = EngineConfig.from_env()
@@ -197,12 +201,13 @@ async def test_cuda_engine_uses_kernel_for_small_chunks_and_dma_for_blocks() -> 
     )  # 16 KiB chunks
     pool = LayerMajorPool.allocate(layout, 8, "cuda", split_kv=True)
     _poison_pool(pool)
-    async with TransferEngine(layout, gpu_pool=pool, host_blocks=8, device="cuda") as engine:
+    cfg = EngineConfig(dma_min_chunk_bytes=2 << 20)  # the thresholds under test, not this GPU's measured one
+    async with TransferEngine(layout, gpu_pool=pool, host_blocks=8, device="cuda", config=cfg) as engine:
         assert engine.copier.kernels, f"the CUDA extension must build on the GPU machine: {_ext.status()['error']}"
         await engine.copy(Tier.GPU, [0, 1, 2], Tier.HOST, [0, 1, 2])
         await engine.copy(Tier.HOST, [0, 1, 2], Tier.HOST, [3, 4, 5])
         assert engine.copier.statistics().calls == {"kernel": 1, "reference": 1}
-    async with TransferEngine(layout, gpu_blocks=64, host_blocks=64, device="cuda") as engine:  # 128 KiB blocks
+    async with TransferEngine(layout, gpu_blocks=64, host_blocks=64, device="cuda", config=cfg) as engine:  # 128 KiB
         fill_random(engine.pool(Tier.GPU).tensor)
         torch.cuda.synchronize()  # the fill ran on the default stream, the copy runs on the offload stream
         await engine.copy(Tier.GPU, list(range(64)), Tier.HOST, list(range(64)))  # one 8 MiB run
@@ -321,3 +326,17 @@ def test_kernel_copy_from_a_fresh_thread_reaches_pinned_memory():
     thread.join()
     assert not errors, errors
     assert torch.equal(pool.tensor[1].view(torch.uint8).cpu(), lm.block(0).contiguous().view(torch.uint8).cpu())
+
+
+@pytest.mark.gpu
+def test_the_dma_threshold_is_measured_once_per_device() -> None:
+    from tiered_kv import copyops
+    from tiered_kv.device import resolve_device
+
+    assert _ext.load(), f"the CUDA extension must build on the GPU machine: {_ext.status()['error']}"
+    copier = Copier(resolve_device("cuda"), EngineConfig())
+    first = copier.dma_min_chunk_bytes
+    assert first in (*copyops._CALIBRATION_PIECES, 2 * copyops._CALIBRATION_PIECES[-1]), first
+    assert Copier(resolve_device("cuda"), EngineConfig()).dma_min_chunk_bytes == first  # cached
+    assert Copier(resolve_device("cuda"), EngineConfig(dma_min_chunk_bytes=123)).dma_min_chunk_bytes == 123
+    assert Copier(resolve_device("cuda"), EngineConfig(copy_path="kernel")).dma_min_chunk_bytes == 2 << 20

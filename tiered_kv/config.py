@@ -56,24 +56,26 @@ class EngineConfig:
             Env: ``TIERED_KV_DEVICE``.
         host_threads: threads that run host-only work (host-to-host copies). Env: ``TIERED_KV_HOST_THREADS``.
         dma_min_chunk_bytes: on CUDA, copies whose contiguous pieces are at least this big go to the DMA
-            engine (``cudaMemcpy(2D)Async`` per run), smaller ones to the copy kernel. Default 2 MiB: in the
-            H200 measurement (``tiered-kv bench``, kernels) one DMA call per chunk trails the kernel at 1 MiB
-            (47 vs 51 GB/s)
-            and leads it at 4 MiB (52.5 vs 51); the engine issues one call per chunk, not a batch.
-            Env: ``TIERED_KV_DMA_MIN_CHUNK``.
+            engines (batched ``cudaMemcpy(2D)Async``), smaller ones to the copy kernel. Default ``None``: measured
+            on this GPU at the first engine's start (:func:`tiered_kv.copyops.calibrated_dma_threshold`, tens of
+            milliseconds once per process and device): where batched DMA is as fast as the kernel differs by
+            card and host (64 KiB on an H100 host where the kernel led up to 1 MiB before DMA calls were
+            batched). Env: ``TIERED_KV_DMA_MIN_CHUNK``.
         copy_path: ``"auto"`` (by ``dma_min_chunk_bytes``), ``"dma"`` or ``"kernel"`` (forced).
             Env: ``TIERED_KV_COPY_PATH``.
     """
 
     device: str = "auto"
     host_threads: int = 2
-    dma_min_chunk_bytes: int = 2 << 20
+    dma_min_chunk_bytes: int | None = None
     copy_path: str = "auto"
 
     def __post_init__(self) -> None:
         threshold = self.dma_min_chunk_bytes
-        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
-            raise ValueError(f"dma_min_chunk_bytes must be a non-negative int, got {self.dma_min_chunk_bytes!r}")
+        if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0):
+            raise ValueError(
+                f"dma_min_chunk_bytes must be a non-negative int or None (measured), got {self.dma_min_chunk_bytes!r}"
+            )
         if self.copy_path not in ("auto", "dma", "kernel"):
             raise ValueError(f"copy_path must be 'auto', 'dma' or 'kernel', got {self.copy_path!r}")
         if isinstance(self.host_threads, bool) or not isinstance(self.host_threads, int) or self.host_threads < 1:

@@ -27,11 +27,11 @@ e.g. a one-block copy) goes to DMA whatever its size: one ``cudaMemcpyAsync`` mo
 rate, leaves the SMs to compute, and costs less host time than a kernel launch (measured on an H100 through
 the torch ops: 9.3 vs 13.8 us on one host, 25.9 vs 32.6 us on a slower one). Otherwise, a copy whose
 contiguous pieces (one (layer, kv) chunk for layer-major pools, a run of whole blocks for block-major ones,
-``num_tokens * head_dim`` elements for partial copies) are at least
-``EngineConfig.dma_min_chunk_bytes`` (2 MiB) goes to DMA, smaller ones to the kernel (measured on an H200 by
-``tiered-kv bench``: the kernel
-is up to 36x faster than one DMA call per chunk for small chunks and still ahead at 1 MiB; at 4 MiB DMA
-matches it and leaves the SMs to compute). ``EngineConfig.copy_path`` forces one path.
+``num_tokens * head_dim`` elements for partial copies) are at least the DMA piece size goes to DMA (batched
+calls), smaller ones to the kernel. That size is ``EngineConfig.dma_min_chunk_bytes`` when set, else measured on
+the GPU once per process (:func:`calibrated_dma_threshold`): the kernel is up to 10x faster than DMA for
+4-16 KiB pieces, and where batched DMA catches up differs by card and host (64 KiB on an H100 host in
+``tiered-kv bench``'s sweep). ``EngineConfig.copy_path`` forces one path.
 
 Layer-by-layer copies (``copy(..., layers=)``, :mod:`tiered_kv.layerwise`) count a run of consecutive blocks
 as one piece too: DMA moves it in one ``cudaMemcpy2DAsync`` (a row per block), and a load that is meant to
@@ -71,6 +71,7 @@ __all__ = [
     "NativeCopy",
     "NativeRoute",
     "Side",
+    "calibrated_dma_threshold",
     "choose_path",
     "pool_tensors",
 ]
@@ -161,6 +162,12 @@ class Copier:
             from . import _ext  # lazy: keeps `python -m tiered_kv._ext` from importing itself twice
 
             self.kernels = _ext.load()
+        #: the piece size from which the auto path takes DMA (configured, or measured on this GPU once)
+        self.dma_min_chunk_bytes: int = (
+            config.dma_min_chunk_bytes if config.dma_min_chunk_bytes is not None else DEFAULT_DMA_MIN_CHUNK
+        )
+        if config.dma_min_chunk_bytes is None and self.kernels and config.copy_path == "auto":
+            self.dma_min_chunk_bytes = calibrated_dma_threshold(device.torch_device)
         self._lock = threading.Lock()
         self._calls: dict[str, int] = {}
         self._bytes: dict[str, int] = {}
@@ -300,7 +307,9 @@ class Copier:
             # a run of whole blocks is one contiguous piece; a run of one layer range of consecutive blocks is
             # one 2-D DMA call (rows = blocks), which leaves the SMs to the compute a layer-by-layer load overlaps
             piece *= max(1, size // runs)
-        path = choose_path(piece, self.config, on_cuda=info.on_cuda, kernels=self.kernels)
+        path = choose_path(
+            piece, self.config, on_cuda=info.on_cuda, kernels=self.kernels, threshold=self.dma_min_chunk_bytes
+        )
         one_piece = runs == 1 and info.rows == 1 and info.groups == 1 and info.dense
         if path == "kernel" and one_piece and self.config.copy_path == "auto":
             path = "dma"  # one contiguous piece on both sides: one DMA call (see the module docstring)
@@ -397,7 +406,9 @@ class Copier:
 
     def _chunked_plan(self, src_pool: Side, s: np.ndarray, dst_pool: Side, d: np.ndarray) -> CopyPlan:
         pair = self._chunk_pair(src_pool, dst_pool)
-        path = choose_path(pair.piece, self.config, on_cuda=pair.on_cuda, kernels=self.kernels)
+        path = choose_path(
+            pair.piece, self.config, on_cuda=pair.on_cuda, kernels=self.kernels, threshold=self.dma_min_chunk_bytes
+        )
         return CopyPlan(path, pair.piece, int(pair.table.size(0)), int(s.size))
 
     def _chunked_op(self, src_pool: Side, s: np.ndarray, dst_pool: Side, d: np.ndarray, num_tokens: int | None) -> Op:
@@ -440,7 +451,7 @@ class Copier:
     def __repr__(self) -> str:
         kernels = "kernels" if self.kernels else ("no kernels" if self.device.is_cuda else "emulated")
         cfg = self.config
-        return f"<Copier {kernels} dma>={cfg.dma_min_chunk_bytes}B path={cfg.copy_path} calls={self._calls}>"
+        return f"<Copier {kernels} dma>={self.dma_min_chunk_bytes}B path={cfg.copy_path} calls={self._calls}>"
 
 
 class NativeCopy:
@@ -550,15 +561,89 @@ def _free_native_plans(plans: dict[tuple[int, int], tuple[_PairInfo, int]]) -> N
     plans.clear()
 
 
-def choose_path(piece_bytes: int, config: EngineConfig, *, on_cuda: bool, kernels: bool) -> str:
-    """The path for a copy whose contiguous pieces are ``piece_bytes`` (see the module docstring)."""
+def choose_path(
+    piece_bytes: int, config: EngineConfig, *, on_cuda: bool, kernels: bool, threshold: int | None = None
+) -> str:
+    """The path for a copy whose contiguous pieces are ``piece_bytes`` (see the module docstring).
+
+    ``threshold``: the DMA piece size in use (a copier's measured one); default the config's, else
+    :data:`DEFAULT_DMA_MIN_CHUNK`.
+    """
     if not on_cuda:
         return "reference"
     if not kernels:
         return "torch"
     if config.copy_path != "auto":
         return config.copy_path
-    return "dma" if piece_bytes >= config.dma_min_chunk_bytes else "kernel"
+    if threshold is None:
+        threshold = config.dma_min_chunk_bytes if config.dma_min_chunk_bytes is not None else DEFAULT_DMA_MIN_CHUNK
+    return "dma" if piece_bytes >= threshold else "kernel"
+
+
+#: The DMA piece size where none is configured or measured (no kernels, a forced path).
+DEFAULT_DMA_MIN_CHUNK = 2 << 20
+
+#: Piece sizes the calibration compares, and the bytes it moves per size and direction.
+_CALIBRATION_PIECES = tuple(16 << (10 + i) for i in range(8))  # 16 KiB .. 2 MiB
+_CALIBRATION_BYTES = 32 << 20
+_calibrated: dict[int, int] = {}
+_calibration_lock = threading.Lock()
+
+
+def calibrated_dma_threshold(device: torch.device) -> int:
+    """The smallest piece size from which batched DMA copies are as fast as the copy kernel on this GPU.
+
+    Measured once per process and device, on scratch memory (32 MiB pinned and on the device, freed after):
+    for each piece size from 16 KiB to 2 MiB, scattered pieces copied both ways by each path (the best of two
+    wall times, host issue included). The threshold is the smallest size from which DMA stays within 2 % of
+    the kernel at every larger size (DMA leaves the SMs to compute); ``4 MiB`` if the kernel leads even at
+    2 MiB. Env ``TIERED_KV_DMA_MIN_CHUNK`` or ``EngineConfig(dma_min_chunk_bytes=...)`` skip it.
+    """
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _calibration_lock:
+        found = _calibrated.get(index)
+        if found is None:
+            found = _calibrated[index] = _measure_dma_threshold(index)
+            log.info("tiered_kv: DMA from %d KiB pieces on cuda:%d (measured)", found >> 10, index)
+    return found
+
+
+def _measure_dma_threshold(index: int) -> int:
+    import time
+
+    with torch.cuda.device(index):
+        host = torch.empty(_CALIBRATION_BYTES, dtype=torch.uint8, pin_memory=True)
+        gpu = torch.empty(_CALIBRATION_BYTES, dtype=torch.uint8, device=f"cuda:{index}")
+        stream = torch.cuda.Stream()
+        op = torch.ops.tiered_kv.copy_blocks
+        dma_ok: list[bool] = []
+        for piece in _CALIBRATION_PIECES:
+            n = _CALIBRATION_BYTES // piece
+            h, g = host.view(n, 1, piece), gpu.view(n, 1, piece)
+            s = torch.from_numpy(np.random.default_rng(piece).permutation(n))
+            d = torch.arange(n)
+            seconds = {}
+            for method in (ops.METHOD_KERNEL, ops.METHOD_DMA):
+                best = math.inf
+                for _ in range(2):
+                    total = 0.0
+                    for dst, src in ((g, h), (h, g)):
+                        stream.synchronize()
+                        t0 = time.perf_counter()
+                        with torch.cuda.stream(stream):
+                            op([dst], [src], s, d, 1, method)
+                        stream.synchronize()
+                        total += time.perf_counter() - t0
+                    best = min(best, total)
+                seconds[method] = best
+            dma_ok.append(seconds[ops.METHOD_DMA] <= 1.02 * seconds[ops.METHOD_KERNEL])
+        del host, gpu
+    threshold = 2 * _CALIBRATION_PIECES[-1]
+    for piece, ok in zip(reversed(_CALIBRATION_PIECES), reversed(dma_ok), strict=True):
+        if not ok:
+            break
+        threshold = piece
+    return threshold
 
 
 def _torch_op(src_t: list[torch.Tensor], s: np.ndarray, dst_t: list[torch.Tensor], d: np.ndarray, n: int) -> Op:
