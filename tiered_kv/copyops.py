@@ -603,8 +603,13 @@ def calibrated_dma_threshold(device: torch.device) -> int:
     with _calibration_lock:
         found = _calibrated.get(index)
         if found is None:
-            found = _calibrated[index] = _measure_dma_threshold(index)
-            log.info("tiered_kv: DMA from %d KiB pieces on cuda:%d (measured)", found >> 10, index)
+            try:
+                found = _measure_dma_threshold(index)
+                log.info("tiered_kv: DMA from %d KiB pieces on cuda:%d (measured)", found >> 10, index)
+            except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:  # no scratch memory, a CUDA error
+                found = DEFAULT_DMA_MIN_CHUNK
+                log.warning("tiered_kv: could not measure the DMA piece size (%s); using %d bytes", exc, found)
+            _calibrated[index] = found
     return found
 
 
@@ -619,7 +624,7 @@ def _measure_dma_threshold(index: int) -> int:
         dma_ok: list[bool] = []
         for piece in _CALIBRATION_PIECES:
             n = _CALIBRATION_BYTES // piece
-            h, g = host.view(n, 1, piece), gpu.view(n, 1, piece)
+            h, g = host.view(n, 1, 1, piece), gpu.view(n, 1, 1, piece)  # [blocks, 1, tokens, bytes]: whole blocks
             s = torch.from_numpy(np.random.default_rng(piece).permutation(n))
             d = torch.arange(n)
             seconds = {}
