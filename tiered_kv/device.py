@@ -17,8 +17,8 @@ runs later on the GPU. The emulated device keeps the same semantics with threads
 worker thread and ``fn`` runs when the worker reaches it, *not* when it is submitted. That is what makes
 the races of the seeds reproducible on a CPU: a host buffer read by a queued op is read at execution time.
 
-Size: a little over 500 lines: one stream / event interface and its two implementations (CUDA with its
-waiter thread and host-function signal, and the emulated device).
+Size: about 630 lines: one stream / event interface and its two implementations (CUDA with its waiter thread,
+host-function signal and polled completion near the expected end, and the emulated device).
 """
 
 from __future__ import annotations
