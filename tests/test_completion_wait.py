@@ -155,3 +155,59 @@ def test_expected_end_polls_from_four_fifths_of_the_span() -> None:
     assert expected_end(5_000, 0, 50.0) == (-1, -1)  # unknown bytes: the host-function post alone
     assert expected_end(5_000, 1_000_000, 50.0) == (5_000 + 16_000, 5_000 + 20_000)  # 50 bytes per ns
     assert expected_end(0, 1_000_000, 0.0) == expected_end(0, 1_000_000, _RATE_GUESS)  # not measured yet
+
+
+def _stalled_event(cycles: int = 300_000_000) -> tuple[Any, Any]:
+    """A stream stalled for ``cycles`` GPU cycles (a good fraction of a second) and an event after the stall."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(cycles)
+    event = torch.cuda.Event()
+    event.record(stream)
+    return stream, event
+
+
+def _post(signal: Any) -> None:
+    import ctypes
+    import ctypes.util
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    libc.sem_post(ctypes.c_void_p(signal.address))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("owed", [1, 0], ids=["an-owed-post", "a-later-items-post"])
+def test_wait_done_returns_only_once_its_event_is_done(ext: Any, owed: int) -> None:
+    """``wait_done`` with no estimate waits for a post: a post that comes during the wait and pays an owed one
+    (``owed=1``), or belongs to a later item signalled beside its stream (``owed=0``), must not end the wait before
+    the event is done."""
+    import threading
+
+    import torch
+
+    from tiered_kv.device import _HostFuncSignal
+
+    native = ext.native()
+    signal = _HostFuncSignal()
+    stream, event = _stalled_event()
+    try:
+        signal.enqueue(stream)  # the item's own post, after the stall
+        threading.Timer(0.02, _post, (signal,)).start()  # the stray post, while the wait is on
+        result: list[tuple[int, bool]] = []
+
+        def wait() -> None:
+            left = native.wait_done(event.cuda_event, torch.cuda.current_device(), signal.address, -1, -1, owed)
+            result.append((left, event.query()))
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        waiter.join(30)
+        assert result, "wait_done did not return"
+        left, done = result[0]
+        assert done, "wait_done returned before its event was done"
+        assert left == 0
+    finally:
+        torch.cuda.synchronize()
+        signal.destroy()
