@@ -13,6 +13,7 @@
 // Errors raise RuntimeError (IndexError for an index out of range) before anything is enqueued where they can
 // be found before, and carry the CUDA error otherwise.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 #include <semaphore.h>
 #include <sys/prctl.h>
 #include <time.h>
@@ -27,6 +28,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "copy_blocks.h"
@@ -304,8 +306,13 @@ constexpr int64_t kMaxPollNs = 1000000;   // the longest poll period, far past t
 // end) and then at a period that grows with the overrun (1/16 of it, at most 1 ms), sleeping on the semaphore
 // between polls (so the wait never ends later than the post would have ended it). A host function runs on
 // CUDA's callback thread and, measured on an H100 host, posts 0.1-0.5 ms after a copy ends; a poll started just
-// before the expected end sees it within tens of microseconds. Returns the posts still owed.
-int64_t wait_done(int64_t event, int device, int64_t sem_address, int64_t wake_ns, int64_t due_ns, int64_t owed) {
+// before the expected end sees it within tens of microseconds. Returns (posts still owed, done).
+//
+// `stop_ns` (>= 0): return at that time even if the event is not done yet, with done = false (the waiter wakes the
+// event loop ahead of the completion, then waits again); a post this item took before stopping is handed to the
+// next call as a credit, owed = -1.
+std::pair<int64_t, bool> wait_done(int64_t event, int device, int64_t sem_address, int64_t wake_ns, int64_t due_ns,
+                                   int64_t owed, int64_t stop_ns) {
   const py::gil_scoped_release release;
   static thread_local bool slack_set = false;
   if (!slack_set) {  // short sleeps wake within ~1 us of their time instead of the default 50 us slack
@@ -315,10 +322,16 @@ int64_t wait_done(int64_t event, int device, int64_t sem_address, int64_t wake_n
   const DeviceGuard guard(device);
   const cudaEvent_t ev = reinterpret_cast<cudaEvent_t>(event);
   sem_t* sem = reinterpret_cast<sem_t*>(sem_address);
+  bool consumed = false;
+  if (owed < 0) {  // a credit: this item's post was taken by the call that stopped early
+    consumed = true;
+    owed = 0;
+  }
   if (sem != nullptr) {
     while (owed > 0 && sem_trywait(sem) == 0) --owed;
   }
-  bool consumed = false;
+  const bool stops = stop_ns >= 0;
+  auto stopped = [&]() -> std::pair<int64_t, bool> { return {consumed ? -1 : owed, false}; };
   if (wake_ns < 0) {  // no estimate: the host-function post (or, in event mode, a blocking-sync wait)
     if (sem == nullptr) {
       const cudaError_t err = cudaEventSynchronize(ev);
@@ -326,7 +339,7 @@ int64_t wait_done(int64_t event, int device, int64_t sem_address, int64_t wake_n
         cudaGetLastError();
         throw std::runtime_error(std::string("cudaEventSynchronize failed: ") + cudaGetErrorString(err));
       }
-      return owed;
+      return {owed, true};
     }
     for (;;) {
       if (sem_wait(sem) != 0) continue;  // EINTR
@@ -337,11 +350,12 @@ int64_t wait_done(int64_t event, int device, int64_t sem_address, int64_t wake_n
       consumed = true;
       break;
     }
-    if (event_done(ev)) return owed;
+    if (event_done(ev)) return {owed, true};
     due_ns = now_ns();  // a post of a later notify (signalled beside its stream) came first: poll from here
   } else if (sem != nullptr) {
-    const timespec until = at_ns(wake_ns);
-    while (now_ns() < wake_ns) {
+    const int64_t first = stops ? std::min(wake_ns, stop_ns) : wake_ns;
+    const timespec until = at_ns(first);
+    while (now_ns() < first) {
       if (sem_clockwait(sem, CLOCK_MONOTONIC, &until) != 0) {
         if (errno == EINTR) continue;
         break;  // ETIMEDOUT: poll from here
@@ -351,16 +365,19 @@ int64_t wait_done(int64_t event, int device, int64_t sem_address, int64_t wake_n
         continue;
       }
       consumed = true;
-      if (event_done(ev)) return owed;
+      if (event_done(ev)) return {owed, true};
       break;
     }
+    if (stops && now_ns() >= stop_ns && !event_done(ev)) return stopped();
   } else {  // event mode (no post to fall back on): sleep in slices of at most 1 ms, checking between them
     for (int64_t left = wake_ns - now_ns(); left > 0; left = wake_ns - now_ns()) {
-      if (event_done(ev)) return owed;
-      sleep_ns(std::min(left, kMaxPollNs));
+      if (event_done(ev)) return {owed, true};
+      if (stops && now_ns() >= stop_ns) return stopped();
+      sleep_ns(std::min(left, stops ? std::min(kMaxPollNs, std::max<int64_t>(stop_ns - now_ns(), 1000)) : kMaxPollNs));
     }
   }
   while (!event_done(ev)) {
+    if (stops && now_ns() >= stop_ns) return stopped();
     const int64_t over = now_ns() - due_ns;
     const int64_t period = over <= 16 * kPollNs ? kPollNs : std::min(over / 16, kMaxPollNs);
     if (sem == nullptr || consumed) {
@@ -377,7 +394,7 @@ int64_t wait_done(int64_t event, int device, int64_t sem_address, int64_t wake_n
       }
     }
   }
-  return (consumed || sem == nullptr) ? owed : owed + 1;
+  return {(consumed || sem == nullptr) ? owed : owed + 1, true};
 }
 
 }  // namespace
@@ -404,5 +421,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("sem"), py::arg("signal_stream") = 0);
   m.def("record", &tiered_kv::record, py::arg("device"), py::arg("stream"), py::arg("sem"));
   m.def("wait_done", &tiered_kv::wait_done, py::arg("event"), py::arg("device"), py::arg("sem"), py::arg("wake_ns"),
-        py::arg("due_ns"), py::arg("owed"));
+        py::arg("due_ns"), py::arg("owed"), py::arg("stop_ns") = -1);
 }

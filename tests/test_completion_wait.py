@@ -198,7 +198,10 @@ def test_wait_done_returns_only_once_its_event_is_done(ext: Any, owed: int) -> N
         result: list[tuple[int, bool]] = []
 
         def wait() -> None:
-            left = native.wait_done(event.cuda_event, torch.cuda.current_device(), signal.address, -1, -1, owed)
+            left, finished = native.wait_done(
+                event.cuda_event, torch.cuda.current_device(), signal.address, -1, -1, owed
+            )
+            assert finished
             result.append((left, event.query()))
 
         waiter = threading.Thread(target=wait)
@@ -208,6 +211,33 @@ def test_wait_done_returns_only_once_its_event_is_done(ext: Any, owed: int) -> N
         left, done = result[0]
         assert done, "wait_done returned before its event was done"
         assert left == 0
+    finally:
+        torch.cuda.synchronize()
+        signal.destroy()
+
+
+@pytest.mark.gpu
+def test_wait_done_stops_at_its_stop_time_and_the_next_call_finishes(ext: Any) -> None:
+    """``stop_ns``: the waiter's early return (to wake the event loop just before a copy's expected end)."""
+    import time
+
+    import torch
+
+    from tiered_kv.device import _HostFuncSignal
+
+    native = ext.native()
+    signal = _HostFuncSignal()
+    stream, event = _stalled_event()
+    try:
+        signal.enqueue(stream)
+        device = torch.cuda.current_device()
+        now = time.monotonic_ns()
+        owed, done = native.wait_done(event.cuda_event, device, signal.address, now, now, 0, now + 20_000_000)
+        assert (owed, done) == (0, False) and not event.query()
+        assert time.monotonic_ns() - now < 150_000_000  # stopped near its stop time, not at the end of the stall
+        owed, done = native.wait_done(event.cuda_event, device, signal.address, now, now, owed, -1)
+        assert done and event.query()
+        assert owed in (0, 1)  # found by polling (its post still to come) or by its post
     finally:
         torch.cuda.synchronize()
         signal.destroy()

@@ -99,6 +99,35 @@ async def test_inbox_batches_posts_that_arrive_while_the_loop_is_busy() -> None:
     assert inbox.deliveries == 1 and inbox.posted == 20
 
 
+async def test_inbox_poke_wakes_the_loop_without_an_item() -> None:
+    """``poke`` (a stream's waiter, shortly before a long copy's expected end) queues a no-op loop callback from any
+    thread, delivers nothing, and queues nothing while a delivery is pending."""
+    loop = asyncio.get_running_loop()
+    woken: list[object] = []
+
+    class Counting:  # the loop, counting the thread-safe wake-ups
+        def call_soon_threadsafe(self, callback: Any, *args: Any) -> Any:
+            woken.append(callback)
+            return loop.call_soon_threadsafe(callback, *args)
+
+        def call_soon(self, callback: Any, *args: Any) -> Any:
+            return loop.call_soon(callback, *args)
+
+    seen: list[int] = []
+    inbox: CompletionInbox[int] = CompletionInbox(Counting(), seen.append)  # type: ignore[arg-type]
+    thread = threading.Thread(target=inbox.poke)
+    thread.start()
+    thread.join()
+    assert len(woken) == 1
+    await asyncio.sleep(0.01)
+    assert seen == [] and inbox.deliveries == 0
+    inbox.post(1)  # a delivery is pending now: a poke adds nothing
+    inbox.poke()
+    assert len(woken) == 2
+    await asyncio.sleep(0.01)
+    assert seen == [1] and inbox.deliveries == 1
+
+
 async def test_inbox_strands_nothing_under_concurrent_posts() -> None:
     seen: list[tuple[int, int]] = []
     inbox: CompletionInbox[tuple[int, int]] = CompletionInbox(asyncio.get_running_loop(), seen.append)

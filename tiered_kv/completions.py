@@ -71,6 +71,19 @@ class CompletionInbox(Generic[T]):
         except RuntimeError:  # the loop is closed
             log.debug("completion posted after its event loop closed")
 
+    def poke(self) -> None:
+        """Wake the loop now without an item (any thread): a completion is expected within a fraction of a ms.
+
+        A loop woken just before a completion answers the completion's own wake-up faster than one asleep for
+        milliseconds. Nothing is queued when a delivery is already pending.
+        """
+        if self._pending:
+            return
+        try:
+            self._loop.call_soon_threadsafe(_nothing)
+        except RuntimeError:  # the loop is closed
+            pass
+
     def _deliver(self) -> None:
         with self._lock:
             items, self._items = self._items, []
@@ -87,3 +100,7 @@ class CompletionInbox(Generic[T]):
 
     def __repr__(self) -> str:
         return f"<CompletionInbox posted:{self.posted} deliveries:{self.deliveries} queued:{len(self._items)}>"
+
+
+def _nothing() -> None:
+    """The callback of :meth:`CompletionInbox.poke`: the wake-up is the point."""

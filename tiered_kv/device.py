@@ -256,6 +256,12 @@ def _host_func_api() -> tuple[Any, ...]:
 
 _now_ns = time.monotonic_ns  # one global lookup per notify
 
+#: How long before a copy's expected end the waiter calls ``near_end`` (an event loop idle for milliseconds took
+#: 100-190 us to wake on the GPU machines, one idle for 0.2 ms 35-60 us), and the shortest expected copy it does it
+#: for.
+_PREWAKE_NS = 200_000
+_PREWAKE_MIN_SPAN_NS = 400_000
+
 #: Copies of at least this many bytes, started on an idle stream, teach it its rate (smaller ones are mostly fixed
 #: cost; a queued one's start is not known to the microsecond).
 _RATE_MIN_BYTES = 4 << 20
@@ -280,7 +286,7 @@ def expected_end(start: int, nbytes: int, rate: float) -> tuple[int, int]:
 _RATE_GUESS = 100.0
 
 
-def _native_wait() -> Callable[..., int] | None:
+def _native_wait() -> Callable[..., tuple[int, bool]] | None:
     """The extension's completion wait (``kernels/fast_path.cpp: wait_done``), or ``None`` without it."""
     if os.environ.get("TIERED_KV_COMPLETION_POLL", "1").strip() == "0":
         return None
@@ -322,9 +328,12 @@ class CudaStream:
         self._side: torch.cuda.Stream | None = None  # carries the ``beside`` signals (notify), made at first use
         self._handle: int = self.torch_stream.cuda_stream
         self._device = self.torch_stream.device.index or 0
-        self._wait_done: Callable[..., int] | None = None  # the native completion wait, when the extension has it
+        self._wait_done: Callable[..., tuple[int, bool]] | None = None  # the extension's completion wait, if any
         #: bytes per nanosecond this stream's copies have reached (the fastest seen; 0: none measured yet)
         self.rate = 0.0
+        #: called from the waiter shortly before a copy of at least 0.4 ms is expected to end (the engine wakes its
+        #: event loop with it, so that the loop is not deep asleep when the completion comes)
+        self.near_end: Callback | None = None
 
     @property
     def closed(self) -> bool:
@@ -460,7 +469,7 @@ class CudaStream:
                 event.synchronize()  # event mode; or a guard that cannot wait long in host-function mode
             self._run(callback)
 
-    def _native_wait_loop(self, wait_done: Callable[..., int]) -> None:
+    def _native_wait_loop(self, wait_done: Callable[..., tuple[int, bool]]) -> None:
         """The waiter with the extension's completion wait: poll near each expected end, learn the stream's rate.
 
         Every notify still enqueues its host-function post; ``owed`` counts the posts of items found done by
@@ -475,10 +484,17 @@ class CudaStream:
             entry: tuple[Any, Callback, int, int] = item  # type: ignore[assignment]
             event, callback, nbytes, notified = entry
             # it starts when it was notified, or when the work before it ended (this thread saw that end)
-            wake, due = expected_end(max(notified, last_done), nbytes, self.rate)
+            start = max(notified, last_done)
+            wake, due = expected_end(start, nbytes, self.rate)
             handle = event.cuda_event if isinstance(event, torch.cuda.Event) else event.handle
+            near_end = self.near_end
+            stop = due - _PREWAKE_NS if near_end is not None and due - start >= _PREWAKE_MIN_SPAN_NS else -1
             try:
-                owed = wait_done(handle, self._device, self._sem_address, wake, due, owed)
+                owed, ended = wait_done(handle, self._device, self._sem_address, wake, due, owed, stop)
+                if not ended:  # shortly before the expected end: wake the loop, then wait for the end itself
+                    assert near_end is not None
+                    self._run(near_end)
+                    owed, _ = wait_done(handle, self._device, self._sem_address, wake, due, owed, -1)
             except RuntimeError:  # a CUDA error: surface it the way the plain waiter does
                 log.exception("CUDA stream %s: waiting for a completion failed", self.name)
                 event.synchronize()

@@ -46,7 +46,7 @@ import torch
 from .completions import CompletionInbox
 from .config import EngineConfig
 from .copyops import Copier, NativeRoute
-from .device import Device, Stream, resolve_device
+from .device import CudaStream, Device, Stream, resolve_device
 from .errors import EngineClosedError, OwnedEngineError
 from .fences import FenceTable, Marker
 from .file import FileHandler, FileTier, FileTierConfig
@@ -351,6 +351,9 @@ class TransferEngine:
             self._loop = loop
             # completions arriving together: one wake-up; their bookkeeping runs after the awaiters resumed
             self._inbox = CompletionInbox(loop, self._complete, self._settle)
+            for stream in self._streams.values():  # woken shortly before a long copy's expected end
+                if isinstance(stream, CudaStream):
+                    stream.near_end = self._inbox.poke
             for handler in self._routes.handlers:  # SLOT STATE HOOK: handlers that apply state changes on the loop
                 bind = getattr(handler, "bind_loop", None)
                 if bind is not None:
