@@ -5,7 +5,8 @@ Primitives (one small interface, two implementations):
 * :class:`Stream` -- ``submit(fn)`` enqueues work (``explicit=True``: ``fn`` names the stream itself, by its
   handle, so the CUDA stream need not be made current around it), ``record()`` returns an :class:`Event`,
   ``wait(event)`` makes later work wait for it *without blocking the CPU*, ``notify(cb)`` records an event and
-  calls ``cb`` from another thread once everything submitted before it has executed (no polling),
+  calls ``cb`` from another thread once everything submitted before it has executed (polling only near
+  the end expected from the bytes it names),
   ``synchronize()``, ``close()``.
 * :class:`Event` -- ``query()``, ``synchronize()``.
 * :meth:`CudaStream.notify_native` -- ``notify`` for native code that enqueues the work, a pooled event and the
@@ -306,12 +307,15 @@ def _completion_mode() -> str:
 
 
 class CudaStream:
-    """A torch CUDA stream plus a waiter thread that turns completions into callbacks (no polling).
+    """A torch CUDA stream plus a waiter thread that turns completions into callbacks.
 
     Completion signal (``TIERED_KV_COMPLETION``): ``hostfunc`` (default) enqueues a CUDA host function
     that posts a semaphore the waiter thread blocks on (:class:`_HostFuncSignal`); ``event`` (also the
     fallback when the CUDA runtime cannot be reached through ctypes) blocks in ``cudaEventSynchronize`` on
-    events created with ``blocking=True``. Either way the CPU sleeps while copies run, and callbacks run in
+    events created with ``blocking=True``. With the extension loaded, a notify that names its bytes is
+    expected to end at the stream's measured rate: the waiter sleeps until shortly before that and then
+    polls the event (:func:`expected_end`; ``TIERED_KV_COMPLETION_POLL=0`` turns this off), since the post can
+    come 0.1-0.5 ms after the copy. Either way the CPU sleeps while most of a copy runs, and callbacks run in
     FIFO order: work on one stream completes in order.
     """
 

@@ -16,7 +16,7 @@ stream, HOST->GPU on the *onboard* stream, GPU->GPU on the *local* stream, HOST-
 :class:`~tiered_kv.file.FileHandler` for anything with FILE (its GPU legs on offload/onboard). Every op
 first waits for its fences: stream-side (``wait_event``, no CPU block, no GPU bubble) when the dependency
 is a stream op already enqueued, otherwise on the loop. Completion reaches the loop through a waiter
-thread per stream (or the handler's callback) and ``call_soon_threadsafe`` (no polling), batched by
+thread per stream (or the handler's callback) and ``call_soon_threadsafe`` (the loop never polls), batched by
 :class:`~tiered_kv.completions.CompletionInbox`: completions that arrive together wake the loop once.
 
 The per-call fast path: a copy between memory pools of at most ``SMALL_CALL_BLOCKS`` pairs given as int
