@@ -28,8 +28,14 @@ def ext() -> Any:
 
 
 def _run_items(
-    stream: Any, count: int, nbytes_of: Callable[[int], int], beside_of: Callable[[int], bool]
+    stream: Any,
+    count: int,
+    nbytes_of: Callable[[int], int],
+    beside_of: Callable[[int], bool],
+    stall_before: int | None = None,
 ) -> list[tuple[int, bool]]:
+    """Notify ``count`` small items on ``stream`` (a long GPU stall before item ``stall_before``); per callback, in
+    the order they ran: (item, whether its event was done)."""
     import torch
 
     x = torch.zeros(ITEM_BYTES // 4, device="cuda")
@@ -46,6 +52,8 @@ def _run_items(
 
     for i in range(count):
         with torch.cuda.stream(stream.torch_stream):
+            if i == stall_before:
+                torch.cuda._sleep(200_000_000)
             x.add_(1)
         events[i] = stream.notify(functools.partial(callback, i), beside=beside_of(i), nbytes=nbytes_of(i))
     assert finished.wait(60), f"{len(seen)} of {count} callbacks ran"
@@ -96,28 +104,15 @@ def test_posts_owed_by_polled_items_do_not_end_a_later_wait_early(ext: Any, monk
     monkeypatch.setattr(device_mod, "_RATE_MIN_BYTES", 1 << 62)
     stream = CudaStream("owed-test", device=torch.device("cuda"))
     stream.rate = 1e9  # every estimated item polls from the start
-    x = torch.zeros(ITEM_BYTES // 4, device="cuda")
-    order: list[tuple[int, bool]] = []
-    events: dict[int, object] = {}
-    finished = threading.Event()
     count = 60
-
-    def callback(i: int) -> None:
-        while i not in events:
-            time.sleep(0)
-        order.append((i, events[i].query()))  # type: ignore[attr-defined]
-        if len(order) == count:
-            finished.set()
-
     try:
-        for i in range(count):
-            with torch.cuda.stream(stream.torch_stream):
-                if i == count // 2:
-                    torch.cuda._sleep(200_000_000)  # a long stall before the first post-only item
-                x.add_(1)
-            nbytes = ITEM_BYTES if i < count // 2 else 0
-            events[i] = stream.notify(functools.partial(callback, i), nbytes=nbytes)
-        assert finished.wait(60), f"{len(order)} of {count} callbacks ran"
+        order = _run_items(  # a long stall before the first post-only item
+            stream,
+            count,
+            nbytes_of=lambda i: ITEM_BYTES if i < count // 2 else 0,
+            beside_of=lambda i: False,
+            stall_before=count // 2,
+        )
         assert [i for i, _ in order] == list(range(count))
         assert all(done for _, done in order), [i for i, done in order if not done][:5]
     finally:
