@@ -19,10 +19,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-__all__ = ["CompletionInbox"]
+__all__ = ["CompletionInbox", "EventPoller"]
 
 log = logging.getLogger(__name__)
 
@@ -104,3 +105,109 @@ class CompletionInbox(Generic[T]):
 
 def _nothing() -> None:
     """The callback of :meth:`CompletionInbox.poke`: the wake-up is the point."""
+
+
+class EventPoller(Generic[T]):
+    """The loop polls items expected to finish within ``lead`` seconds, every round, until they do.
+
+    Args:
+        loop: the event loop that polls.
+        poll: ``poll(item) -> bool`` on the loop: True once the item needs no more polling (it finished, and
+            ``poll`` handled it, or it is left to its thread), False to poll it again next round.
+        after: called on the loop (``call_soon``) after a round in which an item stopped needing polls.
+        window: seconds an item is polled past its expected end before the poller gives up on it (its thread
+            still completes it, as without the poller).
+
+    ``watch(item, due)`` (on the loop) polls at once when ``due`` (``time.perf_counter()`` seconds) is at most
+    ``lead = 2 * window`` away, else keeps the item until :meth:`near_end` (a thread expecting an end soon wakes the
+    loop with :meth:`wake`). While anything is watched the loop never sleeps: each round runs a ``call_soon``
+    callback, so the loop's selector is polled with a zero timeout and other callbacks and tasks run as usual. The
+    cost is one busy core for at most ``lead + window`` per watched item.
+
+    Attributes:
+        polls: loop rounds that polled (statistics).
+        finished: items that stopped needing polls within their window.
+    """
+
+    __slots__ = ("_after", "_armed", "_loop", "_poll", "_soon", "_watched", "finished", "lead", "polls", "window")
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        poll: Callable[[T], bool],
+        after: Callable[[], None] | None,
+        window: float,
+    ) -> None:
+        if not window > 0:
+            raise ValueError(f"window must be > 0 seconds, got {window!r}")
+        self._loop = loop
+        self._poll = poll
+        self._after = after
+        self.window = window
+        self.lead = 2 * window
+        self._watched: list[tuple[T, float]] = []  # (item, give up at)
+        self._soon: list[tuple[T, float]] = []  # (item, expected end): too far away to poll yet
+        self._armed = False
+        self.polls = 0
+        self.finished = 0
+
+    def watch(self, item: T, due: float) -> None:
+        """Poll ``item`` from now (``due`` within :attr:`lead`) or from the next :meth:`near_end` (loop only)."""
+        now = time.perf_counter()
+        if due - now > self.lead:
+            soon = self._soon
+            if len(soon) >= 64:  # nobody woke the loop for these (a stream without pre-wake): forget the stale ones
+                self._soon = soon = [(i, d) for i, d in soon if d + self.window > now]
+            soon.append((item, due))
+            return
+        self._watched.append((item, max(due, now) + self.window))
+        if not self._armed:
+            self._armed = True
+            self._loop.call_soon(self._check)
+
+    def near_end(self) -> None:
+        """Start polling the kept items now within :attr:`lead` of their expected end (loop only)."""
+        soon = self._soon
+        if not soon:
+            return
+        now = time.perf_counter()
+        keep = []
+        for item, due in soon:
+            if due - now <= self.lead:
+                self._watched.append((item, max(due, now) + self.window))
+            elif due + self.window > now:
+                keep.append((item, due))
+        self._soon = keep
+        if self._watched and not self._armed:
+            self._armed = True
+            self._loop.call_soon(self._check)
+
+    def wake(self) -> None:
+        """:meth:`near_end` on the loop, from any thread (a stream's waiter shortly before a long copy's end)."""
+        try:
+            self._loop.call_soon_threadsafe(self.near_end)
+        except RuntimeError:  # the loop is closed
+            pass
+
+    def _check(self) -> None:
+        self.polls += 1
+        now = time.perf_counter()
+        poll = self._poll
+        keep = []
+        ended = False
+        for entry in self._watched:
+            if poll(entry[0]):
+                ended = True
+                self.finished += 1
+            elif now < entry[1]:
+                keep.append(entry)
+        self._watched = keep
+        if ended and self._after is not None:
+            self._loop.call_soon(self._after)
+        if keep:
+            self._loop.call_soon(self._check)
+        else:
+            self._armed = False
+
+    def __repr__(self) -> str:
+        return f"<EventPoller window:{self.window * 1e6:.0f}us watched:{len(self._watched)} kept:{len(self._soon)}>"

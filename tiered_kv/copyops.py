@@ -463,7 +463,7 @@ class NativeCopy:
     without a completion.
     """
 
-    __slots__ = ("_issue", "nbytes", "stream")
+    __slots__ = ("_issue", "failed", "nbytes", "stream")
     explicit_stream = True
 
     def __init__(
@@ -471,6 +471,7 @@ class NativeCopy:
     ):
         self.stream = stream
         self.nbytes = nbytes  # what the copy moves (the stream expects its end from it)
+        self.failed = False  # the call into C++ raised: the error reaches done() at the event
         self._issue: Callable[[int, int, int], Event] = functools.partial(submit, plan, s, d)
 
     @property
@@ -494,7 +495,12 @@ class NativeCopy:
             if self.stream.closed:
                 raise
             error = exc  # `exc` is unbound after the except block; the callback runs later
+            self.failed = True
             return self.stream.notify(lambda: done(error))
+
+    def ok_at_event(self) -> bool:
+        """True when the copy was issued: reaching its event is its whole completion (``Job.ok_at_event``)."""
+        return not self.failed
 
 
 class NativeRoute:

@@ -127,6 +127,9 @@ class EmulatedStream:
         self.name = name
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._closed = False
+        #: set by the engine that owns the stream: ``watch(marker, transfer)`` from a coroutine about to await work
+        #: on this stream (the loop polls it near its end, see ``EngineConfig.completion_spin_us``)
+        self.watch: Callable[[Any, Any], None] | None = None
         self._thread = threading.Thread(target=self._run, name=f"tiered_kv-emu-{name}", daemon=True)
         self._thread.start()
 
@@ -338,6 +341,9 @@ class CudaStream:
         #: called from the waiter shortly before a copy of at least 0.4 ms is expected to end (the engine wakes its
         #: event loop with it, so that the loop is not deep asleep when the completion comes)
         self.near_end: Callback | None = None
+        #: set by the engine: ``watch(marker, transfer)`` from a coroutine about to await work on this stream (the
+        #: loop polls the work's event near its end, see ``EngineConfig.completion_spin_us``)
+        self.watch: Callable[[Any, Any], None] | None = None
 
     @property
     def closed(self) -> bool:

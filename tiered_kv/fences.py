@@ -51,13 +51,27 @@ class Marker:
         completed: set on the event loop once the op has finished (failed or not).
         error: the exception the op failed with, if any.
         done_at: ``time.perf_counter()`` when the device (or worker) finished the op.
+        job: the job that runs the op once it is enqueued (``None`` before): whether its completion may be taken
+            from its event (the engine's loop-side poll asks it, see ``Job.ok_at_event``).
 
     Notes:
         Each awaiter gets a future of its own, so cancelling one awaiting task cancels only that task's
         future, never the completion that the fence table (and other awaiters) rely on.
     """
 
-    __slots__ = ("_callbacks", "_waiters", "after", "completed", "done_at", "error", "event", "lane", "reads", "writes")
+    __slots__ = (
+        "_callbacks",
+        "_waiters",
+        "after",
+        "completed",
+        "done_at",
+        "error",
+        "event",
+        "job",
+        "lane",
+        "reads",
+        "writes",
+    )
 
     def __init__(self, lane: Stream | None) -> None:
         self.lane = lane
@@ -65,6 +79,7 @@ class Marker:
         self.completed = False
         self.error: BaseException | None = None
         self.done_at: float | None = None
+        self.job: Any = None
         self.reads: list[tuple[str, list[int]]] = []  # (pool, block indices) this op reads
         self.writes: list[tuple[str, list[int]]] = []  # (pool, block indices) this op writes
         self.after: list[Marker] = []  # ops this one waited for stream-side: done on the device before it

@@ -33,7 +33,10 @@ The protocol, step by step, for ``engine.copy(src_tier, s, dst_tier, d, num_toke
    without a lane returns ``None`` (later copies wait for it on the loop). Either way ``done(error)`` is
    called exactly once, from any thread, when the work has finished (``error`` is ``None`` on success);
    ``start`` returns at once and never blocks on the work. An exception raised by ``start`` itself fails
-   the transfer.
+   the transfer. A job with a lane may also have ``ok_at_event() -> bool`` (asked on the loop once its event
+   is reached): True when ``done(None)`` is all that its completion will do, so the engine may complete it
+   from the event (an awaited copy about to end is polled by the loop, :class:`~tiered_kv.completions.EventPoller`)
+   and ``done`` then only confirms it. Without it, only ``done`` completes the job.
 5. ``handler.close()`` is called by ``engine.close()`` after every copy has completed.
 
 A new tier is one more handler and one more route: give the engine a handler (``TransferEngine(...,

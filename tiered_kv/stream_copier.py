@@ -42,12 +42,23 @@ class _StreamJob:
     ``more_follows`` (the layer groups of one copy, which follow each other on one stream).
     """
 
-    __slots__ = ("beside", "lane", "op")
+    __slots__ = ("beside", "errors", "lane", "op")
 
     def __init__(self, lane: Stream, op: Op) -> None:
         self.lane: Stream | None = lane
         self.op = op
         self.beside = False
+        self.errors: list[BaseException] = []  # what the op raised (by the time its event is reached)
+
+    def ok_at_event(self) -> bool:
+        """True when the op raised nothing: reaching its event is its whole completion (``Job.ok_at_event``).
+
+        On a CUDA stream the op runs at ``start``; on the emulated device before the event is set (FIFO).
+        """
+        op = self.op
+        if type(op) is NativeCopy:
+            return op.ok_at_event()
+        return not self.errors
 
     def start(self, done: Done) -> Event:
         op = self.op
@@ -55,7 +66,7 @@ class _StreamJob:
             return op.start(done, self.beside)
         lane = self.lane
         assert lane is not None
-        error: list[BaseException] = []
+        error = self.errors
 
         def run() -> None:
             try:

@@ -116,6 +116,11 @@ class Transfer:
     def __await__(self) -> Generator[Any, None, TransferResult]:
         marker = self._marker
         if not marker.completed:
+            lane = marker.lane
+            if lane is not None and marker.event is not None:
+                watch = getattr(lane, "watch", None)  # the engine's loop-side poll (tiered_kv streams), if on
+                if watch is not None:
+                    watch(marker, self)
             yield from marker.wait_steps()
         return self.result()
 

@@ -1,0 +1,271 @@
+"""The loop-side poll of awaited copies about to end (``EventPoller``, ``EngineConfig.completion_spin_us``).
+
+An awaited copy expected to end soon is completed by the event loop from its event, not after its thread's
+completion callback wakes the loop. The tests hold that callback back (a timer in front of it) so that only the poll
+can complete the copy early, and check what must not change: a failed op still fails, copies on one stream still
+complete in order, the late callback is a no-op, the bookkeeping (fences, statistics) is the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from helpers import fill_pool, same, snapshot
+
+from tiered_kv import EngineConfig, KVLayout, Tier, TransferEngine, TransferError
+from tiered_kv.completions import EventPoller
+
+LATE = 0.4  # seconds the completion callbacks are held back
+
+
+@pytest.fixture
+def layout() -> KVLayout:
+    return KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, tokens_per_block=4)
+
+
+def _hold_back_callbacks(engine: TransferEngine, name: str, monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The stream's completion callbacks run ``LATE`` s after their work; returns when each ran (filled later)."""
+    stream = engine.stream(name)
+    real = stream.notify
+    ran: list[float] = []
+
+    def late(callback: Any, *, beside: bool = False, nbytes: int = 0) -> Any:
+        def delayed() -> None:
+            def run() -> None:
+                ran.append(time.perf_counter())
+                callback()
+
+            threading.Timer(LATE, run).start()
+
+        return real(delayed, beside=beside, nbytes=nbytes)
+
+    monkeypatch.setattr(stream, "notify", late)
+    return ran
+
+
+def _append(into: list[int], value: int, _transfer: object) -> None:
+    into.append(value)
+
+
+def _engine(layout: KVLayout, spin_us: int) -> TransferEngine:
+    return TransferEngine(
+        layout, gpu_blocks=8, host_blocks=8, device="cpu", config=EngineConfig(completion_spin_us=spin_us)
+    )
+
+
+# ------------------------------------------------------------------------------------------- the engine
+
+
+@pytest.mark.parametrize("spin_us", [200_000, 0], ids=["polled", "off"])
+async def test_an_awaited_copy_completes_from_its_event(
+    layout: KVLayout, monkeypatch: pytest.MonkeyPatch, spin_us: int
+) -> None:
+    async with _engine(layout, spin_us) as engine:
+        ran = _hold_back_callbacks(engine, "offload", monkeypatch)
+        expected = fill_pool(engine, "gpu", seed=1)
+        t0 = time.perf_counter()
+        result = await engine.copy(Tier.GPU, [2, 5], Tier.HOST, [0, 7])
+        waited = time.perf_counter() - t0
+        assert same(snapshot(engine, "host", 0), expected[2]) and same(snapshot(engine, "host", 7), expected[5])
+        if spin_us:
+            assert waited < LATE / 2, f"the poll should have completed it ({waited * 1e3:.0f} ms)"
+            assert not ran, "completed before its callback ran"
+            assert result.seconds < LATE / 2
+        else:
+            assert waited >= LATE * 0.9 and ran, "without the poll only the callback completes it"
+        await engine.drain()
+        stats = engine.statistics()
+        assert (stats.submitted, stats.completed, stats.failed, stats.in_flight) == (1, 1, 0, 0)
+        assert len(engine.fences) == 0
+        await asyncio.sleep(LATE + 0.1)  # the held-back callback arrives and changes nothing
+        assert ran and engine.statistics().completed == 1
+
+
+async def test_a_failed_op_is_not_completed_from_its_event(layout: KVLayout, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The op raised: its event is still reached, but only its callback carries the error (``ok_at_event``)."""
+    async with _engine(layout, 200_000) as engine:
+        _hold_back_callbacks(engine, "offload", monkeypatch)
+
+        def broken(*args: Any, **kwargs: Any) -> Any:
+            def op() -> None:
+                raise OSError("simulated device fault")
+
+            return op
+
+        monkeypatch.setattr(engine.route(Tier.GPU, Tier.HOST), "build_op", broken)
+        with pytest.raises(TransferError, match="simulated device fault"):
+            await engine.copy(Tier.GPU, [0], Tier.HOST, [1])
+        stats = engine.statistics()
+        assert (stats.completed, stats.failed) == (1, 1)
+        assert len(engine.fences) == 0
+
+
+async def test_copies_on_one_stream_still_complete_in_order(layout: KVLayout, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Awaiting only the last of three copies on one stream: the poll completes the earlier two first."""
+    async with _engine(layout, 200_000) as engine:
+        _hold_back_callbacks(engine, "offload", monkeypatch)
+        fill_pool(engine, "gpu", seed=2)
+        order: list[int] = []
+        transfers = [engine.copy(Tier.GPU, [i], Tier.HOST, [i]) for i in range(3)]
+        for i, t in enumerate(transfers):
+            t.add_done_callback(functools.partial(_append, order, i))
+        t0 = time.perf_counter()
+        await transfers[-1]
+        assert time.perf_counter() - t0 < LATE / 2
+        assert order == [0, 1, 2] and all(t.done() for t in transfers)
+
+
+async def test_an_earlier_failed_copy_keeps_the_later_one_for_the_callbacks(
+    layout: KVLayout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failed copy ahead on the stream: the later one is not completed before it (both wait for the callbacks)."""
+    async with _engine(layout, 200_000) as engine:
+        _hold_back_callbacks(engine, "offload", monkeypatch)
+        route = engine.route(Tier.GPU, Tier.HOST)
+        real = route.build_op  # type: ignore[attr-defined]  # the memory pairs' handler (StreamCopier)
+
+        def broken(*args: Any, **kwargs: Any) -> Any:
+            def op() -> None:
+                raise OSError("simulated device fault")
+
+            return op
+
+        monkeypatch.setattr(route, "build_op", broken)
+        first = engine.copy(Tier.GPU, [0], Tier.HOST, [0])
+        monkeypatch.setattr(route, "build_op", real)
+        second = engine.copy(Tier.GPU, [1], Tier.HOST, [1])
+        await second
+        assert first.done(), "the earlier copy completes first"
+        with pytest.raises(TransferError):
+            first.result()
+
+
+async def test_polled_copies_soak_per_byte(layout: KVLayout) -> None:
+    """Random copies in every direction, awaited singly and in groups, with the poll on: every block as expected."""
+    rng = np.random.default_rng(7)
+    async with _engine(layout, 50_000) as engine:
+        gpu = fill_pool(engine, "gpu", seed=3).clone()
+        host = fill_pool(engine, "host", seed=4).clone()
+        model = {"gpu": gpu, "host": host}
+        for _ in range(60):
+            src, dst = (("gpu", "host"), ("host", "gpu"), ("gpu", "gpu"))[int(rng.integers(3))]
+            k = int(rng.integers(1, 4))
+            s = rng.choice(8, size=k, replace=False)
+            free = np.setdiff1d(np.arange(8), s) if src == dst else np.arange(8)
+            d = rng.choice(free, size=k, replace=False)
+            before = model[src][s].clone()
+            t = engine.copy(Tier(src), s, Tier(dst), d)
+            model[dst][d] = before
+            if rng.random() < 0.7:
+                await t
+        await engine.drain()
+        for tier in ("gpu", "host"):
+            for b in range(8):
+                assert same(snapshot(engine, tier, b), model[tier][b]), f"{tier} block {b}"
+        stats = engine.statistics()
+        assert stats.completed == stats.submitted == 60 and stats.failed == 0
+        assert len(engine.fences) == 0
+
+
+# ------------------------------------------------------------------------------------------- the poller
+
+
+async def test_poller_polls_each_round_until_the_item_ends() -> None:
+    loop = asyncio.get_running_loop()
+    flag = threading.Event()
+    seen = asyncio.Event()
+    settled: list[int] = []
+
+    def poll(item: threading.Event) -> bool:
+        if item.is_set():
+            seen.set()
+            return True
+        return False
+
+    poller: EventPoller[threading.Event] = EventPoller(loop, poll, lambda: settled.append(1), window=1.0)
+    poller.watch(flag, time.perf_counter())
+    threading.Timer(0.02, flag.set).start()
+    await asyncio.wait_for(seen.wait(), 5)  # this coroutine sleeps; the loop polls
+    assert poller.finished == 1 and poller.polls > 1
+    await asyncio.sleep(0)
+    assert settled == [1]
+    polls = poller.polls
+    await asyncio.sleep(0.01)
+    assert poller.polls == polls, "nothing watched: the loop stops polling"
+
+
+async def test_poller_gives_up_past_the_window() -> None:
+    loop = asyncio.get_running_loop()
+    poller: EventPoller[int] = EventPoller(loop, lambda _item: False, None, window=0.005)
+    poller.watch(1, time.perf_counter())
+    await asyncio.sleep(0.05)
+    polls = poller.polls
+    assert polls > 0 and poller.finished == 0
+    await asyncio.sleep(0.02)
+    assert poller.polls == polls, "given up: no more polls"
+
+
+async def test_poller_keeps_far_items_until_woken_near_their_end() -> None:
+    loop = asyncio.get_running_loop()
+    polled: list[int] = []
+
+    def poll(item: int) -> bool:
+        polled.append(item)
+        return True
+
+    poller: EventPoller[int] = EventPoller(loop, poll, None, window=0.01)
+    due = time.perf_counter() + 0.1
+    poller.watch(7, due)  # 100 ms away, lead 20 ms: kept
+    await asyncio.sleep(0.01)
+    assert polled == [] and poller.polls == 0
+    poller.near_end()  # still too early
+    await asyncio.sleep(0)
+    assert polled == []
+    await asyncio.sleep(max(0.0, due - time.perf_counter() - 0.015))
+    threading.Thread(target=poller.wake).start()  # a stream's waiter, shortly before the end
+    for _ in range(100):
+        if polled:
+            break
+        await asyncio.sleep(0.001)
+    assert polled == [7]
+
+
+def test_poller_and_config_refuse_bad_values() -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        with pytest.raises(ValueError, match="window"):
+            EventPoller(loop, lambda _item: True, None, window=0)
+    finally:
+        loop.close()
+    for bad in (-1, 1.5, True, "200"):
+        with pytest.raises(ValueError, match="completion_spin_us"):
+            EngineConfig(completion_spin_us=bad)  # type: ignore[arg-type]
+
+
+def test_spin_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TIERED_KV_COMPLETION_SPIN_US", "150")
+    assert EngineConfig.from_env().completion_spin_us == 150
+    monkeypatch.setenv("TIERED_KV_COMPLETION_SPIN_US", "soon")
+    with pytest.raises(ValueError, match="TIERED_KV_COMPLETION_SPIN_US must be an int"):
+        EngineConfig.from_env()
+
+
+@pytest.mark.gpu
+async def test_an_awaited_small_cuda_copy_is_completed_by_the_poll() -> None:
+    """On CUDA, by default: a 1-block copy is seen done by the loop before its thread's callback ran."""
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, tokens_per_block=16, dtype=torch.float16)
+    async with TransferEngine(layout, gpu_blocks=64, host_blocks=64, device="cuda") as engine:
+        assert engine._poller is not None
+        for i in range(50):
+            await engine.copy(Tier.GPU, [i], Tier.HOST, [i])
+        assert engine._poller.finished >= 25, engine._poller
+        await engine.drain()
+        stats = engine.statistics()
+        assert stats.completed == stats.submitted == 50 and len(engine.fences) == 0
