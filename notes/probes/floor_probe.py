@@ -17,6 +17,7 @@ from tiered_kv import EngineConfig, KVLayout, Tier, TransferEngine
 
 
 async def one(layout: KVLayout, blocks: int, spin: int, src: Tier, dst: Tier, n: int | None, reps: int = 200) -> float:
+    """Median awaited wall time (us) of one 1-block copy ``src -> dst`` (``n`` tokens), poll window ``spin`` us."""
     cfg = EngineConfig(completion_spin_us=spin)
     async with TransferEngine(layout, gpu_blocks=blocks, host_blocks=blocks, device="cuda", config=cfg) as e:
         idx = np.arange(blocks)
@@ -32,6 +33,7 @@ async def one(layout: KVLayout, blocks: int, spin: int, src: Tier, dst: Tier, n:
 
 
 def main() -> None:
+    """Every case, route and poll setting, on asyncio then uvloop."""
     big = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, tokens_per_block=16, dtype=torch.bfloat16)
     small = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, tokens_per_block=4)
     cases = (("small", small, 8, None), ("big-1tok", big, 64, 1), ("big-whole", big, 64, None))
@@ -43,7 +45,8 @@ def main() -> None:
             for src, dst in routes:
                 for spin in (0, 200):
                     us = asyncio.run(one(layout, blocks, spin, src, dst, n))
-                    print(f"{loop:8s} {name:10s} {src.value}->{dst.value:5s} spin={spin:3d} median={us:7.1f}us", flush=True)
+                    route = f"{src.value}->{dst.value}"
+                    print(f"{loop:8s} {name:10s} {route:9s} spin={spin:3d} median={us:7.1f}us", flush=True)
 
 
 if __name__ == "__main__":
