@@ -16,7 +16,10 @@ SMs to compute) and with the copy kernel forced (``copy_path="kernel"``), to sho
 Each trial poisons (zeroes) the GPU pool first and both ways must produce the same output (max |diff| < 0.05
 on tanh-bounded bf16 activations: a layer computed before its KV landed attends over zeros and is off by
 O(0.1..1); equal kernels on equal data normally agree bit for bit). Also measured alone: the load and the
-compute, whose maximum is the best an overlap can do. TTFT here = from the start of the load to the last layer's output.
+compute, whose maximum is the best an overlap can do when the two do not slow each other; and side by side with
+no wait between them (``side_by_side``): how much a load slows the compute it runs beside (``contention``), which
+no ordering can undo (the forced copy kernel takes SMs from the compute; DMA does not). TTFT here = from the start
+of the load to the last layer's output.
 Target: ``overlap`` within 15% of ``max(load, compute)``; ``ttft_ratio`` = overlap / serial is reported.
 
 Run: ``python -m tiered_kv.tools.bench.overlap [--quick] [--device cpu|cuda] [--json F]``.
@@ -150,6 +153,18 @@ async def _overlap(device: str, path: str, layers: int, prefix: int, new: int, h
             await lw
             return dt
 
+        async def side_by_side(g: int) -> tuple[float, float]:
+            # the same load and compute with no wait between them (the compute reads whatever has landed; its
+            # output is not used): what the two take when they share the GPU, the bound an overlap can reach
+            poison()
+            t0 = time.perf_counter()
+            lw = copy_layerwise(engine, Tier.HOST, order, Tier.GPU, order, group_layers=g)
+            run_layers("side_by_side", None)
+            await _wait(compute)
+            compute_done = time.perf_counter() - t0
+            await lw
+            return compute_done, time.perf_counter() - t0
+
         async def layer_load_only(g: int) -> float:
             poison()
             t0 = time.perf_counter()
@@ -165,6 +180,9 @@ async def _overlap(device: str, path: str, layers: int, prefix: int, new: int, h
         for g in group_layers:
             layer_load = median([await layer_load_only(g) for _ in range(repeat + 1)])
             ovl = median([await overlapped(g) for _ in range(repeat + 1)])
+            pairs = [await side_by_side(g) for _ in range(repeat + 1)]
+            comp_beside = median([c for c, _ in pairs])
+            both = median([max(c, b) for c, b in pairs])
             layer_path = engine.copier.plan(engine.copier.layer_slice(host_pool, 0, g), order,
                                             engine.copier.layer_slice(gpu_pool, 0, g), order, None).path
             diff = float((out[f"overlap{g}"].float() - out["serial"].float()).abs().max().cpu())
@@ -186,6 +204,10 @@ async def _overlap(device: str, path: str, layers: int, prefix: int, new: int, h
                     "overlap_ms": ovl * 1e3,
                     "ttft_ratio": ovl / ser,
                     "vs_bound": ovl / max(load, comp),
+                    "compute_beside_load_ms": comp_beside * 1e3,
+                    "contention": comp_beside / comp,
+                    "side_by_side_ms": both * 1e3,
+                    "vs_side_by_side": ovl / both,
                     "max_abs_diff": diff,
                     "same_output": diff < 0.05,
                 }
@@ -212,7 +234,11 @@ def run(quick: bool = False, device: str = "auto") -> dict[str, Any]:
         "waits stream-side per layer; vs_bound = overlap / max(load alone, compute alone); "
         "same_output: max |diff| < 0.05; "
         "copy_path = the engine's EngineConfig.copy_path (auto: its choice; kernel: forced); layer_path = what a "
-        "per-layer load took; layerwise_load_ms = the per-layer loads alone",
+        "per-layer load took; layerwise_load_ms = the per-layer loads alone; "
+        "side_by_side = the same per-layer loads and compute with no wait between them (both sharing the GPU: "
+        "the bound an overlap can reach), compute_beside_load = when its compute ended, contention = that over "
+        "compute alone (> 1: the load took SMs or memory bandwidth from the compute), vs_side_by_side = overlap / "
+        "side_by_side",
     ]
     if not cuda:
         notes.append("emulated: a tiny model on CPU threads; it proves the program and the ordering, not the overlap")
