@@ -236,3 +236,43 @@ def test_wait_done_stops_at_its_stop_time_and_the_next_call_finishes(ext: Any) -
     finally:
         torch.cuda.synchronize()
         signal.destroy()
+
+
+def _record(into: list[int], value: int, _transfer: object) -> None:
+    into.append(value)
+
+
+@pytest.mark.gpu
+async def test_native_copies_without_a_post_complete_in_order_behind_a_stall(ext: Any) -> None:
+    """A small native copy names its bytes and gets no host-function post: its stream's waiter polls alone, backing
+    off past the expected end. Behind a 0.3 s stall it must still complete every copy, in order, soon after the
+    stall (the loop-side poll is off: the waiter is the only completion here)."""
+    import asyncio
+
+    import numpy as np
+    import torch
+
+    from tiered_kv import EngineConfig, KVLayout, Tier, TransferEngine
+    from tiered_kv.testing import stall
+
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, tokens_per_block=16, dtype=torch.float16)
+    cfg = EngineConfig(completion_spin_us=0)
+    async with TransferEngine(layout, gpu_blocks=32, host_blocks=32, device="cuda", config=cfg) as engine:
+        assert engine.copier.native
+        gpu = engine.pool(Tier.GPU).tensor
+        gpu.copy_(torch.randn(gpu.shape, device="cuda").to(gpu.dtype))
+        torch.cuda.synchronize()
+        stream = engine.stream("offload")
+        order: list[int] = []
+        stall(stream, 0.3)
+        t0 = time.perf_counter()
+        transfers = [engine.copy(Tier.GPU, [i], Tier.HOST, [31 - i]) for i in range(16)]
+        for i, t in enumerate(transfers):
+            t.add_done_callback(functools.partial(_record, order, i))
+        await asyncio.gather(*transfers)
+        waited = time.perf_counter() - t0
+        assert order == list(range(16))
+        assert 0.25 < waited < 0.45, waited
+        host = engine.pool(Tier.HOST).tensor
+        expected = gpu[np.arange(16)].cpu()
+        assert torch.equal(host[np.arange(31, 15, -1)], expected)
