@@ -276,3 +276,30 @@ async def test_native_copies_without_a_post_complete_in_order_behind_a_stall(ext
         host = engine.pool(Tier.HOST).tensor
         expected = gpu[np.arange(16)].cpu()
         assert torch.equal(host[np.arange(31, 15, -1)], expected)
+
+
+@pytest.mark.gpu
+def test_close_waits_for_posts_still_on_their_way(ext: Any) -> None:
+    """An item found done by polling leaves its host-function post behind; one signalled beside its stream can
+    come long after (here behind a stall on the side stream). ``close()`` must not destroy the semaphore under
+    it: a late ``sem_post`` on freed memory corrupts the process (a segfault in an unrelated test, session h)."""
+    import torch
+
+    from tiered_kv.device import CudaStream
+
+    stream = CudaStream("late-post", device=torch.device("cuda"))
+    x = torch.zeros(1024, device="cuda")
+    ran = threading.Event()
+    with torch.cuda.stream(stream.torch_stream):
+        x.add_(1)
+    stream.notify(lambda: None, nbytes=4096)  # starts the waiter, makes the side stream usable
+    side = stream._side_stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(300_000_000)  # ~0.2 s on the side stream, ahead of the beside post
+    with torch.cuda.stream(stream.torch_stream):
+        x.add_(1)
+    stream.notify(ran.set, beside=True, nbytes=4096)
+    assert ran.wait(10), "the waiter polls the item done without its post"
+    assert not side.query(), "the beside post is still behind the stall"
+    stream.close()
+    assert side.query(), "close() returned before the side stream's post ran"

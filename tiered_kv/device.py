@@ -546,6 +546,12 @@ class CudaStream:
             if threading.current_thread() is not self._waiter:
                 self._waiter.join()
         if self._signal is not None:
+            # Posts still on their way (of items the waiter found done by polling, or signalled beside on the side
+            # stream, and the stop's own) would post a destroyed semaphore, freed memory once this stream is gone:
+            # the streams finish their host functions first.
+            self.torch_stream.synchronize()
+            if self._side is not None:
+                self._side.synchronize()
             self._signal.destroy()
 
     def __repr__(self) -> str:
