@@ -3,6 +3,7 @@
 Primitives:
 
 * :func:`machine_info`, :func:`timeit`, :func:`median_seconds`, :func:`sync`, :func:`percentile` -- measuring.
+* :func:`paired_seconds` -- ours and its baseline taking turns: the ratio of a row, robust to a drifting host.
 * :func:`print_table`, :func:`print_grouped`, :func:`write_json`, :func:`bench_main` -- reporting.
 
 Convention: each benchmark module ``tiered_kv.tools.bench.<name>`` has ``run(quick: bool, device: str) -> dict``
@@ -19,7 +20,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ __all__ = [
     "bench_main",
     "machine_info",
     "median_seconds",
+    "paired_seconds",
     "percentile",
     "print_grouped",
     "print_table",
@@ -70,6 +72,46 @@ def sync(cuda: bool) -> None:
     """Wait for the GPU's queued work when ``cuda`` (a no-op on the emulated device)."""
     if cuda:
         torch.cuda.synchronize()
+
+
+async def paired_seconds(
+    ours: Callable[[], Awaitable[object]], base: Callable[[], object], repeat: int, cuda: bool
+) -> tuple[float, float, float]:
+    """Ours and its baseline taking turns, ``repeat`` times after one warm-up of each (alternating which goes first).
+
+    ``ours`` is awaited (wall time from the call to the awaiting coroutine resuming); ``base`` is timed with the GPU
+    synchronized before and after. Returns ``(ours median, base median, median over turns of base_i / ours_i)``: a
+    host whose speed drifts during the run (other tenants, clocks) moves both sides of a turn alike, so the ratio
+    survives what two separate medians measured seconds apart do not.
+    """
+    mine: list[float] = []
+    theirs: list[float] = []
+
+    async def one_of_ours() -> float:
+        sync(cuda)
+        t0 = time.perf_counter()
+        await ours()
+        return time.perf_counter() - t0
+
+    def one_of_base() -> float:
+        sync(cuda)
+        t0 = time.perf_counter()
+        base()
+        sync(cuda)
+        return time.perf_counter() - t0
+
+    for i in range(repeat + 1):
+        if i % 2:
+            o = await one_of_ours()
+            b = one_of_base()
+        else:
+            b = one_of_base()
+            o = await one_of_ours()
+        if i:
+            mine.append(o)
+            theirs.append(b)
+    ratio = statistics.median(b / o for b, o in zip(theirs, mine, strict=True))
+    return statistics.median(mine), statistics.median(theirs), ratio
 
 
 def median_seconds(fn: Callable[[], object], repeat: int, cuda: bool) -> float:

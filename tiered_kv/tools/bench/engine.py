@@ -26,11 +26,12 @@ Run: ``python -m tiered_kv.tools.bench.engine [--quick] [--device cpu|cuda] [--j
 from __future__ import annotations
 
 import asyncio
+import functools
 import queue
 import statistics
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from typing import Any
 
 import numpy as np
@@ -39,7 +40,7 @@ import torch
 from ...engine import TransferEngine
 from ...layout import KVLayout
 from ...pools import Tier
-from .common import bench_main, machine_info, percentile
+from .common import bench_main, machine_info, paired_seconds, percentile
 
 try:
     import uvloop
@@ -243,48 +244,31 @@ def _wakeup_rows(device: str, samples: int) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------------------------------ bandwidth
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+def _contiguous(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
+    """The baseline: one contiguous copy of the same bytes, on a stream of its own (CUDA) or at once (emulated)."""
+    if stream is None:
+        dst.copy_(src)
+        return
+    with torch.cuda.stream(stream):
+        dst.copy_(src, non_blocking=True)
+    stream.synchronize()
 
 
-def _baseline_copy(dst: torch.Tensor, src: torch.Tensor, device: str, repeat: int) -> float:
-    """Seconds of one contiguous copy of the same bytes (median)."""
-    times = []
-    stream = torch.cuda.Stream() if device.startswith("cuda") else None
-    for _ in range(repeat + 1):
-        _sync(device)
-        t0 = time.perf_counter()
-        if stream is not None:
-            with torch.cuda.stream(stream):
-                dst.copy_(src, non_blocking=True)
-            stream.synchronize()
-        else:
-            dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
-
-
-def _baseline_both(
-    a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor], device: str, repeat: int
-) -> float:
-    """Seconds of two contiguous copies at once on two streams (CUDA), or back to back (emulated)."""
-    times = []
-    streams = (torch.cuda.Stream(), torch.cuda.Stream()) if device.startswith("cuda") else None
-    for _ in range(repeat + 1):
-        _sync(device)
-        t0 = time.perf_counter()
-        if streams is not None:
-            for (dst, src), s in zip((a, b), streams, strict=True):
-                with torch.cuda.stream(s):
-                    dst.copy_(src, non_blocking=True)
-            for s in streams:
-                s.synchronize()
-        else:
-            a[0].copy_(a[1])
-            b[0].copy_(b[1])
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+def _contiguous_both(
+    a: tuple[torch.Tensor, torch.Tensor],
+    b: tuple[torch.Tensor, torch.Tensor],
+    streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None,
+) -> None:
+    """The baseline of both directions: two contiguous copies at once on two streams (CUDA), or back to back."""
+    if streams is None:
+        a[0].copy_(a[1])
+        b[0].copy_(b[1])
+        return
+    for (dst, src), s in zip((a, b), streams, strict=True):
+        with torch.cuda.stream(s):
+            dst.copy_(src, non_blocking=True)
+    for s in streams:
+        s.synchronize()
 
 
 async def _bandwidth(device: str, block_mib: Sequence[int], blocks: int, repeat: int) -> list[dict[str, Any]]:
@@ -304,33 +288,36 @@ async def _bandwidth(device: str, block_mib: Sequence[int], blocks: int, repeat:
             nbytes = blocks * layout.bytes_per_block
             half = slice(0, blocks)
             other = slice(blocks, 2 * blocks)
+            cuda = device.startswith("cuda")
+            copier = torch.cuda.Stream() if cuda else None
+            pair = (torch.cuda.Stream(), torch.cuda.Stream()) if cuda else None
             for pattern in ("contiguous", "scattered"):
                 a = np.arange(blocks) if pattern == "contiguous" else rng.permutation(blocks)
                 b = np.arange(blocks) if pattern == "contiguous" else rng.permutation(blocks)
                 for direction, (st, dt) in {"offload": (Tier.GPU, Tier.HOST), "onboard": (Tier.HOST, Tier.GPU)}.items():
-                    times = []
-                    for _ in range(repeat + 1):
-                        _sync(device)
-                        t0 = time.perf_counter()
-                        await engine.copy(st, a, dt, b)
-                        times.append(time.perf_counter() - t0)
-                    ours = statistics.median(times[1:])
                     src_t = gpu[half] if st is Tier.GPU else host[half]
                     dst_t = host[half] if dt is Tier.HOST else gpu[half]
-                    base = _baseline_copy(dst_t, src_t, device, repeat)
-                    rows.append(_bw_row(engine, mib, blocks, pattern, direction, nbytes, ours, base, 0.95))
-                times = []
-                for _ in range(repeat + 1):
-                    _sync(device)
-                    t0 = time.perf_counter()
-                    await asyncio.gather(
+                    ours, base, ratio = await paired_seconds(
+                        functools.partial(engine.copy, st, a, dt, b),
+                        functools.partial(_contiguous, dst_t, src_t, copier),
+                        repeat,
+                        cuda,
+                    )
+                    rows.append(_bw_row(engine, mib, blocks, pattern, direction, nbytes, ours, base, ratio))
+
+                def both_ways(a: np.ndarray = a, b: np.ndarray = b) -> Awaitable[object]:
+                    return asyncio.gather(
                         engine.copy(Tier.GPU, a, Tier.HOST, b),
                         engine.copy(Tier.HOST, b + blocks, Tier.GPU, a + blocks),
                     )
-                    times.append(time.perf_counter() - t0)
-                ours = statistics.median(times[1:])
-                base = _baseline_both((host[half], gpu[half]), (gpu[other], host[other]), device, repeat)
-                rows.append(_bw_row(engine, mib, blocks, pattern, "both", 2 * nbytes, ours, base, 0.9))
+
+                ours, base, ratio = await paired_seconds(
+                    both_ways,
+                    functools.partial(_contiguous_both, (host[half], gpu[half]), (gpu[other], host[other]), pair),
+                    repeat,
+                    cuda,
+                )
+                rows.append(_bw_row(engine, mib, blocks, pattern, "both", 2 * nbytes, ours, base, ratio))
     return rows
 
 
@@ -343,7 +330,7 @@ def _bw_row(
     nbytes: int,
     ours: float,
     base: float,
-    target: float,
+    ratio: float,
 ) -> dict[str, Any]:
     return {
         "bench": "bandwidth",
@@ -354,7 +341,7 @@ def _bw_row(
         "direction": direction,
         "engine_GBps": nbytes / ours / 1e9,
         "contiguous_GBps": nbytes / base / 1e9,
-        "ratio": base / ours,
+        "ratio": ratio,
     }
 
 
@@ -380,7 +367,8 @@ def run(quick: bool = False, device: str = "auto") -> dict[str, Any]:
         "call: medians of one awaited 1-block copy at a time; loop_cpu = thread CPU of copy() + completion bookkeeping",
         "wakeup: device done -> awaiting coroutine resumed; bare = idle thread -> call_soon_threadsafe -> coroutine",
         "bandwidth: wall time from copy() to the awaiting coroutine resuming; "
-        "baseline = one contiguous copy_ of the same bytes",
+        "baseline = one contiguous copy_ of the same bytes; the two take turns, ratio = median over turns of "
+        "baseline / engine (GB/s columns: medians)",
     ]
     if not device.startswith("cuda"):
         notes.append("emulated device: bandwidth rows are CPU memcpy, not PCIe; GPU figures come only from a CUDA run")

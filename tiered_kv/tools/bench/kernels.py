@@ -5,7 +5,8 @@ Primitives:
 * :func:`run` -- ``run(quick, device) -> dict`` (rows next to their same-run baselines).
 * :func:`main` -- the command line.
 
-Rows, each next to a baseline measured in the same run:
+Rows, each next to a baseline measured in the same run (engine copies and their contiguous baselines take turns,
+:func:`~tiered_kv.tools.bench.common.paired_seconds`: a row's ratio is the median over turns):
 
 * ``layer_major``: engine offload and onboard of 256 blocks of a layer-major pool (32 layers x K/V tensors,
   64 KiB and 8 KiB chunks) next to one contiguous pinned copy of the same bytes, a per-chunk ``copy_`` loop
@@ -56,7 +57,7 @@ from ...layout import KVLayout
 from ...pools import BlockPool, Tier
 from ...testing import fill_random
 from . import layouts
-from .common import bench_main, machine_info, median_seconds, sync
+from .common import bench_main, machine_info, median_seconds, paired_seconds, sync
 
 __all__ = ["main", "run"]
 
@@ -134,13 +135,22 @@ async def _layer_major(
     async with TransferEngine(layout, gpu_pool=pool, host_blocks=blocks, device=device) as engine:
         host = _block_pool(engine, Tier.HOST).tensor
         nbytes = blocks * layout.bytes_per_block
-        off = await _engine_seconds(engine, Tier.GPU, idx, Tier.HOST, idx, repeat)
-        on = await _engine_seconds(engine, Tier.HOST, idx, Tier.GPU, idx, repeat)
-        path = next(iter(engine.copier.statistics().calls))
         flat_gpu = torch.empty(nbytes, dtype=torch.uint8, device=pool.device)
         flat_host = host.view(-1).view(torch.uint8)
-        contig_d2h = median_seconds(lambda: flat_host.copy_(flat_gpu, non_blocking=True), repeat, cuda)
-        contig_h2d = median_seconds(lambda: flat_gpu.copy_(flat_host, non_blocking=True), repeat, cuda)
+        # each engine copy next to one contiguous pinned copy of the same bytes, taking turns
+        off, contig_d2h, ratio_off = await paired_seconds(
+            lambda: engine.copy(Tier.GPU, idx, Tier.HOST, idx),
+            lambda: flat_host.copy_(flat_gpu, non_blocking=True),
+            repeat,
+            cuda,
+        )
+        on, contig_h2d, ratio_on = await paired_seconds(
+            lambda: engine.copy(Tier.HOST, idx, Tier.GPU, idx),
+            lambda: flat_gpu.copy_(flat_host, non_blocking=True),
+            repeat,
+            cuda,
+        )
+        path = next(iter(engine.copier.statistics().calls))
 
         # per-chunk loops: every (block, layer, kv) chunk its own copy
         chunks = layout.num_layers * layout.kv_factor
@@ -161,7 +171,10 @@ async def _layer_major(
             cxx_loop = median_seconds(
                 lambda: ops.copy_chunks([host], pool.tensors, table, method=ops.METHOD_DMA), repeat, cuda
             )
-    for direction, ours, base in (("offload", off, contig_d2h), ("onboard", on, contig_h2d)):
+    for direction, ours, base, ratio in (
+        ("offload", off, contig_d2h, ratio_off),
+        ("onboard", on, contig_h2d, ratio_on),
+    ):
         rows.append(
             {
                 "bench": "layer_major",
@@ -172,7 +185,7 @@ async def _layer_major(
                 "path": path,
                 "engine_GBps": nbytes / ours / 1e9,
                 "contiguous_GBps": nbytes / base / 1e9,
-                "vs_contiguous": base / ours,
+                "vs_contiguous": ratio,
                 "py_loop_GBps": nbytes / loop_d2h / 1e9 if direction == "offload" else float("nan"),
                 "cxx_loop_GBps": nbytes / cxx_loop / 1e9 if direction == "offload" else float("nan"),
                 "vs_py_loop": loop_d2h / ours if direction == "offload" else float("nan"),
@@ -262,8 +275,22 @@ async def _partial(device: str, blocks: int, repeat: int) -> list[dict[str, Any]
         for frac in (0.25, 0.5, 0.75):
             n = int(layout.tokens_per_block * frac)
             nbytes = half * layout.partial_bytes(n)
-            d2d = await _engine_seconds(engine, Tier.GPU, idx[:half], Tier.GPU, idx[half:], repeat, n)
-            h2d = await _engine_seconds(engine, Tier.HOST, idx[:half], Tier.GPU, idx[:half], repeat, n)
+            a = gpu.view(-1).view(torch.uint8)[:nbytes]
+            b = gpu.view(-1).view(torch.uint8)[nbytes : 2 * nbytes]
+            h = host.view(-1).view(torch.uint8)[:nbytes]
+            # each engine copy next to one contiguous copy of the same bytes, taking turns
+            d2d, base_d2d, frac_d2d = await paired_seconds(
+                functools.partial(engine.copy, Tier.GPU, idx[:half], Tier.GPU, idx[half:], num_tokens=n),
+                functools.partial(b.copy_, a, non_blocking=True),
+                repeat,
+                cuda,
+            )
+            h2d, base_h2d, frac_h2d = await paired_seconds(
+                functools.partial(engine.copy, Tier.HOST, idx[:half], Tier.GPU, idx[:half], num_tokens=n),
+                functools.partial(a.copy_, h, non_blocking=True),
+                repeat,
+                cuda,
+            )
             # the fixed cost of an awaited call on each route (launch, completion signal, loop wake-up): one
             # block, one token, so the device work is next to nothing; cheap, so more repetitions
             floor = {
@@ -271,11 +298,6 @@ async def _partial(device: str, blocks: int, repeat: int) -> list[dict[str, Any]
                 "host->gpu": await _engine_seconds(engine, Tier.HOST, idx[:1], Tier.GPU, idx[:1], floors, 1),
             }
             path = engine.copier.plan(engine.pool(Tier.GPU), idx[:half], engine.pool(Tier.GPU), idx[half:], n).path
-            a = gpu.view(-1).view(torch.uint8)[:nbytes]
-            b = gpu.view(-1).view(torch.uint8)[nbytes : 2 * nbytes]
-            h = host.view(-1).view(torch.uint8)[:nbytes]
-            base_d2d = median_seconds(functools.partial(b.copy_, a, non_blocking=True), repeat, cuda)
-            base_h2d = median_seconds(functools.partial(a.copy_, h, non_blocking=True), repeat, cuda)
             # the op alone (no engine: no fences, waiter thread or loop wake-up), device time next to the
             # baseline's device time: what the kernel itself achieves
             op_dev = {"gpu->gpu": float("nan"), "host->gpu": float("nan")}
@@ -293,7 +315,10 @@ async def _partial(device: str, blocks: int, repeat: int) -> list[dict[str, Any]
                 )
                 base_dev["gpu->gpu"] = _device_seconds(functools.partial(b.copy_, a, non_blocking=True), repeat)
                 base_dev["host->gpu"] = _device_seconds(functools.partial(a.copy_, h, non_blocking=True), repeat)
-            for direction, ours, base, target in (("gpu->gpu", d2d, base_d2d, 0.8), ("host->gpu", h2d, base_h2d, 0.85)):
+            for direction, ours, base, fraction, target in (
+                ("gpu->gpu", d2d, base_d2d, frac_d2d, 0.8),
+                ("host->gpu", h2d, base_h2d, frac_h2d, 0.85),
+            ):
                 # what the row can reach: the op's device time plus one awaited call's fixed cost (NaN on the
                 # emulated device, which has no device time)
                 bound = base / (op_dev[direction] + floor[direction])
@@ -307,10 +332,10 @@ async def _partial(device: str, blocks: int, repeat: int) -> list[dict[str, Any]
                         "MiB_moved": nbytes / 2**20,
                         "engine_GBps": nbytes / ours / 1e9,
                         "contiguous_GBps": nbytes / base / 1e9,
-                        "fraction": base / ours,
+                        "fraction": fraction,
                         "floor_us": floor[direction] * 1e6,
                         "bound_fraction": bound,
-                        "vs_bound": (base / ours) / bound,
+                        "vs_bound": fraction / bound,
                         "op_dev_GBps": nbytes / op_dev[direction] / 1e9,
                         "base_dev_GBps": nbytes / base_dev[direction] / 1e9,
                         "op_dev_fraction": base_dev[direction] / op_dev[direction],
