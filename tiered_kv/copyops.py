@@ -31,7 +31,10 @@ contiguous pieces (one (layer, kv) chunk for layer-major pools, a run of whole b
 calls), smaller ones to the kernel. That size is ``EngineConfig.dma_min_chunk_bytes`` when set, else measured on
 the GPU once per process (:func:`calibrated_dma_threshold`): the kernel is up to 10x faster than DMA for
 4-16 KiB pieces, and where batched DMA catches up differs by card and host (64 KiB on an H100 host in
-``tiered-kv bench``'s sweep). ``EngineConfig.copy_path`` forces one path.
+``tiered-kv bench``'s sweep). A layer-major copy whose blocks come in runs of consecutive blocks (on average at
+least :data:`MIN_RUN_BLOCKS`) is one 2-D DMA call per run and group, a row per block: it is chosen by the row size
+from which such calls match the kernel, measured the same way (:func:`calibrated_dma_row_threshold`; 32 KiB rows
+against 64-128 KiB pieces on an H100 host). ``EngineConfig.copy_path`` forces one path.
 
 Layer-by-layer copies (``copy(..., layers=)``, :mod:`tiered_kv.layerwise`) count a run of consecutive blocks
 as one piece too: DMA moves it in one ``cudaMemcpy2DAsync`` (a row per block), and a load that is meant to
@@ -71,6 +74,7 @@ __all__ = [
     "NativeCopy",
     "NativeRoute",
     "Side",
+    "calibrated_dma_row_threshold",
     "calibrated_dma_threshold",
     "choose_path",
     "pool_tensors",
@@ -166,8 +170,11 @@ class Copier:
         self.dma_min_chunk_bytes: int = (
             config.dma_min_chunk_bytes if config.dma_min_chunk_bytes is not None else DEFAULT_DMA_MIN_CHUNK
         )
+        #: the row size from which a layer-major copy in runs of consecutive blocks (2-D DMA calls) takes DMA
+        self.dma_min_row_bytes: int = self.dma_min_chunk_bytes
         if config.dma_min_chunk_bytes is None and self.kernels and config.copy_path == "auto":
             self.dma_min_chunk_bytes = calibrated_dma_threshold(device.torch_device)
+            self.dma_min_row_bytes = calibrated_dma_row_threshold(device.torch_device)
         self._lock = threading.Lock()
         self._calls: dict[str, int] = {}
         self._bytes: dict[str, int] = {}
@@ -303,13 +310,16 @@ class Copier:
 
     def _choose(self, info: _PairInfo, size: int, runs: int) -> CopyPlan:
         piece = info.width_bytes
+        threshold = self.dma_min_chunk_bytes
         if info.rows == 1 and info.groups == 1 and (info.dense or info.layered) and runs:
             # a run of whole blocks is one contiguous piece; a run of one layer range of consecutive blocks is
             # one 2-D DMA call (rows = blocks), which leaves the SMs to the compute a layer-by-layer load overlaps
             piece *= max(1, size // runs)
-        path = choose_path(
-            piece, self.config, on_cuda=info.on_cuda, kernels=self.kernels, threshold=self.dma_min_chunk_bytes
-        )
+        elif info.rows == 1 and runs and size >= MIN_RUN_BLOCKS * runs:
+            # layer-major groups in long runs of consecutive blocks: one 2-D DMA call per run and group, whose cost is
+            # per row of `piece` bytes (measured apart from scattered pieces)
+            threshold = self.dma_min_row_bytes
+        path = choose_path(piece, self.config, on_cuda=info.on_cuda, kernels=self.kernels, threshold=threshold)
         one_piece = runs == 1 and info.rows == 1 and info.groups == 1 and info.dense
         if path == "kernel" and one_piece and self.config.copy_path == "auto":
             path = "dma"  # one contiguous piece on both sides: one DMA call (see the module docstring)
@@ -592,8 +602,13 @@ DEFAULT_DMA_MIN_CHUNK = 2 << 20
 #: Piece sizes the calibration compares, and the bytes it moves per size and direction.
 _CALIBRATION_PIECES = tuple(16 << (10 + i) for i in range(8))  # 16 KiB .. 2 MiB
 _CALIBRATION_BYTES = 32 << 20
-_calibrated: dict[int, int] = {}
+_calibrated: dict[int, tuple[int, int]] = {}  # device index -> (piece threshold, row threshold)
 _calibration_lock = threading.Lock()
+
+#: A layer-major copy whose runs of consecutive blocks average at least this many blocks moves each group's run as
+#: one 2-D DMA call (a row per block): the DMA row size applies (:func:`calibrated_dma_row_threshold`). The
+#: calibration measures runs of twice that.
+MIN_RUN_BLOCKS = 8
 
 
 def calibrated_dma_threshold(device: torch.device) -> int:
@@ -606,21 +621,43 @@ def calibrated_dma_threshold(device: torch.device) -> int:
     there); ``4 MiB`` if the kernel leads even at 2 MiB. Env ``TIERED_KV_DMA_MIN_CHUNK`` or
     ``EngineConfig(dma_min_chunk_bytes=...)`` skip it.
     """
+    return _calibration(device)[0]
+
+
+def calibrated_dma_row_threshold(device: torch.device) -> int:
+    """The smallest row size from which 2-D DMA copies of runs of blocks are as fast as the copy kernel on this GPU.
+
+    A layer-major pool's run of consecutive blocks is one ``cudaMemcpy2DAsync`` per group (a row per block, the
+    host side strided): the copy engine's cost is per row, not per call, and it reaches the kernel at smaller rows
+    than scattered pieces do (an H100 host: 32 KiB rows against 64-128 KiB pieces). Measured with
+    :func:`calibrated_dma_threshold` (same scratch, same rule), on two layer-major groups copied in runs of
+    ``2 * MIN_RUN_BLOCKS`` blocks.
+    """
+    return _calibration(device)[1]
+
+
+def _calibration(device: torch.device) -> tuple[int, int]:
     index = device.index if device.index is not None else torch.cuda.current_device()
     with _calibration_lock:
         found = _calibrated.get(index)
         if found is None:
             try:
                 found = _measure_dma_threshold(index)
-                log.info("tiered_kv: DMA from %d KiB pieces on cuda:%d (measured)", found >> 10, index)
+                log.info(
+                    "tiered_kv: DMA from %d KiB pieces, %d KiB rows of block runs on cuda:%d (measured)",
+                    found[0] >> 10,
+                    found[1] >> 10,
+                    index,
+                )
             except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:  # no scratch memory, a CUDA error
-                found = DEFAULT_DMA_MIN_CHUNK
-                log.warning("tiered_kv: could not measure the DMA piece size (%s); using %d bytes", exc, found)
+                found = (DEFAULT_DMA_MIN_CHUNK, DEFAULT_DMA_MIN_CHUNK)
+                log.warning("tiered_kv: could not measure the DMA piece size (%s); using %d bytes", exc, found[0])
             _calibrated[index] = found
     return found
 
 
-def _measure_dma_threshold(index: int) -> int:
+def _measure_dma_threshold(index: int) -> tuple[int, int]:
+    """(piece threshold, row threshold): see :func:`calibrated_dma_threshold`, :func:`calibrated_dma_row_threshold`."""
     import time
 
     with torch.cuda.device(index):
@@ -628,28 +665,46 @@ def _measure_dma_threshold(index: int) -> int:
         gpu = torch.empty(_CALIBRATION_BYTES, dtype=torch.uint8, device=f"cuda:{index}")
         stream = torch.cuda.Stream()
         op = torch.ops.tiered_kv.copy_blocks
-        dma_ok: list[bool] = []
-        for piece in _CALIBRATION_PIECES:
-            n = _CALIBRATION_BYTES // piece
-            h, g = host.view(n, 1, 1, piece), gpu.view(n, 1, 1, piece)  # [blocks, 1, tokens, bytes]: whole blocks
-            s = torch.from_numpy(np.random.default_rng(piece).permutation(n))
-            d = torch.arange(n)
+
+        def dma_wins(host_side: list[torch.Tensor], gpu_side: list[torch.Tensor], s: torch.Tensor) -> bool:
+            d = torch.arange(s.numel())
             seconds = {}
             for method in (ops.METHOD_KERNEL, ops.METHOD_DMA):
                 best = math.inf
                 for _ in range(3):
                     total = 0.0
-                    for dst, src in ((g, h), (h, g)):
+                    for dst, src in ((gpu_side, host_side), (host_side, gpu_side)):
                         stream.synchronize()
                         t0 = time.perf_counter()
                         with torch.cuda.stream(stream):
-                            op([dst], [src], s, d, 1, method)
+                            op(dst, src, s, d, 1, method)
                         stream.synchronize()
                         total += time.perf_counter() - t0
                     best = min(best, total)
                 seconds[method] = best
-            dma_ok.append(seconds[ops.METHOD_DMA] <= 0.98 * seconds[ops.METHOD_KERNEL])
+            return seconds[ops.METHOD_DMA] <= 0.98 * seconds[ops.METHOD_KERNEL]
+
+        pieces_ok: list[bool] = []
+        rows_ok: list[bool] = []
+        for piece in _CALIBRATION_PIECES:
+            n = _CALIBRATION_BYTES // piece
+            rng = np.random.default_rng(piece)
+            # scattered whole blocks of `piece` bytes: [blocks, 1, tokens, bytes]
+            scattered = torch.from_numpy(rng.permutation(n))
+            pieces_ok.append(dma_wins([host.view(n, 1, 1, piece)], [gpu.view(n, 1, 1, piece)], scattered))
+            # two layer-major groups of `piece` bytes per block, blocks in runs: a 2-D DMA call per run and group
+            blocks = n // 2
+            run = 2 * MIN_RUN_BLOCKS
+            starts = rng.permutation(blocks // run) * run
+            in_runs = torch.from_numpy((starts[:, None] + np.arange(run)[None, :]).reshape(-1))
+            layered = [gpu[: blocks * piece].view(blocks, 1, 1, piece), gpu[blocks * piece :].view(blocks, 1, 1, piece)]
+            rows_ok.append(dma_wins([host.view(blocks, 2, 1, piece)], layered, in_runs))
         del host, gpu
+    return _smallest_from_which(pieces_ok), _smallest_from_which(rows_ok)
+
+
+def _smallest_from_which(dma_ok: list[bool]) -> int:
+    """The smallest calibration size from which DMA won at every larger size (twice the largest if none)."""
     threshold = 2 * _CALIBRATION_PIECES[-1]
     for piece, ok in zip(reversed(_CALIBRATION_PIECES), reversed(dma_ok), strict=True):
         if not ok:
