@@ -53,6 +53,7 @@ import functools
 import logging
 import math
 import os
+import statistics
 import threading
 import weakref
 from collections.abc import Callable
@@ -602,6 +603,7 @@ DEFAULT_DMA_MIN_CHUNK = 2 << 20
 #: Piece sizes the calibration compares, and the bytes it moves per size and direction.
 _CALIBRATION_PIECES = tuple(16 << (10 + i) for i in range(8))  # 16 KiB .. 2 MiB
 _CALIBRATION_BYTES = 32 << 20
+_CALIBRATION_TURNS = 5  # per size and kind: the kernel and DMA each copy both ways this many times, taking turns
 _calibrated: dict[int, tuple[int, int]] = {}  # device index -> (piece threshold, row threshold)
 _calibration_lock = threading.Lock()
 
@@ -615,11 +617,11 @@ def calibrated_dma_threshold(device: torch.device) -> int:
     """The smallest piece size from which batched DMA copies are as fast as the copy kernel on this GPU.
 
     Measured once per process and device, on scratch memory (32 MiB pinned and on the device, freed after):
-    for each piece size from 16 KiB to 2 MiB, scattered pieces copied both ways by each path (the best of three
-    wall times, host issue included). The threshold is the smallest size from which DMA beats the kernel by at
-    least 2 % at every larger size (a noisy host must not send small pieces to DMA, which is up to 10x slower
-    there); ``4 MiB`` if the kernel leads even at 2 MiB. Env ``TIERED_KV_DMA_MIN_CHUNK`` or
-    ``EngineConfig(dma_min_chunk_bytes=...)`` skip it.
+    for each piece size from 16 KiB to 2 MiB, scattered pieces copied both ways by each path, the two paths taking
+    five turns (wall times, host issue included; the median of the per-turn ratios). The threshold is the smallest
+    size from which DMA beats the kernel by at least 2 % at every larger size (a noisy host must not send small
+    pieces to DMA, which is up to 10x slower there); ``4 MiB`` if the kernel leads even at 2 MiB. Env
+    ``TIERED_KV_DMA_MIN_CHUNK`` or ``EngineConfig(dma_min_chunk_bytes=...)`` skip it.
     """
     return _calibration(device)[0]
 
@@ -666,23 +668,28 @@ def _measure_dma_threshold(index: int) -> tuple[int, int]:
         stream = torch.cuda.Stream()
         op = torch.ops.tiered_kv.copy_blocks
 
-        def dma_wins(host_side: list[torch.Tensor], gpu_side: list[torch.Tensor], s: torch.Tensor) -> bool:
+        def seconds(method: int, host_side: list[torch.Tensor], gpu_side: list[torch.Tensor], s: torch.Tensor) -> float:
             d = torch.arange(s.numel())
-            seconds = {}
-            for method in (ops.METHOD_KERNEL, ops.METHOD_DMA):
-                best = math.inf
-                for _ in range(3):
-                    total = 0.0
-                    for dst, src in ((gpu_side, host_side), (host_side, gpu_side)):
-                        stream.synchronize()
-                        t0 = time.perf_counter()
-                        with torch.cuda.stream(stream):
-                            op(dst, src, s, d, 1, method)
-                        stream.synchronize()
-                        total += time.perf_counter() - t0
-                    best = min(best, total)
-                seconds[method] = best
-            return seconds[ops.METHOD_DMA] <= 0.98 * seconds[ops.METHOD_KERNEL]
+            total = 0.0
+            for dst, src in ((gpu_side, host_side), (host_side, gpu_side)):
+                stream.synchronize()
+                t0 = time.perf_counter()
+                with torch.cuda.stream(stream):
+                    op(dst, src, s, d, 1, method)
+                stream.synchronize()
+                total += time.perf_counter() - t0
+            return total
+
+        def dma_wins(host_side: list[torch.Tensor], gpu_side: list[torch.Tensor], s: torch.Tensor) -> bool:
+            # the two paths take turns (alternating which goes first): a host that drifts (other tenants, clocks)
+            # moves both sides of a turn alike; the median of the per-turn ratios decides
+            ratios = []
+            for turn in range(_CALIBRATION_TURNS + 1):
+                order = (ops.METHOD_KERNEL, ops.METHOD_DMA) if turn % 2 else (ops.METHOD_DMA, ops.METHOD_KERNEL)
+                t = {method: seconds(method, host_side, gpu_side, s) for method in order}
+                if turn:  # the first turn warms up
+                    ratios.append(t[ops.METHOD_DMA] / t[ops.METHOD_KERNEL])
+            return statistics.median(ratios) <= 0.98
 
         pieces_ok: list[bool] = []
         rows_ok: list[bool] = []
