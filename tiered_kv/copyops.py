@@ -701,7 +701,7 @@ def _measure_dma_threshold(index: int) -> tuple[int, int]:
             pieces_ok.append(dma_wins([host.view(n, 1, 1, piece)], [gpu.view(n, 1, 1, piece)], scattered))
             # two layer-major groups of `piece` bytes per block, blocks in runs: a 2-D DMA call per run and group
             blocks = n // 2
-            run = 2 * MIN_RUN_BLOCKS
+            run = min(2 * MIN_RUN_BLOCKS, blocks)  # the largest pieces fill fewer blocks than one run: one run then
             starts = rng.permutation(blocks // run) * run
             in_runs = torch.from_numpy((starts[:, None] + np.arange(run)[None, :]).reshape(-1))
             layered = [gpu[: blocks * piece].view(blocks, 1, 1, piece), gpu[blocks * piece :].view(blocks, 1, 1, piece)]
