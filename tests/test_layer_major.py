@@ -353,17 +353,17 @@ def test_long_runs_of_layer_major_blocks_choose_by_the_dma_row_size() -> None:
 
     assert _ext.load(), f"the CUDA extension must build on the GPU machine: {_ext.status()['error']}"
     layout = KVLayout(num_layers=2, num_kv_heads=16, head_dim=128, tokens_per_block=16, dtype=torch.bfloat16)
-    lm = LayerMajorPool.allocate(layout, 64, "cuda", split_kv=True)  # 64 KiB chunks
-    host = BlockPool(Tier.HOST, layout, torch.empty(64, *layout.block_shape, dtype=layout.dtype, pin_memory=True))
+    lm = LayerMajorPool.allocate(layout, 160, "cuda", split_kv=True)  # 64 KiB chunks
+    host = BlockPool(Tier.HOST, layout, torch.empty(160, *layout.block_shape, dtype=layout.dtype, pin_memory=True))
     copier = Copier(resolve_device("cuda"), EngineConfig(dma_min_chunk_bytes=1 << 20))
     copier.dma_min_row_bytes = 32 << 10  # rows reach the DMA rate at 32 KiB, pieces only at 1 MiB
     run = np.arange(2 * MIN_RUN_BLOCKS)
     assert copier.plan(lm, run, host, run, None).path == "dma"
-    short = np.concatenate([np.arange(4), np.arange(10, 14)])  # runs of 4: separate pieces
+    short = np.concatenate([np.arange(4), np.arange(10, 14)])  # runs of 4: 2-D calls of few rows
     assert copier.plan(lm, short, host, short, None).path == "kernel"
     scattered = np.array([5, 1, 9, 3])
     assert copier.plan(lm, scattered, host, scattered, None).path == "kernel"
     copier.dma_min_row_bytes = 128 << 10
     copier._plans.clear()
-    assert copier.plan(lm, run + 32, host, run + 32, None).path == "kernel"
+    assert copier.plan(lm, run + 64, host, run + 64, None).path == "kernel"
     copier.close()

@@ -604,13 +604,14 @@ DEFAULT_DMA_MIN_CHUNK = 2 << 20
 _CALIBRATION_PIECES = tuple(16 << (10 + i) for i in range(8))  # 16 KiB .. 2 MiB
 _CALIBRATION_BYTES = 32 << 20
 _CALIBRATION_TURNS = 5  # per size and kind: the kernel and DMA each copy both ways this many times, taking turns
+_CALIBRATION_GROUPS = 8  # layer-major groups (tensors) of the row calibration
 _calibrated: dict[int, tuple[int, int]] = {}  # device index -> (piece threshold, row threshold)
 _calibration_lock = threading.Lock()
 
 #: A layer-major copy whose runs of consecutive blocks average at least this many blocks moves each group's run as
 #: one 2-D DMA call (a row per block): the DMA row size applies (:func:`calibrated_dma_row_threshold`). The
 #: calibration measures runs of twice that.
-MIN_RUN_BLOCKS = 8
+MIN_RUN_BLOCKS = 32
 
 
 def calibrated_dma_threshold(device: torch.device) -> int:
@@ -632,7 +633,7 @@ def calibrated_dma_row_threshold(device: torch.device) -> int:
     A layer-major pool's run of consecutive blocks is one ``cudaMemcpy2DAsync`` per group (a row per block, the
     host side strided): the copy engine's cost is per row, not per call, and it reaches the kernel at smaller rows
     than scattered pieces do (an H100 host: 32 KiB rows against 64-128 KiB pieces). Measured with
-    :func:`calibrated_dma_threshold` (same scratch, same rule), on two layer-major groups copied in runs of
+    :func:`calibrated_dma_threshold` (same scratch, same rule), on eight layer-major groups copied in runs of
     ``2 * MIN_RUN_BLOCKS`` blocks.
     """
     return _calibration(device)[1]
@@ -699,13 +700,13 @@ def _measure_dma_threshold(index: int) -> tuple[int, int]:
             # scattered whole blocks of `piece` bytes: [blocks, 1, tokens, bytes]
             scattered = torch.from_numpy(rng.permutation(n))
             pieces_ok.append(dma_wins([host.view(n, 1, 1, piece)], [gpu.view(n, 1, 1, piece)], scattered))
-            # two layer-major groups of `piece` bytes per block, blocks in runs: a 2-D DMA call per run and group
-            blocks = n // 2
+            # layer-major groups of `piece` bytes per block, blocks in runs: a 2-D DMA call per run and group
+            blocks = n // _CALIBRATION_GROUPS
             run = min(2 * MIN_RUN_BLOCKS, blocks)  # the largest pieces fill fewer blocks than one run: one run then
             starts = rng.permutation(blocks // run) * run
             in_runs = torch.from_numpy((starts[:, None] + np.arange(run)[None, :]).reshape(-1))
-            layered = [gpu[: blocks * piece].view(blocks, 1, 1, piece), gpu[blocks * piece :].view(blocks, 1, 1, piece)]
-            rows_ok.append(dma_wins([host.view(blocks, 2, 1, piece)], layered, in_runs))
+            layered = list(gpu.view(_CALIBRATION_GROUPS, blocks, 1, 1, piece).unbind(0))
+            rows_ok.append(dma_wins([host.view(blocks, _CALIBRATION_GROUPS, 1, piece)], layered, in_runs))
         del host, gpu
     return _smallest_from_which(pieces_ok), _smallest_from_which(rows_ok)
 
