@@ -3,7 +3,8 @@
 Primitives:
 
 * :func:`machine_info`, :func:`timeit`, :func:`median_seconds`, :func:`sync`, :func:`percentile` -- measuring.
-* :func:`paired_seconds` -- ours and its baseline taking turns: the ratio of a row, robust to a drifting host.
+* :func:`paired_seconds` -- ours and its baseline taking turns: the ratio of a row, robust to a drifting host;
+  :func:`offload_onboard_seconds` -- an engine's offload and onboard of some blocks, each so.
 * :func:`print_table`, :func:`print_grouped`, :func:`write_json`, :func:`bench_main` -- reporting.
 
 Convention: each benchmark module ``tiered_kv.tools.bench.<name>`` has ``run(quick: bool, device: str) -> dict``
@@ -29,6 +30,7 @@ __all__ = [
     "bench_main",
     "machine_info",
     "median_seconds",
+    "offload_onboard_seconds",
     "paired_seconds",
     "percentile",
     "print_grouped",
@@ -112,6 +114,28 @@ async def paired_seconds(
             theirs.append(b)
     ratio = statistics.median(b / o for b, o in zip(theirs, mine, strict=True))
     return statistics.median(mine), statistics.median(theirs), ratio
+
+
+async def offload_onboard_seconds(
+    engine: Any, idx: Any, device_memory: torch.device, repeat: int, cuda: bool
+) -> dict[str, tuple[float, float, float]]:
+    """Blocks ``idx`` offloaded and onboarded, each next to one contiguous copy of the same bytes, taking turns.
+
+    The baseline copies between the engine's host pool memory and a scratch buffer on ``device_memory``
+    (:func:`paired_seconds`). Returns ``{"offload": (ours, base, ratio), "onboard": (...)}``.
+    """
+    from ...pools import Tier  # the bench tools sit above the package
+
+    host = engine.pool(Tier.HOST).tensor.view(-1).view(torch.uint8)
+    flat = torch.empty(len(idx) * engine.layout.bytes_per_block, dtype=torch.uint8, device=device_memory)
+    host = host[: flat.numel()]
+    offload = await paired_seconds(
+        lambda: engine.copy(Tier.GPU, idx, Tier.HOST, idx), lambda: host.copy_(flat, non_blocking=True), repeat, cuda
+    )
+    onboard = await paired_seconds(
+        lambda: engine.copy(Tier.HOST, idx, Tier.GPU, idx), lambda: flat.copy_(host, non_blocking=True), repeat, cuda
+    )
+    return {"offload": offload, "onboard": onboard}
 
 
 def median_seconds(fn: Callable[[], object], repeat: int, cuda: bool) -> float:

@@ -57,7 +57,7 @@ from ...layout import KVLayout
 from ...pools import BlockPool, Tier
 from ...testing import fill_random
 from . import layouts
-from .common import bench_main, machine_info, median_seconds, paired_seconds, sync
+from .common import bench_main, machine_info, median_seconds, offload_onboard_seconds, paired_seconds, sync
 
 __all__ = ["main", "run"]
 
@@ -135,21 +135,9 @@ async def _layer_major(
     async with TransferEngine(layout, gpu_pool=pool, host_blocks=blocks, device=device) as engine:
         host = _block_pool(engine, Tier.HOST).tensor
         nbytes = blocks * layout.bytes_per_block
-        flat_gpu = torch.empty(nbytes, dtype=torch.uint8, device=pool.device)
-        flat_host = host.view(-1).view(torch.uint8)
         # each engine copy next to one contiguous pinned copy of the same bytes, taking turns
-        off, contig_d2h, ratio_off = await paired_seconds(
-            lambda: engine.copy(Tier.GPU, idx, Tier.HOST, idx),
-            lambda: flat_host.copy_(flat_gpu, non_blocking=True),
-            repeat,
-            cuda,
-        )
-        on, contig_h2d, ratio_on = await paired_seconds(
-            lambda: engine.copy(Tier.HOST, idx, Tier.GPU, idx),
-            lambda: flat_gpu.copy_(flat_host, non_blocking=True),
-            repeat,
-            cuda,
-        )
+        timed = await offload_onboard_seconds(engine, idx, pool.device, repeat, cuda)
+        (off, contig_d2h, ratio_off), (on, contig_h2d, ratio_on) = timed["offload"], timed["onboard"]
         path = next(iter(engine.copier.statistics().calls))
 
         # per-chunk loops: every (block, layer, kv) chunk its own copy

@@ -26,7 +26,7 @@ from ... import pool_kinds as pk
 from ...engine import TransferEngine
 from ...layout import KVLayout
 from ...pools import BlockPool, Tier
-from .common import bench_main, machine_info, paired_seconds, sync
+from .common import bench_main, machine_info, offload_onboard_seconds, sync
 
 __all__ = ["KINDS", "kind_pool", "main", "rows", "run"]
 
@@ -111,21 +111,9 @@ async def _one(kind: str, device: str, piece: int, layers: int, blocks: int, rep
         del want
 
         nbytes = blocks * pool.layout.bytes_per_block
-        flat_host = host.tensor.view(-1).view(torch.uint8)
-        flat_dev = torch.empty(nbytes, dtype=torch.uint8, device=pool.device)
         # each engine copy next to one contiguous copy of the same bytes, taking turns (common.paired_seconds)
-        off, base_off, ratio_off = await paired_seconds(
-            lambda: engine.copy(Tier.GPU, idx, Tier.HOST, idx),
-            lambda: flat_host.copy_(flat_dev, non_blocking=True),
-            repeat,
-            cuda,
-        )
-        on, base_on, ratio_on = await paired_seconds(
-            lambda: engine.copy(Tier.HOST, idx, Tier.GPU, idx),
-            lambda: flat_dev.copy_(flat_host, non_blocking=True),
-            repeat,
-            cuda,
-        )
+        timed = await offload_onboard_seconds(engine, idx, pool.device, repeat, cuda)
+        (off, base_off, ratio_off), (on, base_on, ratio_on) = timed["offload"], timed["onboard"]
         path = ",".join(sorted(engine.copier.statistics().calls))
     out = []
     for direction, ours, base, ratio in (("offload", off, base_off, ratio_off), ("onboard", on, base_on, ratio_on)):
