@@ -46,7 +46,7 @@ import torch
 from .completions import CompletionInbox, EventPoller
 from .config import EngineConfig
 from .copyops import Copier, NativeRoute
-from .device import CudaStream, Device, Stream, resolve_device
+from .device import CudaStream, Device, Stream, expected_end, resolve_device
 from .errors import EngineClosedError, OwnedEngineError
 from .fences import FenceTable, Marker
 from .file import FileHandler, FileTier, FileTierConfig
@@ -84,10 +84,6 @@ ORPHAN_TIMEOUT = 30.0
 #: ``EngineConfig.completion_spin_us`` on CUDA when not set: the loop polls an awaited copy from 0.4 ms before its
 #: expected end to 0.2 ms after it.
 _DEFAULT_SPIN_US = 200
-
-#: Bytes per nanosecond a stream is expected to move before it has measured its rate (above a PCIe link: an awaited
-#: copy is polled early rather than late).
-_RATE_GUESS_BPNS = 100.0
 
 Indices = Iterable[int] | np.ndarray | torch.Tensor
 
@@ -931,8 +927,9 @@ class TransferEngine:
         poller = self._poller
         if poller is None:
             return
-        rate = getattr(marker.lane, "rate", 0.0) or _RATE_GUESS_BPNS
-        poller.watch(marker, transfer.submitted_at + transfer.nbytes / (rate * 1e9))
+        # the stream waiter's own estimate (device.expected_end), in perf_counter seconds; no bytes: due at once
+        _wake, due_ns = expected_end(0, transfer.nbytes, getattr(marker.lane, "rate", 0.0))
+        poller.watch(marker, transfer.submitted_at + max(due_ns, 0) / 1e9)
 
     def _poll(self, marker: Marker) -> bool:
         """One loop-side poll of ``marker`` (:class:`EventPoller`): True once it needs no more polls.
