@@ -212,6 +212,24 @@ async def test_poller_gives_up_past_the_window() -> None:
     assert poller.polls == polls, "given up: no more polls"
 
 
+async def test_poller_polls_a_long_item_up_to_its_slack_past_due() -> None:
+    """A long copy running slower than its stream's best rate (a partial copy) is still polled past its due time:
+    up to ``slack`` (the engine gives a quarter of the expected span), not only the window."""
+    loop = asyncio.get_running_loop()
+    ends: dict[int, float] = {}
+    now = time.perf_counter()
+
+    def poll(item: int) -> bool:
+        return time.perf_counter() >= ends[item]
+
+    poller: EventPoller[int] = EventPoller(loop, poll, None, window=0.002)
+    ends[1] = ends[2] = now + 0.03  # both end 30 ms after the due time they were watched with
+    poller.watch(1, now, slack=0.06)
+    poller.watch(2, now)  # the window alone: given up after 2 ms
+    await asyncio.sleep(0.1)
+    assert poller.finished == 1, "the item with slack was polled until it ended; the other was given up on"
+
+
 async def test_poller_keeps_far_items_until_woken_near_their_end() -> None:
     loop = asyncio.get_running_loop()
     polled: list[int] = []

@@ -122,7 +122,7 @@ class EventPoller(Generic[T]):
     ``lead = 2 * window`` away, else keeps the item until :meth:`near_end` (a thread expecting an end soon wakes the
     loop with :meth:`wake`). While anything is watched the loop never sleeps: each round runs a ``call_soon``
     callback, so the loop's selector is polled with a zero timeout and other callbacks and tasks run as usual. The
-    cost is one busy core for at most ``lead + window`` per watched item.
+    cost is one busy core for at most ``lead + max(window, slack)`` per watched item.
 
     Attributes:
         polls: loop rounds that polled (statistics).
@@ -146,21 +146,27 @@ class EventPoller(Generic[T]):
         self.window = window
         self.lead = 2 * window
         self._watched: list[tuple[T, float]] = []  # (item, give up at)
-        self._soon: list[tuple[T, float]] = []  # (item, expected end): too far away to poll yet
+        self._soon: list[tuple[T, float, float]] = []  # (item, expected end, slack): too far away to poll yet
         self._armed = False
         self.polls = 0
         self.finished = 0
 
-    def watch(self, item: T, due: float) -> None:
-        """Poll ``item`` from now (``due`` within :attr:`lead`) or from the next :meth:`near_end` (loop only)."""
+    def watch(self, item: T, due: float, slack: float = 0.0) -> None:
+        """Poll ``item`` from now (``due`` within :attr:`lead`) or from the next :meth:`near_end` (loop only).
+
+        It is polled until ``max(window, slack)`` seconds past ``due`` (``slack``: how late a long item may run
+        against its estimate, e.g. a quarter of its expected span).
+        """
         now = time.perf_counter()
+        if slack < self.window:
+            slack = self.window
         if due - now > self.lead:
             soon = self._soon
             if len(soon) >= 64:  # nobody woke the loop for these (a stream without pre-wake): forget the stale ones
-                self._soon = soon = [(i, d) for i, d in soon if d + self.window > now]
-            soon.append((item, due))
+                self._soon = soon = [(i, d, s) for i, d, s in soon if d + s > now]
+            soon.append((item, due, slack))
             return
-        self._watched.append((item, max(due, now) + self.window))
+        self._watched.append((item, max(due, now) + slack))
         if not self._armed:
             self._armed = True
             self._loop.call_soon(self._check)
@@ -172,11 +178,11 @@ class EventPoller(Generic[T]):
             return
         now = time.perf_counter()
         keep = []
-        for item, due in soon:
+        for item, due, slack in soon:
             if due - now <= self.lead:
-                self._watched.append((item, max(due, now) + self.window))
-            elif due + self.window > now:
-                keep.append((item, due))
+                self._watched.append((item, max(due, now) + slack))
+            elif due + slack > now:
+                keep.append((item, due, slack))
         self._soon = keep
         if self._watched and not self._armed:
             self._armed = True

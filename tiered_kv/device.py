@@ -274,14 +274,18 @@ _RATE_MIN_BYTES = 4 << 20
 def expected_end(start: int, nbytes: int, rate: float) -> tuple[int, int]:
     """When a stream's waiter starts polling for work of ``nbytes`` started at ``start``, and its expected end.
 
-    Both in monotonic ns, ``(wake, due)``, at ``rate`` bytes per ns (0: not measured yet, :data:`_RATE_GUESS`).
-    The waiter polls from 80 % of the expected span: a copy up to 25 % faster than the rate is still polled
-    before it ends, and one faster still is seen by its host-function post. ``nbytes`` 0 (unknown): ``(-1, -1)``,
-    the post alone.
+    Both in monotonic ns, ``(wake, due)``, at ``rate`` bytes per ns. The waiter polls from 80 % of the expected
+    span: a copy up to 25 % faster than the rate is still polled before it ends, and one faster still is seen by
+    its host-function post (a native copy without one: at the wake). Rate 0 (not measured yet): due at
+    :data:`_RATE_GUESS`, polled from ``start``, so that the stream's first copy teaches it its rate to within a
+    poll period however fast the route is (a device-to-device copy runs at 10-30x a host link). ``nbytes`` 0
+    (unknown): ``(-1, -1)``, the post alone.
     """
     if nbytes <= 0:
         return -1, -1
-    span = nbytes / (rate or _RATE_GUESS)
+    if not rate:
+        return start, start + int(nbytes / _RATE_GUESS)
+    span = nbytes / rate
     return start + int(0.8 * span), start + int(span)
 
 

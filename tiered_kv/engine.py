@@ -927,9 +927,11 @@ class TransferEngine:
         poller = self._poller
         if poller is None:
             return
-        # the stream waiter's own estimate (device.expected_end), in perf_counter seconds; no bytes: due at once
+        # the stream waiter's own estimate (device.expected_end), in perf_counter seconds; no bytes: due at once.
+        # A long copy is polled up to a quarter of its span late (a partial copy runs below the stream's best rate)
         _wake, due_ns = expected_end(0, transfer.nbytes, getattr(marker.lane, "rate", 0.0))
-        poller.watch(marker, transfer.submitted_at + max(due_ns, 0) / 1e9)
+        span = max(due_ns, 0) / 1e9
+        poller.watch(marker, transfer.submitted_at + span, span / 4)
 
     def _poll(self, marker: Marker) -> bool:
         """One loop-side poll of ``marker`` (:class:`EventPoller`): True once it needs no more polls.

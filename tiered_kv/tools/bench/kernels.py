@@ -21,8 +21,10 @@ Rows, each next to a baseline measured in the same run (engine copies and their 
   the same bytes; target >= 0.8) and host->GPU (fraction of a contiguous pinned H2D; target >= 0.85). Beside
   it, what the row can reach: ``floor_us`` (the fixed cost of one awaited ``engine.copy`` on the same route:
   one block, one token), ``bound_fraction`` = contiguous / (op device time + floor) and ``vs_bound`` =
-  fraction / bound_fraction. With tens of microseconds of device work and ~100-250 us per awaited call, the
-  GPU->GPU rows cannot reach their target; ``vs_bound`` says how close they are to what they can.
+  fraction / bound_fraction; ``loop_floor_us`` (the same bytes with no engine: a torch copy, an event and the loop
+  polling it into an awaited future) and ``loop_bound_fraction`` = contiguous / (op device time + loop floor),
+  what any awaited API could reach with this op. With 40-160 us of GPU->GPU device work against tens of
+  microseconds per awaited call, the GPU->GPU rows cannot reach their target; the bounds say how close they are.
 * ``layouts``: every GPU pool kind of :mod:`tiered_kv.pool_kinds` (engine layouts) at 64 KiB pieces, offload
   and onboard, next to one contiguous copy; bit-exact round trip per row (:mod:`tiered_kv.tools.bench.layouts`).
   Target: >= 0.85x contiguous.
@@ -97,6 +99,41 @@ async def _engine_seconds(
         await engine.copy(src, s, dst, d, num_tokens=n)
         if i:
             times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+async def _loop_floor_seconds(dst: torch.Tensor, src: torch.Tensor, repeat: int) -> float:
+    """What any awaited copy pays on this loop, with no engine (median wall time; NaN without CUDA).
+
+    ``dst.copy_(src)`` on a side stream, an event, and the loop polling the event once per round into a future it
+    awaits.
+
+    The floor of every awaited API, whatever does its bookkeeping: a launch, the device's end, the loop seeing it.
+    """
+    if not dst.is_cuda:
+        return float("nan")
+    loop = asyncio.get_running_loop()
+    stream = torch.cuda.Stream(device=dst.device)
+    times = []
+    for i in range(repeat + 1):
+        t0 = time.perf_counter()
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(stream)
+        future = loop.create_future()
+
+        def check(event: torch.cuda.Event = event, future: asyncio.Future[None] = future) -> None:
+            if event.query():
+                future.set_result(None)
+            else:
+                loop.call_soon(check)
+
+        loop.call_soon(check)
+        await future
+        if i:
+            times.append(time.perf_counter() - t0)
+    stream.synchronize()
     return statistics.median(times)
 
 
@@ -285,6 +322,12 @@ async def _partial(device: str, blocks: int, repeat: int) -> list[dict[str, Any]
                 "gpu->gpu": await _engine_seconds(engine, Tier.GPU, idx[:1], Tier.GPU, idx[half : half + 1], floors, 1),
                 "host->gpu": await _engine_seconds(engine, Tier.HOST, idx[:1], Tier.GPU, idx[:1], floors, 1),
             }
+            # the same one-token bytes with no engine at all: a torch copy, an event, the loop polling it
+            one = layout.partial_bytes(1)
+            loop_floor = {
+                "gpu->gpu": await _loop_floor_seconds(b[:one], a[:one], floors),
+                "host->gpu": await _loop_floor_seconds(a[:one], h[:one], floors),
+            }
             path = engine.copier.plan(engine.pool(Tier.GPU), idx[:half], engine.pool(Tier.GPU), idx[half:], n).path
             # the op alone (no engine: no fences, waiter thread or loop wake-up), device time next to the
             # baseline's device time: what the kernel itself achieves
@@ -310,6 +353,8 @@ async def _partial(device: str, blocks: int, repeat: int) -> list[dict[str, Any]
                 # what the row can reach: the op's device time plus one awaited call's fixed cost (NaN on the
                 # emulated device, which has no device time)
                 bound = base / (op_dev[direction] + floor[direction])
+                # what any awaited call can reach: the op's device time plus the bare loop floor
+                loop_bound = base / (op_dev[direction] + loop_floor[direction])
                 rows.append(
                     {
                         "bench": "partial",
@@ -324,6 +369,8 @@ async def _partial(device: str, blocks: int, repeat: int) -> list[dict[str, Any]
                         "floor_us": floor[direction] * 1e6,
                         "bound_fraction": bound,
                         "vs_bound": fraction / bound,
+                        "loop_floor_us": loop_floor[direction] * 1e6,
+                        "loop_bound_fraction": loop_bound,
                         "op_dev_GBps": nbytes / op_dev[direction] / 1e9,
                         "base_dev_GBps": nbytes / base_dev[direction] / 1e9,
                         "op_dev_fraction": base_dev[direction] / op_dev[direction],
@@ -457,8 +504,10 @@ def run(quick: bool = False, device: str = "auto") -> dict[str, Any]:
         "base_dev = the contiguous copy's device time measured the same way; "
         "floor_us = median wall time of an awaited engine.copy of one block, num_tokens=1, on the same route "
         "(the fixed cost of a call); bound_fraction = contiguous time / (op_dev time + floor), what the row can "
-        "reach; vs_bound = fraction / bound_fraction (bound_fraction and vs_bound are NaN on the emulated device, "
-        "which has no device time)",
+        "reach; vs_bound = fraction / bound_fraction; loop_floor_us = the same bytes with no engine (a torch copy, "
+        "an event, the loop polling it into an awaited future): the floor of any awaited call; loop_bound_fraction "
+        "= contiguous time / (op_dev time + loop floor), what any awaited API can reach with this op (the bounds "
+        "and vs_bound are NaN on the emulated device, which has no device time)",
         "layouts: one row per GPU pool kind (tiered_kv.pool_kinds) and direction, all blocks in one engine call, "
         "vs one contiguous copy of the same bytes; bit_exact = a random-content round trip through the host tier",
         "gather: host_us = CPU time to issue one call; device_us = CUDA events around it; "
