@@ -266,6 +266,10 @@ _now_ns = time.monotonic_ns  # one global lookup per notify
 _PREWAKE_NS = 200_000
 _PREWAKE_MIN_SPAN_NS = 400_000
 
+#: The waiter's poll period near an expected end (``kernels/fast_path.cpp: kPollNs``): a copy seen ending sooner
+#: than this after the wake was found done at the first look.
+_POLL_NS = 20_000
+
 #: Copies of at least this many bytes, started on an idle stream, teach it its rate (smaller ones are mostly fixed
 #: cost; a queued one's start is not known to the microsecond).
 _RATE_MIN_BYTES = 4 << 20
@@ -274,18 +278,14 @@ _RATE_MIN_BYTES = 4 << 20
 def expected_end(start: int, nbytes: int, rate: float) -> tuple[int, int]:
     """When a stream's waiter starts polling for work of ``nbytes`` started at ``start``, and its expected end.
 
-    Both in monotonic ns, ``(wake, due)``, at ``rate`` bytes per ns. The waiter polls from 80 % of the expected
-    span: a copy up to 25 % faster than the rate is still polled before it ends, and one faster still is seen by
-    its host-function post (a native copy without one: at the wake). Rate 0 (not measured yet): due at
-    :data:`_RATE_GUESS`, polled from ``start``, so that the stream's first copy teaches it its rate to within a
-    poll period however fast the route is (a device-to-device copy runs at 10-30x a host link). ``nbytes`` 0
-    (unknown): ``(-1, -1)``, the post alone.
+    Both in monotonic ns, ``(wake, due)``, at ``rate`` bytes per ns (0: not measured yet, :data:`_RATE_GUESS`).
+    The waiter polls from 80 % of the expected span: a copy up to 25 % faster than the rate is still polled
+    before it ends, and one faster still is seen by its host-function post. ``nbytes`` 0 (unknown): ``(-1, -1)``,
+    the post alone.
     """
     if nbytes <= 0:
         return -1, -1
-    if not rate:
-        return start, start + int(nbytes / _RATE_GUESS)
-    span = nbytes / rate
+    span = nbytes / (rate or _RATE_GUESS)
     return start + int(0.8 * span), start + int(span)
 
 
@@ -342,6 +342,9 @@ class CudaStream:
         self._wait_done: Callable[..., tuple[int, bool]] | None = None  # the extension's completion wait, if any
         #: bytes per nanosecond this stream's copies have reached (the fastest seen; 0: none measured yet)
         self.rate = 0.0
+        #: whether the last copy that taught the rate was seen ending between two polls (its rate is then known);
+        #: until then, or after a copy found already done at the first look, the next one is polled from its start
+        self.rate_known = False
         #: called from the waiter shortly before a copy of at least 0.4 ms is expected to end (the engine wakes its
         #: event loop with it, so that the loop is not deep asleep when the completion comes)
         self.near_end: Callback | None = None
@@ -507,6 +510,9 @@ class CudaStream:
             # it starts when it was notified, or when the work before it ended (this thread saw that end)
             start = max(notified, last_done)
             wake, due = expected_end(start, nbytes, self.rate)
+            if not self.rate_known and wake > start:  # the rate may be far too low (a route 10-30x a host link)
+                wake = start
+            called = time.monotonic_ns()
             handle = event.cuda_event if isinstance(event, torch.cuda.Event) else event.handle
             near_end = self.near_end
             stop = due - _PREWAKE_NS if near_end is not None and due - start >= _PREWAKE_MIN_SPAN_NS else -1
@@ -524,7 +530,14 @@ class CudaStream:
                 span = done - notified
                 if span > 0:
                     seen = nbytes / span
-                    self.rate = seen if seen > self.rate else 0.98 * self.rate + 0.02 * seen
+                    # found done at the first look after the wake (or during the sleep before it): it ended some
+                    # time earlier, so its rate is at least what was seen; the next copy is polled from its start
+                    first_look = done - max(wake, called) < _POLL_NS
+                    if first_look:
+                        self.rate = max(self.rate, seen)
+                    else:
+                        self.rate = seen if seen > self.rate else 0.98 * self.rate + 0.02 * seen
+                    self.rate_known = not first_look
             last_done = done
             self._run(callback)
 
