@@ -47,7 +47,14 @@ class _Drop:
 
 
 async def engine_phases(
-    layout: KVLayout, blocks: int, src: Tier, dst: Tier, reps: int = 300, waiter: bool = True
+    layout: KVLayout,
+    blocks: int,
+    src: Tier,
+    dst: Tier,
+    reps: int = 300,
+    waiter: bool = True,
+    count: int = 1,
+    tokens: int | None = None,
 ) -> dict[str, float]:
     """Median time from the call to each phase of one awaited 1-block copy (microseconds)."""
     cfg = EngineConfig(completion_spin_us=200 if waiter else 20_000)  # no waiter: the poll never gives up
@@ -100,7 +107,8 @@ async def engine_phases(
         for i in range(reps + 30):
             rec.clear()
             t0 = time.perf_counter()
-            tr = e.copy(src, idx[:1], dst, idx[half : half + 1] if src == dst else idx[:1])
+            d = idx[half : half + count] if src == dst else idx[:count]
+            tr = e.copy(src, idx[:count], dst, d, num_tokens=tokens)
             t1 = time.perf_counter()
             await tr
             t2 = time.perf_counter()
@@ -171,6 +179,43 @@ async def bare_loop(layout: KVLayout, src: Tier, dst: Tier, reps: int = 300) -> 
     return med(out)
 
 
+def main_partial() -> None:
+    """The kernels bench's partial GPU->GPU row (64 blocks of 2 MiB, 4 of 16 tokens), with and without the waiter."""
+    big = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, tokens_per_block=16, dtype=torch.bfloat16)
+    for loop_name in ("asyncio", "uvloop"):
+        if loop_name == "uvloop":
+            uvloop.install()
+        for src in (Tier.GPU, Tier.HOST):
+            for tokens in (4, 12):
+                for waiter in (True, False):
+                    ph = asyncio.run(engine_phases(big, 128, src, Tier.GPU, 40, waiter, 64, tokens))
+                    cells = " ".join(f"{k}={v:7.1f}" for k, v in ph.items())
+                    route = f"{src.value}->gpu"
+                    print(f"{loop_name:8s} partial {route} {tokens}/16 waiter={waiter!s:5s} {cells}", flush=True)
+                print(f"{loop_name:8s} partial {route} {tokens}/16 op alone: {op_alone(big, src, tokens):.1f} us")
+
+
+def op_alone(layout: KVLayout, src: Tier, tokens: int) -> float:
+    """Median wall time (us) of the copy_blocks op alone, synchronized: launch to the host seeing its end."""
+    from tiered_kv import _ext, ops
+
+    _ext.load()
+    gpu = torch.empty((128, *layout.block_shape), dtype=layout.dtype, device="cuda")
+    host = torch.empty((128, *layout.block_shape), dtype=layout.dtype, pin_memory=True)
+    s = torch.arange(64)
+    d = torch.arange(64, 128) if src == Tier.GPU else torch.arange(64)
+    src_t = [gpu] if src == Tier.GPU else [host]
+    out = []
+    for i in range(30):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        ops.copy_blocks([gpu], src_t, s, d, num_tokens=tokens, method=ops.METHOD_KERNEL)
+        torch.cuda.synchronize()
+        if i >= 5:
+            out.append(time.perf_counter() - t0)
+    return med(out)
+
+
 def main() -> None:
     """Every loop, layout and route."""
     small = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, tokens_per_block=4)
@@ -194,4 +239,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main_partial() if "partial" in sys.argv[1:] else main()
