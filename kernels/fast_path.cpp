@@ -28,6 +28,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -306,13 +307,16 @@ constexpr int64_t kMaxPollNs = 1000000;   // the longest poll period, far past t
 // end) and then at a period that grows with the overrun (1/16 of it, at most 1 ms), sleeping on the semaphore
 // between polls (so the wait never ends later than the post would have ended it). A host function runs on
 // CUDA's callback thread and, measured on an H100 host, posts 0.1-0.5 ms after a copy ends; a poll started just
-// before the expected end sees it within tens of microseconds. Returns (posts still owed, done).
+// before the expected end sees it within tens of microseconds. Returns (posts still owed, done, seen_ns, misses):
+// seen_ns is when a check first found the event done (CLOCK_MONOTONIC, taken before the GIL is back: the end as
+// this thread saw it), misses how many checks found it not done yet (0: done at the first look, so it ended some
+// time before seen_ns; the caller's rate estimate must not take seen_ns for its end).
 //
 // `stop_ns` (>= 0): return at that time even if the event is not done yet, with done = false (the waiter wakes the
 // event loop ahead of the completion, then waits again); a post this item took before stopping is handed to the
 // next call as a credit, owed = -1.
-std::pair<int64_t, bool> wait_done(int64_t event, int device, int64_t sem_address, int64_t wake_ns, int64_t due_ns,
-                                   int64_t owed, int64_t stop_ns) {
+std::tuple<int64_t, bool, int64_t, int64_t> wait_done(int64_t event, int device, int64_t sem_address, int64_t wake_ns,
+                                                       int64_t due_ns, int64_t owed, int64_t stop_ns) {
   const py::gil_scoped_release release;
   static thread_local bool slack_set = false;
   if (!slack_set) {  // short sleeps wake within ~1 us of their time instead of the default 50 us slack
@@ -323,6 +327,16 @@ std::pair<int64_t, bool> wait_done(int64_t event, int device, int64_t sem_addres
   const cudaEvent_t ev = reinterpret_cast<cudaEvent_t>(event);
   sem_t* sem = reinterpret_cast<sem_t*>(sem_address);
   bool consumed = false;
+  int64_t seen = 0;
+  int64_t misses = 0;
+  auto done_now = [&]() -> bool {  // one look at the event, counted
+    if (event_done(ev)) {
+      seen = now_ns();
+      return true;
+    }
+    ++misses;
+    return false;
+  };
   if (owed < 0) {  // a credit: this item's post was taken by the call that stopped early
     consumed = true;
     owed = 0;
@@ -331,7 +345,9 @@ std::pair<int64_t, bool> wait_done(int64_t event, int device, int64_t sem_addres
     while (owed > 0 && sem_trywait(sem) == 0) --owed;
   }
   const bool stops = stop_ns >= 0;
-  auto stopped = [&]() -> std::pair<int64_t, bool> { return {consumed ? -1 : owed, false}; };
+  auto stopped = [&]() -> std::tuple<int64_t, bool, int64_t, int64_t> {
+    return {consumed ? -1 : owed, false, 0, misses};
+  };
   if (wake_ns < 0) {  // no estimate: the host-function post (or, in event mode, a blocking-sync wait)
     if (sem == nullptr) {
       const cudaError_t err = cudaEventSynchronize(ev);
@@ -339,7 +355,7 @@ std::pair<int64_t, bool> wait_done(int64_t event, int device, int64_t sem_addres
         cudaGetLastError();
         throw std::runtime_error(std::string("cudaEventSynchronize failed: ") + cudaGetErrorString(err));
       }
-      return {owed, true};
+      return {owed, true, now_ns(), 1};
     }
     for (;;) {
       if (sem_wait(sem) != 0) continue;  // EINTR
@@ -350,7 +366,7 @@ std::pair<int64_t, bool> wait_done(int64_t event, int device, int64_t sem_addres
       consumed = true;
       break;
     }
-    if (event_done(ev)) return {owed, true};
+    if (done_now()) return {owed, true, seen, misses};
     due_ns = now_ns();  // a post of a later notify (signalled beside its stream) came first: poll from here
   } else if (sem != nullptr) {
     const int64_t first = stops ? std::min(wake_ns, stop_ns) : wake_ns;
@@ -365,18 +381,18 @@ std::pair<int64_t, bool> wait_done(int64_t event, int device, int64_t sem_addres
         continue;
       }
       consumed = true;
-      if (event_done(ev)) return {owed, true};
+      if (done_now()) return {owed, true, seen, misses};
       break;
     }
-    if (stops && now_ns() >= stop_ns && !event_done(ev)) return stopped();
+    if (stops && now_ns() >= stop_ns && !done_now()) return stopped();
   } else {  // event mode (no post to fall back on): sleep in slices of at most 1 ms, checking between them
     for (int64_t left = wake_ns - now_ns(); left > 0; left = wake_ns - now_ns()) {
-      if (event_done(ev)) return {owed, true};
+      if (done_now()) return {owed, true, seen, misses};
       if (stops && now_ns() >= stop_ns) return stopped();
       sleep_ns(std::min(left, stops ? std::min(kMaxPollNs, std::max<int64_t>(stop_ns - now_ns(), 1000)) : kMaxPollNs));
     }
   }
-  while (!event_done(ev)) {
+  while (!done_now()) {
     if (stops && now_ns() >= stop_ns) return stopped();
     const int64_t over = now_ns() - due_ns;
     const int64_t period = over <= 16 * kPollNs ? kPollNs : std::min(over / 16, kMaxPollNs);
@@ -394,7 +410,7 @@ std::pair<int64_t, bool> wait_done(int64_t event, int device, int64_t sem_addres
       }
     }
   }
-  return {(consumed || sem == nullptr) ? owed : owed + 1, true};
+  return {(consumed || sem == nullptr) ? owed : owed + 1, true, seen, misses};
 }
 
 }  // namespace

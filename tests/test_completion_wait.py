@@ -76,6 +76,7 @@ def test_callbacks_run_in_order_after_their_event_whatever_the_estimate(
     monkeypatch.setattr(device_mod, "_RATE_MIN_BYTES", 1 << 62)  # keep the given rate: no learning
     stream = CudaStream("estimate-test", device=torch.device("cuda"))
     stream.rate = rate
+    stream.rate_known = rate > 0  # taken as measured: the waiter sleeps to 4/5 of the span it gives
     try:
         count = 200
         seen = _run_items(
@@ -104,6 +105,7 @@ def test_posts_owed_by_polled_items_do_not_end_a_later_wait_early(ext: Any, monk
     monkeypatch.setattr(device_mod, "_RATE_MIN_BYTES", 1 << 62)
     stream = CudaStream("owed-test", device=torch.device("cuda"))
     stream.rate = 1e9  # every estimated item polls from the start
+    stream.rate_known = True
     count = 60
     try:
         order = _run_items(  # a long stall before the first post-only item
@@ -145,34 +147,38 @@ def test_a_stream_learns_its_rate_from_copies_on_an_idle_stream(ext: Any) -> Non
 
 
 @pytest.mark.gpu
-def test_a_fast_route_teaches_its_stream_its_rate_in_a_few_copies(ext: Any) -> None:
-    """A GPU->GPU copy runs at 10-30x a host link. The local stream's large native copies (no host-function post:
-    the waiter polls alone) must teach it that rate within a few copies: a copy found already done at the waiter's
-    first look only bounds the rate from below, so the next one is polled from its start and seen ending. Before
-    the fix the waiter slept to 4/5 of a span guessed from the slow first copy (the kernel's first launch) and the
-    rate grew 1.25x per copy."""
-    import asyncio
-
+def test_a_copy_seen_only_at_the_first_look_never_lowers_the_rate_or_counts_as_measured(ext: Any) -> None:
+    """A waiter that comes late (its thread woke 0.2-0.4 ms after the notify on the GPU machines) finds a short copy
+    already done at its first look: the span it sees is an upper bound, so the rate it gives is a lower bound. It
+    may raise the rate (marked not known: the next copy is polled from its start), never lower it or mark it
+    measured; a copy seen ending between two looks sets it and marks it known."""
     import torch
 
-    from tiered_kv import KVLayout, Tier, TransferEngine
-    from tiered_kv.device import _RATE_GUESS
+    from tiered_kv.device import CudaStream
 
-    layout = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, tokens_per_block=16, dtype=torch.bfloat16)
-
-    async def copies() -> list[float]:
-        rates = []
-        async with TransferEngine(layout, gpu_blocks=64, host_blocks=1, device="cuda") as engine:
-            local: Any = engine._streams["local"]  # a CudaStream
-            assert local.rate == 0.0 and not local.rate_known
-            for _ in range(6):
-                await engine.copy(Tier.GPU, list(range(32)), Tier.GPU, list(range(32, 64)))  # 64 MiB, native path
-                await asyncio.sleep(0.005)  # the waiter is done with it (the loop's poll may complete it first)
-                rates.append(local.rate)
-        return rates
-
-    rates = asyncio.run(copies())
-    assert rates[-1] > 2.5 * _RATE_GUESS, rates  # HBM to HBM: hundreds of GB/s at least
+    stream = CudaStream("first-look-test", device=torch.device("cuda"))
+    src = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    try:
+        stream.rate, stream.rate_known = 1e6, True  # far above any route: a late sample must not lower it
+        done = threading.Event()
+        with torch.cuda.stream(stream.torch_stream):
+            dst.copy_(src, non_blocking=True)
+        stream.notify(done.set, nbytes=src.numel())
+        assert done.wait(30)
+        # seen at its first look: unchanged; seen between looks: 2 % of the way down (the rate tracks the fastest)
+        assert stream.rate_known and stream.rate >= 0.98e6
+        # a long copy (behind a stall) is seen ending between looks: its rate, marked known
+        stream.rate, stream.rate_known = 0.0, False
+        done = threading.Event()
+        with torch.cuda.stream(stream.torch_stream):
+            torch.cuda._sleep(20_000_000)
+            dst.copy_(src, non_blocking=True)
+        stream.notify(done.set, nbytes=src.numel())
+        assert done.wait(30)
+        assert stream.rate_known and 0.0 < stream.rate < 1e4
+    finally:
+        stream.close()
 
 
 def test_expected_end_polls_from_four_fifths_of_the_span() -> None:
@@ -224,7 +230,7 @@ def test_wait_done_returns_only_once_its_event_is_done(ext: Any, owed: int) -> N
         result: list[tuple[int, bool]] = []
 
         def wait() -> None:
-            left, finished = native.wait_done(
+            left, finished, _seen, _misses = native.wait_done(
                 event.cuda_event, torch.cuda.current_device(), signal.address, -1, -1, owed
             )
             assert finished
@@ -258,15 +264,36 @@ def test_wait_done_stops_at_its_stop_time_and_the_next_call_finishes(ext: Any) -
         signal.enqueue(stream)
         device = torch.cuda.current_device()
         now = time.monotonic_ns()
-        owed, done = native.wait_done(event.cuda_event, device, signal.address, now, now, 0, now + 20_000_000)
-        assert (owed, done) == (0, False) and not event.query()
+        owed, done, seen, misses = native.wait_done(
+            event.cuda_event, device, signal.address, now, now, 0, now + 20_000_000
+        )
+        assert (owed, done, seen) == (0, False, 0) and misses >= 1 and not event.query()
         assert time.monotonic_ns() - now < 150_000_000  # stopped near its stop time, not at the end of the stall
-        owed, done = native.wait_done(event.cuda_event, device, signal.address, now, now, owed, -1)
+        owed, done, seen, misses = native.wait_done(event.cuda_event, device, signal.address, now, now, owed, -1)
         assert done and event.query()
         assert owed in (0, 1)  # found by polling (its post still to come) or by its post
+        # the end as the waiter saw it, before it had the GIL back; seen ending between looks (the stall is long)
+        assert now < seen <= time.monotonic_ns() and misses >= 1
     finally:
         torch.cuda.synchronize()
         signal.destroy()
+
+
+@pytest.mark.gpu
+def test_wait_done_says_when_an_event_was_done_at_its_first_look(ext: Any) -> None:
+    """A waiter that comes late finds the work done at once: ``misses`` 0 (its rate must not be read from it)."""
+    import time
+
+    import torch
+
+    native = ext.native()
+    event = torch.cuda.Event()
+    event.record()
+    event.synchronize()
+    device = torch.cuda.current_device()
+    now = time.monotonic_ns()
+    owed, done, seen, misses = native.wait_done(event.cuda_event, device, 0, now - 1000, now, 0, -1)
+    assert (owed, done, misses) == (0, True, 0) and now <= seen <= time.monotonic_ns()
 
 
 def _record(into: list[int], value: int, _transfer: object) -> None:

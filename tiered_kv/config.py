@@ -67,8 +67,9 @@ class EngineConfig:
             microseconds is polled by the event loop itself, every round, until it ends or this long (or a quarter
             of its expected span, if longer) past its expected end (:class:`tiered_kv.completions.EventPoller`): the
             awaiting coroutine resumes within a loop round of the device finishing instead of after a thread wakes
-            the sleeping loop (50-190 us on the GPU machines). It keeps the loop's core busy meanwhile. Default ``None``: 200 on CUDA, 0 (off) on the
-            emulated device, whose streams are threads on the same cores. Env: ``TIERED_KV_COMPLETION_SPIN_US``.
+            the sleeping loop (50-190 us on the GPU machines). It keeps the loop's core busy meanwhile. Default
+            ``None``: 200 on CUDA, 0 (off) on the emulated device, whose streams are threads on the same cores.
+            Env: ``TIERED_KV_COMPLETION_SPIN_US``.
     """
 
     device: str = "auto"

@@ -266,10 +266,6 @@ _now_ns = time.monotonic_ns  # one global lookup per notify
 _PREWAKE_NS = 200_000
 _PREWAKE_MIN_SPAN_NS = 400_000
 
-#: The waiter's poll period near an expected end (``kernels/fast_path.cpp: kPollNs``): a copy seen ending sooner
-#: than this after the wake was found done at the first look.
-_POLL_NS = 20_000
-
 #: Copies of at least this many bytes, started on an idle stream, teach it its rate (smaller ones are mostly fixed
 #: cost; a queued one's start is not known to the microsecond).
 _RATE_MIN_BYTES = 4 << 20
@@ -294,7 +290,7 @@ def expected_end(start: int, nbytes: int, rate: float) -> tuple[int, int]:
 _RATE_GUESS = 100.0
 
 
-def _native_wait() -> Callable[..., tuple[int, bool]] | None:
+def _native_wait() -> Callable[..., tuple[int, bool, int, int]] | None:
     """The extension's completion wait (``kernels/fast_path.cpp: wait_done``), or ``None`` without it."""
     if os.environ.get("TIERED_KV_COMPLETION_POLL", "1").strip() == "0":
         return None
@@ -339,11 +335,12 @@ class CudaStream:
         self._side: torch.cuda.Stream | None = None  # carries the ``beside`` signals (notify), made at first use
         self._handle: int = self.torch_stream.cuda_stream
         self._device = self.torch_stream.device.index or 0
-        self._wait_done: Callable[..., tuple[int, bool]] | None = None  # the extension's completion wait, if any
+        #: the extension's completion wait, if any
+        self._wait_done: Callable[..., tuple[int, bool, int, int]] | None = None
         #: bytes per nanosecond this stream's copies have reached (the fastest seen; 0: none measured yet)
         self.rate = 0.0
-        #: whether the last copy that taught the rate was seen ending between two polls (its rate is then known);
-        #: until then, or after a copy found already done at the first look, the next one is polled from its start
+        #: whether a copy was seen ending between two polls (by this waiter, or by the engine's loop-side poll) since
+        #: the rate was last found too low; until then, the next large copy is polled from its start
         self.rate_known = False
         #: called from the waiter shortly before a copy of at least 0.4 ms is expected to end (the engine wakes its
         #: event loop with it, so that the loop is not deep asleep when the completion comes)
@@ -492,7 +489,7 @@ class CudaStream:
                 event.synchronize()  # event mode; or a guard that cannot wait long in host-function mode
             self._run(callback)
 
-    def _native_wait_loop(self, wait_done: Callable[..., tuple[int, bool]]) -> None:
+    def _native_wait_loop(self, wait_done: Callable[..., tuple[int, bool, int, int]]) -> None:
         """The waiter with the extension's completion wait: poll near each expected end, learn the stream's rate.
 
         A notify enqueues its host-function post unless it is a native one naming its bytes (then its wait polls
@@ -512,32 +509,34 @@ class CudaStream:
             wake, due = expected_end(start, nbytes, self.rate)
             if not self.rate_known and wake > start:  # the rate may be far too low (a route 10-30x a host link)
                 wake = start
-            called = time.monotonic_ns()
             handle = event.cuda_event if isinstance(event, torch.cuda.Event) else event.handle
             near_end = self.near_end
             stop = due - _PREWAKE_NS if near_end is not None and due - start >= _PREWAKE_MIN_SPAN_NS else -1
+            seen_at, misses = 0, 0
             try:
-                owed, ended = wait_done(handle, self._device, sem, wake, due, owed, stop)
+                owed, ended, seen_at, misses = wait_done(handle, self._device, sem, wake, due, owed, stop)
                 if not ended:  # shortly before the expected end: wake the loop, then wait for the end itself
                     assert near_end is not None
                     self._run(near_end)
-                    owed, _ = wait_done(handle, self._device, sem, wake, due, owed, -1)
+                    before = misses
+                    owed, _, seen_at, misses = wait_done(handle, self._device, sem, wake, due, owed, -1)
+                    misses += before
             except RuntimeError:  # a CUDA error: surface it the way the plain waiter does
                 log.exception("CUDA stream %s: waiting for a completion failed", self.name)
                 event.synchronize()
-            done = time.monotonic_ns()
+            # when this thread saw the end (before it had the GIL back: a busy loop can hold it for a while)
+            done = seen_at or time.monotonic_ns()
             if nbytes >= _RATE_MIN_BYTES and notified >= last_done:  # it started on an idle stream, at its notify
                 span = done - notified
                 if span > 0:
                     seen = nbytes / span
-                    # found done at the first look after the wake (or during the sleep before it): it ended some
-                    # time earlier, so its rate is at least what was seen; the next copy is polled from its start
-                    first_look = done - max(wake, called) < _POLL_NS
-                    if first_look:
-                        self.rate = max(self.rate, seen)
-                    else:
+                    if misses:  # seen ending between two looks: its rate, to within a poll period
                         self.rate = seen if seen > self.rate else 0.98 * self.rate + 0.02 * seen
-                    self.rate_known = not first_look
+                        self.rate_known = True
+                    elif seen > self.rate:  # done at the first look (this thread came late), yet faster than
+                        # the rate: that is too low; the next copy is polled from its start until one is seen ending
+                        self.rate = seen
+                        self.rate_known = False
             last_done = done
             self._run(callback)
 
