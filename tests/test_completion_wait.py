@@ -181,6 +181,24 @@ def test_a_copy_seen_only_at_the_first_look_never_lowers_the_rate_or_counts_as_m
         stream.close()
 
 
+def test_a_late_waiters_sample_only_raises_the_rate_and_leaves_it_unmeasured() -> None:
+    """The waiter thread picks a copy up 0.2-0.4 ms after its notify on the GPU machines: a short copy is then done
+    at the first look and its span is only an upper bound (a GPU->GPU copy of 64 MiB read as 150-380 B/ns against
+    1,330). Such a sample may raise the rate (not known: the next copy is polled from its start), never lower it."""
+    from tiered_kv.device import learn_rate
+
+    # seen ending between looks: the rate, known; the fastest leads, a slower one eases it down 2 %
+    assert learn_rate(0.0, False, 50.0, misses=3) == (50.0, True)
+    assert learn_rate(50.0, True, 60.0, misses=1) == (60.0, True)
+    rate, known = learn_rate(50.0, True, 40.0, misses=1)
+    assert known and rate == pytest.approx(0.98 * 50.0 + 0.02 * 40.0)
+    # done at the first look: a lower bound
+    assert learn_rate(1300.0, True, 300.0, misses=0) == (1300.0, True)  # a measured rate is left alone
+    assert learn_rate(0.0, False, 300.0, misses=0) == (300.0, False)  # raised, still to be measured
+    assert learn_rate(300.0, True, 400.0, misses=0) == (400.0, False)  # faster than known: the rate was too low
+    assert learn_rate(300.0, False, 200.0, misses=0) == (300.0, False)
+
+
 def test_expected_end_polls_from_four_fifths_of_the_span() -> None:
     from tiered_kv.device import _RATE_GUESS, expected_end
 

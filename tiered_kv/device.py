@@ -285,6 +285,21 @@ def expected_end(start: int, nbytes: int, rate: float) -> tuple[int, int]:
     return start + int(0.8 * span), start + int(span)
 
 
+def learn_rate(rate: float, known: bool, seen: float, misses: int) -> tuple[float, bool]:
+    """A stream's ``(rate, known)`` after a copy its waiter saw move at ``seen`` bytes per ns.
+
+    ``misses``: looks that found the copy still running. With one or more it was seen ending between two looks, to
+    within a poll period: the rate tracks the fastest such copy (jumping up, easing down 2 % per copy) and is known.
+    With none the copy was already done at the first look (the waiter came late), so it moved at least at ``seen``:
+    that may raise the rate, marked not known (the next large copy is polled from its start), never lower it.
+    """
+    if misses:
+        return (seen if seen > rate else 0.98 * rate + 0.02 * seen), True
+    if seen > rate:
+        return seen, False
+    return rate, known
+
+
 #: Bytes per nanosecond (GB/s) a stream assumes before it has measured its own rate: above a PCIe link, so that
 #: host copies are polled early rather than late; the first large copy on an idle stream replaces it.
 _RATE_GUESS = 100.0
@@ -529,14 +544,7 @@ class CudaStream:
             if nbytes >= _RATE_MIN_BYTES and notified >= last_done:  # it started on an idle stream, at its notify
                 span = done - notified
                 if span > 0:
-                    seen = nbytes / span
-                    if misses:  # seen ending between two looks: its rate, to within a poll period
-                        self.rate = seen if seen > self.rate else 0.98 * self.rate + 0.02 * seen
-                        self.rate_known = True
-                    elif seen > self.rate:  # done at the first look (this thread came late), yet faster than
-                        # the rate: that is too low; the next copy is polled from its start until one is seen ending
-                        self.rate = seen
-                        self.rate_known = False
+                    self.rate, self.rate_known = learn_rate(self.rate, self.rate_known, nbytes / span, misses)
             last_done = done
             self._run(callback)
 
