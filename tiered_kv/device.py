@@ -354,8 +354,8 @@ class CudaStream:
         self._wait_done: Callable[..., tuple[int, bool, int, int]] | None = None
         #: bytes per nanosecond this stream's copies have reached (the fastest seen; 0: none measured yet)
         self.rate = 0.0
-        #: whether a copy was seen ending between two polls (by this waiter, or by the engine's loop-side poll) since
-        #: the rate was last found too low; until then, the next large copy is polled from its start
+        #: whether a copy was seen ending between two of the waiter's looks since the rate was last found too low
+        #: (:func:`learn_rate`); until then, each large copy is polled from its start
         self.rate_known = False
         #: called from the waiter shortly before a copy of at least 0.4 ms is expected to end (the engine wakes its
         #: event loop with it, so that the loop is not deep asleep when the completion comes)
