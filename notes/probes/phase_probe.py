@@ -23,6 +23,7 @@ import uvloop
 
 from tiered_kv import EngineConfig, KVLayout, Tier, TransferEngine
 from tiered_kv.completions import EventPoller
+from tiered_kv.tools.bench.kernels import _loop_floor_seconds
 
 DEV = "cuda"
 
@@ -153,30 +154,9 @@ def bare_spin(layout: KVLayout, src: Tier, dst: Tier, reps: int = 300) -> float:
 
 
 async def bare_loop(layout: KVLayout, src: Tier, dst: Tier, reps: int = 300) -> float:
-    """Median: torch copy, event, the loop polling it into an awaited future (microseconds)."""
+    """Median: torch copy, event, the loop polling it into an awaited future (microseconds; the bench's floor)."""
     a, b = bare_tensors(layout, src, dst)
-    s = torch.cuda.Stream()
-    loop = asyncio.get_running_loop()
-    out = []
-    for i in range(reps + 30):
-        t0 = time.perf_counter()
-        with torch.cuda.stream(s):
-            b.copy_(a, non_blocking=True)
-        ev = torch.cuda.Event()
-        ev.record(s)
-        fut = loop.create_future()
-
-        def check(ev=ev, fut=fut) -> None:  # type: ignore[no-untyped-def]
-            if ev.query():
-                fut.set_result(None)
-            else:
-                loop.call_soon(check)
-
-        loop.call_soon(check)
-        await fut
-        if i >= 30:
-            out.append(time.perf_counter() - t0)
-    return med(out)
+    return await _loop_floor_seconds(b, a, reps) * 1e6
 
 
 def main_partial() -> None:

@@ -110,10 +110,11 @@ async def _loop_floor_seconds(dst: torch.Tensor, src: torch.Tensor, repeat: int)
 
     The floor of every awaited API, whatever does its bookkeeping: a launch, the device's end, the loop seeing it.
     """
-    if not dst.is_cuda:
+    gpu = dst if dst.is_cuda else src
+    if not gpu.is_cuda:
         return float("nan")
     loop = asyncio.get_running_loop()
-    stream = torch.cuda.Stream(device=dst.device)
+    stream = torch.cuda.Stream(device=gpu.device)
     times = []
     for i in range(repeat + 1):
         t0 = time.perf_counter()
