@@ -22,8 +22,8 @@ thread hop per block (on a host where a torch call costs tens of microseconds th
 depth, bounded 1 MiB blocks; notes/issue-14-filepipe.md). After a failure no further group starts.
 
 * GPU -> file: the group's GPU blocks -> its staging blocks on the offload stream (``_link``); from that
-  op's completion, one ``pwrite`` per staging block (with GDS: of the GPU block itself; the staged copy is
-  what is checksummed).
+  op's completion, per staging block a tier worker checksums it and starts its ``pwrite`` (with GDS: of the
+  GPU block itself; the staged copy is what is checksummed).
 * file -> GPU: one ``pread`` per block into its staging block, each verified on a worker; once every member
   of the group is in, the verified ones go staging -> GPU blocks in one op on the onboard stream: a block
   that fails verification is left out of the op and never reaches the GPU pool, and the group's good blocks
@@ -223,7 +223,7 @@ class FileCopy:
         payload = self._pool_np[self.blocks[j]]
         # Checksum on the launcher thread (xxh3 runs at ~15 GB/s, above any single disk, and releases the
         # GIL), so the I/O threads only do I/O and keep as many requests in flight as raw pwritev would.
-        self._write(j, buf, payload, payload, prehash=True)
+        self._write(j, buf, payload, payload)
 
     # file -> host pool: a window of reads in flight, each verified on a worker ------------------------------
 
@@ -326,8 +326,18 @@ class FileCopy:
             self._read_member(group, k)
 
     def _write_group(self, js: list[int], bufs: list[int]) -> None:
+        """The group is staged: each block is checksummed and its ``pwrite`` started on a tier worker.
+
+        Not on the I/O threads, which then only write (like host pools): a staged MiB just written by the
+        device is cache-cold, and its xxh3 took 230-260 us on an H100 host, about a sixth of each I/O thread's
+        time at 1 MiB (GPU->file ran at 0.70-0.76x raw ``pwritev`` with it there, at raw speed without;
+        notes/issue-14-filepipe.md). One task per block, so a group's checksums run on all workers at once.
+        """
         for j, buf in zip(js, bufs, strict=True):
-            self._step(j, buf, step=self._write_staged)
+            try:
+                self.io.workers.submit(self._step, j, buf, self._write_staged)
+            except BaseException as exc:  # the tier is closing: reported through done()
+                self._job_done(j, buf, exc)
 
     def _write_staged(self, j: int, buf: int | None) -> None:
         assert buf is not None
@@ -488,25 +498,20 @@ class FileCopy:
 
     # steps -----------------------------------------------------------------------------------------
 
-    def _write(self, j: int, buf: int | None, payload: Buffer, host_payload: Buffer, prehash: bool = False) -> None:
-        """Write slot ``j``; the header is filled (payload checksummed) now (``prehash``) or on the I/O thread."""
+    def _write(self, j: int, buf: int | None, payload: Buffer, host_payload: Buffer) -> None:
+        """Fill slot ``j``'s header (checksum of ``host_payload``) on this thread, then start its ``pwrite``."""
         io, geo, hdr = self.io, self.io.geometry, self._hdrs[j]
-
-        def fill_header() -> None:
-            pack_header(
-                hdr.data,
-                geo.fingerprint,
-                self.slots[j],
-                self.gens[j],
-                self.keys[j],
-                geo.payload_bytes,
-                payload_checksum(host_payload),
-            )
-
+        pack_header(
+            hdr.data,
+            geo.fingerprint,
+            self.slots[j],
+            self.gens[j],
+            self.keys[j],
+            geo.payload_bytes,
+            payload_checksum(host_payload),
+        )
         bufs = [hdr, payload] + ([io.zero_pad] if io.zero_pad is not None else [])
-        if prehash:
-            fill_header()
-        fut = io.backend.pwrite(bufs, geo.offset(self.slots[j]), before=None if prehash else fill_header)
+        fut = io.backend.pwrite(bufs, geo.offset(self.slots[j]))
 
         def written(n: int) -> None:
             if n != geo.slot_size:
