@@ -313,7 +313,7 @@ def run(quick: bool = False, device: str = "auto", directory: str | None = None)
             notes.append(f"gds backend not measured: {probe.reason if probe else 'off'}")
         sizes = [1 << 20] if quick else [1 << 20, 4 << 20]
         total = (64 << 20) if quick else (1 << 30)
-        repeat = 3 if quick else 9  # disk figures swing 0.75-1.25x between back-to-back pairs on cloud disks
+        repeat = 3 if quick else 7  # one back-to-back pair swung 0.74-1.27x on an H100 host's disk: a median of 7
         for block in sizes:
             n = max(8, total // block)
             raw = _Raw(directory, block, n, THREADS)
