@@ -54,6 +54,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--slots", type=int, default=1024)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--kvikio-threads", type=int, default=0, help="kvikio's pool size (0: what the backend sets)")
     args = ap.parse_args()
     n, payload = args.slots, MiB
     slot = HDR + payload
@@ -93,6 +94,10 @@ def main() -> None:
 
     import kvikio.defaults
 
+    if args.kvikio_threads:
+        kvikio.defaults.set("num_threads", args.kvikio_threads)
+    print(f"kvikio num_threads {kvikio.defaults.get('num_threads')} task_size {kvikio.defaults.get('task_size')} "
+          f"auto_direct_io_write {kvikio.defaults.get('auto_direct_io_write')}", flush=True)
     plain = GdsBackend(path, threads=4)
     variants: list[tuple[str, Any]] = [
         ("raw preadv 2 iov", raw),
