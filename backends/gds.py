@@ -211,7 +211,9 @@ class GdsBackend:
         mode: ``ON`` sets kvikio's compat mode OFF (process-wide, like ``num_threads``, which is raised to
             ``threads`` if lower) after checking that GDS is available;
             ``AUTO`` leaves kvikio's compat mode as configured (default AUTO, env ``KVIKIO_COMPAT_MODE``) where
-            cuFile reports GDS available, and sets it ON (kvikio's POSIX path) where not.
+            cuFile reports GDS available, and sets it ON (kvikio's POSIX path) where not. With kvikio's POSIX
+            path it also turns on kvikio's O_DIRECT reads (``auto_direct_io_read``, process-wide) unless
+            ``KVIKIO_AUTO_DIRECT_IO_READ`` is set.
             ``OFF`` is refused: it means the posix backend.
         threads: completion threads (each waits on one kvikio future; kvikio's own pool does the I/O).
         device_io: pass CUDA buffers to kvikio. ``None``: only when cuFile is really used (GDS available and
@@ -272,6 +274,15 @@ class GdsBackend:
             # (which spun at 100% CPU where nvidia-fs was missing). This is what AUTO would fall back to anyway.
             kvikio.defaults.set("compat_mode", compat.ON if compat is not None else True)
             forced_on = True
+        if forced_on and "KVIKIO_AUTO_DIRECT_IO_READ" not in os.environ:
+            # kvikio's POSIX path reads through the page cache by default. Cold 1 MiB slot reads ran at 0.91-0.94x
+            # raw O_DIRECT preadv that way and at 0.98-0.99x with kvikio's opportunistic O_DIRECT (two runs on an
+            # H100 host, notes/probes/kvikio_read_probe.py). Slots and our buffers are page aligned, so reads
+            # can bypass the cache like the posix backend's; kvikio falls back to buffered reads where not.
+            try:
+                kvikio.defaults.set("auto_direct_io_read", True)
+            except Exception as exc:  # older kvikio: no such setting
+                log.debug("could not turn on kvikio's O_DIRECT reads: %r", exc)
         gds_real = not forced_on and bool(available)
         self.device_io = gds_real if device_io is None else bool(device_io)
         self.gds = gds_real

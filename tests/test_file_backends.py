@@ -356,7 +356,7 @@ def _fake_kvikio_io(monkeypatch, gds_available: bool) -> dict[str, Any]:
 
     _fake_kvikio(monkeypatch, gds_available, libcuda=True)
     kvikio = sys.modules["kvikio"]
-    settings: dict[str, Any] = {"num_threads": 1, "compat_mode": "auto"}
+    settings: dict[str, Any] = {"num_threads": 1, "compat_mode": "auto", "auto_direct_io_read": False}
 
     class CompatMode(enum.Enum):
         ON = "on"
@@ -404,6 +404,7 @@ async def test_engine_through_gds_backend_with_fake_kvikio(monkeypatch, tmp_path
         be = eng.file_tier.backend
         assert be.name == "gds" and not be.device_io
         assert settings["num_threads"] == 3 and settings["compat_mode"].value == "on"
+        assert settings["auto_direct_io_read"] is True  # kvikio's POSIX path reads with O_DIRECT, like posix
         src = [fill_random(eng.block(Tier.GPU, i)).clone() for i in range(4)]
         await eng.copy(Tier.GPU, [0, 1], Tier.FILE, [0, 1], keys=[b"a", b"b"])
         await eng.copy(Tier.GPU, [2, 3], Tier.HOST, [0, 1])
@@ -416,6 +417,20 @@ async def test_engine_through_gds_backend_with_fake_kvikio(monkeypatch, tmp_path
         assert_blocks_equal(eng.block(Tier.GPU, 1), src[3])
 
 
+def test_gds_backend_compat_mode_leaves_a_users_direct_read_setting(monkeypatch, tmp_path) -> None:
+    """O_DIRECT reads are turned on for kvikio's POSIX path only where the user did not choose (env)."""
+    from tiered_kv.backends.gds import GdsBackend
+
+    settings = _fake_kvikio_io(monkeypatch, gds_available=False)
+    monkeypatch.setenv("KVIKIO_AUTO_DIRECT_IO_READ", "0")
+    be = GdsBackend(_file(tmp_path), mode="auto", threads=2)
+    try:
+        assert settings["compat_mode"].value == "on" and not be.gds
+        assert settings["auto_direct_io_read"] is False
+    finally:
+        be.close()
+
+
 def test_gds_backend_on_mode_sets_compat_off(monkeypatch, tmp_path) -> None:
     from tiered_kv.backends.gds import GdsBackend
 
@@ -424,6 +439,7 @@ def test_gds_backend_on_mode_sets_compat_off(monkeypatch, tmp_path) -> None:
     try:
         assert settings["compat_mode"].value == "off"
         assert be.gds and be.device_io
+        assert settings["auto_direct_io_read"] is False  # cuFile: kvikio's POSIX read setting is not ours to move
     finally:
         be.close()
     os.makedirs(tmp_path / "x")
