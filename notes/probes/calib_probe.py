@@ -13,7 +13,7 @@ import argparse
 import statistics
 import types
 
-from tiered_kv import copyops
+from tiered_kv import _ext, copyops
 
 
 def main() -> None:
@@ -21,6 +21,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=5)
     args = ap.parse_args()
+    assert _ext.load(), "the CUDA extension did not load"
     seen: list[float] = []
 
     def median(values):  # type: ignore[no-untyped-def]
