@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -154,6 +156,73 @@ def test_choose_path_thresholds() -> None:
     assert choose_path(64 << 10, EngineConfig(), on_cuda=True, kernels=True, threshold=64 << 10) == "dma"
     assert choose_path(1 << 20, EngineConfig(), on_cuda=True, kernels=True) == "kernel"
     assert choose_path(2 << 20, EngineConfig(), on_cuda=True, kernels=True) == "dma"
+
+
+KiB = 1 << 10
+
+
+class _Sampler:
+    """A calibration sampler replaying per-call ratios: ``script[i][kind][size]`` is the i-th call's ratio there.
+
+    Each call returns ``turns`` copies of that ratio for every size asked, and records which sizes were asked.
+    """
+
+    def __init__(self, *script: dict[str, dict[int, float]], turns: int = 9) -> None:
+        self.script, self.turns, self.asked = list(script), turns, []  # type: ignore[var-annotated]
+
+    def __call__(self, sizes: tuple[int, ...]) -> dict[str, dict[int, list[float]]]:
+        from tiered_kv import copyops
+
+        self.asked.append(sizes)
+        ratios = self.script[min(len(self.asked), len(self.script)) - 1]
+        return {kind: {size: [ratios[kind][size]] * self.turns for size in sizes} for kind in copyops._KINDS}
+
+
+def _curve(**overrides: float) -> dict[int, float]:
+    """An H100-like DMA/kernel ratio per calibration size (DMA wins from 64 KiB), with ``k64=...``-style overrides."""
+    base = {16: 1.5, 32: 1.05, 64: 0.94, 128: 0.95, 256: 0.95, 512: 0.94, 1024: 0.94, 2048: 0.94}
+    base.update({int(k[1:]): v for k, v in overrides.items()})
+    return {k * KiB: v for k, v in base.items()}
+
+
+def test_calibration_samples_a_close_call_again_and_a_burst_of_noise_is_outvoted() -> None:
+    """Regression (an H100 host's bench chose the kernel for 64 KiB after one noisy calibration): a size that DMA
+    loses by a few percent just below the threshold is measured again and the second look decides: it wins, the
+    threshold moves down to it; the size below (32 KiB, close too) is looked at again and keeps the kernel."""
+    from tiered_kv import copyops
+
+    noisy = {"pieces": _curve(k64=1.03), "rows": _curve(k64=1.02)}
+    quiet = {"pieces": _curve(), "rows": _curve()}
+    sampler = _Sampler(noisy, quiet)
+    piece, row, (pieces, rows) = copyops._decide_dma_thresholds(sampler)
+    assert sampler.asked[0] == copyops._CALIBRATION_PIECES
+    assert sampler.asked[1] == (64 * KiB,)  # the close call, both kinds' threshold neighbour
+    assert (32 * KiB,) in sampler.asked[2:]  # then the next one down, also close (1.05), keeps the kernel
+    assert (piece, row) == (64 * KiB, 64 * KiB)
+    assert pieces[2] == rows[2] == 0.94  # the second look's medians are reported
+    assert all(16 * KiB not in asked for asked in sampler.asked[1:])  # 1.5: not close, never measured again
+
+
+def test_calibration_keeps_a_confirmed_loss_and_never_looks_again_at_a_clear_one() -> None:
+    from tiered_kv import copyops
+
+    # the kernel really leads at 64 KiB: the second look confirms it, the threshold stays at 128 KiB
+    lose = {"pieces": _curve(k64=1.03), "rows": _curve(k64=1.03)}
+    sampler = _Sampler(lose)
+    piece, row, _ = copyops._decide_dma_thresholds(sampler)
+    assert (piece, row) == (128 * KiB, 128 * KiB)
+    assert sampler.asked == [copyops._CALIBRATION_PIECES, (64 * KiB,)]
+    # DMA loses 64 KiB by 10 %: no second look
+    clear = {"pieces": _curve(k64=1.10), "rows": _curve()}
+    sampler = _Sampler(clear)
+    piece, row, _ = copyops._decide_dma_thresholds(sampler)
+    assert (piece, row) == (128 * KiB, 64 * KiB)
+    assert sampler.asked[1:] == [(32 * KiB,)]  # only the rows' close neighbour (32 KiB at 1.05)
+    # the kernel leads everywhere: 4 MiB, and the 2 MiB close call was looked at twice
+    never = {kind: {size: 1.02 for size in copyops._CALIBRATION_PIECES} for kind in copyops._KINDS}
+    sampler = _Sampler(never)
+    assert copyops._decide_dma_thresholds(sampler)[:2] == (4 << 20, 4 << 20)
+    assert sampler.asked == [copyops._CALIBRATION_PIECES, (2 << 20,)]
 
 
 def test_config_env_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -339,6 +408,16 @@ def test_the_dma_threshold_is_measured_once_per_device() -> None:
     assert first in (*copyops._CALIBRATION_PIECES, 2 * copyops._CALIBRATION_PIECES[-1]), first
     assert copier.dma_min_row_bytes in (*copyops._CALIBRATION_PIECES, 2 * copyops._CALIBRATION_PIECES[-1])
     assert Copier(resolve_device("cuda"), EngineConfig()).dma_min_chunk_bytes == first  # cached
+    # the ratios it measured are kept, and the thresholds follow from them by the rule
+    ratios = copyops.measured_dma_ratios(torch.device("cuda"))
+    assert ratios is not None and set(ratios) == {"pieces", "rows"}
+    for kind, threshold in (("pieces", first), ("rows", copier.dma_min_row_bytes)):
+        by_size = ratios[kind]
+        assert list(by_size) == list(copyops._CALIBRATION_PIECES)
+        assert all(math.isfinite(r) and r > 0 for r in by_size.values()), by_size
+        assert all(r <= 0.98 for size, r in by_size.items() if size >= threshold), (kind, by_size, threshold)
+        below = [r for size, r in by_size.items() if size < threshold]
+        assert not below or below[-1] > 0.98, (kind, by_size, threshold)
     assert Copier(resolve_device("cuda"), EngineConfig(dma_min_chunk_bytes=123)).dma_min_chunk_bytes == 123
     assert Copier(resolve_device("cuda"), EngineConfig(copy_path="kernel")).dma_min_chunk_bytes == 2 << 20
 

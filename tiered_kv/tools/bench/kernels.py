@@ -455,6 +455,23 @@ def _gather(device: str, seqs: int, pools: int, max_blocks: int, repeat: int) ->
 # ------------------------------------------------------------------------------------------ entry
 
 
+def _calibration_note(device: torch.device) -> str:
+    """The DMA-vs-kernel choice this run's engines made (the start-up calibration), with the ratios it measured."""
+    from ... import copyops
+
+    configured = EngineConfig.from_env().dma_min_chunk_bytes
+    if configured is not None:
+        return f"calibration: not run; DMA from {configured} byte pieces and rows (configured)"
+    piece, row = copyops.calibrated_dma_threshold(device), copyops.calibrated_dma_row_threshold(device)
+    text = f"calibration: DMA from {piece >> 10} KiB pieces and {row >> 10} KiB rows"
+    ratios = copyops.measured_dma_ratios(device)
+    if ratios is None:  # the measurement failed (see the log): the default
+        return text + " (not measured)"
+    for kind, by_size in ratios.items():
+        text += f"; {kind} DMA/kernel time " + " ".join(f"{size >> 10}K:{r:.3f}" for size, r in by_size.items())
+    return text
+
+
 def run(quick: bool = False, device: str = "auto") -> dict[str, Any]:
     """Run every row; return ``{"name", "machine", "rows", "notes"}``."""
     if device == "auto":
@@ -515,6 +532,8 @@ def run(quick: bool = False, device: str = "auto") -> dict[str, Any]:
         "end_to_end = issue to synchronize",
     ]
     notes += errors
+    if cuda and kernels:
+        notes.append(_calibration_note(torch.device(device)))
     if not cuda:
         notes.append("emulated: CPU reference ops on the emulated device with small sizes; not GPU figures")
     elif not kernels:
