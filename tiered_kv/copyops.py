@@ -673,7 +673,7 @@ def _measure_dma_threshold(index: int) -> tuple[int, int]:
     return piece, row
 
 
-#: Samples of one calibration size and kind: per-turn DMA/kernel time ratios.
+#: Calibration samples: per kind (``"pieces"``, ``"rows"``) and size, the per-turn DMA/kernel time ratios.
 _Samples = dict[str, dict[int, list[float]]]
 
 
@@ -685,7 +685,7 @@ def _decide_dma_thresholds(
     Every size is sampled once. Then the size just below each kind's threshold, where the decision is close (its
     median ratio at most :data:`_CLOSE_CALL`: DMA loses by a few percent or less), is sampled again and that second
     look decides it, until no close call is left that has not been looked at twice. A burst of host noise that made
-    DMA lose one size by a few percent (an H100 host: 64 KiB pieces at 1.02-1.04 in 3 of 18 runs, against
+    DMA lose one size by a few percent (two H100 hosts: 64 KiB pieces at 1.02-1.04 in 3 of 18 runs, against
     0.93-0.96 in the rest) is undone; a size where the kernel leads by more is not sampled again (16 KiB pieces:
     DMA 1.4-2.6x slower), and a size is never sampled again because DMA won it. Returns (piece threshold, row
     threshold, (piece medians, row medians)).

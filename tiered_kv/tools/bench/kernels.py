@@ -459,9 +459,11 @@ def _calibration_note(device: torch.device) -> str:
     """The DMA-vs-kernel choice this run's engines made (the start-up calibration), with the ratios it measured."""
     from ... import copyops
 
-    configured = EngineConfig.from_env().dma_min_chunk_bytes
-    if configured is not None:
-        return f"calibration: not run; DMA from {configured} byte pieces and rows (configured)"
+    config = EngineConfig.from_env()
+    if config.copy_path != "auto":
+        return f"calibration: not run; copy path forced to {config.copy_path}"
+    if config.dma_min_chunk_bytes is not None:
+        return f"calibration: not run; DMA from {config.dma_min_chunk_bytes} byte pieces and rows (configured)"
     piece, row = copyops.calibrated_dma_threshold(device), copyops.calibrated_dma_row_threshold(device)
     text = f"calibration: DMA from {piece >> 10} KiB pieces and {row >> 10} KiB rows"
     ratios = copyops.measured_dma_ratios(device)
