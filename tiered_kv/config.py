@@ -57,8 +57,8 @@ class EngineConfig:
         host_threads: threads that run host-only work (host-to-host copies). Env: ``TIERED_KV_HOST_THREADS``.
         dma_min_chunk_bytes: on CUDA, copies whose contiguous pieces are at least this big go to the DMA
             engines (batched ``cudaMemcpy(2D)Async``), smaller ones to the copy kernel. Default ``None``: measured
-            on this GPU at the first engine's start (:func:`tiered_kv.copyops.calibrated_dma_threshold`, about
-            0.5 s once per process and device): where batched DMA is as fast as the kernel differs by
+            on this GPU at the first engine's start (:func:`tiered_kv.copyops.calibrated_dma_threshold`,
+            under a second once per process and device): where batched DMA is as fast as the kernel differs by
             card and host (64 KiB on an H100 host where the kernel led up to 1 MiB before DMA calls were
             batched). Env: ``TIERED_KV_DMA_MIN_CHUNK``.
         copy_path: ``"auto"`` (by ``dma_min_chunk_bytes``), ``"dma"`` or ``"kernel"`` (forced).
