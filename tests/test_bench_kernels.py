@@ -30,10 +30,10 @@ def test_quick_run_on_cpu_has_every_row_kind(tmp_path: Path, capsys: pytest.Capt
     partial = [r for r in payload["rows"] if r["bench"] == "partial"]
     assert len(partial) == 6 and {r["direction"] for r in partial} == {"gpu->gpu", "host->gpu"}
     for row in partial:
-        assert {"fraction", "floor_us", "bound_fraction", "vs_bound", "target", "met"} <= row.keys()
+        assert {"fraction", "floor_us", "bound_fraction", "vs_bound", "vs_loop_bound", "target", "met"} <= row.keys()
         assert math.isfinite(row["floor_us"]) and row["floor_us"] > 0
         assert math.isfinite(row["fraction"]) and row["fraction"] > 0
-        assert math.isnan(row["bound_fraction"]) and math.isnan(row["vs_bound"])
+        assert math.isnan(row["bound_fraction"]) and math.isnan(row["vs_bound"]) and math.isnan(row["vs_loop_bound"])
         assert row["target"] == f"fraction >= {0.8 if row['direction'] == 'gpu->gpu' else 0.9:g}"
     assert any("floor_us" in note and "NaN on the emulated device" in note for note in payload["notes"])
     assert "floor_us" in printed and "bound_fraction" in printed and "vs_bound" in printed

@@ -107,6 +107,60 @@ async def test_a_failed_op_is_not_completed_from_its_event(layout: KVLayout, mon
         assert len(engine.fences) == 0
 
 
+def _until_reached(transfer: Any) -> None:
+    """Block the loop's thread until ``transfer``'s event is reached (its callback is held back)."""
+    marker = transfer._marker
+    deadline = time.perf_counter() + LATE / 2
+    while marker.event is None or not marker.event.query():
+        assert time.perf_counter() < deadline, "the op never reached its event"
+        time.sleep(0.001)
+
+
+async def test_a_copy_awaited_after_its_end_resumes_without_a_loop_round(
+    layout: KVLayout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Awaited past its end: one look at its event completes it in the await, which does not yield to the loop."""
+    async with _engine(layout, 200_000) as engine:
+        ran = _hold_back_callbacks(engine, "offload", monkeypatch)
+        expected = fill_pool(engine, "gpu", seed=5)
+        order: list[int] = []
+        first = engine.copy(Tier.GPU, [1], Tier.HOST, [1])
+        first.add_done_callback(functools.partial(_append, order, 1))
+        second = engine.copy(Tier.GPU, [3], Tier.HOST, [6])
+        second.add_done_callback(functools.partial(_append, order, 2))
+        _until_reached(second)
+        rounds: list[int] = []
+        asyncio.get_running_loop().call_soon(rounds.append, 1)  # runs as soon as the awaiting task yields
+        result = await second
+        assert not rounds, "the await yielded to the loop for a copy that had ended"
+        assert not ran and first.done() and order == [1, 2], "completed from its event, in stream order"
+        assert result.num_blocks == 1 and same(snapshot(engine, "host", 6), expected[3])
+        stats = engine.statistics()  # the bookkeeping as after any completion
+        assert (stats.completed, stats.failed, stats.in_flight) == (2, 0, 0) and len(engine.fences) == 0
+
+
+async def test_a_failed_op_awaited_after_its_event_still_fails(
+    layout: KVLayout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The inline look leaves a failed op to its callback, which carries the error."""
+    async with _engine(layout, 200_000) as engine:
+        _hold_back_callbacks(engine, "offload", monkeypatch)
+
+        def broken(*args: Any, **kwargs: Any) -> Any:
+            def op() -> None:
+                raise OSError("simulated device fault")
+
+            return op
+
+        monkeypatch.setattr(engine.route(Tier.GPU, Tier.HOST), "build_op", broken)
+        transfer = engine.copy(Tier.GPU, [0], Tier.HOST, [1])
+        _until_reached(transfer)
+        with pytest.raises(TransferError, match="simulated device fault"):
+            await transfer
+        stats = engine.statistics()
+        assert (stats.completed, stats.failed) == (1, 1) and len(engine.fences) == 0
+
+
 async def test_copies_on_one_stream_still_complete_in_order(layout: KVLayout, monkeypatch: pytest.MonkeyPatch) -> None:
     """Awaiting only the last of three copies on one stream: the poll completes the earlier two first."""
     async with _engine(layout, 200_000) as engine:

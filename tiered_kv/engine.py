@@ -78,6 +78,7 @@ class _DirectionTotals:
         self.seconds = 0.0
         self.counts = [0] * (len(LATENCY_BUCKETS) + 1)
 
+
 #: Seconds ``close()`` from a new event loop waits for copies the engine's ended loop left in flight.
 ORPHAN_TIMEOUT = 30.0
 
@@ -931,7 +932,17 @@ class TransferEngine:
         # A long copy is polled up to a quarter of its span late (a partial copy runs below the stream's best rate)
         _wake, due_ns = expected_end(0, transfer.nbytes, getattr(marker.lane, "rate", 0.0))
         span = max(due_ns, 0) / 1e9
-        poller.watch(marker, transfer.submitted_at + span, span / 4)
+        due = transfer.submitted_at + span
+        if due <= time.perf_counter() and self._poll(marker):
+            # past its expected end and its event reached (or left to its thread): one look now, no loop round. The
+            # awaiting coroutine then finds it completed and goes on without yielding, as for a done future; the
+            # bookkeeping runs behind it, as after the poller's rounds
+            if marker.completed:
+                loop = self._loop
+                assert loop is not None
+                loop.call_soon(self._settle)
+            return
+        poller.watch(marker, due, span / 4)
 
     def _poll(self, marker: Marker) -> bool:
         """One loop-side poll of ``marker`` (:class:`EventPoller`): True once it needs no more polls.

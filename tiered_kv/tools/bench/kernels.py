@@ -23,8 +23,10 @@ Rows, each next to a baseline measured in the same run (engine copies and their 
   one block, one token), ``bound_fraction`` = contiguous / (op device time + floor) and ``vs_bound`` =
   fraction / bound_fraction; ``loop_floor_us`` (the same bytes with no engine: a torch copy, an event and the loop
   polling it into an awaited future) and ``loop_bound_fraction`` = contiguous / (op device time + loop floor),
-  what any awaited API could reach with this op. With 40-160 us of GPU->GPU device work against tens of
-  microseconds per awaited call, the GPU->GPU rows cannot reach their target; the bounds say how close they are.
+  what any awaited API could reach with this op, and ``vs_loop_bound`` = the engine's time against that bound. The
+  engine copy, the contiguous copy and both floors take turns, and every ratio is the median of its per-turn values
+  (a host's speed drifts between turns). With 40-160 us of GPU->GPU device work against tens of microseconds per
+  awaited call, the GPU->GPU rows cannot reach their target; the bounds say how close they are.
 * ``layouts``: every GPU pool kind of :mod:`tiered_kv.pool_kinds` (engine layouts) at 64 KiB pieces, offload
   and onboard, next to one contiguous copy; bit-exact round trip per row (:mod:`tiered_kv.tools.bench.layouts`).
   Target: >= 0.85x contiguous.
@@ -45,7 +47,7 @@ import contextlib
 import functools
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -59,7 +61,7 @@ from ...layout import KVLayout
 from ...pools import BlockPool, Tier
 from ...testing import fill_random
 from . import layouts
-from .common import bench_main, machine_info, median_seconds, offload_onboard_seconds, paired_seconds, sync
+from .common import bench_main, machine_info, median_seconds, offload_onboard_seconds, sync
 
 __all__ = ["main", "run"]
 
@@ -90,52 +92,47 @@ def _device_seconds(fn: Callable[[], object], repeat: int) -> float:
     return float(statistics.median(times))
 
 
-async def _engine_seconds(
-    engine: TransferEngine, src: Tier, s: np.ndarray, dst: Tier, d: np.ndarray, repeat: int, n: int | None = None
-) -> float:
-    times = []
-    for i in range(repeat + 1):
-        t0 = time.perf_counter()
-        await engine.copy(src, s, dst, d, num_tokens=n)
-        if i:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-async def _loop_floor_seconds(dst: torch.Tensor, src: torch.Tensor, repeat: int) -> float:
-    """What any awaited copy pays on this loop, with no engine (median wall time; NaN without CUDA).
+async def _loop_floor_once(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> float:
+    """What any awaited copy pays on this loop, with no engine (wall seconds of one call).
 
     ``dst.copy_(src)`` on a side stream, an event, and the loop polling the event once per round into a future it
     awaits.
 
     The floor of every awaited API, whatever does its bookkeeping: a launch, the device's end, the loop seeing it.
     """
-    gpu = dst if dst.is_cuda else src
-    if not gpu.is_cuda:
-        return float("nan")
     loop = asyncio.get_running_loop()
-    stream = torch.cuda.Stream(device=gpu.device)
-    times = []
-    for i in range(repeat + 1):
-        t0 = time.perf_counter()
-        with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(stream)
-        future = loop.create_future()
+    t0 = time.perf_counter()
+    with torch.cuda.stream(stream):
+        dst.copy_(src, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record(stream)
+    future = loop.create_future()
 
-        def check(event: torch.cuda.Event = event, future: asyncio.Future[None] = future) -> None:
-            if event.query():
-                future.set_result(None)
-            else:
-                loop.call_soon(check)
+    def check() -> None:
+        if event.query():
+            future.set_result(None)
+        else:
+            loop.call_soon(check)
 
-        loop.call_soon(check)
-        await future
-        if i:
-            times.append(time.perf_counter() - t0)
-    stream.synchronize()
-    return statistics.median(times)
+    loop.call_soon(check)
+    await future
+    return time.perf_counter() - t0
+
+
+async def _in_turns(calls: Sequence[Callable[[], Awaitable[float]]], turns: int) -> list[list[float]]:
+    """Each of ``calls`` (each returns the seconds it measured) once per turn, ``turns`` times after a warm-up turn.
+
+    The order rotates from turn to turn, so no call always follows the same one. Returns the seconds per call, per
+    turn: the ratios of one turn's measurements survive a host whose speed drifts between turns.
+    """
+    out: list[list[float]] = [[] for _ in calls]
+    for turn in range(turns + 1):
+        for k in range(len(calls)):
+            j = (turn + k) % len(calls)
+            seconds = await calls[j]()
+            if turn:
+                out[j].append(seconds)
+    return out
 
 
 def _layout_for_chunk(chunk: int, layers: int) -> KVLayout:
@@ -294,68 +291,64 @@ async def _partial(device: str, blocks: int, repeat: int) -> list[dict[str, Any]
     rows = []
     idx = np.arange(blocks)
     half = blocks // 2
-    floors = max(repeat, 20)
+    turns = max(repeat, 20)
     async with TransferEngine(layout, gpu_blocks=blocks, host_blocks=half, device=device) as engine:
         gpu = _block_pool(engine, Tier.GPU).tensor
         host = _block_pool(engine, Tier.HOST).tensor
+        side = torch.cuda.Stream(device=gpu.device) if cuda else None
         for frac in (0.25, 0.5, 0.75):
             n = int(layout.tokens_per_block * frac)
             nbytes = half * layout.partial_bytes(n)
             a = gpu.view(-1).view(torch.uint8)[:nbytes]
             b = gpu.view(-1).view(torch.uint8)[nbytes : 2 * nbytes]
             h = host.view(-1).view(torch.uint8)[:nbytes]
-            # each engine copy next to one contiguous copy of the same bytes, taking turns
-            d2d, base_d2d, frac_d2d = await paired_seconds(
-                functools.partial(engine.copy, Tier.GPU, idx[:half], Tier.GPU, idx[half:], num_tokens=n),
-                functools.partial(b.copy_, a, non_blocking=True),
-                repeat,
-                cuda,
-            )
-            h2d, base_h2d, frac_h2d = await paired_seconds(
-                functools.partial(engine.copy, Tier.HOST, idx[:half], Tier.GPU, idx[:half], num_tokens=n),
-                functools.partial(a.copy_, h, non_blocking=True),
-                repeat,
-                cuda,
-            )
-            # the fixed cost of an awaited call on each route (launch, completion signal, loop wake-up): one
-            # block, one token, so the device work is next to nothing; cheap, so more repetitions
-            floor = {
-                "gpu->gpu": await _engine_seconds(engine, Tier.GPU, idx[:1], Tier.GPU, idx[half : half + 1], floors, 1),
-                "host->gpu": await _engine_seconds(engine, Tier.HOST, idx[:1], Tier.GPU, idx[:1], floors, 1),
-            }
-            # the same one-token bytes with no engine at all: a torch copy, an event, the loop polling it
             one = layout.partial_bytes(1)
-            loop_floor = {
-                "gpu->gpu": await _loop_floor_seconds(b[:one], a[:one], floors),
-                "host->gpu": await _loop_floor_seconds(a[:one], h[:one], floors),
+            # per direction: the engine copy, one contiguous copy of the same bytes, and the two floors
+            cases = {
+                "gpu->gpu": (
+                    (Tier.GPU, idx[:half], Tier.GPU, idx[half:]),
+                    functools.partial(b.copy_, a, non_blocking=True),
+                    (Tier.GPU, idx[:1], Tier.GPU, idx[half : half + 1]),
+                    (b[:one], a[:one]),
+                ),
+                "host->gpu": (
+                    (Tier.HOST, idx[:half], Tier.GPU, idx[:half]),
+                    functools.partial(a.copy_, h, non_blocking=True),
+                    (Tier.HOST, idx[:1], Tier.GPU, idx[:1]),
+                    (a[:one], h[:one]),
+                ),
             }
             path = engine.copier.plan(engine.pool(Tier.GPU), idx[:half], engine.pool(Tier.GPU), idx[half:], n).path
-            # the op alone (no engine: no fences, waiter thread or loop wake-up), device time next to the
-            # baseline's device time: what the kernel itself achieves
-            op_dev = {"gpu->gpu": float("nan"), "host->gpu": float("nan")}
-            base_dev = dict(op_dev)
-            if cuda:
-                src_i = torch.from_numpy(idx[:half].copy())
-                dst_i = torch.from_numpy(idx[half:].copy())
-                g_t, h_t = [gpu], [host]
-                method = ops.METHOD_DMA if path == "dma" else ops.METHOD_KERNEL
-                op_dev["gpu->gpu"] = _device_seconds(
-                    functools.partial(ops.copy_blocks, g_t, g_t, src_i, dst_i, num_tokens=n, method=method), repeat
-                )
-                op_dev["host->gpu"] = _device_seconds(
-                    functools.partial(ops.copy_blocks, g_t, h_t, src_i, src_i, num_tokens=n, method=method), repeat
-                )
-                base_dev["gpu->gpu"] = _device_seconds(functools.partial(b.copy_, a, non_blocking=True), repeat)
-                base_dev["host->gpu"] = _device_seconds(functools.partial(a.copy_, h, non_blocking=True), repeat)
-            for direction, ours, base, fraction, target in (
-                ("gpu->gpu", d2d, base_d2d, frac_d2d, 0.8),
-                ("host->gpu", h2d, base_h2d, frac_h2d, 0.85),
-            ):
-                # what the row can reach: the op's device time plus one awaited call's fixed cost (NaN on the
-                # emulated device, which has no device time)
-                bound = base / (op_dev[direction] + floor[direction])
-                # what any awaited call can reach: the op's device time plus the bare loop floor
-                loop_bound = base / (op_dev[direction] + loop_floor[direction])
+            for direction, (route, base, single, bare) in cases.items():
+                # Taking turns, so that a turn's ratios survive a host whose speed drifts: the engine copy; the
+                # contiguous copy, the GPU synchronized before and after; the fixed cost of an awaited call on the
+                # same route (one block, one token: next to no device work); the same one-token bytes with no
+                # engine at all (a torch copy, an event, the loop polling it): the floor of any awaited call
+                calls: list[Callable[[], Awaitable[float]]] = [
+                    functools.partial(_awaited_seconds, engine, route, n, cuda),
+                    functools.partial(_synced_seconds, base, cuda),
+                    functools.partial(_awaited_seconds, engine, single, 1, cuda),
+                ]
+                if side is not None:
+                    calls.append(functools.partial(_loop_floor_once, *bare, side))
+                measured = await _in_turns(calls, turns)
+                ours, theirs, floor = measured[:3]
+                loop_floor = measured[3] if side is not None else [float("nan")] * turns
+                # the op alone (no engine: no fences, waiter thread or loop wake-up), device time next to the
+                # baseline's device time: what the kernel itself achieves (NaN on the emulated device)
+                op_dev = base_dev = float("nan")
+                if cuda:
+                    src_i, dst_i = (torch.from_numpy(np.asarray(x).copy()) for x in (route[1], route[3]))
+                    src_t = [gpu] if route[0] is Tier.GPU else [host]
+                    method = ops.METHOD_DMA if path == "dma" else ops.METHOD_KERNEL
+                    op_dev = _device_seconds(
+                        functools.partial(ops.copy_blocks, [gpu], src_t, src_i, dst_i, num_tokens=n, method=method),
+                        repeat,
+                    )
+                    base_dev = _device_seconds(base, repeat)
+                turn = list(zip(ours, theirs, floor, loop_floor, strict=True))
+                # what the row can reach: the op's device time plus one awaited call's fixed cost; what any awaited
+                # API can reach with this op: its device time plus the bare loop floor (each per turn)
                 rows.append(
                     {
                         "bench": "partial",
@@ -364,21 +357,40 @@ async def _partial(device: str, blocks: int, repeat: int) -> list[dict[str, Any]
                         "direction": direction,
                         "path": path,
                         "MiB_moved": nbytes / 2**20,
-                        "engine_GBps": nbytes / ours / 1e9,
-                        "contiguous_GBps": nbytes / base / 1e9,
-                        "fraction": fraction,
-                        "floor_us": floor[direction] * 1e6,
-                        "bound_fraction": bound,
-                        "vs_bound": fraction / bound,
-                        "loop_floor_us": loop_floor[direction] * 1e6,
-                        "loop_bound_fraction": loop_bound,
-                        "op_dev_GBps": nbytes / op_dev[direction] / 1e9,
-                        "base_dev_GBps": nbytes / base_dev[direction] / 1e9,
-                        "op_dev_fraction": base_dev[direction] / op_dev[direction],
-                        "target": target,
+                        "engine_GBps": nbytes / statistics.median(ours) / 1e9,
+                        "contiguous_GBps": nbytes / statistics.median(theirs) / 1e9,
+                        "fraction": statistics.median(t / o for o, t, _f, _l in turn),
+                        "floor_us": statistics.median(floor) * 1e6,
+                        "bound_fraction": statistics.median(t / (op_dev + f) for _o, t, f, _l in turn),
+                        "vs_bound": statistics.median((op_dev + f) / o for o, _t, f, _l in turn),
+                        "loop_floor_us": statistics.median(loop_floor) * 1e6,
+                        "loop_bound_fraction": statistics.median(t / (op_dev + lf) for _o, t, _f, lf in turn),
+                        "vs_loop_bound": statistics.median((op_dev + lf) / o for o, _t, _f, lf in turn),
+                        "op_dev_GBps": nbytes / op_dev / 1e9,
+                        "base_dev_GBps": nbytes / base_dev / 1e9,
+                        "op_dev_fraction": base_dev / op_dev,
                     }
                 )
     return rows
+
+
+async def _awaited_seconds(
+    engine: TransferEngine, route: tuple[Tier, np.ndarray, Tier, np.ndarray], n: int, cuda: bool
+) -> float:
+    """Wall seconds of one awaited ``engine.copy(*route, num_tokens=n)``: (src tier, blocks, dst tier, blocks)."""
+    sync(cuda)
+    t0 = time.perf_counter()
+    await engine.copy(*route, num_tokens=n)
+    return time.perf_counter() - t0
+
+
+async def _synced_seconds(fn: Callable[[], object], cuda: bool) -> float:
+    """Wall seconds of ``fn()`` with the GPU synchronized before and after (the contiguous baselines)."""
+    sync(cuda)
+    t0 = time.perf_counter()
+    fn()
+    sync(cuda)
+    return time.perf_counter() - t0
 
 
 # ------------------------------------------------------------------------------------------ gather
@@ -526,8 +538,9 @@ def run(quick: bool = False, device: str = "auto") -> dict[str, Any]:
         "(the fixed cost of a call); bound_fraction = contiguous time / (op_dev time + floor), what the row can "
         "reach; vs_bound = fraction / bound_fraction; loop_floor_us = the same bytes with no engine (a torch copy, "
         "an event, the loop polling it into an awaited future): the floor of any awaited call; loop_bound_fraction "
-        "= contiguous time / (op_dev time + loop floor), what any awaited API can reach with this op (the bounds "
-        "and vs_bound are NaN on the emulated device, which has no device time)",
+        "= contiguous time / (op_dev time + loop floor), what any awaited API can reach with this op; vs_loop_bound = "
+        "(op_dev time + loop floor) / engine time; the four are measured taking turns, each ratio the median over "
+        "turns (the bounds and vs_bound are NaN on the emulated device, which has no device time)",
         "layouts: one row per GPU pool kind (tiered_kv.pool_kinds) and direction, all blocks in one engine call, "
         "vs one contiguous copy of the same bytes; bit_exact = a random-content round trip through the host tier",
         "gather: host_us = CPU time to issue one call; device_us = CUDA events around it; "
