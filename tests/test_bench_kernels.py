@@ -34,6 +34,7 @@ def test_quick_run_on_cpu_has_every_row_kind(tmp_path: Path, capsys: pytest.Capt
         assert math.isfinite(row["floor_us"]) and row["floor_us"] > 0
         assert math.isfinite(row["fraction"]) and row["fraction"] > 0
         assert math.isnan(row["bound_fraction"]) and math.isnan(row["vs_bound"]) and math.isnan(row["vs_loop_bound"])
+        assert math.isnan(row["op_wall_fraction"])
         assert row["target"] == f"fraction >= {0.8 if row['direction'] == 'gpu->gpu' else 0.9:g}"
     assert any("floor_us" in note and "NaN on the emulated device" in note for note in payload["notes"])
     assert "floor_us" in printed and "bound_fraction" in printed and "vs_bound" in printed
