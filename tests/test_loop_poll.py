@@ -331,7 +331,7 @@ def test_spin_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.gpu
 async def test_an_awaited_small_cuda_copy_is_completed_by_the_poll() -> None:
-    """On CUDA, by default: a 1-block copy is seen done by the loop before its thread's callback ran."""
+    """On CUDA, by default: a 1-block copy is seen done by the loop (a poll, or the await's own look at its event)."""
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, tokens_per_block=16, dtype=torch.float16)
     async with TransferEngine(layout, gpu_blocks=64, host_blocks=64, device="cuda") as engine:
         assert engine._poller is not None

@@ -126,7 +126,8 @@ class EventPoller(Generic[T]):
 
     Attributes:
         polls: loop rounds that polled (statistics).
-        finished: items that stopped needing polls within their window.
+        finished: items that stopped needing polls within their window (the engine adds the copies it completed from
+            one look at their event when their await began).
     """
 
     __slots__ = ("_after", "_armed", "_loop", "_poll", "_soon", "_watched", "finished", "lead", "polls", "window")

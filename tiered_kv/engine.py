@@ -937,6 +937,7 @@ class TransferEngine:
             # past its expected end and its event reached (or left to its thread): one look now, no loop round. The
             # awaiting coroutine then finds it completed and goes on without yielding, as for a done future; the
             # bookkeeping runs behind it, as after the poller's rounds
+            poller.finished += 1  # seen by the loop, as a poll would
             if marker.completed:
                 loop = self._loop
                 assert loop is not None
