@@ -54,6 +54,15 @@ def _append(into: list[int], value: int, _transfer: object) -> None:
     into.append(value)
 
 
+def _broken_build_op(*args: Any, **kwargs: Any) -> Any:
+    """A handler's ``build_op`` whose op raises (a device fault); the op still reaches its event."""
+
+    def op() -> None:
+        raise OSError("simulated device fault")
+
+    return op
+
+
 def _engine(layout: KVLayout, spin_us: int) -> TransferEngine:
     return TransferEngine(
         layout, gpu_blocks=8, host_blocks=8, device="cpu", config=EngineConfig(completion_spin_us=spin_us)
@@ -93,13 +102,7 @@ async def test_a_failed_op_is_not_completed_from_its_event(layout: KVLayout, mon
     async with _engine(layout, 200_000) as engine:
         _hold_back_callbacks(engine, "offload", monkeypatch)
 
-        def broken(*args: Any, **kwargs: Any) -> Any:
-            def op() -> None:
-                raise OSError("simulated device fault")
-
-            return op
-
-        monkeypatch.setattr(engine.route(Tier.GPU, Tier.HOST), "build_op", broken)
+        monkeypatch.setattr(engine.route(Tier.GPU, Tier.HOST), "build_op", _broken_build_op)
         with pytest.raises(TransferError, match="simulated device fault"):
             await engine.copy(Tier.GPU, [0], Tier.HOST, [1])
         stats = engine.statistics()
@@ -146,13 +149,7 @@ async def test_a_failed_op_awaited_after_its_event_still_fails(
     async with _engine(layout, 200_000) as engine:
         _hold_back_callbacks(engine, "offload", monkeypatch)
 
-        def broken(*args: Any, **kwargs: Any) -> Any:
-            def op() -> None:
-                raise OSError("simulated device fault")
-
-            return op
-
-        monkeypatch.setattr(engine.route(Tier.GPU, Tier.HOST), "build_op", broken)
+        monkeypatch.setattr(engine.route(Tier.GPU, Tier.HOST), "build_op", _broken_build_op)
         transfer = engine.copy(Tier.GPU, [0], Tier.HOST, [1])
         _until_reached(transfer)
         with pytest.raises(TransferError, match="simulated device fault"):
@@ -185,13 +182,7 @@ async def test_an_earlier_failed_copy_keeps_the_later_one_for_the_callbacks(
         route = engine.route(Tier.GPU, Tier.HOST)
         real = route.build_op  # type: ignore[attr-defined]  # the memory pairs' handler (StreamCopier)
 
-        def broken(*args: Any, **kwargs: Any) -> Any:
-            def op() -> None:
-                raise OSError("simulated device fault")
-
-            return op
-
-        monkeypatch.setattr(route, "build_op", broken)
+        monkeypatch.setattr(route, "build_op", _broken_build_op)
         first = engine.copy(Tier.GPU, [0], Tier.HOST, [0])
         monkeypatch.setattr(route, "build_op", real)
         second = engine.copy(Tier.GPU, [1], Tier.HOST, [1])

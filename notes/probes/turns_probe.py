@@ -20,23 +20,10 @@ import statistics
 
 import numpy as np
 import torch
+from phase_probe import _Drop  # run from notes/probes/, as phase_probe is
 
 from tiered_kv import EngineConfig, KVLayout, Tier, TransferEngine
 from tiered_kv.tools.bench.kernels import _awaited_seconds, _loop_floor_once, _synced_seconds
-
-
-class _Drop:
-    """A stream waiter queue that drops completions but forwards the stop (as phase_probe does)."""
-
-    def __init__(self, q):  # type: ignore[no-untyped-def]
-        self.q = q
-
-    def put(self, item):  # type: ignore[no-untyped-def]
-        if not isinstance(item, tuple):
-            self.q.put(item)
-
-    def get(self, *a, **k):  # type: ignore[no-untyped-def]
-        return self.q.get(*a, **k)
 
 
 async def turns(calls, n: int, pause: float) -> list[float]:  # type: ignore[no-untyped-def]
