@@ -23,21 +23,20 @@ import torch
 from phase_probe import _Drop  # run from notes/probes/, as phase_probe is
 
 from tiered_kv import EngineConfig, KVLayout, Tier, TransferEngine
-from tiered_kv.tools.bench.kernels import _awaited_seconds, _loop_floor_once, _synced_seconds
+from tiered_kv.tools.bench.common import awaited_seconds, in_turns, synced_seconds
+from tiered_kv.tools.bench.kernels import _loop_floor_once
 
 
 async def turns(calls, n: int, pause: float) -> list[float]:  # type: ignore[no-untyped-def]
-    """Median microseconds per call, the calls taking turns (rotating order), ``pause`` s of sleep before each."""
-    out: list[list[float]] = [[] for _ in calls]
-    for turn in range(n + 1):
-        for k in range(len(calls)):
-            j = (turn + k) % len(calls)
-            if pause:
-                await asyncio.sleep(pause)
-            s = await calls[j]()
-            if turn:
-                out[j].append(s)
-    return [statistics.median(x) * 1e6 for x in out]
+    """Median microseconds per call, taking turns (the bench's ``in_turns``), ``pause`` s of sleep before each."""
+
+    async def paused(call):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(pause)
+        return await call()
+
+    if pause:
+        calls = [functools.partial(paused, call) for call in calls]
+    return [statistics.median(x) * 1e6 for x in await in_turns(calls, n)]
 
 
 async def main() -> None:
@@ -62,9 +61,9 @@ async def main() -> None:
                 one = layout.partial_bytes(1)
                 route = (Tier.GPU, idx[:128], Tier.GPU, idx[128:])
                 single = (Tier.GPU, idx[:1], Tier.GPU, idx[128:129])
-                eng = functools.partial(_awaited_seconds, engine, route, n, True)
-                base = functools.partial(_synced_seconds, functools.partial(b.copy_, a, non_blocking=True), True)
-                floor = functools.partial(_awaited_seconds, engine, single, 1, True)
+                eng = functools.partial(awaited_seconds, functools.partial(engine.copy, *route, num_tokens=n), True)
+                base = functools.partial(synced_seconds, functools.partial(b.copy_, a, non_blocking=True), True)
+                floor = functools.partial(awaited_seconds, functools.partial(engine.copy, *single, num_tokens=1), True)
                 loopf = functools.partial(_loop_floor_once, b[:one], a[:one], side)
                 if variant == "no engine":
                     r = await turns([base, loopf], 20, 0.0)

@@ -4,6 +4,7 @@ Primitives:
 
 * :func:`machine_info`, :func:`timeit`, :func:`median_seconds`, :func:`sync`, :func:`percentile` -- measuring.
 * :func:`paired_seconds` -- ours and its baseline taking turns: the ratio of a row, robust to a drifting host;
+  :func:`in_turns` -- any number of measurements taking turns (:func:`awaited_seconds`, :func:`synced_seconds`);
   :func:`offload_onboard_seconds` -- an engine's offload and onboard of some blocks, each so.
 * :func:`print_table`, :func:`print_grouped`, :func:`write_json`, :func:`bench_main` -- reporting.
 
@@ -16,6 +17,7 @@ the table and writes the JSON. ``tiered-kv bench`` runs them all into one table 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -27,7 +29,9 @@ from typing import Any
 import torch
 
 __all__ = [
+    "awaited_seconds",
     "bench_main",
+    "in_turns",
     "machine_info",
     "median_seconds",
     "offload_onboard_seconds",
@@ -36,6 +40,7 @@ __all__ = [
     "print_grouped",
     "print_table",
     "sync",
+    "synced_seconds",
     "timeit",
     "write_json",
 ]
@@ -76,42 +81,53 @@ def sync(cuda: bool) -> None:
         torch.cuda.synchronize()
 
 
+async def awaited_seconds(fn: Callable[[], Awaitable[object]], cuda: bool) -> float:
+    """Wall seconds of ``await fn()`` (the call to the awaiting coroutine resuming), the GPU synchronized first."""
+    sync(cuda)
+    t0 = time.perf_counter()
+    await fn()
+    return time.perf_counter() - t0
+
+
+async def synced_seconds(fn: Callable[[], object], cuda: bool) -> float:
+    """Wall seconds of ``fn()`` with the GPU synchronized before and after (a same-run baseline)."""
+    sync(cuda)
+    t0 = time.perf_counter()
+    fn()
+    sync(cuda)
+    return time.perf_counter() - t0
+
+
+async def in_turns(calls: Sequence[Callable[[], Awaitable[float]]], turns: int) -> list[list[float]]:
+    """Each of ``calls`` (each returns the seconds it measured) once per turn, ``turns`` times after a warm-up turn.
+
+    The order rotates from turn to turn (with two calls: alternating which goes first), so no call always follows
+    the same one. Returns the seconds per call, per turn: the ratios of one turn's measurements survive a host whose
+    speed drifts between turns.
+    """
+    out: list[list[float]] = [[] for _ in calls]
+    for turn in range(turns + 1):
+        for k in range(len(calls)):
+            j = (turn + k) % len(calls)
+            seconds = await calls[j]()
+            if turn:
+                out[j].append(seconds)
+    return out
+
+
 async def paired_seconds(
     ours: Callable[[], Awaitable[object]], base: Callable[[], object], repeat: int, cuda: bool
 ) -> tuple[float, float, float]:
     """Ours and its baseline taking turns, ``repeat`` times after one warm-up of each (alternating which goes first).
 
-    ``ours`` is awaited (wall time from the call to the awaiting coroutine resuming); ``base`` is timed with the GPU
-    synchronized before and after. Returns ``(ours median, base median, median over turns of base_i / ours_i)``: a
+    ``ours`` is awaited (:func:`awaited_seconds`); ``base`` is timed with the GPU synchronized before and after
+    (:func:`synced_seconds`). Returns ``(ours median, base median, median over turns of base_i / ours_i)``: a
     host whose speed drifts during the run (other tenants, clocks) moves both sides of a turn alike, so the ratio
     survives what two separate medians measured seconds apart do not.
     """
-    mine: list[float] = []
-    theirs: list[float] = []
-
-    async def one_of_ours() -> float:
-        sync(cuda)
-        t0 = time.perf_counter()
-        await ours()
-        return time.perf_counter() - t0
-
-    def one_of_base() -> float:
-        sync(cuda)
-        t0 = time.perf_counter()
-        base()
-        sync(cuda)
-        return time.perf_counter() - t0
-
-    for i in range(repeat + 1):
-        if i % 2:
-            o = await one_of_ours()
-            b = one_of_base()
-        else:
-            b = one_of_base()
-            o = await one_of_ours()
-        if i:
-            mine.append(o)
-            theirs.append(b)
+    theirs, mine = await in_turns(
+        [functools.partial(synced_seconds, base, cuda), functools.partial(awaited_seconds, ours, cuda)], repeat
+    )
     ratio = statistics.median(b / o for b, o in zip(theirs, mine, strict=True))
     return statistics.median(mine), statistics.median(theirs), ratio
 

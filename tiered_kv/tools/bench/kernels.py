@@ -62,7 +62,16 @@ from ...layout import KVLayout
 from ...pools import BlockPool, Tier
 from ...testing import fill_random
 from . import layouts
-from .common import bench_main, machine_info, median_seconds, offload_onboard_seconds, sync
+from .common import (
+    awaited_seconds,
+    bench_main,
+    in_turns,
+    machine_info,
+    median_seconds,
+    offload_onboard_seconds,
+    sync,
+    synced_seconds,
+)
 
 __all__ = ["main", "run"]
 
@@ -118,22 +127,6 @@ async def _loop_floor_once(dst: torch.Tensor, src: torch.Tensor, stream: torch.c
     loop.call_soon(check)
     await future
     return time.perf_counter() - t0
-
-
-async def _in_turns(calls: Sequence[Callable[[], Awaitable[float]]], turns: int) -> list[list[float]]:
-    """Each of ``calls`` (each returns the seconds it measured) once per turn, ``turns`` times after a warm-up turn.
-
-    The order rotates from turn to turn, so no call always follows the same one. Returns the seconds per call, per
-    turn: the ratios of one turn's measurements survive a host whose speed drifts between turns.
-    """
-    out: list[list[float]] = [[] for _ in calls]
-    for turn in range(turns + 1):
-        for k in range(len(calls)):
-            j = (turn + k) % len(calls)
-            seconds = await calls[j]()
-            if turn:
-                out[j].append(seconds)
-    return out
 
 
 def _layout_for_chunk(chunk: int, layers: int) -> KVLayout:
@@ -336,14 +329,14 @@ async def _partial(device: str, blocks: int, repeat: int) -> list[dict[str, Any]
                 # with no engine at all (a torch copy, an event, the loop polling it), and the op alone with the GPU
                 # synchronized before and after (no awaited call at all)
                 calls: list[Callable[[], Awaitable[float]]] = [
-                    functools.partial(_awaited_seconds, engine, route, n, cuda),
-                    functools.partial(_synced_seconds, base, cuda),
-                    functools.partial(_awaited_seconds, engine, single, 1, cuda),
+                    functools.partial(awaited_seconds, functools.partial(engine.copy, *route, num_tokens=n), cuda),
+                    functools.partial(synced_seconds, base, cuda),
+                    functools.partial(awaited_seconds, functools.partial(engine.copy, *single, num_tokens=1), cuda),
                 ]
                 if side is not None and op_call is not None:
                     calls.append(functools.partial(_loop_floor_once, *bare, side))
-                    calls.append(functools.partial(_synced_seconds, op_call, cuda))
-                measured = await _in_turns(calls, turns)
+                    calls.append(functools.partial(synced_seconds, op_call, cuda))
+                measured = await in_turns(calls, turns)
                 ours, theirs, floor = measured[:3]
                 nan = [float("nan")] * turns
                 loop_floor, op_wall = measured[3:5] if len(measured) == 5 else (nan, nan)
@@ -380,25 +373,6 @@ async def _partial(device: str, blocks: int, repeat: int) -> list[dict[str, Any]
                     }
                 )
     return rows
-
-
-async def _awaited_seconds(
-    engine: TransferEngine, route: tuple[Tier, np.ndarray, Tier, np.ndarray], n: int, cuda: bool
-) -> float:
-    """Wall seconds of one awaited ``engine.copy(*route, num_tokens=n)``: (src tier, blocks, dst tier, blocks)."""
-    sync(cuda)
-    t0 = time.perf_counter()
-    await engine.copy(*route, num_tokens=n)
-    return time.perf_counter() - t0
-
-
-async def _synced_seconds(fn: Callable[[], object], cuda: bool) -> float:
-    """Wall seconds of ``fn()`` with the GPU synchronized before and after (the contiguous baselines)."""
-    sync(cuda)
-    t0 = time.perf_counter()
-    fn()
-    sync(cuda)
-    return time.perf_counter() - t0
 
 
 # ------------------------------------------------------------------------------------------ gather
