@@ -258,6 +258,166 @@ std::unique_ptr<DeviceEvent> submit(int64_t plan_id, py::handle src, py::handle 
   return event;
 }
 
+// ------------------------------------------------------------------------------------------ index pairs
+
+// One side of a call's indices as int64: a list of plain ints (`int` itself, no bool or numpy scalars) or a 1-D
+// numpy integer array (native byte order). False when it is neither, or holds a value no int64 can hold: the
+// caller then takes the general checks, which raise the descriptive errors.
+bool read_side(PyObject* obj, bool as_list, int64_t* out, Py_ssize_t& n) {
+  if (as_list) {
+    n = PyList_GET_SIZE(obj);
+    if (n < 1 || static_cast<size_t>(n) > kMaxPairs) return false;
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* item = PyList_GET_ITEM(obj, i);
+      if (!PyLong_CheckExact(item)) return false;
+      int overflow = 0;
+      const long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
+      if (overflow != 0) return false;
+      out[i] = v;
+    }
+    return true;
+  }
+  Py_buffer view;
+  if (PyObject_GetBuffer(obj, &view, PyBUF_RECORDS_RO) != 0) {
+    PyErr_Clear();
+    return false;
+  }
+  bool ok = view.ndim == 1 && view.format != nullptr;
+  char code = 0;
+  if (ok) {
+    const char* f = view.format;
+    if (*f == '@' || *f == '=' || *f == '<') ++f;  // native order (little-endian hosts); '>' and '!' are not
+    code = f[0];
+    ok = code != 0 && f[1] == 0 && std::string("bhilqBHILQ").find(code) != std::string::npos;
+  }
+  if (ok) {
+    n = view.shape[0];
+    ok = n >= 1 && static_cast<size_t>(n) <= kMaxPairs;
+  }
+  if (ok) {
+    const char* base = static_cast<const char*>(view.buf);
+    const Py_ssize_t stride = view.strides != nullptr ? view.strides[0] : view.itemsize;
+    for (Py_ssize_t i = 0; i < n && ok; ++i) {
+      const char* p = base + i * stride;
+      int64_t v = 0;
+      switch (code) {
+        case 'b': v = *reinterpret_cast<const signed char*>(p); break;
+        case 'B': v = *reinterpret_cast<const unsigned char*>(p); break;
+        case 'h': v = *reinterpret_cast<const int16_t*>(p); break;
+        case 'H': v = *reinterpret_cast<const uint16_t*>(p); break;
+        case 'i': v = *reinterpret_cast<const int32_t*>(p); break;
+        case 'I': v = *reinterpret_cast<const uint32_t*>(p); break;
+        case 'l':
+        case 'q':
+          v = view.itemsize == 8 ? *reinterpret_cast<const int64_t*>(p) : *reinterpret_cast<const int32_t*>(p);
+          break;
+        default: {  // 'L', 'Q': unsigned, may exceed int64
+          if (view.itemsize == 8) {
+            const uint64_t u = *reinterpret_cast<const uint64_t*>(p);
+            ok = u <= static_cast<uint64_t>(INT64_MAX);
+            v = static_cast<int64_t>(u);
+          } else {
+            v = *reinterpret_cast<const uint32_t*>(p);
+          }
+        }
+      }
+      out[i] = v;
+    }
+  }
+  PyBuffer_Release(&view);
+  return ok;
+}
+
+PyObject* as_int_list(const int64_t* v, Py_ssize_t n) {
+  PyObject* list = PyList_New(n);
+  if (list == nullptr) throw py::error_already_set();
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = PyLong_FromLongLong(v[i]);
+    if (item == nullptr) {
+      Py_DECREF(list);
+      throw py::error_already_set();
+    }
+    PyList_SET_ITEM(list, i, item);
+  }
+  return list;
+}
+
+// The per-call index check of a small copy between pools of `src_blocks` and `dst_blocks` blocks (the Python
+// reference is tiered_kv.pools.small_pairs, which decides alike): `(src list, dst list, runs)` when both sides
+// are valid -- lists of plain ints, or 1-D numpy integer arrays, of the same length, 1..256 pairs, every index in
+// range, no destination twice and, when `same_pool`, no block on both sides -- else None (the caller then runs the
+// general checks). Lists come back as the same objects; arrays as new lists. `runs`: the runs of blocks consecutive
+// on both sides (the copier's path choice).
+py::object check_pairs(int64_t src_blocks, int64_t dst_blocks, bool same_pool, py::handle src, py::handle dst) {
+  PyObject* s_obj = src.ptr();
+  PyObject* d_obj = dst.ptr();
+  static PyObject* ndarray = nullptr;
+  const bool lists = PyList_CheckExact(s_obj) && PyList_CheckExact(d_obj);
+  if (!lists) {
+    if (ndarray == nullptr) {
+      py::object type = py::module_::import("numpy").attr("ndarray");
+      ndarray = type.release().ptr();  // kept for the process
+    }
+    if (Py_TYPE(s_obj) != reinterpret_cast<PyTypeObject*>(ndarray) ||
+        Py_TYPE(d_obj) != reinterpret_cast<PyTypeObject*>(ndarray)) {
+      return py::none();
+    }
+  }
+  std::array<int64_t, kMaxPairs> sb{}, db{};
+  Py_ssize_t ns = 0, nd = 0;
+  if (!read_side(s_obj, lists, sb.data(), ns) || !read_side(d_obj, lists, db.data(), nd) || ns != nd) {
+    return py::none();
+  }
+  int64_t runs = 1;
+  bool s_rising = true, d_rising = true;  // strictly increasing: no duplicate, and min/max at the ends
+  for (Py_ssize_t i = 0; i < ns; ++i) {
+    if (sb[i] < 0 || sb[i] >= src_blocks || db[i] < 0 || db[i] >= dst_blocks) return py::none();
+    if (i > 0) {
+      if (sb[i] != sb[i - 1] + 1 || db[i] != db[i - 1] + 1) ++runs;
+      s_rising = s_rising && sb[i] > sb[i - 1];
+      d_rising = d_rising && db[i] > db[i - 1];
+    }
+  }
+  std::array<int64_t, kMaxPairs> d_sorted{};
+  const int64_t* d_order = db.data();
+  if (!d_rising) {
+    std::copy_n(db.begin(), ns, d_sorted.begin());
+    std::sort(d_sorted.begin(), d_sorted.begin() + ns);
+    if (std::adjacent_find(d_sorted.begin(), d_sorted.begin() + ns) != d_sorted.begin() + ns) return py::none();
+    d_order = d_sorted.data();
+  }
+  if (same_pool) {
+    std::array<int64_t, kMaxPairs> s_sorted{};
+    const int64_t* s_order = sb.data();
+    if (!s_rising) {
+      std::copy_n(sb.begin(), ns, s_sorted.begin());
+      std::sort(s_sorted.begin(), s_sorted.begin() + ns);
+      s_order = s_sorted.data();
+    }
+    // both ascending: disjoint unless the ranges overlap and a merge finds a common block
+    if (s_order[0] <= d_order[ns - 1] && d_order[0] <= s_order[ns - 1]) {
+      Py_ssize_t i = 0, j = 0;
+      while (i < ns && j < ns) {
+        if (s_order[i] == d_order[j]) return py::none();
+        if (s_order[i] < d_order[j]) {
+          ++i;
+        } else {
+          ++j;
+        }
+      }
+    }
+  }
+  py::object s_list, d_list;
+  if (lists) {
+    s_list = py::reinterpret_borrow<py::object>(src);
+    d_list = py::reinterpret_borrow<py::object>(dst);
+  } else {
+    s_list = py::reinterpret_steal<py::object>(as_int_list(sb.data(), ns));
+    d_list = py::reinterpret_steal<py::object>(as_int_list(db.data(), ns));
+  }
+  return py::make_tuple(s_list, d_list, runs);
+}
+
 // An event after the work queued so far on `stream` (and the host-function post, as submit does).
 std::unique_ptr<DeviceEvent> record(int device, int64_t stream_handle, int64_t sem) {
   const DeviceGuard guard(device);
@@ -435,6 +595,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       });
   m.def("submit", &tiered_kv::submit, py::arg("plan"), py::arg("src"), py::arg("dst"), py::arg("stream"),
         py::arg("sem"), py::arg("signal_stream") = 0);
+  m.def("check_pairs", &tiered_kv::check_pairs, py::arg("src_blocks"), py::arg("dst_blocks"), py::arg("same_pool"),
+        py::arg("src"), py::arg("dst"));
   m.def("record", &tiered_kv::record, py::arg("device"), py::arg("stream"), py::arg("sem"));
   m.def("wait_done", &tiered_kv::wait_done, py::arg("event"), py::arg("device"), py::arg("sem"), py::arg("wake_ns"),
         py::arg("due_ns"), py::arg("owed"), py::arg("stop_ns") = -1);

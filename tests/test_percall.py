@@ -27,6 +27,17 @@ def test_small_pairs_accepts_valid_lists_and_small_arrays() -> None:
     assert got == ([1, 2], [3, 0]) and all(type(x) is int for x in got[0] + got[1])
 
 
+def test_pairs_without_the_extension_count_the_runs_the_path_choice_needs() -> None:
+    """The native route's index check without the C++ one: small_pairs' lists and the runs of consecutive pairs."""
+    from tiered_kv.copyops import _pairs_in_python
+
+    assert _pairs_in_python(8, 8, False, [0, 1, 2], [5, 6, 7]) == ([0, 1, 2], [5, 6, 7], 1)
+    assert _pairs_in_python(8, 8, False, [0, 1, 3], [5, 6, 7]) == ([0, 1, 3], [5, 6, 7], 2)
+    assert _pairs_in_python(8, 8, False, np.array([4, 2]), np.array([0, 1])) == ([4, 2], [0, 1], 2)
+    assert _pairs_in_python(8, 8, True, [0, 1], [1, 2]) is None
+    assert _pairs_in_python(8, 8, False, [3], [3]) == ([3], [3], 1)
+
+
 @pytest.mark.parametrize(
     ("src", "dst", "same_pool"),
     [

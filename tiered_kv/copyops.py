@@ -66,7 +66,7 @@ from . import opdefs, ops, pool_kinds
 from .config import EngineConfig
 from .device import CudaStream, Device, Event, Stream
 from .layer_major import LayerMajorPool, LayerSlice
-from .pools import SMALL_CALL_BLOCKS, BlockPool, merge_runs
+from .pools import SMALL_CALL_BLOCKS, BlockPool, merge_runs, small_pairs
 
 __all__ = [
     "Copier",
@@ -245,7 +245,7 @@ class Copier:
         info = self._pair(src_pool, dst_pool, src_pool.layout.tokens_per_block)
         if self._plan(info, [0], [0]).path not in ("kernel", "dma"):
             return None
-        route = NativeRoute(self, info, stream, self._native.submit)
+        route = NativeRoute(self, info, stream, self._native.submit, getattr(self._native, "check_pairs", None))
         self._native_routes.append(route)
         return route
 
@@ -289,10 +289,15 @@ class Copier:
             self._pair(src_pool, dst_pool, src_pool.layout.tokens_per_block if num_tokens is None else num_tokens), s, d
         )
 
-    def _plan(self, info: _PairInfo, s: np.ndarray | list[int], d: np.ndarray | list[int]) -> CopyPlan:
+    def _plan(
+        self, info: _PairInfo, s: np.ndarray | list[int], d: np.ndarray | list[int], runs: int | None = None
+    ) -> CopyPlan:
+        """The copy plan of ``s`` -> ``d`` (``runs``: the runs of consecutive pairs when the caller counted them)."""
         size = len(s)
         small = isinstance(s, list)
-        if size <= 1:
+        if runs is not None:
+            pass
+        elif size <= 1:
             runs = size
         elif small:  # the engine's small calls: a Python scan beats three numpy calls (and map/operator chains)
             runs = 1
@@ -523,10 +528,26 @@ class NativeRoute:
     of a token count are made at its first call.
     """
 
-    __slots__ = ("_copier", "_info", "_partial", "_plans", "_single", "_stream", "_submit", "totals")
+    __slots__ = ("_copier", "_info", "_partial", "_plans", "_single", "_stream", "_submit", "pairs", "totals")
 
-    def __init__(self, copier: Copier, info: _PairInfo, stream: CudaStream, submit: Callable[..., Event]) -> None:
+    def __init__(
+        self,
+        copier: Copier,
+        info: _PairInfo,
+        stream: CudaStream,
+        submit: Callable[..., Event],
+        check_pairs: Callable[..., tuple[list[int], list[int], int] | None] | None = None,
+    ) -> None:
         self._copier = copier
+        src_n, dst_n = info.src_pool.num_blocks, info.dst_pool.num_blocks
+        same = info.src_pool is info.dst_pool
+        #: ``pairs(src_indices, dst_indices)``: ``(src list, dst list, runs)`` when the indices are valid for a small
+        #: call (:func:`~tiered_kv.pools.small_pairs`' rules, checked in C++), else ``None`` (the general checks)
+        self.pairs: Callable[[object, object], tuple[list[int], list[int], int] | None] = (
+            functools.partial(check_pairs, src_n, dst_n, same)
+            if check_pairs is not None
+            else functools.partial(_pairs_in_python, src_n, dst_n, same)
+        )
         self._info = info
         self._stream = stream
         self._submit = submit
@@ -546,11 +567,12 @@ class NativeRoute:
             "dma": copier._native_plan(info, num_tokens, ops.METHOD_DMA),
         }
 
-    def job(self, s: list[int], d: list[int], num_tokens: int | None = None) -> NativeCopy:
+    def job(self, s: list[int], d: list[int], num_tokens: int | None = None, runs: int | None = None) -> NativeCopy:
         """The job of copying blocks ``s`` to blocks ``d`` (valid small int lists: the engine checked them).
 
         ``num_tokens``: tokens ``[0, num_tokens)`` of every row, ``None`` for whole blocks (the engine checked
-        it is in ``1..tokens_per_block - 1``).
+        it is in ``1..tokens_per_block - 1``). ``runs``: the runs of pairs consecutive on both sides, when
+        :attr:`pairs` counted them.
         """
         if num_tokens is not None:
             entry = self._partial.get(num_tokens)
@@ -558,17 +580,28 @@ class NativeRoute:
                 info = self._copier._pair(self._info.src_pool, self._info.dst_pool, num_tokens)
                 entry = self._partial[num_tokens] = (info, self._plans_of(info, num_tokens))
             info, plans = entry
-            path = self._copier._plan(info, s, d).path
+            path = self._copier._plan(info, s, d, runs).path
             plan, totals, block_bytes = plans[path], self.totals[path], info.block_bytes
         elif len(s) == 1:
             (plan, totals), block_bytes = self._single, self._info.block_bytes
         else:
-            path = self._copier._plan(self._info, s, d).path
+            path = self._copier._plan(self._info, s, d, runs).path
             plan, totals, block_bytes = self._plans[path], self.totals[path], self._info.block_bytes
         nbytes = len(s) * block_bytes
         totals[0] += 1
         totals[1] += nbytes
         return NativeCopy(self._stream, self._submit, plan, s, d, nbytes)
+
+
+def _pairs_in_python(
+    src_blocks: int, dst_blocks: int, same_pool: bool, src: object, dst: object
+) -> tuple[list[int], list[int], int] | None:
+    """:attr:`NativeRoute.pairs` without the extension's ``check_pairs`` (same result)."""
+    small = small_pairs(src, dst, src_blocks, dst_blocks, same_pool)
+    if small is None:
+        return None
+    s, d = small
+    return s, d, 1 + sum(1 for i in range(1, len(s)) if s[i] != s[i - 1] + 1 or d[i] != d[i - 1] + 1)
 
 
 def _free_native_plans(plans: dict[tuple[int, int], tuple[_PairInfo, int]]) -> None:

@@ -690,17 +690,22 @@ class TransferEngine:
         except (KeyError, TypeError):
             route = self._resolve_route(src_tier, dst_tier)
         src_t, dst_t, src_pool, dst_pool, handler, memory, direction, native = route
-        small = (
-            small_pairs(src_indices, dst_indices, src_pool.num_blocks, dst_pool.num_blocks, src_pool is dst_pool)
-            if memory
-            else None
-        )
-        if native is not None and small is not None and layers is None and keys is None:
+        small: tuple[list[int], list[int]] | None = None
+        checked = None
+        if native is not None and memory and layers is None and keys is None:
+            # indices checked in C++ (small_pairs' rules), with the runs the path choice needs
+            checked = native.pairs(src_indices, dst_indices)
+        elif memory:
+            small = small_pairs(
+                src_indices, dst_indices, src_pool.num_blocks, dst_pool.num_blocks, src_pool is dst_pool
+            )
+        if checked is not None:
             # the per-call path of small copies on CUDA (whole or partial blocks): no Batch, handler or op objects
             # in between
+            assert native is not None
             n = None if num_tokens is None else self._check_tokens(num_tokens)
-            s_list, d_list = small
-            native_job = native.job(s_list, d_list, n)
+            s_list, d_list, runs = checked
+            native_job = native.job(s_list, d_list, n, runs)
             marker = Marker(native_job.stream)
             count = len(s_list)
             nbytes = count * (self._block_bytes if n is None else self.layout.partial_bytes(n))

@@ -60,7 +60,11 @@ async def _busy(seconds: float) -> None:
     await fut
 
 
-def engine_call(engine: TransferEngine, route: tuple, n: int, stream: torch.cuda.Stream) -> Callable[[], Awaitable[Rec]]:
+def engine_call(
+    engine: TransferEngine, route: tuple, n: int, stream: torch.cuda.Stream
+) -> Callable[[], Awaitable[Rec]]:
+    """An awaited engine copy on ``route``, bracketed by timing events on its lane ``stream``."""
+
     async def call() -> Rec:
         _sync()
         ev_a, ev_b = _ev(), _ev()
@@ -89,6 +93,8 @@ def engine_call(engine: TransferEngine, route: tuple, n: int, stream: torch.cuda
 
 
 def synced_call(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], Awaitable[Rec]]:
+    """One contiguous copy, the GPU synchronized before and after (the bench's baseline)."""
+
     async def call() -> Rec:
         _sync()
         stream = torch.cuda.current_stream()
@@ -106,6 +112,8 @@ def synced_call(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], Awaitable[
 
 
 def loop_floor_call(dst: torch.Tensor, src: torch.Tensor, side: torch.cuda.Stream) -> Callable[[], Awaitable[Rec]]:
+    """A bare torch copy polled by the loop into an awaited future (the bench's loop floor)."""
+
     async def call() -> Rec:
         loop = asyncio.get_running_loop()
         ev_a, ev_b = _ev(), _ev()
@@ -134,6 +142,8 @@ def loop_floor_call(dst: torch.Tensor, src: torch.Tensor, side: torch.cuda.Strea
 
 
 def doorbell_call(side: torch.cuda.Stream) -> Callable[[], Awaitable[Rec]]:
+    """An event recorded on an idle stream, spun on with ``query()``."""
+
     async def call() -> Rec:
         ev = torch.cuda.Event()
         t0 = time.perf_counter()
@@ -148,6 +158,7 @@ def doorbell_call(side: torch.cuda.Stream) -> Callable[[], Awaitable[Rec]]:
 
 
 async def run_mode(calls: dict[str, Callable[[], Awaitable[Rec]]], mode: str, turns: int) -> dict[str, Rec]:
+    """Median of every field per call type, in ``mode`` (tight, turns, turns+spin)."""
     names = list(calls)
     out: dict[str, list[Rec]] = {k: [] for k in names}
     if mode == "tight":
@@ -169,6 +180,7 @@ async def run_mode(calls: dict[str, Callable[[], Awaitable[Rec]]], mode: str, tu
 
 
 def fmt(name: str, r: Rec) -> str:
+    """One line of a call type's medians."""
     us = {k: v * 1e6 for k, v in r.items() if k not in ("by_loop", "by_thread")}
     cells = " ".join(f"{k}={v:6.1f}" for k, v in us.items())
     cells += f" slack={(r['end'] - r['dev']) * 1e6:6.1f}"
@@ -178,6 +190,7 @@ def fmt(name: str, r: Rec) -> str:
 
 
 async def main() -> None:
+    """Both directions, 4 and 12 tokens of 16, every mode."""
     layout = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, tokens_per_block=16, dtype=torch.bfloat16)
     idx = np.arange(256)
     print(f"# turnphase_probe on {torch.cuda.get_device_name()}, {asyncio.get_event_loop_policy().__class__.__name__}")
