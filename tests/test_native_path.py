@@ -274,7 +274,7 @@ def _pair_cases(rng: random.Random) -> list[tuple[object, object, int, int, bool
         (list(range(257)), list(range(257)), 1000, 1000, False),  # over the small-call limit
         (list(range(256)), list(range(256, 512)), 512, 512, True),  # at it
     ]
-    dtypes = [np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64, np.intp]
+    dtypes: list[Any] = [np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64, np.intp]
     for _ in range(400):
         n = rng.choice([1, 2, 3, 8, 64, 128, 256])
         src_n, dst_n = rng.choice([(n, n), (2 * n, 2 * n), (n + 3, 4 * n), (300, 300)])
