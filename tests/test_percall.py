@@ -333,9 +333,9 @@ async def test_engine_small_calls_use_the_list_op_on_their_stream(
             calls.append("list" if getattr(op, "explicit_stream", False) else "tensor")
             return op
 
-        def job(self, s, d, num_tokens=None):
+        def job(self, s, d, num_tokens=None, runs=None):
             calls.append("native")
-            return real_job(self, s, d, num_tokens)
+            return real_job(self, s, d, num_tokens, runs)
 
         engine.copier.build = build  # type: ignore[method-assign]
         monkeypatch.setattr(NativeRoute, "job", job)
