@@ -194,7 +194,21 @@ async def main() -> None:
     layout = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, tokens_per_block=16, dtype=torch.bfloat16)
     idx = np.arange(256)
     print(f"# turnphase_probe on {torch.cuda.get_device_name()}, {asyncio.get_event_loop_policy().__class__.__name__}")
-    async with TransferEngine(layout, gpu_blocks=256, host_blocks=128, device="cuda") as engine:
+    import sys
+
+    from tiered_kv import EngineConfig
+
+    no_waiter = "no-waiter" in sys.argv  # the stream waiters drop their items: the loop's poll completes every copy
+    cfg = EngineConfig(completion_spin_us=20_000 if no_waiter else None)
+    print(f"# no_waiter={no_waiter}")
+    async with TransferEngine(layout, gpu_blocks=256, host_blocks=128, device="cuda", config=cfg) as engine:
+        if no_waiter:
+            from phase_probe import _Drop
+
+            await engine.copy(Tier.GPU, idx[:1], Tier.GPU, idx[1:2])  # the waiters are started
+            for st in engine._streams.values():
+                if hasattr(st, "_waits"):
+                    st._waits = _Drop(st._waits)  # type: ignore[attr-defined]
         gpu = engine.pool(Tier.GPU).tensor  # type: ignore[union-attr]
         host = engine.pool(Tier.HOST).tensor  # type: ignore[union-attr]
         side = torch.cuda.Stream()
