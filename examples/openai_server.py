@@ -48,6 +48,7 @@ import torch
 from aiohttp import web
 
 from tiered_kv import CacheFullError, TieredKVCache, TieredKVError
+from tiered_kv.integrations.hf_model import cache_kwargs
 from tiered_kv.integrations.models import random_causal_lm, tiny_llama_config
 from tiered_kv.integrations.transformers import CachedGenerator, layout_for
 
@@ -106,7 +107,7 @@ class PlainGenerator:
             def step(feed: torch.Tensor = feed) -> int:
                 with torch.inference_mode():
                     logits = self.model(
-                        input_ids=feed.to(self.device), past_key_values=kv, use_cache=True, logits_to_keep=1
+                        input_ids=feed.to(self.device), **cache_kwargs(self.model, kv), use_cache=True, logits_to_keep=1
                     ).logits[0, -1]
                     return _pick(logits, temperature, top_p, generator)
 

@@ -17,6 +17,7 @@ import torch
 pytest.importorskip("transformers")
 
 from tiered_kv import KVLayout, Tier, TieredKVCache
+from tiered_kv.integrations.hf_model import output_cache
 from tiered_kv.integrations.models import random_causal_lm, tiny_llama_config
 from tiered_kv.integrations.transformers import CachedGenerator, layout_for, reference_generate
 
@@ -53,7 +54,7 @@ def _past(model: Any, prompt: list[int], r: int) -> list[tuple[torch.Tensor, tor
     device = next(model.parameters()).device
     with torch.inference_mode():
         out = model(torch.tensor([prompt], device=device), use_cache=True)
-    return [(layer.keys[:, :, :r].clone(), layer.values[:, :, :r].clone()) for layer in out.past_key_values.layers]
+    return [(layer.keys[:, :, :r].clone(), layer.values[:, :, :r].clone()) for layer in output_cache(out).layers]
 
 
 async def _move_all(cache: TieredKVCache, tier: str) -> None:

@@ -11,6 +11,7 @@ Primitives:
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Collection, Sequence
 from typing import Any
@@ -20,7 +21,20 @@ import torch
 
 from ..layout import KVLayout
 
-__all__ = ["check_full_attention", "layout_for", "model_geometry", "reference_generate"]
+__all__ = ["cache_kwargs", "check_full_attention", "layout_for", "model_geometry", "output_cache", "reference_generate"]
+
+
+def cache_kwargs(model: Any, kv: Any) -> dict[str, Any]:
+    """``{name: kv}`` for ``model(...)``: transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old warns)."""
+    forward = getattr(model, "forward", model)
+    name = "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+    return {name: kv}
+
+
+def output_cache(out: Any) -> Any:
+    """The KV cache a model call returned (``cache`` from transformers 5.24, ``past_key_values`` before)."""
+    cache = out.get("cache") if hasattr(out, "get") else None
+    return cache if cache is not None else out.past_key_values
 
 
 def model_geometry(model: Any) -> tuple[int, int, int, torch.dtype]:
@@ -115,7 +129,10 @@ def reference_generate(
                 kv.update(k, v, i)
             start = past[0][0].shape[-2]
         out = model(
-            input_ids=ids[:, start:], past_key_values=kv, use_cache=True, logits_to_keep=0 if output_logits else 1
+            input_ids=ids[:, start:],
+            **cache_kwargs(model, kv),
+            use_cache=True,
+            logits_to_keep=0 if output_logits else 1,
         )
         logits = out.logits
         if output_logits:
@@ -129,7 +146,10 @@ def reference_generate(
             if tok in stops or i == max_new_tokens - 1:
                 break
             out = model(
-                input_ids=torch.tensor([[tok]], device=device), past_key_values=kv, use_cache=True, logits_to_keep=1
+                input_ids=torch.tensor([[tok]], device=device),
+                **cache_kwargs(model, kv),
+                use_cache=True,
+                logits_to_keep=1,
             )
             step = out.logits[:, -1, :]
             if output_logits:

@@ -52,7 +52,7 @@ from ..keys import as_token_array
 from ..layer_major import LayerMajorPool
 from ..pools import BlockPool, Tier
 from .hf_kv import RowTargets, cache_classes, pool_views, preload_past
-from .hf_model import check_full_attention, layout_for, model_geometry, reference_generate
+from .hf_model import cache_kwargs, check_full_attention, layout_for, model_geometry, reference_generate
 from .hf_results import Generation, GenerationStream, GeneratorStatistics
 from .hf_sampling import GenerateOptions, Sampling, SamplingOptions, check_sampling, choose, make_sampler
 
@@ -373,7 +373,7 @@ class CachedGenerator:
                 target.prepare(reused, n - reused, self.device)
                 out = self.model(
                     input_ids=prompt[:, reused:].to(self.device),
-                    past_key_values=kv,
+                    **cache_kwargs(self.model, kv),
                     use_cache=True,
                     logits_to_keep=0 if sampling.output_logits else 1,
                 )
@@ -447,7 +447,7 @@ class CachedGenerator:
                 with torch.inference_mode():
                     target.prepare(position, 1, self.device)
                     out = self.model(
-                        input_ids=feed.to(self.device), past_key_values=kv, use_cache=True, logits_to_keep=1
+                        input_ids=feed.to(self.device), **cache_kwargs(self.model, kv), use_cache=True, logits_to_keep=1
                     )
                     logits = out.logits[:, -1, :]
                     if self.device.type == "cuda":

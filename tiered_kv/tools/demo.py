@@ -126,8 +126,15 @@ def _model_config(cfg: DemoConfig) -> Any:
     from ..integrations.models import tiny_llama_config
 
     heads = max(1, cfg.hidden // 64)
-    return tiny_llama_config(layers=cfg.layers, hidden=cfg.hidden, heads=heads, kv_heads=max(1, heads // 2),
-                             intermediate=2 * cfg.hidden, vocab=cfg.vocab, max_positions=16384)
+    return tiny_llama_config(
+        layers=cfg.layers,
+        hidden=cfg.hidden,
+        heads=heads,
+        kv_heads=max(1, heads // 2),
+        intermediate=2 * cfg.hidden,
+        vocab=cfg.vocab,
+        max_positions=16384,
+    )
 
 
 def check_outputs(plot: str | None, json_path: str | None) -> None:
@@ -164,6 +171,7 @@ async def run_demo(cfg: DemoConfig, progress: Callable[[int, int], None] | None 
         temporary directory removed.
     """
     from ..device import resolve_device
+    from ..integrations.hf_model import output_cache
     from ..integrations.models import random_causal_lm
     from ..integrations.transformers import CachedGenerator, layout_for
 
@@ -172,10 +180,17 @@ async def run_demo(cfg: DemoConfig, progress: Callable[[int, int], None] | None 
     model = random_causal_lm(_model_config(cfg), dtype=torch.float32, device=torch_device, seed=cfg.seed)
     layers, hidden = cfg.layers, cfg.hidden
     description = f"Llama, {layers} layers, hidden {hidden}, vocab {cfg.vocab}, fp32, random weights"
-    workload = ChatWorkload(seed=cfg.seed, conversations=cfg.conversations, system_prompts=3,
-                            system_tokens=cfg.system_tokens, turns=(2, 5), user_tokens=(16, 96),
-                            output_tokens=(4, cfg.max_new_tokens), concurrency=8,
-                            vocab=cfg.vocab)
+    workload = ChatWorkload(
+        seed=cfg.seed,
+        conversations=cfg.conversations,
+        system_prompts=3,
+        system_tokens=cfg.system_tokens,
+        turns=(2, 5),
+        user_tokens=(16, 96),
+        output_tokens=(4, cfg.max_new_tokens),
+        concurrency=8,
+        vocab=cfg.vocab,
+    )
     turns = list(workload)
     emulated = not dev.is_cuda
     device_name = "emulated (CPU)" if emulated else torch.cuda.get_device_name(torch_device)
@@ -230,20 +245,27 @@ async def run_demo(cfg: DemoConfig, progress: Callable[[int, int], None] | None 
                     if r:
                         assert captured, "the generator reported reuse without showing the reused KV"
                         worst = torch.zeros(r, device=torch_device)
-                        for (k, v), layer in zip(captured[0], ref.past_key_values.layers, strict=True):
+                        for (k, v), layer in zip(captured[0], output_cache(ref).layers, strict=True):
                             for got, want in ((k, layer.keys[0, :, :r]), (v, layer.values[0, :, :r])):
                                 worst = torch.maximum(worst, (got - want).abs().amax(dim=(0, 2)))
                         verified += r
                         mismatched += int((worst > KV_TOLERANCE).sum().item())
                         max_diff = max(max_diff, float(worst.max().item()))
                     s = cache.statistics()
-                    samples.append({
-                        "t": time.perf_counter() - t_start, "turn": turn.index, "prompt_tokens": len(prompt),
-                        "tokens_reused": r, "blocks_from": dict(out.blocks_from), "hit_rate": s.hit_rate,
-                        "hits": dict(s.hits),
-                        "used": {t: s.blocks.capacity[t] - s.blocks.free[t] for t in s.blocks.capacity},
-                        "ttft_with": out.ttft_s, "ttft_without": ttft_without[-1],
-                    })
+                    samples.append(
+                        {
+                            "t": time.perf_counter() - t_start,
+                            "turn": turn.index,
+                            "prompt_tokens": len(prompt),
+                            "tokens_reused": r,
+                            "blocks_from": dict(out.blocks_from),
+                            "hit_rate": s.hit_rate,
+                            "hits": dict(s.hits),
+                            "used": {t: s.blocks.capacity[t] - s.blocks.free[t] for t in s.blocks.capacity},
+                            "ttft_with": out.ttft_s,
+                            "ttft_without": ttft_without[-1],
+                        }
+                    )
                     if progress is not None:
                         progress(done, len(turns))
             finally:
