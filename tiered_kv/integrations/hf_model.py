@@ -11,7 +11,6 @@ Primitives:
 
 from __future__ import annotations
 
-import functools
 import inspect
 import time
 from collections.abc import Collection, Sequence
@@ -27,14 +26,17 @@ __all__ = ["cache_kwargs", "check_full_attention", "layout_for", "model_geometry
 
 def cache_kwargs(model: Any, kv: Any) -> dict[str, Any]:
     """``{name: kv}`` for ``model(...)``: transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old warns)."""
-    return {_cache_name(type(model)): kv}
+    model_type = type(model)
+    name = _CACHE_NAMES.get(model_type)
+    if name is None:
+        # One signature look per model class, not per decode step.
+        forward = getattr(model_type, "forward", None)
+        has_cache = forward is not None and "cache" in inspect.signature(forward).parameters
+        name = _CACHE_NAMES[model_type] = "cache" if has_cache else "past_key_values"
+    return {name: kv}
 
 
-@functools.cache
-def _cache_name(model_type: type) -> str:
-    """The cache argument's name for a model class (one signature look per class, not per decode step)."""
-    forward = getattr(model_type, "forward", None)
-    return "cache" if forward is not None and "cache" in inspect.signature(forward).parameters else "past_key_values"
+_CACHE_NAMES: dict[type, str] = {}
 
 
 def output_cache(out: Any) -> Any:
