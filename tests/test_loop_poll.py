@@ -21,8 +21,10 @@ from helpers import fill_pool, same, snapshot
 
 from tiered_kv import EngineConfig, KVLayout, Tier, TransferEngine, TransferError
 from tiered_kv.completions import EventPoller
+from tiered_kv.testing import stall
 
 LATE = 0.4  # seconds the completion callbacks are held back
+LATE_US = int(LATE * 1e6)
 
 
 @pytest.fixture
@@ -63,10 +65,9 @@ def _broken_build_op(*args: Any, **kwargs: Any) -> Any:
     return op
 
 
-def _engine(layout: KVLayout, spin_us: int) -> TransferEngine:
-    return TransferEngine(
-        layout, gpu_blocks=8, host_blocks=8, device="cpu", config=EngineConfig(completion_spin_us=spin_us)
-    )
+def _engine(layout: KVLayout, spin_us: int, await_spin_us: int | None = None) -> TransferEngine:
+    config = EngineConfig(completion_spin_us=spin_us, await_spin_us=await_spin_us)
+    return TransferEngine(layout, gpu_blocks=8, host_blocks=8, device="cpu", config=config)
 
 
 # ------------------------------------------------------------------------------------------- the engine
@@ -219,6 +220,119 @@ async def test_polled_copies_soak_per_byte(layout: KVLayout) -> None:
         assert len(engine.fences) == 0
 
 
+# ------------------------------------------------------------------------------- waiting in place
+
+
+@pytest.mark.parametrize("spin_us", [200_000, 0], ids=["with-poller", "no-poller"])
+async def test_an_awaited_copy_due_soon_is_waited_for_in_place(
+    layout: KVLayout, monkeypatch: pytest.MonkeyPatch, spin_us: int
+) -> None:
+    """Due within ``await_spin_us``: the await polls the event itself and resumes without yielding to the loop."""
+    async with _engine(layout, spin_us, await_spin_us=LATE_US // 2) as engine:
+        ran = _hold_back_callbacks(engine, "offload", monkeypatch)
+        expected = fill_pool(engine, "gpu", seed=11)
+        order: list[int] = []
+        first = engine.copy(Tier.GPU, [0], Tier.HOST, [2])
+        first.add_done_callback(functools.partial(_append, order, 1))
+        second = engine.copy(Tier.GPU, [4], Tier.HOST, [5])
+        second.add_done_callback(functools.partial(_append, order, 2))
+        rounds: list[int] = []
+        asyncio.get_running_loop().call_soon(rounds.append, 1)  # runs as soon as the awaiting task yields
+        t0 = time.perf_counter()
+        result = await second
+        assert time.perf_counter() - t0 < LATE / 2
+        assert not rounds, "the await yielded to the loop although its copy was due within the in-place budget"
+        assert not ran and order == [1, 2], "completed from its event, in stream order, before the callbacks"
+        assert engine._in_place == 1
+        assert result.num_blocks == 1 and same(snapshot(engine, "host", 5), expected[4])
+        assert same(snapshot(engine, "host", 2), expected[0])
+        stats = engine.statistics()  # the bookkeeping as after any completion
+        assert (stats.completed, stats.failed, stats.in_flight) == (2, 0, 0) and len(engine.fences) == 0
+        await asyncio.sleep(LATE + 0.1)  # the held-back callbacks arrive and change nothing
+        assert len(ran) == 2 and engine.statistics().completed == 2
+
+
+async def test_an_in_place_wait_gives_up_after_its_budget(layout: KVLayout, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy still running when the budget is spent: the await yields and the copy completes as usual."""
+    budget_us = 5_000
+    async with _engine(layout, 0, await_spin_us=budget_us) as engine:
+        fill_pool(engine, "gpu", seed=12)
+        stall(engine.stream("offload"), 0.2)  # the copy starts 200 ms from now: far past the budget
+        transfer = engine.copy(Tier.GPU, [1], Tier.HOST, [1])
+        rounds: list[int] = []
+        asyncio.get_running_loop().call_soon(rounds.append, 1)
+        t0 = time.perf_counter()
+        await transfer
+        waited = time.perf_counter() - t0
+        assert rounds == [1], "the await yielded once its budget was spent"
+        assert waited >= 0.15 and engine._in_place == 0
+        assert engine.statistics().completed == 1 and len(engine.fences) == 0
+
+
+async def test_a_failed_op_waited_for_in_place_still_fails(layout: KVLayout, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The in-place poll leaves a failed op to its callback, which carries the error."""
+    async with _engine(layout, 0, await_spin_us=LATE_US // 2) as engine:
+        _hold_back_callbacks(engine, "offload", monkeypatch)
+        monkeypatch.setattr(engine.route(Tier.GPU, Tier.HOST), "build_op", _broken_build_op)
+        with pytest.raises(TransferError, match="simulated device fault"):
+            await engine.copy(Tier.GPU, [0], Tier.HOST, [1])
+        stats = engine.statistics()
+        assert (stats.completed, stats.failed) == (1, 1) and len(engine.fences) == 0
+
+
+async def test_in_place_waits_soak_per_byte(layout: KVLayout) -> None:
+    """Random copies in every direction, awaited singly and in groups, cancelled at times, waited for in place."""
+    rng = np.random.default_rng(17)
+    async with _engine(layout, 0, await_spin_us=20_000) as engine:
+        model = {"gpu": fill_pool(engine, "gpu", seed=13).clone(), "host": fill_pool(engine, "host", seed=14).clone()}
+        cancelled = 0
+        for _ in range(80):
+            src, dst = (("gpu", "host"), ("host", "gpu"), ("gpu", "gpu"), ("host", "host"))[int(rng.integers(4))]
+            k = int(rng.integers(1, 4))
+            s = rng.choice(8, size=k, replace=False)
+            free = np.setdiff1d(np.arange(8), s) if src == dst else np.arange(8)
+            d = rng.choice(free, size=k, replace=False)
+            before = model[src][s].clone()
+            t = engine.copy(Tier(src), s, Tier(dst), d)
+            model[dst][d] = before
+            roll = rng.random()
+            if roll < 0.15:  # a wait cancelled: the copy itself goes on
+                waiter = asyncio.ensure_future(_await(t))
+                await asyncio.sleep(0)
+                waiter.cancel()
+                cancelled += 1
+            elif roll < 0.8:
+                await t
+        await engine.drain()
+        for tier in ("gpu", "host"):
+            for b in range(8):
+                assert same(snapshot(engine, tier, b), model[tier][b]), f"{tier} block {b}"
+        stats = engine.statistics()
+        assert stats.completed == stats.submitted == 80 and stats.failed == 0
+        assert len(engine.fences) == 0 and cancelled > 0 and engine._in_place > 0
+
+
+async def _await(transfer: Any) -> None:
+    await transfer
+
+
+def test_await_spin_from_config_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for bad in (-1, 1.5, True, "50"):
+        with pytest.raises(ValueError, match="await_spin_us"):
+            EngineConfig(await_spin_us=bad)  # type: ignore[arg-type]
+    monkeypatch.setenv("TIERED_KV_AWAIT_SPIN_US", "30")
+    assert EngineConfig.from_env().await_spin_us == 30
+    monkeypatch.setenv("TIERED_KV_AWAIT_SPIN_US", "soon")
+    with pytest.raises(ValueError, match="TIERED_KV_AWAIT_SPIN_US must be an int"):
+        EngineConfig.from_env()
+
+
+async def test_the_emulated_device_does_not_wait_in_place_by_default(layout: KVLayout) -> None:
+    async with TransferEngine(layout, gpu_blocks=8, host_blocks=8, device="cpu") as engine:
+        await engine.copy(Tier.GPU, [0], Tier.HOST, [0])
+        assert engine._await_spin == 0
+
+
 # ------------------------------------------------------------------------------------------- the poller
 
 
@@ -318,6 +432,19 @@ def test_spin_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TIERED_KV_COMPLETION_SPIN_US", "soon")
     with pytest.raises(ValueError, match="TIERED_KV_COMPLETION_SPIN_US must be an int"):
         EngineConfig.from_env()
+
+
+@pytest.mark.gpu
+async def test_an_awaited_small_cuda_copy_is_waited_for_in_place_by_default() -> None:
+    """On CUDA, by default: a 1-block copy is due within the in-place budget and seen done before the await yields."""
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, tokens_per_block=16, dtype=torch.float16)
+    async with TransferEngine(layout, gpu_blocks=64, host_blocks=64, device="cuda") as engine:
+        for i in range(50):
+            await engine.copy(Tier.GPU, [i], Tier.HOST, [i])
+        assert engine._await_spin > 0 and engine._in_place >= 25, engine._in_place
+        await engine.drain()
+        stats = engine.statistics()
+        assert stats.completed == stats.submitted == 50 and len(engine.fences) == 0
 
 
 @pytest.mark.gpu

@@ -86,6 +86,10 @@ ORPHAN_TIMEOUT = 30.0
 #: expected end to 0.2 ms after it.
 _DEFAULT_SPIN_US = 200
 
+#: ``EngineConfig.await_spin_us`` on CUDA when not set: an awaited copy expected to end within 50 us is waited for in
+#: place by the awaiting coroutine.
+_DEFAULT_AWAIT_SPIN_US = 50
+
 Indices = Iterable[int] | np.ndarray | torch.Tensor
 
 
@@ -240,6 +244,8 @@ class TransferEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._inbox: CompletionInbox[Marker] | None = None
         self._poller: EventPoller[Marker] | None = None  # the loop-side poll of awaited copies about to end
+        self._await_spin = 0.0  # seconds an awaiting coroutine polls in place (EngineConfig.await_spin_us)
+        self._in_place = 0  # awaits that found their copy done before yielding (one look, or the in-place poll)
         self._closing = False
         self._closed = False
         self._owner: str | None = None  # who the blocks belong to (claim): copy() is theirs alone
@@ -368,8 +374,12 @@ class TransferEngine:
                 spin = _DEFAULT_SPIN_US if self.device.is_cuda else 0
             if spin > 0:  # awaited copies about to end: the loop polls their events (EngineConfig.completion_spin_us)
                 self._poller = EventPoller(loop, self._poll, self._settle, spin / 1e6)
+            in_place = self.config.await_spin_us
+            if in_place is None:
+                in_place = _DEFAULT_AWAIT_SPIN_US if self.device.is_cuda else 0
+            self._await_spin = in_place / 1e6
             for stream in self._streams.values():
-                if self._poller is not None:
+                if self._poller is not None or self._await_spin > 0:
                     stream.watch = self._watch  # type: ignore[attr-defined]  # our streams have it
                 if isinstance(stream, CudaStream):  # woken shortly before a long copy's expected end
                     stream.near_end = self._poller.wake if self._poller is not None else self._inbox.poke
@@ -924,31 +934,42 @@ class TransferEngine:
         marker.complete()
 
     def _watch(self, marker: Marker, transfer: Transfer) -> None:
-        """A coroutine is about to await ``transfer`` (on a stream): the loop polls it from near its expected end.
+        """A coroutine is about to await ``transfer`` (on a stream): wait in place, or have the loop poll it.
 
-        Expected end: submitted plus its bytes at the stream's measured rate (a first guess before any); a copy
-        queued behind others ends later than that and is polled until the poller gives up on it, then completed
-        by its thread as without the poller.
+        Expected end: submitted plus its bytes at the stream's measured rate (a first guess before any). Due within
+        ``EngineConfig.await_spin_us``: the awaiting coroutine polls the event here, without yielding to the loop,
+        for at most that long (done: it goes on as after a done future, no loop round to see the event nor one to
+        resume it). Otherwise, or not done by then: the loop polls it from near its expected end
+        (:class:`EventPoller`); a copy queued behind others ends later than expected and is polled until the poller
+        gives up on it, then completed by its thread as without the poller.
         """
-        poller = self._poller
-        if poller is None:
-            return
         # the stream waiter's own estimate (device.expected_end), in perf_counter seconds; no bytes: due at once.
         # A long copy is polled up to a quarter of its span late (a partial copy runs below the stream's best rate)
         _wake, due_ns = expected_end(0, transfer.nbytes, getattr(marker.lane, "rate", 0.0))
         span = max(due_ns, 0) / 1e9
         due = transfer.submitted_at + span
-        if due <= time.perf_counter() and self._poll(marker):
-            # past its expected end and its event reached (or left to its thread): one look now, no loop round. The
-            # awaiting coroutine then finds it completed and goes on without yielding, as for a done future; the
-            # bookkeeping runs behind it, as after the poller's rounds
-            poller.finished += 1  # seen by the loop, as a poll would
-            if marker.completed:
-                loop = self._loop
-                assert loop is not None
-                loop.call_soon(self._settle)
-            return
-        poller.watch(marker, due, span / 4)
+        now = time.perf_counter()
+        spin = self._await_spin
+        if due <= now + spin:
+            # due now or within the in-place budget: look until it is done or the budget is spent. Done (or left to
+            # its thread: a failed op): the awaiting coroutine then finds it completed and goes on without yielding;
+            # the bookkeeping runs behind it, as after the poller's rounds
+            until = now + spin
+            while not self._poll(marker):
+                if time.perf_counter() >= until:
+                    break
+            else:
+                self._in_place += 1  # seen before the coroutine yielded (tests, probes)
+                if self._poller is not None:
+                    self._poller.finished += 1  # seen by the loop, as a poll would
+                if marker.completed:
+                    loop = self._loop
+                    assert loop is not None
+                    loop.call_soon(self._settle)
+                return
+        poller = self._poller
+        if poller is not None:
+            poller.watch(marker, due, span / 4)
 
     def _poll(self, marker: Marker) -> bool:
         """One loop-side poll of ``marker`` (:class:`EventPoller`): True once it needs no more polls.

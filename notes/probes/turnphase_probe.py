@@ -199,7 +199,8 @@ async def main() -> None:
     from tiered_kv import EngineConfig
 
     no_waiter = "no-waiter" in sys.argv  # the stream waiters drop their items: the loop's poll completes every copy
-    cfg = EngineConfig(completion_spin_us=20_000 if no_waiter else None)
+    cfg = EngineConfig.from_env(completion_spin_us=20_000 if no_waiter else None)
+    print(f"# await_spin_us={cfg.await_spin_us}")
     print(f"# no_waiter={no_waiter}")
     async with TransferEngine(layout, gpu_blocks=256, host_blocks=128, device="cuda", config=cfg) as engine:
         if no_waiter:
