@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import sys
 import threading
 import time
 from typing import Any
@@ -314,6 +315,19 @@ async def test_in_place_waits_soak_per_byte(layout: KVLayout) -> None:
 
 async def _await(transfer: Any) -> None:
     await transfer
+
+
+async def test_an_in_place_wait_lets_other_threads_run(layout: KVLayout) -> None:
+    """The in-place poll gives up the GIL between looks: the emulated stream's thread runs the op meanwhile.
+
+    The budget is half the interpreter's switch interval, so a poll that held the GIL throughout would see the op
+    run only after its budget was spent (nearly never in place).
+    """
+    budget_us = int(sys.getswitchinterval() * 1e6 / 2)
+    async with _engine(layout, 0, await_spin_us=budget_us) as engine:
+        for i in range(40):
+            await engine.copy(Tier.GPU, [i % 8], Tier.HOST, [i % 8])
+        assert engine._in_place >= 20, f"{engine._in_place} of 40 awaits saw their copy done in place"
 
 
 def test_await_spin_from_config_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
