@@ -246,6 +246,7 @@ class TransferEngine:
         self._poller: EventPoller[Marker] | None = None  # the loop-side poll of awaited copies about to end
         self._await_spin = 0.0  # seconds an awaiting coroutine polls in place (EngineConfig.await_spin_us)
         self._in_place = 0  # awaits that found their copy done before yielding (one look, or the in-place poll)
+        self._spin_yields_gil = True  # the in-place poll gives up the GIL between looks (set per device at bind)
         self._closing = False
         self._closed = False
         self._owner: str | None = None  # who the blocks belong to (claim): copy() is theirs alone
@@ -378,6 +379,10 @@ class TransferEngine:
             if in_place is None:
                 in_place = _DEFAULT_AWAIT_SPIN_US if self.device.is_cuda else 0
             self._await_spin = in_place / 1e6
+            # A CUDA device needs no GIL to finish a copy, and handing it over between looks lets a stream's waiter
+            # take it just as the copy ends (the await then resumes after that thread's Python). The emulated
+            # device's ops are Python threads: the poll gives the GIL up between looks there.
+            self._spin_yields_gil = not self.device.is_cuda
             for stream in self._streams.values():
                 if self._poller is not None or self._await_spin > 0:
                     stream.watch = self._watch  # type: ignore[attr-defined]  # our streams have it
@@ -955,10 +960,12 @@ class TransferEngine:
             # its thread: a failed op): the awaiting coroutine then finds it completed and goes on without yielding;
             # the bookkeeping runs behind it, as after the poller's rounds
             until = now + spin
+            yield_gil = self._spin_yields_gil
             while not self._poll(marker):
                 if time.perf_counter() >= until:
                     break
-                time.sleep(0)  # the GIL, for threads meanwhile (a stream's waiter, host copies, an emulated op)
+                if yield_gil:  # the emulated device's ops run on threads that need the GIL
+                    time.sleep(0)
             else:
                 self._in_place += 1  # seen before the coroutine yielded (tests, probes)
                 if self._poller is not None:

@@ -223,6 +223,9 @@ async def main() -> None:
             tr = engine.copy(*route_of(1), num_tokens=1)
             await tr
             lane = tr._marker.lane.torch_stream  # type: ignore[union-attr]
+            if "yield-gil" in sys.argv:  # session n: the in-place await gives the GIL up between looks, as emulated
+                engine._spin_yields_gil = True
+            print(f"# in-place await yields the GIL: {engine._spin_yields_gil}")
             for n in (4, 12):
                 nbytes = 128 * layout.partial_bytes(n)
                 a = gpu.view(-1).view(torch.uint8)[:nbytes]
