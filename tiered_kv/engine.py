@@ -379,9 +379,9 @@ class TransferEngine:
             if in_place is None:
                 in_place = _DEFAULT_AWAIT_SPIN_US if self.device.is_cuda else 0
             self._await_spin = in_place / 1e6
-            # A CUDA device needs no GIL to finish a copy, and handing it over between looks lets a stream's waiter
-            # take it just as the copy ends (the await then resumes after that thread's Python). The emulated
-            # device's ops are Python threads: the poll gives the GIL up between looks there.
+            # A CUDA device needs no GIL to finish a copy (its host functions are libc's sem_post): the poll keeps the
+            # GIL between looks there, so no thread that takes it can delay the resume. The emulated device's ops
+            # are Python threads: the poll gives the GIL up between looks there, or they could not run.
             self._spin_yields_gil = not self.device.is_cuda
             for stream in self._streams.values():
                 if self._poller is not None or self._await_spin > 0:
