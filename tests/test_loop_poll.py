@@ -20,7 +20,7 @@ import pytest
 import torch
 from helpers import fill_pool, same, snapshot
 
-from tiered_kv import EngineConfig, KVLayout, Tier, TransferEngine, TransferError
+from tiered_kv import EngineConfig, KVLayout, Tier, Transfer, TransferEngine, TransferError
 from tiered_kv.completions import EventPoller
 from tiered_kv.testing import stall
 
@@ -55,6 +55,17 @@ def _hold_back_callbacks(engine: TransferEngine, name: str, monkeypatch: pytest.
 
 def _append(into: list[int], value: int, _transfer: object) -> None:
     into.append(value)
+
+
+def _two_copies(engine: TransferEngine, order: list[int], *pairs: tuple[int, int]) -> tuple[Transfer, Transfer]:
+    """GPU->host copies of ``(src, dst)`` block pairs on one stream; each appends its number (1, 2) to ``order``."""
+    transfers = []
+    for k, (src, dst) in enumerate(pairs, 1):
+        transfer = engine.copy(Tier.GPU, [src], Tier.HOST, [dst])
+        transfer.add_done_callback(functools.partial(_append, order, k))
+        transfers.append(transfer)
+    first, second = transfers
+    return first, second
 
 
 def _broken_build_op(*args: Any, **kwargs: Any) -> Any:
@@ -129,10 +140,7 @@ async def test_a_copy_awaited_after_its_end_resumes_without_a_loop_round(
         ran = _hold_back_callbacks(engine, "offload", monkeypatch)
         expected = fill_pool(engine, "gpu", seed=5)
         order: list[int] = []
-        first = engine.copy(Tier.GPU, [1], Tier.HOST, [1])
-        first.add_done_callback(functools.partial(_append, order, 1))
-        second = engine.copy(Tier.GPU, [3], Tier.HOST, [6])
-        second.add_done_callback(functools.partial(_append, order, 2))
+        first, second = _two_copies(engine, order, (1, 1), (3, 6))
         _until_reached(second)
         rounds: list[int] = []
         asyncio.get_running_loop().call_soon(rounds.append, 1)  # runs as soon as the awaiting task yields
@@ -233,10 +241,7 @@ async def test_an_awaited_copy_due_soon_is_waited_for_in_place(
         ran = _hold_back_callbacks(engine, "offload", monkeypatch)
         expected = fill_pool(engine, "gpu", seed=11)
         order: list[int] = []
-        first = engine.copy(Tier.GPU, [0], Tier.HOST, [2])
-        first.add_done_callback(functools.partial(_append, order, 1))
-        second = engine.copy(Tier.GPU, [4], Tier.HOST, [5])
-        second.add_done_callback(functools.partial(_append, order, 2))
+        _first, second = _two_copies(engine, order, (0, 2), (4, 5))
         rounds: list[int] = []
         asyncio.get_running_loop().call_soon(rounds.append, 1)  # runs as soon as the awaiting task yields
         t0 = time.perf_counter()
