@@ -68,6 +68,32 @@ def _two_copies(engine: TransferEngine, order: list[int], *pairs: tuple[int, int
     return first, second
 
 
+def _random_copy(
+    engine: TransferEngine,
+    model: dict[str, torch.Tensor],
+    rng: np.random.Generator,
+    routes: tuple[tuple[str, str], ...],
+) -> Transfer:
+    """One copy of 1-3 random blocks on a random route of ``routes``; ``model`` (tier -> blocks) follows it."""
+    src, dst = routes[int(rng.integers(len(routes)))]
+    k = int(rng.integers(1, 4))
+    s = rng.choice(8, size=k, replace=False)
+    free = np.setdiff1d(np.arange(8), s) if src == dst else np.arange(8)
+    d = rng.choice(free, size=k, replace=False)
+    before = model[src][s].clone()
+    transfer = engine.copy(Tier(src), s, Tier(dst), d)
+    model[dst][d] = before
+    return transfer
+
+
+async def _check_model(engine: TransferEngine, model: dict[str, torch.Tensor]) -> None:
+    """Drain, then every block of both pools as ``model`` says."""
+    await engine.drain()
+    for tier in ("gpu", "host"):
+        for b in range(8):
+            assert same(snapshot(engine, tier, b), model[tier][b]), f"{tier} block {b}"
+
+
 def _broken_build_op(*args: Any, **kwargs: Any) -> Any:
     """A handler's ``build_op`` whose op raises (a device fault); the op still reaches its event."""
 
@@ -210,20 +236,10 @@ async def test_polled_copies_soak_per_byte(layout: KVLayout) -> None:
         host = fill_pool(engine, "host", seed=4).clone()
         model = {"gpu": gpu, "host": host}
         for _ in range(60):
-            src, dst = (("gpu", "host"), ("host", "gpu"), ("gpu", "gpu"))[int(rng.integers(3))]
-            k = int(rng.integers(1, 4))
-            s = rng.choice(8, size=k, replace=False)
-            free = np.setdiff1d(np.arange(8), s) if src == dst else np.arange(8)
-            d = rng.choice(free, size=k, replace=False)
-            before = model[src][s].clone()
-            t = engine.copy(Tier(src), s, Tier(dst), d)
-            model[dst][d] = before
+            t = _random_copy(engine, model, rng, (("gpu", "host"), ("host", "gpu"), ("gpu", "gpu")))
             if rng.random() < 0.7:
                 await t
-        await engine.drain()
-        for tier in ("gpu", "host"):
-            for b in range(8):
-                assert same(snapshot(engine, tier, b), model[tier][b]), f"{tier} block {b}"
+        await _check_model(engine, model)
         stats = engine.statistics()
         assert stats.completed == stats.submitted == 60 and stats.failed == 0
         assert len(engine.fences) == 0
@@ -293,14 +309,7 @@ async def test_in_place_waits_soak_per_byte(layout: KVLayout) -> None:
         model = {"gpu": fill_pool(engine, "gpu", seed=13).clone(), "host": fill_pool(engine, "host", seed=14).clone()}
         cancelled = 0
         for _ in range(80):
-            src, dst = (("gpu", "host"), ("host", "gpu"), ("gpu", "gpu"), ("host", "host"))[int(rng.integers(4))]
-            k = int(rng.integers(1, 4))
-            s = rng.choice(8, size=k, replace=False)
-            free = np.setdiff1d(np.arange(8), s) if src == dst else np.arange(8)
-            d = rng.choice(free, size=k, replace=False)
-            before = model[src][s].clone()
-            t = engine.copy(Tier(src), s, Tier(dst), d)
-            model[dst][d] = before
+            t = _random_copy(engine, model, rng, (("gpu", "host"), ("host", "gpu"), ("gpu", "gpu"), ("host", "host")))
             roll = rng.random()
             if roll < 0.15:  # a wait cancelled: the copy itself goes on
                 waiter = asyncio.ensure_future(_await(t))
@@ -309,10 +318,7 @@ async def test_in_place_waits_soak_per_byte(layout: KVLayout) -> None:
                 cancelled += 1
             elif roll < 0.8:
                 await t
-        await engine.drain()
-        for tier in ("gpu", "host"):
-            for b in range(8):
-                assert same(snapshot(engine, tier, b), model[tier][b]), f"{tier} block {b}"
+        await _check_model(engine, model)
         stats = engine.statistics()
         assert stats.completed == stats.submitted == 80 and stats.failed == 0
         assert len(engine.fences) == 0 and cancelled > 0 and engine._in_place > 0
