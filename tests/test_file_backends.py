@@ -356,7 +356,7 @@ def _fake_kvikio_io(monkeypatch, gds_available: bool) -> dict[str, Any]:
 
     _fake_kvikio(monkeypatch, gds_available, libcuda=True)
     kvikio = sys.modules["kvikio"]
-    settings: dict[str, Any] = {"num_threads": 1, "compat_mode": "auto", "auto_direct_io_read": False}
+    settings: dict[str, Any] = {"num_threads": 1, "compat_mode": "auto", "auto_direct_io_read": False, "kvikio_calls": 0}
 
     class CompatMode(enum.Enum):
         ON = "on"
@@ -374,10 +374,12 @@ def _fake_kvikio_io(monkeypatch, gds_available: bool) -> dict[str, Any]:
 
         def pwrite(self, buf: np.ndarray, size: int, offset: int) -> _FakeFuture:
             assert isinstance(buf, np.ndarray) and buf.nbytes == size
+            settings["kvikio_calls"] += 1
             return _FakeFuture(os.pwrite(self.fd, buf.data, offset))
 
         def pread(self, buf: np.ndarray, size: int, offset: int) -> _FakeFuture:
             assert isinstance(buf, np.ndarray) and buf.nbytes == size
+            settings["kvikio_calls"] += 1
             return _FakeFuture(os.preadv(self.fd, [buf.data], offset))
 
         def fileno(self) -> int:
@@ -393,12 +395,20 @@ def _fake_kvikio_io(monkeypatch, gds_available: bool) -> dict[str, Any]:
     return settings
 
 
-async def test_engine_through_gds_backend_with_fake_kvikio(monkeypatch, tmp_path, layout: KVLayout) -> None:
-    """The gds backend's wiring (buffers, futures consumed once, hooks, settings), end to end on a CPU."""
+@pytest.mark.parametrize("through", ["host path", "kvikio"])
+async def test_engine_through_gds_backend_with_fake_kvikio(monkeypatch, tmp_path, layout: KVLayout, through) -> None:
+    """The gds backend's wiring (buffers, futures consumed once, hooks, settings), end to end on a CPU.
+
+    ``kvikio``: every request is sent the way a request with a CUDA buffer goes (kvikio's futures), with host
+    buffers, which the fake kvikio takes.
+    """
     from tiered_kv import Tier, TransferEngine
+    from tiered_kv.backends.gds import GdsBackend
     from tiered_kv.testing import assert_blocks_equal, fill_random
 
     settings = _fake_kvikio_io(monkeypatch, gds_available=False)
+    if through == "kvikio":
+        monkeypatch.setattr(GdsBackend, "_kvikio_request", staticmethod(lambda buffers: True))
     cfg = FileTierConfig(tmp_path, 8, gds="auto", io_threads=3)
     async with TransferEngine(layout, gpu_blocks=4, host_blocks=4, device="cpu", file_config=cfg) as eng:
         be = eng.file_tier.backend
@@ -415,6 +425,56 @@ async def test_engine_through_gds_backend_with_fake_kvikio(monkeypatch, tmp_path
         assert_blocks_equal(eng.block(Tier.HOST, 3), src[1])
         assert_blocks_equal(eng.block(Tier.GPU, 0), src[2])
         assert_blocks_equal(eng.block(Tier.GPU, 1), src[3])
+    if through == "kvikio":
+        assert settings["kvikio_calls"] >= 16  # 8 slots written and read, header and payload each
+    else:
+        assert settings["kvikio_calls"] == 0  # every buffer was host memory: none went through kvikio's pool
+
+
+def test_gds_backend_host_buffers_take_one_vectored_call(monkeypatch, tmp_path) -> None:
+    """A request of host buffers (a slot's header and payload) is one pwritev / preadv, not a kvikio call each.
+
+    kvikio's host path runs one POSIX call per buffer on its own pool; the gds backend's host requests are the
+    posix backend's (one vectored O_DIRECT call on its own thread), with the same hooks.
+    """
+    from tiered_kv.backends.gds import GdsBackend
+
+    settings = _fake_kvikio_io(monkeypatch, gds_available=False)
+    calls: list[tuple[str, int]] = []
+    pwritev, preadv = os.pwritev, os.preadv
+
+    def counted_pwritev(fd: int, bufs: Any, offset: int) -> int:
+        calls.append(("pwritev", len(bufs)))
+        return pwritev(fd, bufs, offset)
+
+    def counted_preadv(fd: int, bufs: Any, offset: int) -> int:
+        calls.append(("preadv", len(bufs)))
+        return preadv(fd, bufs, offset)
+
+    monkeypatch.setattr(os, "pwritev", counted_pwritev)
+    monkeypatch.setattr(os, "preadv", counted_preadv)
+    path = _file(tmp_path)
+    be = GdsBackend(path, mode="auto", threads=2)
+    try:
+        header, payload = aligned_empty(DIRECT_ALIGN), aligned_empty(4 * DIRECT_ALIGN)
+        header.random_(0, 255)
+        payload.random_(0, 255)
+        seen: list[object] = []
+        assert be.pwrite([header, payload], DIRECT_ALIGN, before=lambda: seen.append("w")).result() == 5 * DIRECT_ALIGN
+        back = aligned_empty(5 * DIRECT_ALIGN).numpy()  # aligned: read in place, no bounce buffer
+        assert be.pread([back[:DIRECT_ALIGN], back[DIRECT_ALIGN:]], DIRECT_ALIGN, after=seen.append).result() == (
+            5 * DIRECT_ALIGN
+        )
+        assert seen == ["w", 5 * DIRECT_ALIGN]
+        assert np.array_equal(back, torch.cat([header, payload]).numpy())
+        assert calls == [("pwritev", 2), ("preadv", 2)] and settings["kvikio_calls"] == 0
+        assert be.sync(True).result() == 0
+        with pytest.raises(TypeError, match="torch tensors or numpy arrays"):
+            be.pwrite([bytearray(DIRECT_ALIGN)], 0)  # type: ignore[list-item]
+    finally:
+        be.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        be.pwrite([header], 0)
 
 
 def test_gds_backend_compat_mode_leaves_a_users_direct_read_setting(monkeypatch, tmp_path) -> None:
