@@ -83,11 +83,22 @@ async def _wait(stream: Stream) -> None:
     await asyncio.to_thread(event.synchronize)
 
 
-async def _overlap(device: str, path: str, layers: int, prefix: int, new: int, hidden: int, ff: int, heads: int,
-                   group_layers: Sequence[int], repeat: int) -> list[dict[str, Any]]:
+async def _overlap(
+    device: str,
+    path: str,
+    layers: int,
+    prefix: int,
+    new: int,
+    hidden: int,
+    ff: int,
+    heads: int,
+    group_layers: Sequence[int],
+    repeat: int,
+) -> list[dict[str, Any]]:
     cuda = device.startswith("cuda")
-    layout = KVLayout(num_layers=layers, num_kv_heads=8, head_dim=128 if cuda else 16, tokens_per_block=16,
-                      dtype=torch.bfloat16)
+    layout = KVLayout(
+        num_layers=layers, num_kv_heads=8, head_dim=128 if cuda else 16, tokens_per_block=16, dtype=torch.bfloat16
+    )
     blocks = prefix // layout.tokens_per_block
     rows = []
     config = EngineConfig.from_env(copy_path=path)
@@ -103,19 +114,36 @@ async def _overlap(device: str, path: str, layers: int, prefix: int, new: int, h
         order = np.arange(blocks)
         out: dict[str, torch.Tensor] = {}
 
-        def run_layers(key: str, before: Callable[[int], None] | None) -> None:
-            # enqueued layer by layer on the compute stream; `before(i)` adds layer i's stream-side wait
+        def run_layers(key: str, before: Callable[[int], None] | None) -> tuple[float, Any, Any]:
+            """Enqueue the layers on the compute stream; ``before(i)`` adds layer i's stream-side wait.
+
+            Returns the host seconds the enqueue took and, on CUDA, timing events recorded on the compute stream
+            before layer 0's compute and after the last layer's (``None`` on the emulated device).
+            """
             state = {"x": model.x0}
+            t0 = time.perf_counter()
+            first = last = None
             for i in range(layers):
                 if before is not None:
                     before(i)
 
                 def step(i: int = i) -> None:
+                    nonlocal first, last
+                    if cuda and i == 0:
+                        first = torch.cuda.Event(enable_timing=True)
+                        first.record()
                     state["x"] = model.layer(state["x"], gpu, i)
                     if i == layers - 1:
                         out[key] = state["x"]
+                        if cuda:
+                            last = torch.cuda.Event(enable_timing=True)
+                            last.record()
 
                 compute.submit(step)
+            return time.perf_counter() - t0, first, last
+
+        def device_ms(first: Any, last: Any) -> float:
+            return float(first.elapsed_time(last)) if first is not None else float("nan")
 
         def poison() -> None:
             gpu.zero_()
@@ -128,11 +156,11 @@ async def _overlap(device: str, path: str, layers: int, prefix: int, new: int, h
             await engine.copy(Tier.HOST, order, Tier.GPU, order)
             return time.perf_counter() - t0
 
-        async def compute_only() -> float:  # the prefix is in place (left by the previous trial)
+        async def compute_only() -> tuple[float, float, float]:  # the prefix is in place (left by the previous trial)
             t0 = time.perf_counter()
-            run_layers("compute", None)
+            enqueue, first, last = run_layers("compute", None)
             await _wait(compute)
-            return time.perf_counter() - t0
+            return time.perf_counter() - t0, device_ms(first, last), enqueue
 
         async def serial() -> float:
             poison()
@@ -153,17 +181,17 @@ async def _overlap(device: str, path: str, layers: int, prefix: int, new: int, h
             await lw
             return dt
 
-        async def side_by_side(g: int) -> tuple[float, float]:
+        async def side_by_side(g: int) -> tuple[float, float, float, float]:
             # the same load and compute with no wait between them (the compute reads whatever has landed; its
             # output is not used): what the two take when they share the GPU, the bound an overlap can reach
             poison()
             t0 = time.perf_counter()
             lw = copy_layerwise(engine, Tier.HOST, order, Tier.GPU, order, group_layers=g)
-            run_layers("side_by_side", None)
+            enqueue, first, last = run_layers("side_by_side", None)
             await _wait(compute)
             compute_done = time.perf_counter() - t0
             await lw
-            return compute_done, time.perf_counter() - t0
+            return compute_done, time.perf_counter() - t0, device_ms(first, last), enqueue
 
         async def layer_load_only(g: int) -> float:
             poison()
@@ -175,16 +203,26 @@ async def _overlap(device: str, path: str, layers: int, prefix: int, new: int, h
             return statistics.median(samples[1:]) if len(samples) > 1 else samples[0]
 
         load = median([await load_only() for _ in range(repeat + 1)])
-        comp = median([await compute_only() for _ in range(repeat + 1)])
+        alone = [await compute_only() for _ in range(repeat + 1)]
+        comp = median([a[0] for a in alone])
+        comp_dev = median([a[1] for a in alone])
+        comp_enqueue = median([a[2] for a in alone])
         ser = median([await serial() for _ in range(repeat + 1)])
         for g in group_layers:
             layer_load = median([await layer_load_only(g) for _ in range(repeat + 1)])
             ovl = median([await overlapped(g) for _ in range(repeat + 1)])
             pairs = [await side_by_side(g) for _ in range(repeat + 1)]
-            comp_beside = median([c for c, _ in pairs])
-            both = median([max(c, b) for c, b in pairs])
-            layer_path = engine.copier.plan(engine.copier.layer_slice(host_pool, 0, g), order,
-                                            engine.copier.layer_slice(gpu_pool, 0, g), order, None).path
+            comp_beside = median([p[0] for p in pairs])
+            both = median([max(p[0], p[1]) for p in pairs])
+            beside_dev = median([p[2] for p in pairs])
+            beside_enqueue = median([p[3] for p in pairs])
+            layer_path = engine.copier.plan(
+                engine.copier.layer_slice(host_pool, 0, g),
+                order,
+                engine.copier.layer_slice(gpu_pool, 0, g),
+                order,
+                None,
+            ).path
             diff = float((out[f"overlap{g}"].float() - out["serial"].float()).abs().max().cpu())
             rows.append(
                 {
@@ -206,6 +244,11 @@ async def _overlap(device: str, path: str, layers: int, prefix: int, new: int, h
                     "vs_bound": ovl / max(load, comp),
                     "compute_beside_load_ms": comp_beside * 1e3,
                     "contention": comp_beside / comp,
+                    "compute_dev_ms": comp_dev,
+                    "beside_dev_ms": beside_dev,
+                    "dev_contention": beside_dev / comp_dev,
+                    "enqueue_ms": comp_enqueue * 1e3,
+                    "enqueue_beside_ms": beside_enqueue * 1e3,
                     "side_by_side_ms": both * 1e3,
                     "vs_side_by_side": ovl / both,
                     "max_abs_diff": diff,
@@ -237,8 +280,11 @@ def run(quick: bool = False, device: str = "auto") -> dict[str, Any]:
         "per-layer load took; layerwise_load_ms = the per-layer loads alone; "
         "side_by_side = the same per-layer loads and compute with no wait between them (both sharing the GPU: "
         "the bound an overlap can reach), compute_beside_load = when its compute ended, contention = that over "
-        "compute alone (> 1: the load took SMs or memory bandwidth from the compute), vs_side_by_side = overlap / "
-        "side_by_side",
+        "compute alone (> 1: the load took SMs or memory bandwidth from the compute, or the host's enqueue of the "
+        "compute fell behind), vs_side_by_side = overlap / side_by_side; compute_dev_ms / beside_dev_ms = the "
+        "compute's device time (CUDA events on the compute stream from layer 0 to the last layer) alone / beside "
+        "the load, dev_contention = their ratio (what the GPU's sharing costs); enqueue_ms / enqueue_beside_ms = host "
+        "time to enqueue the 32 layers alone / beside the load",
     ]
     if not cuda:
         notes.append("emulated: a tiny model on CPU threads; it proves the program and the ordering, not the overlap")
