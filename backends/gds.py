@@ -40,9 +40,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from tiered_kv.backends.posix import PosixBackend
 from tiered_kv.config import coerce_enum
 from tiered_kv.errors import BackendUnavailable
+
+from .posix import PosixBackend
 
 __all__ = ["GdsBackend", "GdsMode", "GdsProbe", "probe", "select_backend"]
 
@@ -232,6 +233,8 @@ class GdsBackend:
         device_io: pass CUDA buffers to kvikio. ``None``: only when cuFile is really used (GDS available and
             compat mode not forced on); otherwise the file tier stages through pinned host memory itself,
             which pipelines better than kvikio's internal bounce buffers.
+        direct: ``O_DIRECT`` for requests of host buffers only (the posix path); ``None`` probes the file's
+            directory once.
 
     Raises:
         BackendUnavailable: kvikio does not import, ``libcuda.so.1`` does not load, or ``ON`` without GDS.
@@ -246,6 +249,7 @@ class GdsBackend:
         mode: GdsMode | str = GdsMode.AUTO,
         threads: int = 4,
         device_io: bool | None = None,
+        direct: bool | None = None,
     ) -> None:
         m = GdsMode.coerce(mode)
         if m is GdsMode.OFF:
@@ -307,7 +311,7 @@ class GdsBackend:
         self.mode = m
         self.path = os.fspath(path)
         self._file = kvikio.CuFile(self.path, "r+")
-        self._host = PosixBackend(self.path, threads=threads)
+        self._host = PosixBackend(self.path, threads=threads, direct=direct)
         self.direct = self._host.direct
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="tiered_kv-gds")
         self._closed = False

@@ -356,7 +356,12 @@ def _fake_kvikio_io(monkeypatch, gds_available: bool) -> dict[str, Any]:
 
     _fake_kvikio(monkeypatch, gds_available, libcuda=True)
     kvikio = sys.modules["kvikio"]
-    settings: dict[str, Any] = {"num_threads": 1, "compat_mode": "auto", "auto_direct_io_read": False, "kvikio_calls": 0}
+    settings: dict[str, Any] = {
+        "num_threads": 1,
+        "compat_mode": "auto",
+        "auto_direct_io_read": False,
+        "kvikio_calls": 0,
+    }
 
     class CompatMode(enum.Enum):
         ON = "on"
@@ -402,8 +407,9 @@ async def test_engine_through_gds_backend_with_fake_kvikio(monkeypatch, tmp_path
     ``kvikio``: every request is sent the way a request with a CUDA buffer goes (kvikio's futures), with host
     buffers, which the fake kvikio takes.
     """
-    from tiered_kv import Tier, TransferEngine
     from tiered_kv.backends.gds import GdsBackend
+
+    from tiered_kv import Tier, TransferEngine
     from tiered_kv.testing import assert_blocks_equal, fill_random
 
     settings = _fake_kvikio_io(monkeypatch, gds_available=False)
@@ -475,6 +481,25 @@ def test_gds_backend_host_buffers_take_one_vectored_call(monkeypatch, tmp_path) 
         be.close()
     with pytest.raises(RuntimeError, match="closed"):
         be.pwrite([header], 0)
+
+
+async def test_gds_backend_follows_the_tiers_direct_setting(monkeypatch, tmp_path, layout: KVLayout) -> None:
+    """``FileTierConfig.direct`` reaches the gds backend's host path as it reaches the posix backend."""
+    from tiered_kv import Tier, TransferEngine
+    from tiered_kv.testing import assert_blocks_equal, fill_random
+
+    _fake_kvikio_io(monkeypatch, gds_available=False)
+    for direct in (False, None):
+        cfg = FileTierConfig(tmp_path / str(direct), 4, gds="auto", direct=direct)
+        async with TransferEngine(layout, gpu_blocks=2, host_blocks=2, device="cpu", file_config=cfg) as eng:
+            assert eng.file_tier.backend.name == "gds"
+            assert eng.file_tier.direct is (
+                False if direct is False else posix_mod.direct_io_supported(str(tmp_path / str(direct)))
+            )
+            src = fill_random(eng.block(Tier.HOST, 0)).clone()
+            await eng.copy(Tier.HOST, [0], Tier.FILE, [1], keys=[b"k"])
+            await eng.copy(Tier.FILE, [1], Tier.HOST, [1])
+            assert_blocks_equal(eng.block(Tier.HOST, 1), src)
 
 
 def test_gds_backend_compat_mode_leaves_a_users_direct_read_setting(monkeypatch, tmp_path) -> None:

@@ -28,6 +28,7 @@ COLS = ("fraction", "engine_GBps", "contiguous_GBps", "floor_us", "loop_floor_us
 
 
 def splitter(groups: list[int]):  # type: ignore[no-untyped-def]
+    """An ``in_turns`` that runs the calls in consecutive rotations of ``groups`` calls each."""
     async def run(calls, turns):  # type: ignore[no-untyped-def]
         if len(calls) != sum(groups):
             return await in_turns(calls, turns)
@@ -42,6 +43,7 @@ def splitter(groups: list[int]):  # type: ignore[no-untyped-def]
 
 
 async def main() -> None:
+    """Each variant twice; the gpu->gpu rows (all rows with ``all`` on the command line)."""
     variants = {"bench": [5], "split3": [3, 2], "split2": [2, 1, 2]}
     names = [a for a in sys.argv[1:] if a in variants] or list(variants)
     print(f"# partial_rotation_probe on {torch.cuda.get_device_name()}")

@@ -227,7 +227,7 @@ class FileTier:
         from ..backends.posix import PosixBackend
 
         if self._kind == "gds":
-            return GdsBackend(self.path, mode=cfg.gds, threads=cfg.io_threads)
+            return GdsBackend(self.path, mode=cfg.gds, threads=cfg.io_threads, direct=cfg.direct)
         return PosixBackend(self.path, threads=cfg.io_threads, direct=cfg.direct)
 
     # ------------------------------------------------------------------------------------ index
