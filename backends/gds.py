@@ -317,17 +317,14 @@ class GdsBackend:
         self._closed = False
         self.threads = threads
 
-    def _check(self, buffers: Sequence[torch.Tensor | np.ndarray]) -> list[Any]:
+    def _check(self, buffers: Sequence[torch.Tensor | np.ndarray]) -> None:
         if self._closed:
             raise RuntimeError("the gds backend is closed")
-        out = []
         for b in buffers:
             if not isinstance(b, (torch.Tensor, np.ndarray)):
                 raise TypeError(f"buffers must be torch tensors or numpy arrays, got {type(b).__name__}")
             if isinstance(b, torch.Tensor) and b.is_cuda and not self.device_io:
                 raise TypeError("this gds backend was opened without device_io; pass host buffers")
-            out.append(_kvikio_buffer(b))
-        return out
 
     @staticmethod
     def _kvikio_request(buffers: Sequence[torch.Tensor | np.ndarray]) -> bool:
@@ -337,12 +334,13 @@ class GdsBackend:
     def _start(
         self, write: bool, buffers: Sequence[torch.Tensor | np.ndarray], offset: int, hook: Any
     ) -> concurrent.futures.Future[int]:
-        arrays = self._check(buffers)
+        self._check(buffers)
         if not self._kvikio_request(buffers):
             # host memory only: one vectored call on our own thread (no kvikio pool hop, one I/O per request)
             if write:
                 return self._host.pwrite(buffers, offset, before=hook)
             return self._host.pread(buffers, offset, after=hook)
+        arrays = [_kvikio_buffer(b) for b in buffers]
         call = self._file.pwrite if write else self._file.pread
         sizes = [b.nbytes for b in buffers]
 
