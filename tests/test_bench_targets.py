@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from tiered_kv.tools.bench.targets import SCHEMA, Target, compare, finalize, row_id, target_for
+from tiered_kv.tools.bench.targets import SCHEMA, Target, compare, finalize, row_id, target_for, unmatched
 
 
 def _payload(ratio: float, wake: float) -> dict[str, Any]:
@@ -54,6 +54,12 @@ def test_compare_pairs_rows_by_id() -> None:
     new["benchmarks"][0]["rows"][0]["indices"] = "scattered"
     new["benchmarks"][0]["rows"][0]["id"] = row_id(new["benchmarks"][0]["rows"][0])
     assert [r["id"] for r in compare(old, new)] == ["wakeup/loop=uvloop"]
+    # the row whose label changed is not compared: it is named under both ids
+    assert unmatched(old, new) == (
+        ["engine: bandwidth/block_MiB=2/blocks=256/indices=scattered/direction=offload"],
+        ["engine: bandwidth/block_MiB=2/blocks=256/indices=contiguous/direction=offload"],
+    )
+    assert unmatched(old, old) == ([], [])
 
 
 def test_overlap_rows_must_also_compute_the_same_output() -> None:

@@ -73,6 +73,11 @@ def test_bench_compare_matches_rows_of_an_earlier_run(tmp_path):
     assert (
         tkv("bench", "--quick", "--device", "cpu", "--only", "engine", "--json", str(old), timeout=300).returncode == 0
     )
+    # one judged row of the old run under another id (a label that changed between two builds)
+    payload = json.loads(old.read_text())
+    (renamed,) = [r for b in payload["benchmarks"] for r in b["rows"] if r.get("id") == "wakeup/loop=asyncio"]
+    renamed["id"] = "wakeup/loop=renamed"
+    old.write_text(json.dumps(payload))
     r = tkv(
         "bench",
         "--quick",
@@ -94,6 +99,8 @@ def test_bench_compare_matches_rows_of_an_earlier_run(tmp_path):
         "bandwidth/block_MiB=0.5/blocks=64/indices=scattered/direction=both",
     ):
         assert rid in r.stdout
+    assert "not compared, 1 judged row(s) only in this run:\n  engine: wakeup/loop=asyncio\n" in r.stdout
+    assert f"not compared, 1 judged row(s) only in {old}:\n  engine: wakeup/loop=renamed\n" in r.stdout
     bad = tkv("bench", "--quick", "--only", "engine", "--compare", str(tmp_path / "missing.json"))
     assert bad.returncode == 2 and "cannot read" in bad.stderr
 

@@ -96,7 +96,7 @@ async def _demo(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     from .bench.common import machine_info, print_grouped, print_table, write_json
-    from .bench.targets import SCHEMA, compare, finalize
+    from .bench.targets import SCHEMA, compare, finalize, unmatched
 
     names = args.only or BENCHMARKS
     unknown = [n for n in names if n not in BENCHMARKS]
@@ -133,6 +133,12 @@ def _bench(args: argparse.Namespace) -> int:
         print_table(rows, f"\ncompared with {args.compare} ({old.get('machine', {}).get('device', '?')})")
         if not rows:
             print("no row of this run has a counterpart with a target in the old file")
+        only_new, only_old = unmatched(old, payload)
+        for label, ids in (("only in this run", only_new), (f"only in {args.compare}", only_old)):
+            if ids:
+                print(f"not compared, {len(ids)} judged row(s) {label}:")
+                for rid in ids:
+                    print(f"  {rid}")
     return 0
 
 

@@ -171,6 +171,27 @@ def finalize(result: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def _judged_ids(payload: dict[str, Any]) -> list[tuple[str, str]]:
+    """``(benchmark, id)`` of every row of ``payload`` that has a target, in order."""
+    return [
+        (bench["name"], row.get("id") or row_id(row))
+        for bench in payload.get("benchmarks", [])
+        for row in bench.get("rows", [])
+        if target_for(bench["name"], row) is not None
+    ]
+
+
+def unmatched(old: dict[str, Any], new: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """Judged rows :func:`compare` cannot pair: ``(only in new, only in old)``, each as ``"benchmark: id"``.
+
+    A row id holds the row's labels (a backend, a path the engine chose), so a row whose label changed between two
+    runs shows up here twice, once under each name.
+    """
+    a, b = _judged_ids(old), _judged_ids(new)
+    sa, sb = set(a), set(b)
+    return [f"{n}: {i}" for n, i in b if (n, i) not in sa], [f"{n}: {i}" for n, i in a if (n, i) not in sb]
+
+
 def compare(old: dict[str, Any], new: dict[str, Any]) -> list[Row]:
     """Rows present in both payloads, matched by ``(benchmark, id)``: the judged metric before and after.
 
