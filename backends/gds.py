@@ -312,10 +312,14 @@ class GdsBackend:
         self.path = os.fspath(path)
         self._file = kvikio.CuFile(self.path, "r+")
         self._host = PosixBackend(self.path, threads=threads, direct=direct)
-        self.direct = self._host.direct
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="tiered_kv-gds")
         self._closed = False
         self.threads = threads
+
+    @property
+    def direct(self) -> bool:
+        """Whether requests of host buffers use ``O_DIRECT`` (the posix path's setting)."""
+        return self._host.direct
 
     def _check(self, buffers: Sequence[torch.Tensor | np.ndarray]) -> None:
         if self._closed:

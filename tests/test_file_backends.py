@@ -447,18 +447,18 @@ def test_gds_backend_host_buffers_take_one_vectored_call(monkeypatch, tmp_path) 
 
     settings = _fake_kvikio_io(monkeypatch, gds_available=False)
     calls: list[tuple[str, int]] = []
-    pwritev, preadv = os.pwritev, os.preadv
 
-    def counted_pwritev(fd: int, bufs: Any, offset: int) -> int:
-        calls.append(("pwritev", len(bufs)))
-        return pwritev(fd, bufs, offset)
+    def counting(name: str) -> Any:
+        call = getattr(os, name)
 
-    def counted_preadv(fd: int, bufs: Any, offset: int) -> int:
-        calls.append(("preadv", len(bufs)))
-        return preadv(fd, bufs, offset)
+        def counted(fd: int, bufs: Any, offset: int) -> int:
+            calls.append((name, len(bufs)))
+            return int(call(fd, bufs, offset))
 
-    monkeypatch.setattr(os, "pwritev", counted_pwritev)
-    monkeypatch.setattr(os, "preadv", counted_preadv)
+        return counted
+
+    for name in ("pwritev", "preadv"):
+        monkeypatch.setattr(os, name, counting(name))
     path = _file(tmp_path)
     be = GdsBackend(path, mode="auto", threads=2)
     try:
