@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pathlib
 import re
+import subprocess
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -23,3 +24,19 @@ def test_ci_runs_the_readme_commands_verbatim():
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     for command in readme_commands():
         assert command in ci, f"CI does not run README's command: {command}"
+
+
+def test_ci_fails_when_any_step_of_a_readme_command_fails():
+    """A failing step anywhere in a README command (say its `pip install`) fails CI, not only a failing last step.
+
+    `set -e` ignores a failure that is not the last command of an `&&` list: CI once went on past a failed
+    install and ended green. Each command sits in a subshell whose status is checked; the check is run here with
+    the command's first step failing.
+    """
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    for command in readme_commands():
+        i = ci.index(command)
+        assert ci[i - 1] == "(" and ci[i + 1].startswith(") ||"), f"CI does not check the status of: {command}"
+        script = "\n".join(["set -euo pipefail", "(", "false && true", ci[i + 1], "echo reached"])
+        r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
+        assert r.returncode != 0 and "reached" not in r.stdout, (r.returncode, r.stdout)
