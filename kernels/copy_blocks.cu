@@ -233,11 +233,28 @@ unsigned grid_for(int64_t items, int64_t max_blocks = 132 * 16) {
   return static_cast<unsigned>(blocks < max_blocks ? blocks : max_blocks);
 }
 
+// Bytes per work item when short rows are batched (partial copies). Between GPU buffers, 4 KiB items: the op's
+// device time on 128 blocks, as a fraction of one contiguous copy (H100, notes/probes/item_probe.py), with 16 KiB
+// items -> 4 KiB: 4 of 16 tokens 0.856 -> 0.917, 8 of 16 0.917 -> 0.935, 12 of 16 0.923 -> 0.963 (whole blocks
+// unchanged at 0.95; 2 KiB items lost 4-token rows, 8 KiB ones were between). Through PCIe the small grid keeps
+// kSegmentBytes. TIERED_KV_COPY_ITEM_BYTES overrides both, for measuring.
+constexpr int64_t kDeviceItemBytes = 4096;
+
+inline int64_t item_bytes(const BlockCopyGeometry& g) {
+  static const int64_t forced = [] {
+    const char* v = std::getenv("TIERED_KV_COPY_ITEM_BYTES");
+    const long long x = v != nullptr ? std::atoll(v) : 0;
+    return x > 0 ? static_cast<int64_t>(x) : int64_t{0};
+  }();
+  if (forced > 0) return forced;
+  return g.via_host ? kSegmentBytes : kDeviceItemBytes;
+}
+
 }  // namespace
 
 #ifndef TKV_HOST_EMULATION  // tests/kernel_emulation.cpp runs the kernels above on the CPU, lane by lane
 // Launch shape, chosen on an H200 (notes/issue-3-perf.md): a grid of at most kCtasPerSm CTAs per SM, and short
-// rows batched into work items of kSegmentBytes. No other setting tried (2/4 CTAs per SM, 8/32 KiB items, 4
+// rows batched into work items (item_bytes above). No other setting tried (2/4 CTAs per SM, 8/32 KiB items, 4
 // loads in flight per lane instead of 8) was better on every row: 4-token partial rows gained ~10%, 12-token
 // ones lost ~4%.
 constexpr int64_t kCtasPerSm = 16;
@@ -277,7 +294,7 @@ int max_ctas(bool via_host) {
 template <typename Meta>
 cudaError_t launch_with(const BlockCopyGeometry& g, const Meta& meta, bool bases_aligned16, cudaStream_t stream) {
   if (g.num_pairs == 0 || g.width == 0) return cudaSuccess;
-  const CopyWork w = plan_copy_work(g, bases_aligned16);
+  const CopyWork w = plan_copy_work(g, bases_aligned16, item_bytes(g));
   const unsigned grid = grid_for(w.items, max_ctas(g.via_host));
   // the 32-bit variant needs every item index (up to items + one grid of warps) to fit
   if (w.items + static_cast<int64_t>(grid) * kWarpsPerBlock < (int64_t{1} << 32)) {

@@ -43,7 +43,8 @@ void emu_copy_blocks(const int64_t* geometry, const int64_t* bases, const int64_
   if (g.num_pairs == 0 || g.width == 0) return;
   bool aligned16 = true;  // what kernels/copy_blocks.cpp computes from the host view of the bases
   for (int64_t i = 0; i < g.src_tensors + g.dst_tensors; ++i) aligned16 = aligned16 && (bases[i] & 15) == 0;
-  const tiered_kv::CopyWork w = tiered_kv::plan_copy_work(g, aligned16 && !force_unaligned);
+  // the launcher's work items (item_bytes: this geometry is between GPU buffers)
+  const tiered_kv::CopyWork w = tiered_kv::plan_copy_work(g, aligned16 && !force_unaligned, tiered_kv::item_bytes(g));
   const tiered_kv::PtrMeta ptrs{bases, src_blocks, dst_blocks};
   tiered_kv::InlineMeta inline_meta{};
   static tiered_kv::InlineMetaLarge large_meta;  // 5 KiB: static, as the launcher's is on its own stack frame

@@ -150,7 +150,7 @@ def test_copy_blocks_kernel_large_inline_parameters_every_small_call(emu, num_to
 @pytest.mark.parametrize("index64", [False, True])
 @pytest.mark.parametrize("force_unaligned", [False, True])
 def test_copy_blocks_kernel_batches_short_rows(emu, num_tokens, max_grid, index64, force_unaligned) -> None:
-    # fp16, 16 tokens x 32 dims: 1 KiB rows, width 64 B..1 KiB -> 16..256 rows per item, the last batch short
+    # fp16, 16 tokens x 32 dims: 1 KiB rows, width 64 B..1 KiB -> 4..64 rows per 4 KiB item, the last batch short
     # (rows = 3 x 2 x 7 = 42 per block); 16-byte aligned, so the unrolled vector path runs unless forced off
     L, kv, H, T, D = 3, 2, 7, 16, 32
     src = [fill_random(torch.empty(5, L, kv, H, T, D, dtype=torch.float16))]
