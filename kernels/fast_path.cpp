@@ -222,26 +222,20 @@ cudaError_t signal_after(cudaEvent_t ev, cudaStream_t stream, int64_t sem, int64
   return cudaLaunchHostFunc(target, post_semaphore, reinterpret_cast<void*>(sem));
 }
 
-std::unique_ptr<DeviceEvent> submit(int64_t plan_id, py::handle src, py::handle dst, int64_t stream_handle,
-                                    int64_t sem, int64_t signal_stream) {
-  FastPlan& plan = plan_of(plan_id);
-  std::array<int64_t, kMaxPairs> sb{}, db{};
-  const size_t ns = read_indices(src, sb.data(), plan.src_blocks, "src_blocks");
-  const size_t nd = read_indices(dst, db.data(), plan.dst_blocks, "dst_blocks");
-  if (ns != nd) {
-    throw py::value_error("got " + std::to_string(ns) + " source and " + std::to_string(nd) +
-                          " destination blocks; they must pair up");
-  }
+// Enqueue plan's copy of pairs (sb[i], db[i]), i < n, on `stream`, an event after it and the completion signal
+// (signal_after). If it throws before the copy was enqueued, nothing was.
+std::unique_ptr<DeviceEvent> issue(FastPlan& plan, const int64_t* sb, const int64_t* db, size_t n, int64_t stream_handle,
+                                   int64_t sem, int64_t signal_stream) {
   const DeviceGuard guard(plan.device);
   const cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_handle);
   BlockCopyGeometry g = plan.g;
-  g.num_pairs = static_cast<int64_t>(ns);
-  if (ns > 0) {
+  g.num_pairs = static_cast<int64_t>(n);
+  if (n > 0) {
     try {
       if (plan.method == 1) {
-        issue_dma(g, plan.dbase, plan.sbase, sb.data(), db.data(), stream);
+        issue_dma(g, plan.dbase, plan.sbase, sb, db, stream);
       } else {
-        issue_kernel_host_indices(g, plan.kbases, sb.data(), db.data(), at::Device(at::kCUDA, plan.device), stream);
+        issue_kernel_host_indices(g, plan.kbases, sb, db, at::Device(at::kCUDA, plan.device), stream);
       }
     } catch (const c10::Error& e) {
       throw std::runtime_error(e.what_without_backtrace());
@@ -256,6 +250,19 @@ std::unique_ptr<DeviceEvent> submit(int64_t plan_id, py::handle src, py::handle 
     throw std::runtime_error(std::string("tiered_kv fast path: ") + cudaGetErrorString(err));
   }
   return event;
+}
+
+std::unique_ptr<DeviceEvent> submit(int64_t plan_id, py::handle src, py::handle dst, int64_t stream_handle,
+                                    int64_t sem, int64_t signal_stream) {
+  FastPlan& plan = plan_of(plan_id);
+  std::array<int64_t, kMaxPairs> sb{}, db{};
+  const size_t ns = read_indices(src, sb.data(), plan.src_blocks, "src_blocks");
+  const size_t nd = read_indices(dst, db.data(), plan.dst_blocks, "dst_blocks");
+  if (ns != nd) {
+    throw py::value_error("got " + std::to_string(ns) + " source and " + std::to_string(nd) +
+                          " destination blocks; they must pair up");
+  }
+  return issue(plan, sb.data(), db.data(), ns, stream_handle, sem, signal_stream);
 }
 
 // ------------------------------------------------------------------------------------------ index pairs
@@ -342,17 +349,11 @@ PyObject* as_int_list(const int64_t* v, Py_ssize_t n) {
   return list;
 }
 
-// The per-call index check of a small copy between pools of `src_blocks` and `dst_blocks` blocks (the Python
-// reference is tiered_kv.pools.small_pairs, which decides alike): `(src list, dst list, runs)` when both sides
-// are valid -- lists of plain ints, or 1-D numpy integer arrays, of the same length, 1..256 pairs, every index in
-// range, no destination twice and, when `same_pool`, no block on both sides -- else None (the caller then runs the
-// general checks). Lists come back as the same objects; arrays as new lists. `runs`: the runs of blocks consecutive
-// on both sides (the copier's path choice).
-py::object check_pairs(int64_t src_blocks, int64_t dst_blocks, bool same_pool, py::handle src, py::handle dst) {
-  PyObject* s_obj = src.ptr();
-  PyObject* d_obj = dst.ptr();
+// The checks of check_pairs (below) into sb / db: false when declined. `lists`: both sides are lists.
+bool check_into(int64_t src_blocks, int64_t dst_blocks, bool same_pool, PyObject* s_obj, PyObject* d_obj, int64_t* sb,
+                int64_t* db, Py_ssize_t& ns, int64_t& runs, bool& lists) {
   static PyObject* ndarray = nullptr;
-  const bool lists = PyList_CheckExact(s_obj) && PyList_CheckExact(d_obj);
+  lists = PyList_CheckExact(s_obj) && PyList_CheckExact(d_obj);
   if (!lists) {
     if (ndarray == nullptr) {
       py::object type = py::module_::import("numpy").attr("ndarray");
@@ -360,18 +361,15 @@ py::object check_pairs(int64_t src_blocks, int64_t dst_blocks, bool same_pool, p
     }
     if (Py_TYPE(s_obj) != reinterpret_cast<PyTypeObject*>(ndarray) ||
         Py_TYPE(d_obj) != reinterpret_cast<PyTypeObject*>(ndarray)) {
-      return py::none();
+      return false;
     }
   }
-  std::array<int64_t, kMaxPairs> sb{}, db{};
-  Py_ssize_t ns = 0, nd = 0;
-  if (!read_side(s_obj, lists, sb.data(), ns) || !read_side(d_obj, lists, db.data(), nd) || ns != nd) {
-    return py::none();
-  }
-  int64_t runs = 1;
+  Py_ssize_t nd = 0;
+  if (!read_side(s_obj, lists, sb, ns) || !read_side(d_obj, lists, db, nd) || ns != nd) return false;
+  runs = 1;
   bool s_rising = true, d_rising = true;  // strictly increasing: no duplicate, and min/max at the ends
   for (Py_ssize_t i = 0; i < ns; ++i) {
-    if (sb[i] < 0 || sb[i] >= src_blocks || db[i] < 0 || db[i] >= dst_blocks) return py::none();
+    if (sb[i] < 0 || sb[i] >= src_blocks || db[i] < 0 || db[i] >= dst_blocks) return false;
     if (i > 0) {
       if (sb[i] != sb[i - 1] + 1 || db[i] != db[i - 1] + 1) ++runs;
       s_rising = s_rising && sb[i] > sb[i - 1];
@@ -379,18 +377,18 @@ py::object check_pairs(int64_t src_blocks, int64_t dst_blocks, bool same_pool, p
     }
   }
   std::array<int64_t, kMaxPairs> d_sorted{};
-  const int64_t* d_order = db.data();
+  const int64_t* d_order = db;
   if (!d_rising) {
-    std::copy_n(db.begin(), ns, d_sorted.begin());
+    std::copy_n(db, ns, d_sorted.begin());
     std::sort(d_sorted.begin(), d_sorted.begin() + ns);
-    if (std::adjacent_find(d_sorted.begin(), d_sorted.begin() + ns) != d_sorted.begin() + ns) return py::none();
+    if (std::adjacent_find(d_sorted.begin(), d_sorted.begin() + ns) != d_sorted.begin() + ns) return false;
     d_order = d_sorted.data();
   }
   if (same_pool) {
     std::array<int64_t, kMaxPairs> s_sorted{};
-    const int64_t* s_order = sb.data();
+    const int64_t* s_order = sb;
     if (!s_rising) {
-      std::copy_n(sb.begin(), ns, s_sorted.begin());
+      std::copy_n(sb, ns, s_sorted.begin());
       std::sort(s_sorted.begin(), s_sorted.begin() + ns);
       s_order = s_sorted.data();
     }
@@ -398,7 +396,7 @@ py::object check_pairs(int64_t src_blocks, int64_t dst_blocks, bool same_pool, p
     if (s_order[0] <= d_order[ns - 1] && d_order[0] <= s_order[ns - 1]) {
       Py_ssize_t i = 0, j = 0;
       while (i < ns && j < ns) {
-        if (s_order[i] == d_order[j]) return py::none();
+        if (s_order[i] == d_order[j]) return false;
         if (s_order[i] < d_order[j]) {
           ++i;
         } else {
@@ -407,15 +405,64 @@ py::object check_pairs(int64_t src_blocks, int64_t dst_blocks, bool same_pool, p
       }
     }
   }
-  py::object s_list, d_list;
-  if (lists) {
-    s_list = py::reinterpret_borrow<py::object>(src);
-    d_list = py::reinterpret_borrow<py::object>(dst);
-  } else {
-    s_list = py::reinterpret_steal<py::object>(as_int_list(sb.data(), ns));
-    d_list = py::reinterpret_steal<py::object>(as_int_list(db.data(), ns));
+  return true;
+}
+
+// The index lists the fences keep: the caller's lists themselves, or new lists of an array's values.
+std::pair<py::object, py::object> index_lists(bool lists, py::handle src, py::handle dst, const int64_t* sb,
+                                              const int64_t* db, Py_ssize_t n) {
+  if (lists) return {py::reinterpret_borrow<py::object>(src), py::reinterpret_borrow<py::object>(dst)};
+  return {py::reinterpret_steal<py::object>(as_int_list(sb, n)), py::reinterpret_steal<py::object>(as_int_list(db, n))};
+}
+
+// The per-call index check of a small copy between pools of `src_blocks` and `dst_blocks` blocks (the Python
+// reference is tiered_kv.pools.small_pairs, which decides alike): `(src list, dst list, runs)` when both sides
+// are valid -- lists of plain ints, or 1-D numpy integer arrays, of the same length, 1..256 pairs, every index in
+// range, no destination twice and, when `same_pool`, no block on both sides -- else None (the caller then runs the
+// general checks). Lists come back as the same objects; arrays as new lists. `runs`: the runs of blocks consecutive
+// on both sides (the copier's path choice).
+py::object check_pairs(int64_t src_blocks, int64_t dst_blocks, bool same_pool, py::handle src, py::handle dst) {
+  std::array<int64_t, kMaxPairs> sb{}, db{};
+  Py_ssize_t ns = 0;
+  int64_t runs = 1;
+  bool lists = false;
+  if (!check_into(src_blocks, dst_blocks, same_pool, src.ptr(), dst.ptr(), sb.data(), db.data(), ns, runs, lists)) {
+    return py::none();
   }
+  auto [s_list, d_list] = index_lists(lists, src, dst, sb.data(), db.data(), ns);
   return py::make_tuple(s_list, d_list, runs);
+}
+
+// check_pairs and submit in one call, the copy enqueued before any Python object is made: the index check, then
+// the plan of the call's shape from `choices` ({(pairs, runs): (plan, ...)}, filled by the caller as it decides
+// each shape once), then the copy, its event and completion signal (submit's `stream`, `sem`, `signal_stream`).
+// Returns `(event, src list, dst list, choice)`, or None -- nothing enqueued -- when the check declines the
+// indices or `choices` has no entry for the shape (the caller then takes the per-step path, which decides it).
+py::object launch(int64_t src_blocks, int64_t dst_blocks, bool same_pool, py::handle src, py::handle dst,
+                  py::handle choices, int64_t stream_handle, int64_t sem, int64_t signal_stream) {
+  std::array<int64_t, kMaxPairs> sb{}, db{};
+  Py_ssize_t ns = 0;
+  int64_t runs = 1;
+  bool lists = false;
+  if (!PyDict_CheckExact(choices.ptr())) throw py::type_error("choices must be a dict");
+  if (!check_into(src_blocks, dst_blocks, same_pool, src.ptr(), dst.ptr(), sb.data(), db.data(), ns, runs, lists)) {
+    return py::none();
+  }
+  const py::tuple key = py::make_tuple(static_cast<int64_t>(ns), runs);
+  PyObject* choice = PyDict_GetItemWithError(choices.ptr(), key.ptr());  // borrowed
+  if (choice == nullptr) {
+    if (PyErr_Occurred()) throw py::error_already_set();
+    return py::none();
+  }
+  if (!PyTuple_CheckExact(choice) || PyTuple_GET_SIZE(choice) < 1) throw py::type_error("a choice is a (plan, ...) tuple");
+  const int64_t plan_id = PyLong_AsLongLong(PyTuple_GET_ITEM(choice, 0));
+  if (plan_id == -1 && PyErr_Occurred()) throw py::error_already_set();
+  py::object keep = py::reinterpret_borrow<py::object>(choice);  // the dict may change under a later call
+  std::unique_ptr<DeviceEvent> event =
+      issue(plan_of(plan_id), sb.data(), db.data(), static_cast<size_t>(ns), stream_handle, sem, signal_stream);
+  py::object ev = py::cast(std::move(event));
+  auto [s_list, d_list] = index_lists(lists, src, dst, sb.data(), db.data(), ns);
+  return py::make_tuple(ev, s_list, d_list, keep);
 }
 
 // An event after the work queued so far on `stream` (and the host-function post, as submit does).
@@ -597,6 +644,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("sem"), py::arg("signal_stream") = 0);
   m.def("check_pairs", &tiered_kv::check_pairs, py::arg("src_blocks"), py::arg("dst_blocks"), py::arg("same_pool"),
         py::arg("src"), py::arg("dst"));
+  m.def("launch", &tiered_kv::launch, py::arg("src_blocks"), py::arg("dst_blocks"), py::arg("same_pool"), py::arg("src"),
+        py::arg("dst"), py::arg("choices"), py::arg("stream"), py::arg("sem"), py::arg("signal_stream") = 0);
   m.def("record", &tiered_kv::record, py::arg("device"), py::arg("stream"), py::arg("sem"));
   m.def("wait_done", &tiered_kv::wait_done, py::arg("event"), py::arg("device"), py::arg("sem"), py::arg("wake_ns"),
         py::arg("due_ns"), py::arg("owed"), py::arg("stop_ns") = -1);

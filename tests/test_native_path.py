@@ -13,6 +13,7 @@ import asyncio
 import random
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -317,3 +318,94 @@ def test_check_pairs_decides_as_small_pairs(native: Any) -> None:
         assert all(type(x) is int for x in got[0] + got[1])
         if isinstance(src, list):
             assert got[0] is src and got[1] is dst
+
+
+@pytest.mark.parametrize("num_tokens", [None, 3])
+@pytest.mark.parametrize("path", ["kernel", "dma"])
+def test_decided_shapes_launch_in_one_call(native: Any, num_tokens: int | None, path: str) -> None:
+    """A call shape the per-step path decided is then copied by ``launch`` (one call into C++), byte for byte.
+
+    Offload, onboard and GPU->GPU; lists and arrays; 1..200 pairs. A copy whose pools have an op in flight takes
+    the per-step path and still lands after the op it depends on.
+    """
+
+    async def main() -> None:
+        async with _engine(path) as engine:
+            gpu, host = _tensor(engine, Tier.GPU), _tensor(engine, Tier.HOST)
+            fill_random(gpu)
+            fill_random(host)
+            torch.cuda.synchronize()
+            n = LAYOUT.tokens_per_block if num_tokens is None else num_tokens
+            launched = 0
+            for pair in [(Tier.GPU, Tier.HOST), (Tier.HOST, Tier.GPU), (Tier.GPU, Tier.GPU)]:
+                route = engine._resolve_route(*pair)[7]
+                assert route is not None
+                for k in (1, 4, 12):
+                    src = list(range(k))
+                    dst = list(range(30 - k, 30))  # 3 rounds, one block further each: up to block 31
+                    for use_array in (False, True, False):
+                        s = np.array(src) if use_array else list(src)
+                        d = np.array(dst) if use_array else list(dst)
+                        before = route.launched
+                        a = (gpu if pair[0] is Tier.GPU else host).cpu()
+                        expected = (gpu if pair[1] is Tier.GPU else host).cpu()
+                        await engine.copy(pair[0], s, pair[1], d, num_tokens=num_tokens)
+                        for x, y in zip(src, dst, strict=True):
+                            expected[y, :, :, :, :n] = a[x, :, :, :, :n]
+                        assert _bits((gpu if pair[1] is Tier.GPU else host).cpu(), expected), (pair, k)
+                        launched += route.launched - before
+                        src = [b + 1 for b in src]  # the same shape (one run), other blocks
+                        dst = [b + 1 for b in dst]
+                assert route.launched >= 6, f"{pair}: decided shapes did not take the one-call launch"
+            assert launched >= 18
+            # an op in flight on the GPU pool: the next copy reading its destination takes the per-step path
+            route = engine._resolve_route(Tier.GPU, Tier.GPU)[7]
+            assert route is not None
+            first = engine.copy(Tier.GPU, list(range(8)), Tier.GPU, list(range(16, 24)), num_tokens=num_tokens)
+            before = route.launched
+            second = engine.copy(Tier.GPU, list(range(16, 24)), Tier.GPU, list(range(24, 32)), num_tokens=num_tokens)
+            assert route.launched == before
+            await asyncio.gather(first, second)
+            g = gpu.cpu()
+            for x, y in zip(range(8), range(24, 32), strict=True):
+                assert _bits(g[y, :, :, :, :n], g[x, :, :, :, :n]), "the dependent copy did not see the first one"
+
+    asyncio.run(main())
+
+
+def test_launch_returns_none_for_what_it_cannot_take(native: Any) -> None:
+    """``launch``: invalid indices or an undecided shape -> None and nothing enqueued; a decided one -> the copy."""
+
+    async def main() -> None:
+        async with _engine("kernel") as engine:
+            gpu, host = engine.pool(Tier.GPU), engine.pool(Tier.HOST)
+            host_t = _tensor(engine, Tier.HOST)
+            fill_random(_tensor(engine, Tier.GPU))
+            fill_random(host_t)
+            torch.cuda.synchronize()
+            before = host_t.clone()
+            copier = engine.route(Tier.GPU, Tier.HOST).copier  # type: ignore[attr-defined]
+            plan = copier._native_plan(copier._pair(gpu, host, 8), 8, 0)
+            stream = engine.stream("offload")
+            handle = stream.torch_stream.cuda_stream  # type: ignore[attr-defined]
+            choices = {(1, 1): (plan, [0, 0], LAYOUT.bytes_per_block)}
+            for src, dst in (([0], [32]), ([-1], [0]), ([0, 1], [2, 2]), ([0], [True]), ([0, 1], [2]), ((0,), (1,))):
+                assert native.launch(32, 32, False, src, dst, choices, handle, 0) is None, (src, dst)
+            assert native.launch(32, 32, False, [0, 1], [2, 3], choices, handle, 0) is None  # shape not decided
+            with pytest.raises(TypeError, match="choices must be a dict"):
+                native.launch(32, 32, False, [0], [1], [], handle, 0)
+            torch.cuda.synchronize()
+            assert _bits(host_t, before)
+            src_list, dst_list = [5], [7]
+            event, s, d, choice = native.launch(32, 32, False, src_list, dst_list, choices, handle, 0)
+            assert isinstance(event, native.DeviceEvent) and choice is choices[1, 1]
+            assert s is src_list and d is dst_list  # lists are the caller's own
+            event.synchronize()
+            arrays = np.array([6]), np.array([8], dtype=np.int32)
+            event, s, d, _ = native.launch(32, 32, False, *arrays, choices, handle, 0)
+            assert s == [6] and d == [8]  # arrays: new lists (the fences keep them)
+            event.synchronize()
+            g = _tensor(engine, Tier.GPU).cpu()
+            assert _bits(host_t[7].cpu(), g[5]) and _bits(host_t[8].cpu(), g[6])
+
+    asyncio.run(main())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from typing import Any
@@ -416,3 +417,220 @@ async def test_host_work_of_one_native_copy_stays_within_budget() -> None:
     work = await _host_work_of_one_copy("cuda")
     assert work["python_calls_per_copy"] <= 16, work["by_function"]
     assert work["bytecodes_per_copy"] <= 625, work["by_function"]
+
+
+# ------------------------------------------------------------------------------- the one-call launch, on the CPU
+
+
+class _DoneEvent:
+    """An event already reached (the fake native calls below copy synchronously)."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _FakeNativeStream:
+    """What the engine and :class:`~tiered_kv.copyops.NativeRoute` use of a CUDA stream, completing from a thread.
+
+    Completions are held until :meth:`release` (so a copy stays in flight, with its fences live, as long as a test
+    needs it), then delivered in order from a thread, as the stream's waiter does.
+    """
+
+    rate = 0.0
+    closed = False
+
+    def __init__(self) -> None:
+        self.native_args: tuple[int, int] | None = (0, 0)
+        self.held: list[Any] = []
+        self.notified = 0  # completions through notify_native (the per-step path)
+        self.watched = 0  # completions through watch_native (the one-call launch)
+
+    def notify_native(self, issue: Any, callback: Any, *, beside: bool = False, nbytes: int = 0) -> Any:
+        event = issue(0, 0, 0)
+        self.notified += 1
+        self.held.append(callback)
+        return event
+
+    def watch_native(self, event: Any, callback: Any, nbytes: int) -> None:
+        self.watched += 1
+        self.held.append(callback)
+
+    def wait(self, event: Any) -> None:  # a stream-side wait: the fake copies are done at once
+        pass
+
+    def release(self) -> None:
+        held, self.held = self.held, []
+        thread = threading.Thread(target=lambda: [cb() for cb in held])
+        thread.start()
+        thread.join()
+
+
+def _gpu_pool(engine: TransferEngine) -> torch.Tensor:
+    return engine.pool(Tier.GPU).tensor.clone()
+
+
+def _fake_native(engine: TransferEngine, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, _FakeNativeStream, list[str]]:
+    """A NativeRoute for GPU->GPU copies of ``engine`` (emulated device) whose C++ calls are Python doubles.
+
+    ``submit`` / ``launch`` copy tokens [0, n) of the named blocks at once (torch on the CPU) and log which entry
+    ran. Returns the route, its stream and the log.
+    """
+    from tiered_kv import copyops
+    from tiered_kv.copyops import NativeRoute, _pairs_in_python
+
+    monkeypatch.setattr(copyops, "choose_path", lambda *a, **k: "kernel")  # the emulated device's path is "reference"
+    route = engine._resolve_route(Tier.GPU, Tier.GPU)
+    copier = engine.route(Tier.GPU, Tier.GPU).copier  # type: ignore[attr-defined]
+    pool = engine.pool(Tier.GPU)
+    tensor = pool.tensor
+    tokens: dict[int, int] = {}
+    log: list[str] = []
+
+    def plan(info: Any, n: int, method: int) -> int:
+        tokens[len(tokens) + 1] = n
+        return len(tokens)
+
+    monkeypatch.setattr(copier, "_native_plan", plan)
+
+    def copy(plan_id: int, s: list[int], d: list[int]) -> None:
+        n = tokens[plan_id]
+        for x, y in zip(s, d, strict=True):
+            tensor[y, ..., :n, :] = tensor[x, ..., :n, :]
+
+    def submit(plan_id: int, s: list[int], d: list[int], stream: int, sem: int, side: int = 0) -> _DoneEvent:
+        log.append("submit")
+        copy(plan_id, s, d)
+        return _DoneEvent()
+
+    def launch(sn: int, dn: int, same: bool, src: Any, dst: Any, choices: dict[Any, Any], *_args: int) -> Any:
+        checked = _pairs_in_python(sn, dn, same, src, dst)
+        if checked is None:
+            return None
+        s, d, runs = checked
+        choice = choices.get((len(s), runs))
+        if choice is None:
+            return None
+        log.append("launch")
+        copy(choice[0], s, d)
+        return _DoneEvent(), s, d, choice
+
+    stream = _FakeNativeStream()
+    info = copier._pair(pool, pool, engine.layout.tokens_per_block)
+    native = NativeRoute(copier, info, stream, submit, None, launch)  # type: ignore[arg-type]
+    engine._resolved[Tier.GPU, Tier.GPU] = (*route[:7], native)
+    return native, stream, log
+
+
+async def test_one_call_launch_takes_decided_shapes_with_fences_and_completion(
+    layout: KVLayout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine's one-call launch (NativeRoute.launch), wired as on CUDA, with the C++ calls replaced:
+
+    - a call shape (token count, pairs, runs) goes the per-step way once, then in one call;
+    - the launched copy holds its fence entries until it completes: a copy that touches its blocks meanwhile takes
+      the per-step path and waits for it, and one touching other blocks of a pool with a copy in flight too;
+    - completion, statistics and the route's per-path totals count launched copies like the others;
+    - bytes land as named, whole and partial, lists and arrays.
+    """
+    async with TransferEngine(layout, gpu_blocks=16, host_blocks=2, device="cpu") as engine:
+        native, stream, log = _fake_native(engine, monkeypatch)
+        expected = fill_pool(engine, Tier.GPU, seed=3)
+        name = engine.pool(Tier.GPU).name
+
+        async def copy(src: Any, dst: Any, n: int | None = None) -> Any:
+            transfer = engine.copy(Tier.GPU, src, Tier.GPU, dst, num_tokens=n)
+            stream.release()
+            await transfer
+            t = layout.tokens_per_block if n is None else n
+            for x, y in zip(list(src), list(dst), strict=True):
+                expected[int(y), ..., :t, :] = expected[int(x), ..., :t, :]
+            assert same(_gpu_pool(engine), expected)
+            return transfer
+
+        await copy([0, 1], [8, 9])  # first of its shape (2 pairs, 1 run): decided on the per-step path
+        assert log == ["submit"] and native.launched == 0
+        await copy([2, 3], [10, 11])  # same shape: one call
+        await copy(np.array([4, 5]), np.array([12, 13]))  # arrays too
+        assert log == ["submit", "launch", "launch"] and native.launched == 2
+        await copy([0, 2], [14, 15])  # 2 runs: a new shape
+        await copy([1, 4], [13, 8])
+        assert log[-2:] == ["submit", "launch"]
+        await copy([5], [6], 3)  # partial: a shape of its own token count
+        await copy([7], [4], 3)
+        await copy([6], [3], layout.tokens_per_block)  # whole blocks named by their token count ...
+        await copy([3], [2])  # ... are the shape of whole blocks
+        assert log[-4:] == ["submit", "launch", "submit", "launch"]
+        assert sum(calls for calls, _ in native.totals.values()) == len(log)
+
+        # in flight (completion held): its entries are live, so a copy reading its destination waits for it
+        first = engine.copy(Tier.GPU, [2, 3], Tier.GPU, [10, 11])
+        assert log[-1] == "launch" and not first.done()
+        assert engine.fences.live(name)
+        assert engine.fences.dependencies([(name, [10])], []) == {first._marker}, "its writes were not fenced"
+        assert engine.fences.dependencies([], [(name, [3])]) == {first._marker}, "its reads were not fenced"
+        second = engine.copy(Tier.GPU, [10, 11], Tier.GPU, [0, 1])  # reads what `first` writes
+        assert log[-1] == "submit", "a copy with a pending op on its pools must take the per-step path"
+        stream.release()
+        await second
+        assert first.done(), "the per-step copy completed before the launched copy it depended on"
+        for x, y in ((2, 10), (3, 11), (10, 0), (11, 1)):
+            expected[y] = expected[x]
+        assert same(_gpu_pool(engine), expected)
+
+        # nothing in flight again: launched; the engine's statistics count every copy
+        await copy([2, 3], [10, 11])
+        assert log[-1] == "launch"
+        stats = engine.statistics()
+        assert stats.submitted == stats.completed == len(log) and stats.in_flight == 0
+        assert stats.bytes_by_direction["gpu->gpu"] == sum(nbytes for _, nbytes in native.totals.values())
+        assert stream.watched == log.count("launch") and stream.notified == log.count("submit")
+
+
+async def test_one_call_launch_declines_to_the_per_step_path(layout: KVLayout, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever the one-call launch cannot take goes the per-step way, with the same results and errors.
+
+    Invalid indices (the descriptive errors, nothing copied), a closed waiter (``native_args`` None), a changed
+    copier config (the decided shapes are forgotten), and a launch that raises (the CUDA runtime failing).
+    """
+    async with TransferEngine(layout, gpu_blocks=16, host_blocks=2, device="cpu") as engine:
+        native, stream, log = _fake_native(engine, monkeypatch)
+        fill_pool(engine, Tier.GPU, seed=5)
+
+        async def copy(src: Any, dst: Any) -> None:
+            transfer = engine.copy(Tier.GPU, src, Tier.GPU, dst)
+            stream.release()
+            await transfer
+
+        await copy([0], [1])
+        await copy([2], [3])
+        assert log == ["submit", "launch"]
+        before = _gpu_pool(engine)
+        for src, dst, message in (([0], [16], "out of range"), ([0, 1], [2, 2], "duplicates"), ([4], [4], "both")):
+            with pytest.raises(ValueError, match=message):
+                engine.copy(Tier.GPU, src, Tier.GPU, dst)
+        assert same(_gpu_pool(engine), before) and log == ["submit", "launch"]
+
+        stream.native_args = None
+        await copy([4], [5])
+        assert log[-1] == "submit"
+        stream.native_args = (0, 0)
+        await copy([4], [5])
+        assert log[-1] == "launch"
+
+        copier = engine.route(Tier.GPU, Tier.GPU).copier  # type: ignore[attr-defined]
+        copier.config = dataclasses.replace(copier.config)  # a new config object
+        await copy([6], [7])
+        assert log[-1] == "submit", "a shape decided under another config must be decided again"
+        await copy([6], [7])
+        assert log[-1] == "launch"
+
+        def failing(*a: Any) -> Any:
+            raise RuntimeError("cudaErrorLaunchFailure")
+
+        monkeypatch.setattr(native, "_launch", failing)
+        await copy([8], [9])
+        assert log[-1] == "submit"
+        assert engine.statistics().failed == 0

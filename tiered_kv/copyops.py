@@ -245,7 +245,10 @@ class Copier:
         info = self._pair(src_pool, dst_pool, src_pool.layout.tokens_per_block)
         if self._plan(info, [0], [0]).path not in ("kernel", "dma"):
             return None
-        route = NativeRoute(self, info, stream, self._native.submit, getattr(self._native, "check_pairs", None))
+        native = self._native
+        route = NativeRoute(
+            self, info, stream, native.submit, getattr(native, "check_pairs", None), getattr(native, "launch", None)
+        )
         self._native_routes.append(route)
         return route
 
@@ -470,6 +473,10 @@ class Copier:
         return f"<Copier {kernels} dma>={self.dma_min_chunk_bytes}B path={cfg.copy_path} calls={self._calls}>"
 
 
+#: a call shape's decision on the one-call path: (native plan, the path's [calls, bytes] totals, bytes per block)
+_Choice = tuple[int, list[int], int]
+
+
 class NativeCopy:
     """A small copy on a CUDA stream through the native submission path: one call into C++ per copy.
 
@@ -526,9 +533,29 @@ class NativeRoute:
     per-call work above the C++ entry: the path choice (memoized per call shape, as :meth:`Copier.build` does),
     the copier's per-path totals, and the job. Whole blocks and partial blocks (``num_tokens``) alike: the plans
     of a token count are made at its first call.
+
+    :meth:`launch` is the one-call path of a shape already decided (by :meth:`job`): the index check, the plan of
+    the shape, the copy, its event and completion signal in one call into C++, before any Python object of the
+    call is made (``kernels/fast_path.cpp``, ``launch``).
     """
 
-    __slots__ = ("_copier", "_info", "_partial", "_plans", "_single", "_stream", "_submit", "pairs", "totals")
+    __slots__ = (
+        "_config",
+        "_copier",
+        "_info",
+        "_kernels",
+        "_launch",
+        "_partial",
+        "_plans",
+        "_single",
+        "_stream",
+        "_submit",
+        "choices",
+        "launched",
+        "pairs",
+        "stream",
+        "totals",
+    )
 
     def __init__(
         self,
@@ -537,10 +564,21 @@ class NativeRoute:
         stream: CudaStream,
         submit: Callable[..., Event],
         check_pairs: Callable[..., tuple[list[int], list[int], int] | None] | None = None,
+        launch: Callable[..., tuple[Event, list[int], list[int], _Choice] | None] | None = None,
     ) -> None:
         self._copier = copier
         src_n, dst_n = info.src_pool.num_blocks, info.dst_pool.num_blocks
         same = info.src_pool is info.dst_pool
+        self._launch = functools.partial(launch, src_n, dst_n, same) if launch is not None else None
+        #: num_tokens (``None``: whole blocks) -> {(pairs, runs): (plan, path totals, bytes per block)}: the call
+        #: shapes :meth:`job` decided, which :meth:`launch` takes in one call (the copier's config they hold for)
+        self.choices: dict[int | None, dict[tuple[int, int], _Choice]] = {}
+        self._config = copier.config  # the config and kernels flag the decided shapes hold for
+        self._kernels = copier.kernels
+        #: calls that took :meth:`launch` (tests, probes)
+        self.launched = 0
+        #: the stream the copies run on
+        self.stream = stream
         #: ``pairs(src_indices, dst_indices)``: ``(src list, dst list, runs)`` when the indices are valid for a small
         #: call (:func:`~tiered_kv.pools.small_pairs`' rules, checked in C++), else ``None`` (the general checks)
         self.pairs: Callable[[object, object], tuple[list[int], list[int], int] | None] = (
@@ -590,7 +628,44 @@ class NativeRoute:
         nbytes = len(s) * block_bytes
         totals[0] += 1
         totals[1] += nbytes
+        if runs is not None and self._launch is not None:  # this shape is decided: launch() takes it from now on
+            copier = self._copier
+            if self._config is not copier.config or self._kernels != copier.kernels:
+                self._config, self._kernels = copier.config, copier.kernels
+                self.choices.clear()
+            self.choices.setdefault(num_tokens, {})[len(s), runs] = (plan, totals, block_bytes)
         return NativeCopy(self._stream, self._submit, plan, s, d, nbytes)
+
+    def launch(
+        self, src: object, dst: object, num_tokens: int | None
+    ) -> tuple[Event, list[int], list[int], _Choice] | None:
+        """Copy blocks ``src`` to ``dst`` in one call into C++: ``(event, src list, dst list, choice)``, or ``None``.
+
+        ``None`` -- nothing enqueued -- when the indices are not a valid small call (the engine's checks then raise
+        the descriptive errors), the call's shape (``num_tokens``, pairs, runs) was not decided yet, the copier's
+        config changed since, the stream's waiter is not running, or the call into C++ failed: the per-step path
+        (:attr:`pairs`, :meth:`job`) then does it, and reports any error in stream order. The caller hands the
+        completion to the stream (:meth:`~tiered_kv.device.CudaStream.watch_native`) and the choice's path totals
+        are counted here. ``num_tokens``: as :meth:`job` takes it (checked, ``None`` for whole blocks).
+        """
+        choices = self.choices.get(num_tokens)
+        args = self.stream.native_args
+        if choices is None or args is None or self._launch is None:
+            return None
+        copier = self._copier
+        if self._config is not copier.config or self._kernels != copier.kernels:
+            return None
+        try:
+            got = self._launch(src, dst, choices, args[0], args[1], 0)
+        except (RuntimeError, ValueError, IndexError, TypeError):
+            # an error of the CUDA runtime: the per-step path issues the copy again and reports what it gets
+            return None
+        if got is not None:
+            self.launched += 1
+            _plan, totals, block_bytes = got[3]
+            totals[0] += 1
+            totals[1] += len(got[1]) * block_bytes
+        return got
 
 
 def _pairs_in_python(

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import functools
 import logging
 import os
 import time
@@ -46,7 +47,7 @@ import torch
 from .completions import CompletionInbox, EventPoller
 from .config import EngineConfig
 from .copyops import Copier, NativeRoute
-from .device import CudaStream, Device, Stream, expected_end, resolve_device
+from .device import CudaStream, Device, Event, Stream, expected_end, resolve_device
 from .errors import EngineClosedError, OwnedEngineError
 from .fences import FenceTable, Marker
 from .file import FileHandler, FileTier, FileTierConfig
@@ -91,6 +92,19 @@ _DEFAULT_SPIN_US = 200
 _DEFAULT_AWAIT_SPIN_US = 150
 
 Indices = Iterable[int] | np.ndarray | torch.Tensor
+
+
+class _Launched:
+    """The job of a copy enqueued whole by the one-call launch: reaching its event is its whole completion."""
+
+    __slots__ = ()
+
+    @staticmethod
+    def ok_at_event() -> bool:
+        return True
+
+
+_LAUNCHED = _Launched()
 
 
 def _ok_at_event(marker: Marker) -> bool:
@@ -235,6 +249,7 @@ class TransferEngine:
         self._media: dict[Tier, Medium] = {**self._pools, **self._routes.media}
         self._resolved: dict[tuple[Tier | str, Tier | str], _Route] = {}  # see _resolve_route
         self._block_bytes = layout.bytes_per_block
+        self._tokens_per_block = layout.tokens_per_block
         self._fences = FenceTable()
         # in-flight marker -> ("src->dst" direction, its transfer): one dict for the in-flight set and the statistics
         self._inflight: dict[Marker, tuple[str, Transfer]] = {}
@@ -708,6 +723,16 @@ class TransferEngine:
         small: tuple[list[int], list[int]] | None = None
         checked = None
         if native is not None and memory and layers is None and keys is None:
+            if num_tokens is None or (type(num_tokens) is int and 0 < num_tokens <= self._tokens_per_block):
+                fences = self._fences
+                if not fences.live(src_pool.name) and not fences.live(dst_pool.name):
+                    # nothing to wait for: a call shape decided before is enqueued in one call into C++, before any
+                    # object of the call is made; its bookkeeping follows while the device copies
+                    got = native.launch(
+                        src_indices, dst_indices, None if num_tokens == self._tokens_per_block else num_tokens
+                    )
+                    if got is not None:
+                        return self._launched(route, *got)
             # indices checked in C++ (small_pairs' rules), with the runs the path choice needs
             checked = native.pairs(src_indices, dst_indices)
         elif memory:
@@ -866,8 +891,33 @@ class TransferEngine:
         else:
             self._enqueue(marker, job, stream_deps)
 
-    def _enqueue(self, marker: Marker, job: Job, stream_deps: list[Marker]) -> None:
-        """Start ``job`` behind ``stream_deps`` (waited for on its lane); its completion calls :meth:`_complete`."""
+    def _launched(
+        self, route: _Route, event: Event, s_list: list[int], d_list: list[int], choice: tuple[int, list[int], int]
+    ) -> Transfer:
+        """The bookkeeping of a copy :meth:`NativeRoute.launch <tiered_kv.copyops.NativeRoute.launch>` enqueued.
+
+        Neither pool had a pending op, so the copy waited for nothing; its fence entries, transfer and completion
+        are made now, while the device copies.
+        """
+        src_t, dst_t, src_pool, dst_pool, _handler, _memory, direction, native = route
+        assert native is not None
+        count = len(s_list)
+        marker = Marker(native.stream)
+        marker.event = event
+        marker.job = _LAUNCHED
+        transfer = Transfer(marker, src_t, dst_t, count, count * choice[2])
+        self._submitted += 1
+        fences = self._fences
+        if count == 1:  # plain dict operations; nothing to wait for (neither pool is live)
+            fences.fence(marker, src_pool.name, s_list, dst_pool.name, d_list)
+        else:
+            fences.register(marker, [(src_pool.name, s_list)], [(dst_pool.name, d_list)])
+        native.stream.watch_native(event, functools.partial(self._completion(marker), None), transfer.nbytes)
+        self._inflight[marker] = (direction, transfer)
+        return transfer
+
+    def _completion(self, marker: Marker) -> Callable[[BaseException | None], None]:
+        """``done(error)``: the end of ``marker``'s op, from whichever thread saw it; completes it on the loop."""
         inbox = self._inbox
         assert inbox is not None
 
@@ -879,6 +929,11 @@ class TransferEngine:
             marker.done_at = time.perf_counter()
             inbox.post(marker)
 
+        return done
+
+    def _enqueue(self, marker: Marker, job: Job, stream_deps: list[Marker]) -> None:
+        """Start ``job`` behind ``stream_deps`` (waited for on its lane); its completion calls :meth:`_complete`."""
+        done = self._completion(marker)
         lane = marker.lane
         if lane is not None and stream_deps:
             for dep in stream_deps:
