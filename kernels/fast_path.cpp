@@ -433,18 +433,59 @@ py::object check_pairs(int64_t src_blocks, int64_t dst_blocks, bool same_pool, p
   return py::make_tuple(s_list, d_list, runs);
 }
 
-// check_pairs and submit in one call, the copy enqueued before any Python object is made: the index check, then
-// the plan of the call's shape from `choices` ({(pairs, runs): (plan, ...)}, filled by the caller as it decides
-// each shape once), then the copy, its event and completion signal (submit's `stream`, `sem`, `signal_stream`).
+// Whether `marker` (a tiered_kv.fences.Marker) has completed.
+bool completed(PyObject* marker) {
+  static PyObject* name = PyUnicode_InternFromString("completed");
+  PyObject* value = PyObject_GetAttr(marker, name);
+  if (value == nullptr) throw py::error_already_set();
+  const int done = PyObject_IsTrue(value);
+  Py_DECREF(value);
+  if (done < 0) throw py::error_already_set();
+  return done == 1;
+}
+
+// Whether a fence table of one pool (tiered_kv.fences.FenceTable: block -> its pending write, or block -> its pending
+// reader or readers) holds an op not completed yet for block `key`. None: the pool has no such table.
+bool pending(PyObject* table, PyObject* key) {
+  if (table == Py_None) return false;
+  PyObject* entry = PyDict_GetItemWithError(table, key);  // borrowed
+  if (entry == nullptr) {
+    if (PyErr_Occurred()) throw py::error_already_set();
+    return false;
+  }
+  if (PyDict_CheckExact(entry)) {  // a set of readers
+    Py_ssize_t pos = 0;
+    PyObject *reader, *unused;
+    while (PyDict_Next(entry, &pos, &reader, &unused)) {
+      if (!completed(reader)) return true;
+    }
+    return false;
+  }
+  return !completed(entry);
+}
+
+// check_pairs and submit in one call, the copy enqueued before the call's Python objects are made: the index
+// check, the plan of the call's shape from `choices` ({(pairs, runs): (plan, ...)}, filled by the caller as it
+// decides each shape once), the fences, then the copy, its event and completion signal (submit's `stream`, `sem`,
+// `signal_stream`).
+//
+// The fences, by FenceTable.dependencies' rules: a source block must have no pending write (`src_writes`), a
+// destination block no pending write (`dst_writes`) nor read (`dst_reads`); each is the pool's table or None.
 // Returns `(event, src list, dst list, choice)`, or None -- nothing enqueued -- when the check declines the
-// indices or `choices` has no entry for the shape (the caller then takes the per-step path, which decides it).
+// indices, `choices` has no entry for the shape, or a block has an op to wait for: the caller then takes the
+// per-step path, which decides the shape, waits where it must and reports the errors. The caller records the
+// copy's own fence entries after the call.
 py::object launch(int64_t src_blocks, int64_t dst_blocks, bool same_pool, py::handle src, py::handle dst,
-                  py::handle choices, int64_t stream_handle, int64_t sem, int64_t signal_stream) {
+                  py::handle choices, py::handle src_writes, py::handle dst_writes, py::handle dst_reads,
+                  int64_t stream_handle, int64_t sem, int64_t signal_stream) {
   std::array<int64_t, kMaxPairs> sb{}, db{};
   Py_ssize_t ns = 0;
   int64_t runs = 1;
   bool lists = false;
   if (!PyDict_CheckExact(choices.ptr())) throw py::type_error("choices must be a dict");
+  for (PyObject* table : {src_writes.ptr(), dst_writes.ptr(), dst_reads.ptr()}) {
+    if (table != Py_None && !PyDict_CheckExact(table)) throw py::type_error("a fence table must be a dict or None");
+  }
   if (!check_into(src_blocks, dst_blocks, same_pool, src.ptr(), dst.ptr(), sb.data(), db.data(), ns, runs, lists)) {
     return py::none();
   }
@@ -458,10 +499,22 @@ py::object launch(int64_t src_blocks, int64_t dst_blocks, bool same_pool, py::ha
   const int64_t plan_id = PyLong_AsLongLong(PyTuple_GET_ITEM(choice, 0));
   if (plan_id == -1 && PyErr_Occurred()) throw py::error_already_set();
   py::object keep = py::reinterpret_borrow<py::object>(choice);  // the dict may change under a later call
+  const bool fenced = src_writes.ptr() != Py_None || dst_writes.ptr() != Py_None || dst_reads.ptr() != Py_None;
+  py::object s_list, d_list;
+  if (fenced) {  // the tables are keyed by Python ints: the lists first
+    std::tie(s_list, d_list) = index_lists(lists, src, dst, sb.data(), db.data(), ns);
+    for (Py_ssize_t i = 0; i < ns; ++i) {
+      PyObject* x = PyList_GET_ITEM(s_list.ptr(), i);
+      PyObject* y = PyList_GET_ITEM(d_list.ptr(), i);
+      if (pending(src_writes.ptr(), x) || pending(dst_writes.ptr(), y) || pending(dst_reads.ptr(), y)) {
+        return py::none();
+      }
+    }
+  }
   std::unique_ptr<DeviceEvent> event =
       issue(plan_of(plan_id), sb.data(), db.data(), static_cast<size_t>(ns), stream_handle, sem, signal_stream);
   py::object ev = py::cast(std::move(event));
-  auto [s_list, d_list] = index_lists(lists, src, dst, sb.data(), db.data(), ns);
+  if (!fenced) std::tie(s_list, d_list) = index_lists(lists, src, dst, sb.data(), db.data(), ns);
   return py::make_tuple(ev, s_list, d_list, keep);
 }
 
@@ -645,7 +698,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("check_pairs", &tiered_kv::check_pairs, py::arg("src_blocks"), py::arg("dst_blocks"), py::arg("same_pool"),
         py::arg("src"), py::arg("dst"));
   m.def("launch", &tiered_kv::launch, py::arg("src_blocks"), py::arg("dst_blocks"), py::arg("same_pool"), py::arg("src"),
-        py::arg("dst"), py::arg("choices"), py::arg("stream"), py::arg("sem"), py::arg("signal_stream") = 0);
+        py::arg("dst"), py::arg("choices"), py::arg("src_writes"), py::arg("dst_writes"), py::arg("dst_reads"),
+        py::arg("stream"), py::arg("sem"), py::arg("signal_stream") = 0);
   m.def("record", &tiered_kv::record, py::arg("device"), py::arg("stream"), py::arg("sem"));
   m.def("wait_done", &tiered_kv::wait_done, py::arg("event"), py::arg("device"), py::arg("sem"), py::arg("wake_ns"),
         py::arg("due_ns"), py::arg("owed"), py::arg("stop_ns") = -1);

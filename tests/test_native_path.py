@@ -358,17 +358,35 @@ def test_decided_shapes_launch_in_one_call(native: Any, num_tokens: int | None, 
                         dst = [b + 1 for b in dst]
                 assert route.launched >= 6, f"{pair}: decided shapes did not take the one-call launch"
             assert launched >= 18
-            # an op in flight on the GPU pool: the next copy reading its destination takes the per-step path
-            route = engine._resolve_route(Tier.GPU, Tier.GPU)[7]
+            # an op in flight on the GPU pool (not completed on the loop until it runs again): a copy reading its
+            # destination takes the per-step path and waits; one of other blocks is launched beside it
+            route = engine._resolved[Tier.GPU, Tier.GPU][7]  # the route whose shapes the loop above decided
             assert route is not None
-            first = engine.copy(Tier.GPU, list(range(8)), Tier.GPU, list(range(16, 24)), num_tokens=num_tokens)
+            fill_random(gpu)
+            torch.cuda.synchronize()
             before = route.launched
-            second = engine.copy(Tier.GPU, list(range(16, 24)), Tier.GPU, list(range(24, 32)), num_tokens=num_tokens)
-            assert route.launched == before
-            await asyncio.gather(first, second)
+            first = engine.copy(Tier.GPU, [0, 1, 2, 3], Tier.GPU, [16, 17, 18, 19], num_tokens=num_tokens)
+            second = engine.copy(Tier.GPU, [16, 17, 18, 19], Tier.GPU, [24, 25, 26, 27], num_tokens=num_tokens)
+            third = engine.copy(Tier.GPU, [4, 5, 6, 7], Tier.GPU, [20, 21, 22, 23], num_tokens=num_tokens)
+            assert route.launched == before + 2, "the first and third copies take the launch, the second waits"
+            g0 = gpu.cpu()
+            await asyncio.gather(first, second, third)
             g = gpu.cpu()
-            for x, y in zip(range(8), range(24, 32), strict=True):
-                assert _bits(g[y, :, :, :, :n], g[x, :, :, :, :n]), "the dependent copy did not see the first one"
+            for x, y in zip(range(8), range(16, 24), strict=True):
+                assert _bits(g[y, :, :, :, :n], g0[x, :, :, :, :n]), (x, y)
+            for x, y in zip(range(4), range(24, 28), strict=True):
+                assert _bits(g[y, :, :, :, :n], g0[x, :, :, :, :n]), f"the dependent copy did not see the first: {y}"
+            # two readers of one block (a reader set in the fence table), then a copy overwriting it: it waits
+            await engine.copy(Tier.GPU, [1], Tier.GPU, [9], num_tokens=num_tokens)  # the 1-pair shape, decided
+            before = route.launched
+            readers = [engine.copy(Tier.GPU, [0], Tier.GPU, [b], num_tokens=num_tokens) for b in (28, 29)]
+            overwrite = engine.copy(Tier.GPU, [30], Tier.GPU, [0], num_tokens=num_tokens)
+            assert route.launched == before + 2, "two readers of one block launch side by side; its writer waits"
+            g0 = gpu.cpu()
+            await asyncio.gather(*readers, overwrite)
+            g = gpu.cpu()
+            assert _bits(g[28, :, :, :, :n], g0[0, :, :, :, :n]) and _bits(g[29, :, :, :, :n], g0[0, :, :, :, :n])
+            assert _bits(g[0, :, :, :, :n], g0[30, :, :, :, :n])
 
     asyncio.run(main())
 
@@ -389,20 +407,21 @@ def test_launch_returns_none_for_what_it_cannot_take(native: Any) -> None:
             stream = engine.stream("offload")
             handle = stream.torch_stream.cuda_stream  # type: ignore[attr-defined]
             choices = {(1, 1): (plan, [0, 0], LAYOUT.bytes_per_block)}
+            none = (None, None, None)  # no fence table: nothing pending anywhere
             for src, dst in (([0], [32]), ([-1], [0]), ([0, 1], [2, 2]), ([0], [True]), ([0, 1], [2]), ((0,), (1,))):
-                assert native.launch(32, 32, False, src, dst, choices, handle, 0) is None, (src, dst)
-            assert native.launch(32, 32, False, [0, 1], [2, 3], choices, handle, 0) is None  # shape not decided
+                assert native.launch(32, 32, False, src, dst, choices, *none, handle, 0) is None, (src, dst)
+            assert native.launch(32, 32, False, [0, 1], [2, 3], choices, *none, handle, 0) is None  # shape not decided
             with pytest.raises(TypeError, match="choices must be a dict"):
-                native.launch(32, 32, False, [0], [1], [], handle, 0)
+                native.launch(32, 32, False, [0], [1], [], *none, handle, 0)
             torch.cuda.synchronize()
             assert _bits(host_t, before)
             src_list, dst_list = [5], [7]
-            event, s, d, choice = native.launch(32, 32, False, src_list, dst_list, choices, handle, 0)
+            event, s, d, choice = native.launch(32, 32, False, src_list, dst_list, choices, *none, handle, 0)
             assert isinstance(event, native.DeviceEvent) and choice is choices[1, 1]
             assert s is src_list and d is dst_list  # lists are the caller's own
             event.synchronize()
             arrays = np.array([6]), np.array([8], dtype=np.int32)
-            event, s, d, _ = native.launch(32, 32, False, *arrays, choices, handle, 0)
+            event, s, d, _ = native.launch(32, 32, False, *arrays, choices, *none, handle, 0)
             assert s == [6] and d == [8]  # arrays: new lists (the fences keep them)
             event.synchronize()
             g = _tensor(engine, Tier.GPU).cpu()

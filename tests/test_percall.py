@@ -505,7 +505,14 @@ def _fake_native(engine: TransferEngine, monkeypatch: pytest.MonkeyPatch) -> tup
         copy(plan_id, s, d)
         return _DoneEvent()
 
-    def launch(sn: int, dn: int, same: bool, src: Any, dst: Any, choices: dict[Any, Any], *_args: int) -> Any:
+    def pending(table: dict[int, Any] | None, block: int) -> bool:  # fast_path.cpp's rule
+        entry = table.get(block) if table else None
+        if entry is None:
+            return False
+        return any(not m.completed for m in entry) if isinstance(entry, dict) else not entry.completed
+
+    def launch(sn: int, dn: int, same: bool, src: Any, dst: Any, choices: dict[Any, Any], *args: Any) -> Any:
+        src_writes, dst_writes, dst_reads = args[:3]
         checked = _pairs_in_python(sn, dn, same, src, dst)
         if checked is None:
             return None
@@ -513,6 +520,9 @@ def _fake_native(engine: TransferEngine, monkeypatch: pytest.MonkeyPatch) -> tup
         choice = choices.get((len(s), runs))
         if choice is None:
             return None
+        for x, y in zip(s, d, strict=True):
+            if pending(src_writes, x) or pending(dst_writes, y) or pending(dst_reads, y):
+                return None
         log.append("launch")
         copy(choice[0], s, d)
         return _DoneEvent(), s, d, choice
@@ -530,63 +540,81 @@ async def test_one_call_launch_takes_decided_shapes_with_fences_and_completion(
     """The engine's one-call launch (NativeRoute.launch), wired as on CUDA, with the C++ calls replaced:
 
     - a call shape (token count, pairs, runs) goes the per-step way once, then in one call;
-    - the launched copy holds its fence entries until it completes: a copy that touches its blocks meanwhile takes
-      the per-step path and waits for it, and one touching other blocks of a pool with a copy in flight too;
+    - the launched copy holds its fence entries until it completes: a copy that reads what it writes, or overwrites
+      what it reads or writes, takes the per-step path and waits for it; a copy of other blocks of the same pool
+      is launched beside it;
     - completion, statistics and the route's per-path totals count launched copies like the others;
     - bytes land as named, whole and partial, lists and arrays.
     """
     async with TransferEngine(layout, gpu_blocks=16, host_blocks=2, device="cpu") as engine:
         native, stream, log = _fake_native(engine, monkeypatch)
         expected = fill_pool(engine, Tier.GPU, seed=3)
-        name = engine.pool(Tier.GPU).name
+        try:
+            name = engine.pool(Tier.GPU).name
 
-        async def copy(src: Any, dst: Any, n: int | None = None) -> Any:
-            transfer = engine.copy(Tier.GPU, src, Tier.GPU, dst, num_tokens=n)
+            async def copy(src: Any, dst: Any, n: int | None = None) -> Any:
+                transfer = engine.copy(Tier.GPU, src, Tier.GPU, dst, num_tokens=n)
+                stream.release()
+                await transfer
+                t = layout.tokens_per_block if n is None else n
+                for x, y in zip(list(src), list(dst), strict=True):
+                    expected[int(y), ..., :t, :] = expected[int(x), ..., :t, :]
+                assert same(_gpu_pool(engine), expected)
+                return transfer
+
+            await copy([0, 1], [8, 9])  # first of its shape (2 pairs, 1 run): decided on the per-step path
+            assert log == ["submit"] and native.launched == 0
+            await copy([2, 3], [10, 11])  # same shape: one call
+            await copy(np.array([4, 5]), np.array([12, 13]))  # arrays too
+            assert log == ["submit", "launch", "launch"] and native.launched == 2
+            await copy([0, 2], [14, 15])  # 2 runs: a new shape
+            await copy([1, 4], [13, 8])
+            assert log[-2:] == ["submit", "launch"]
+            await copy([5], [6], 3)  # partial: a shape of its own token count
+            await copy([7], [4], 3)
+            await copy([6], [3], layout.tokens_per_block)  # whole blocks named by their token count ...
+            await copy([3], [2])  # ... are the shape of whole blocks
+            assert log[-4:] == ["submit", "launch", "submit", "launch"]
+            assert sum(calls for calls, _ in native.totals.values()) == len(log)
+
+            # in flight (completion held): its entries are live, so a copy that touches its blocks waits for it ...
+            def apply(src: list[int], dst: list[int]) -> None:  # each copy's effect, in call order (the fences' order)
+                for x, y in zip(src, dst, strict=True):
+                    expected[y] = expected[x]
+
+            first = engine.copy(Tier.GPU, [2, 3], Tier.GPU, [10, 11])
+            apply([2, 3], [10, 11])
+            assert log[-1] == "launch" and not first.done()
+            assert engine.fences.dependencies([(name, [10])], []) == {first._marker}, "its writes were not fenced"
+            assert engine.fences.dependencies([], [(name, [3])]) == {first._marker}, "its reads were not fenced"
+            # reads what it writes / overwrites what it reads / overwrites what it writes
+            for src, dst in (([10, 11], [0, 1]), ([0, 1], [12, 3]), ([5, 6], [11, 13])):
+                busy = engine.copy(Tier.GPU, src, Tier.GPU, dst)
+                assert log[-1] == "submit", f"{src}->{dst} has an op to wait for: the per-step path must take it"
+                stream.release()
+                await busy
+                assert first.done(), "a copy completed before the launched copy it depended on"
+                apply(src, dst)
+                first = engine.copy(Tier.GPU, [2, 3], Tier.GPU, [10, 11])  # in flight again (the shape is decided)
+                apply([2, 3], [10, 11])
+                assert log[-1] == "launch"
+            # ... and one of other blocks of the same pool does not
+            other = engine.copy(Tier.GPU, [4, 5], Tier.GPU, [14, 15])
+            apply([4, 5], [14, 15])
+            assert log[-1] == "launch" and not other.done() and not first.done()
             stream.release()
-            await transfer
-            t = layout.tokens_per_block if n is None else n
-            for x, y in zip(list(src), list(dst), strict=True):
-                expected[int(y), ..., :t, :] = expected[int(x), ..., :t, :]
+            await asyncio.gather(first, other)
             assert same(_gpu_pool(engine), expected)
-            return transfer
 
-        await copy([0, 1], [8, 9])  # first of its shape (2 pairs, 1 run): decided on the per-step path
-        assert log == ["submit"] and native.launched == 0
-        await copy([2, 3], [10, 11])  # same shape: one call
-        await copy(np.array([4, 5]), np.array([12, 13]))  # arrays too
-        assert log == ["submit", "launch", "launch"] and native.launched == 2
-        await copy([0, 2], [14, 15])  # 2 runs: a new shape
-        await copy([1, 4], [13, 8])
-        assert log[-2:] == ["submit", "launch"]
-        await copy([5], [6], 3)  # partial: a shape of its own token count
-        await copy([7], [4], 3)
-        await copy([6], [3], layout.tokens_per_block)  # whole blocks named by their token count ...
-        await copy([3], [2])  # ... are the shape of whole blocks
-        assert log[-4:] == ["submit", "launch", "submit", "launch"]
-        assert sum(calls for calls, _ in native.totals.values()) == len(log)
-
-        # in flight (completion held): its entries are live, so a copy reading its destination waits for it
-        first = engine.copy(Tier.GPU, [2, 3], Tier.GPU, [10, 11])
-        assert log[-1] == "launch" and not first.done()
-        assert engine.fences.live(name)
-        assert engine.fences.dependencies([(name, [10])], []) == {first._marker}, "its writes were not fenced"
-        assert engine.fences.dependencies([], [(name, [3])]) == {first._marker}, "its reads were not fenced"
-        second = engine.copy(Tier.GPU, [10, 11], Tier.GPU, [0, 1])  # reads what `first` writes
-        assert log[-1] == "submit", "a copy with a pending op on its pools must take the per-step path"
-        stream.release()
-        await second
-        assert first.done(), "the per-step copy completed before the launched copy it depended on"
-        for x, y in ((2, 10), (3, 11), (10, 0), (11, 1)):
-            expected[y] = expected[x]
-        assert same(_gpu_pool(engine), expected)
-
-        # nothing in flight again: launched; the engine's statistics count every copy
-        await copy([2, 3], [10, 11])
-        assert log[-1] == "launch"
-        stats = engine.statistics()
-        assert stats.submitted == stats.completed == len(log) and stats.in_flight == 0
-        assert stats.bytes_by_direction["gpu->gpu"] == sum(nbytes for _, nbytes in native.totals.values())
-        assert stream.watched == log.count("launch") and stream.notified == log.count("submit")
+            # nothing in flight again: launched; the engine's statistics count every copy
+            await copy([2, 3], [10, 11])
+            assert log[-1] == "launch"
+            stats = engine.statistics()
+            assert stats.submitted == stats.completed == len(log) and stats.in_flight == 0
+            assert stats.bytes_by_direction["gpu->gpu"] == sum(nbytes for _, nbytes in native.totals.values())
+            assert stream.watched == log.count("launch") and stream.notified == log.count("submit")
+        finally:  # a failed assertion must not leave completions held (the engine's exit would wait)
+            stream.release()
 
 
 async def test_one_call_launch_declines_to_the_per_step_path(layout: KVLayout, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -598,39 +626,42 @@ async def test_one_call_launch_declines_to_the_per_step_path(layout: KVLayout, m
     async with TransferEngine(layout, gpu_blocks=16, host_blocks=2, device="cpu") as engine:
         native, stream, log = _fake_native(engine, monkeypatch)
         fill_pool(engine, Tier.GPU, seed=5)
+        try:
 
-        async def copy(src: Any, dst: Any) -> None:
-            transfer = engine.copy(Tier.GPU, src, Tier.GPU, dst)
+            async def copy(src: Any, dst: Any) -> None:
+                transfer = engine.copy(Tier.GPU, src, Tier.GPU, dst)
+                stream.release()
+                await transfer
+
+            await copy([0], [1])
+            await copy([2], [3])
+            assert log == ["submit", "launch"]
+            before = _gpu_pool(engine)
+            for src, dst, message in (([0], [16], "out of range"), ([0, 1], [2, 2], "duplicates"), ([4], [4], "both")):
+                with pytest.raises(ValueError, match=message):
+                    engine.copy(Tier.GPU, src, Tier.GPU, dst)
+            assert same(_gpu_pool(engine), before) and log == ["submit", "launch"]
+
+            stream.native_args = None
+            await copy([4], [5])
+            assert log[-1] == "submit"
+            stream.native_args = (0, 0)
+            await copy([4], [5])
+            assert log[-1] == "launch"
+
+            copier = engine.route(Tier.GPU, Tier.GPU).copier  # type: ignore[attr-defined]
+            copier.config = dataclasses.replace(copier.config)  # a new config object
+            await copy([6], [7])
+            assert log[-1] == "submit", "a shape decided under another config must be decided again"
+            await copy([6], [7])
+            assert log[-1] == "launch"
+
+            def failing(*a: Any) -> Any:
+                raise RuntimeError("cudaErrorLaunchFailure")
+
+            monkeypatch.setattr(native, "_launch", failing)
+            await copy([8], [9])
+            assert log[-1] == "submit"
+            assert engine.statistics().failed == 0
+        finally:  # a failed assertion must not leave completions held (the engine's exit would wait)
             stream.release()
-            await transfer
-
-        await copy([0], [1])
-        await copy([2], [3])
-        assert log == ["submit", "launch"]
-        before = _gpu_pool(engine)
-        for src, dst, message in (([0], [16], "out of range"), ([0, 1], [2, 2], "duplicates"), ([4], [4], "both")):
-            with pytest.raises(ValueError, match=message):
-                engine.copy(Tier.GPU, src, Tier.GPU, dst)
-        assert same(_gpu_pool(engine), before) and log == ["submit", "launch"]
-
-        stream.native_args = None
-        await copy([4], [5])
-        assert log[-1] == "submit"
-        stream.native_args = (0, 0)
-        await copy([4], [5])
-        assert log[-1] == "launch"
-
-        copier = engine.route(Tier.GPU, Tier.GPU).copier  # type: ignore[attr-defined]
-        copier.config = dataclasses.replace(copier.config)  # a new config object
-        await copy([6], [7])
-        assert log[-1] == "submit", "a shape decided under another config must be decided again"
-        await copy([6], [7])
-        assert log[-1] == "launch"
-
-        def failing(*a: Any) -> Any:
-            raise RuntimeError("cudaErrorLaunchFailure")
-
-        monkeypatch.setattr(native, "_launch", failing)
-        await copy([8], [9])
-        assert log[-1] == "submit"
-        assert engine.statistics().failed == 0

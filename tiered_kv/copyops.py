@@ -637,16 +637,18 @@ class NativeRoute:
         return NativeCopy(self._stream, self._submit, plan, s, d, nbytes)
 
     def launch(
-        self, src: object, dst: object, num_tokens: int | None
+        self, src: object, dst: object, num_tokens: int | None, tables: tuple[object, object, object]
     ) -> tuple[Event, list[int], list[int], _Choice] | None:
         """Copy blocks ``src`` to ``dst`` in one call into C++: ``(event, src list, dst list, choice)``, or ``None``.
 
-        ``None`` -- nothing enqueued -- when the indices are not a valid small call (the engine's checks then raise
-        the descriptive errors), the call's shape (``num_tokens``, pairs, runs) was not decided yet, the copier's
-        config changed since, the stream's waiter is not running, or the call into C++ failed: the per-step path
-        (:attr:`pairs`, :meth:`job`) then does it, and reports any error in stream order. The caller hands the
-        completion to the stream (:meth:`~tiered_kv.device.CudaStream.watch_native`) and the choice's path totals
-        are counted here. ``num_tokens``: as :meth:`job` takes it (checked, ``None`` for whole blocks).
+        ``tables``: the fence tables the copy's blocks must have no pending op in
+        (:meth:`~tiered_kv.fences.FenceTable.tables`). ``None`` -- nothing enqueued -- when the indices are not a
+        valid small call (the engine's checks then raise the descriptive errors), a block has an op to wait for,
+        the call's shape (``num_tokens``, pairs, runs) was not decided yet, the copier's config changed since, the
+        stream's waiter is not running, or the call into C++ failed: the per-step path (:attr:`pairs`, :meth:`job`)
+        then does it, waits where it must, and reports any error in stream order. The caller records the fence
+        entries, hands the completion to the stream (:meth:`~tiered_kv.device.CudaStream.watch_native`); the
+        choice's path totals are counted here. ``num_tokens``: as :meth:`job` takes it (``None`` for whole blocks).
         """
         choices = self.choices.get(num_tokens)
         args = self.stream.native_args
@@ -656,7 +658,7 @@ class NativeRoute:
         if self._config is not copier.config or self._kernels != copier.kernels:
             return None
         try:
-            got = self._launch(src, dst, choices, args[0], args[1], 0)
+            got = self._launch(src, dst, choices, *tables, args[0], args[1], 0)
         except (RuntimeError, ValueError, IndexError, TypeError):
             # an error of the CUDA runtime: the per-step path issues the copy again and reports what it gets
             return None

@@ -724,15 +724,17 @@ class TransferEngine:
         checked = None
         if native is not None and memory and layers is None and keys is None:
             if num_tokens is None or (type(num_tokens) is int and 0 < num_tokens <= self._tokens_per_block):
-                fences = self._fences
-                if not fences.live(src_pool.name) and not fences.live(dst_pool.name):
-                    # nothing to wait for: a call shape decided before is enqueued in one call into C++, before any
-                    # object of the call is made; its bookkeeping follows while the device copies
-                    got = native.launch(
-                        src_indices, dst_indices, None if num_tokens == self._tokens_per_block else num_tokens
-                    )
-                    if got is not None:
-                        return self._launched(route, *got)
+                # a call shape decided before, with nothing to wait for, is enqueued in one call into C++ (indices,
+                # plan, fences, launch), before any object of the call is made; its bookkeeping follows while the
+                # device copies
+                got = native.launch(
+                    src_indices,
+                    dst_indices,
+                    None if num_tokens == self._tokens_per_block else num_tokens,
+                    self._fences.tables(src_pool.name, dst_pool.name),
+                )
+                if got is not None:
+                    return self._launched(route, *got)
             # indices checked in C++ (small_pairs' rules), with the runs the path choice needs
             checked = native.pairs(src_indices, dst_indices)
         elif memory:
@@ -896,8 +898,8 @@ class TransferEngine:
     ) -> Transfer:
         """The bookkeeping of a copy :meth:`NativeRoute.launch <tiered_kv.copyops.NativeRoute.launch>` enqueued.
 
-        Neither pool had a pending op, so the copy waited for nothing; its fence entries, transfer and completion
-        are made now, while the device copies.
+        None of its blocks had an op to wait for; its fence entries, transfer and completion are made now, while the
+        device copies.
         """
         src_t, dst_t, src_pool, dst_pool, _handler, _memory, direction, native = route
         assert native is not None
@@ -908,7 +910,7 @@ class TransferEngine:
         transfer = Transfer(marker, src_t, dst_t, count, count * choice[2])
         self._submitted += 1
         fences = self._fences
-        if count == 1:  # plain dict operations; nothing to wait for (neither pool is live)
+        if count == 1:  # plain dict operations; nothing to wait for (the launch found no pending op)
             fences.fence(marker, src_pool.name, s_list, dst_pool.name, d_list)
         else:
             fences.register(marker, [(src_pool.name, s_list)], [(dst_pool.name, d_list)])

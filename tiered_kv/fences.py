@@ -231,6 +231,18 @@ class FenceTable:
                     return True
         return False
 
+    def tables(
+        self, src_pool: str, dst_pool: str
+    ) -> tuple[dict[int, Marker] | None, dict[int, Marker] | None, dict[int, Marker | dict[Marker, None]] | None]:
+        """The entries a copy from ``src_pool`` to ``dst_pool`` waits for: ``(src writes, dst writes, dst reads)``.
+
+        Each is the pool's table (block -> pending write; block -> pending reader or readers) or ``None``; a
+        copy must wait for every op not completed yet in them for its blocks (:meth:`dependencies`' rules). Read
+        as they are (no copy) by the one-call launch of small copies, which enqueues only when there is none.
+        """
+        writes = self._writes
+        return writes.get(src_pool), writes.get(dst_pool), self._reads.get(dst_pool)
+
     def _hold(self, marker: Marker, pools: Iterable[str]) -> None:
         holders = self._holders
         for pool in pools:
