@@ -470,14 +470,15 @@ bool pending(PyObject* table, PyObject* key) {
 // `signal_stream`).
 //
 // The fences, by FenceTable.dependencies' rules: a source block must have no pending write (`src_writes`), a
-// destination block no pending write (`dst_writes`) nor read (`dst_reads`); each is the pool's table or None.
+// destination block no pending write (`dst_writes`) nor read (`dst_reads`); each is the pool's table (the same dict
+// object for the pool's life, FenceTable.tables: the caller binds them once) or None.
 // Returns `(event, src list, dst list, choice)`, or None -- nothing enqueued -- when the check declines the
 // indices, `choices` has no entry for the shape, or a block has an op to wait for: the caller then takes the
 // per-step path, which decides the shape, waits where it must and reports the errors. The caller records the
 // copy's own fence entries after the call.
-py::object launch(int64_t src_blocks, int64_t dst_blocks, bool same_pool, py::handle src, py::handle dst,
-                  py::handle choices, py::handle src_writes, py::handle dst_writes, py::handle dst_reads,
-                  int64_t stream_handle, int64_t sem, int64_t signal_stream) {
+py::object launch(int64_t src_blocks, int64_t dst_blocks, bool same_pool, py::handle src_writes, py::handle dst_writes,
+                  py::handle dst_reads, py::handle src, py::handle dst, py::handle choices, int64_t stream_handle,
+                  int64_t sem, int64_t signal_stream) {
   std::array<int64_t, kMaxPairs> sb{}, db{};
   Py_ssize_t ns = 0;
   int64_t runs = 1;
@@ -499,14 +500,19 @@ py::object launch(int64_t src_blocks, int64_t dst_blocks, bool same_pool, py::ha
   const int64_t plan_id = PyLong_AsLongLong(PyTuple_GET_ITEM(choice, 0));
   if (plan_id == -1 && PyErr_Occurred()) throw py::error_already_set();
   py::object keep = py::reinterpret_borrow<py::object>(choice);  // the dict may change under a later call
-  const bool fenced = src_writes.ptr() != Py_None || dst_writes.ptr() != Py_None || dst_reads.ptr() != Py_None;
+  // an empty table has nothing pending: None for the lookups below
+  PyObject* tables[3] = {src_writes.ptr(), dst_writes.ptr(), dst_reads.ptr()};
+  for (PyObject*& table : tables) {
+    if (table != Py_None && PyDict_GET_SIZE(table) == 0) table = Py_None;
+  }
+  const bool fenced = tables[0] != Py_None || tables[1] != Py_None || tables[2] != Py_None;
   py::object s_list, d_list;
   if (fenced) {  // the tables are keyed by Python ints: the lists first
     std::tie(s_list, d_list) = index_lists(lists, src, dst, sb.data(), db.data(), ns);
     for (Py_ssize_t i = 0; i < ns; ++i) {
       PyObject* x = PyList_GET_ITEM(s_list.ptr(), i);
       PyObject* y = PyList_GET_ITEM(d_list.ptr(), i);
-      if (pending(src_writes.ptr(), x) || pending(dst_writes.ptr(), y) || pending(dst_reads.ptr(), y)) {
+      if (pending(tables[0], x) || pending(tables[1], y) || pending(tables[2], y)) {
         return py::none();
       }
     }
@@ -697,9 +703,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("sem"), py::arg("signal_stream") = 0);
   m.def("check_pairs", &tiered_kv::check_pairs, py::arg("src_blocks"), py::arg("dst_blocks"), py::arg("same_pool"),
         py::arg("src"), py::arg("dst"));
-  m.def("launch", &tiered_kv::launch, py::arg("src_blocks"), py::arg("dst_blocks"), py::arg("same_pool"), py::arg("src"),
-        py::arg("dst"), py::arg("choices"), py::arg("src_writes"), py::arg("dst_writes"), py::arg("dst_reads"),
-        py::arg("stream"), py::arg("sem"), py::arg("signal_stream") = 0);
+  m.def("launch", &tiered_kv::launch, py::arg("src_blocks"), py::arg("dst_blocks"), py::arg("same_pool"),
+        py::arg("src_writes"), py::arg("dst_writes"), py::arg("dst_reads"), py::arg("src"), py::arg("dst"),
+        py::arg("choices"), py::arg("stream"), py::arg("sem"), py::arg("signal_stream") = 0);
   m.def("record", &tiered_kv::record, py::arg("device"), py::arg("stream"), py::arg("sem"));
   m.def("wait_done", &tiered_kv::wait_done, py::arg("event"), py::arg("device"), py::arg("sem"), py::arg("wake_ns"),
         py::arg("due_ns"), py::arg("owed"), py::arg("stop_ns") = -1);

@@ -365,11 +365,11 @@ def test_decided_shapes_launch_in_one_call(native: Any, num_tokens: int | None, 
             fill_random(gpu)
             torch.cuda.synchronize()
             before = route.launched
+            g0 = gpu.cpu()
             first = engine.copy(Tier.GPU, [0, 1, 2, 3], Tier.GPU, [16, 17, 18, 19], num_tokens=num_tokens)
             second = engine.copy(Tier.GPU, [16, 17, 18, 19], Tier.GPU, [24, 25, 26, 27], num_tokens=num_tokens)
             third = engine.copy(Tier.GPU, [4, 5, 6, 7], Tier.GPU, [20, 21, 22, 23], num_tokens=num_tokens)
             assert route.launched == before + 2, "the first and third copies take the launch, the second waits"
-            g0 = gpu.cpu()
             await asyncio.gather(first, second, third)
             g = gpu.cpu()
             for x, y in zip(range(8), range(16, 24), strict=True):
@@ -379,10 +379,10 @@ def test_decided_shapes_launch_in_one_call(native: Any, num_tokens: int | None, 
             # two readers of one block (a reader set in the fence table), then a copy overwriting it: it waits
             await engine.copy(Tier.GPU, [1], Tier.GPU, [9], num_tokens=num_tokens)  # the 1-pair shape, decided
             before = route.launched
+            g0 = gpu.cpu()
             readers = [engine.copy(Tier.GPU, [0], Tier.GPU, [b], num_tokens=num_tokens) for b in (28, 29)]
             overwrite = engine.copy(Tier.GPU, [30], Tier.GPU, [0], num_tokens=num_tokens)
             assert route.launched == before + 2, "two readers of one block launch side by side; its writer waits"
-            g0 = gpu.cpu()
             await asyncio.gather(*readers, overwrite)
             g = gpu.cpu()
             assert _bits(g[28, :, :, :, :n], g0[0, :, :, :, :n]) and _bits(g[29, :, :, :, :n], g0[0, :, :, :, :n])
@@ -407,21 +407,21 @@ def test_launch_returns_none_for_what_it_cannot_take(native: Any) -> None:
             stream = engine.stream("offload")
             handle = stream.torch_stream.cuda_stream  # type: ignore[attr-defined]
             choices = {(1, 1): (plan, [0, 0], LAYOUT.bytes_per_block)}
-            none = (None, None, None)  # no fence table: nothing pending anywhere
+            none: tuple[Any, ...] = (None, {}, None)  # no table, or an empty one: nothing pending anywhere
             for src, dst in (([0], [32]), ([-1], [0]), ([0, 1], [2, 2]), ([0], [True]), ([0, 1], [2]), ((0,), (1,))):
-                assert native.launch(32, 32, False, src, dst, choices, *none, handle, 0) is None, (src, dst)
-            assert native.launch(32, 32, False, [0, 1], [2, 3], choices, *none, handle, 0) is None  # shape not decided
+                assert native.launch(32, 32, False, *none, src, dst, choices, handle, 0) is None, (src, dst)
+            assert native.launch(32, 32, False, *none, [0, 1], [2, 3], choices, handle, 0) is None  # shape not decided
             with pytest.raises(TypeError, match="choices must be a dict"):
-                native.launch(32, 32, False, [0], [1], [], *none, handle, 0)
+                native.launch(32, 32, False, *none, [0], [1], [], handle, 0)
             torch.cuda.synchronize()
             assert _bits(host_t, before)
             src_list, dst_list = [5], [7]
-            event, s, d, choice = native.launch(32, 32, False, src_list, dst_list, choices, *none, handle, 0)
+            event, s, d, choice = native.launch(32, 32, False, *none, src_list, dst_list, choices, handle, 0)
             assert isinstance(event, native.DeviceEvent) and choice is choices[1, 1]
             assert s is src_list and d is dst_list  # lists are the caller's own
             event.synchronize()
             arrays = np.array([6]), np.array([8], dtype=np.int32)
-            event, s, d, _ = native.launch(32, 32, False, *arrays, choices, *none, handle, 0)
+            event, s, d, _ = native.launch(32, 32, False, *none, *arrays, choices, handle, 0)
             assert s == [6] and d == [8]  # arrays: new lists (the fences keep them)
             event.synchronize()
             g = _tensor(engine, Tier.GPU).cpu()

@@ -511,8 +511,8 @@ def _fake_native(engine: TransferEngine, monkeypatch: pytest.MonkeyPatch) -> tup
             return False
         return any(not m.completed for m in entry) if isinstance(entry, dict) else not entry.completed
 
-    def launch(sn: int, dn: int, same: bool, src: Any, dst: Any, choices: dict[Any, Any], *args: Any) -> Any:
-        src_writes, dst_writes, dst_reads = args[:3]
+    def launch(sn: int, dn: int, same: bool, *args: Any) -> Any:
+        src_writes, dst_writes, dst_reads, src, dst, choices = args[:6]
         checked = _pairs_in_python(sn, dn, same, src, dst)
         if checked is None:
             return None
@@ -530,6 +530,8 @@ def _fake_native(engine: TransferEngine, monkeypatch: pytest.MonkeyPatch) -> tup
     stream = _FakeNativeStream()
     info = copier._pair(pool, pool, engine.layout.tokens_per_block)
     native = NativeRoute(copier, info, stream, submit, None, launch)  # type: ignore[arg-type]
+    native.bind_fences(engine._fences.tables(pool.name, pool.name))
+    copier._native_routes.append(native)  # as Copier.native_route keeps it (statistics, forget_plans)
     engine._resolved[Tier.GPU, Tier.GPU] = (*route[:7], native)
     return native, stream, log
 
@@ -659,7 +661,7 @@ async def test_one_call_launch_declines_to_the_per_step_path(layout: KVLayout, m
             def failing(*a: Any) -> Any:
                 raise RuntimeError("cudaErrorLaunchFailure")
 
-            monkeypatch.setattr(native, "_launch", failing)
+            monkeypatch.setattr(native, "launch", failing)
             await copy([8], [9])
             assert log[-1] == "submit"
             assert engine.statistics().failed == 0

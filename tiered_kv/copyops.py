@@ -195,6 +195,34 @@ class Copier:
         self._native_routes: list[NativeRoute] = []  # their per-path totals are part of statistics()
         self._finalizer = weakref.finalize(self, _free_native_plans, self._native_plans)
 
+    @property
+    def config(self) -> EngineConfig:
+        """The thresholds and forced path the copier decides by; setting it forgets the decided shapes."""
+        return self._config
+
+    @config.setter
+    def config(self, config: EngineConfig) -> None:
+        self._config = config
+        self.forget_plans()
+
+    @property
+    def kernels(self) -> bool:
+        """Whether the CUDA kernels are loaded; setting it forgets the decided shapes."""
+        return self._kernels
+
+    @kernels.setter
+    def kernels(self, kernels: bool) -> None:
+        self._kernels = kernels
+        self.forget_plans()
+
+    def forget_plans(self) -> None:
+        """Forget the native routes' decided call shapes: their next calls decide again (the path choice changed).
+
+        The small-call memo of :meth:`_plan` keys its entries by config and kernels flag already.
+        """
+        for route in getattr(self, "_native_routes", ()):
+            route.choices.clear()
+
     def _pair(self, src_pool: Side, dst_pool: Side, n: int) -> _PairInfo:
         """What does not change between calls for one (source pool, destination pool, num_tokens)."""
         key = (id(src_pool), id(dst_pool), n)
@@ -534,23 +562,27 @@ class NativeRoute:
     the copier's per-path totals, and the job. Whole blocks and partial blocks (``num_tokens``) alike: the plans
     of a token count are made at its first call.
 
-    :meth:`launch` is the one-call path of a shape already decided (by :meth:`job`): the index check, the plan of
-    the shape, the copy, its event and completion signal in one call into C++, before any Python object of the
-    call is made (``kernels/fast_path.cpp``, ``launch``).
+    :attr:`launch` is the one-call path of a shape already decided (by :meth:`job`): the index check, the plan of
+    the shape, the fences of its blocks, the copy, its event and completion signal in one call into C++, before any
+    Python object of the call is made (``kernels/fast_path.cpp``, ``launch``). It returns ``(event, src list, dst
+    list, choice)``, or ``None`` -- nothing enqueued -- for invalid indices, an undecided shape or a block with an op
+    to wait for; the per-step path then does the copy (and raises the errors, or waits). The caller records the
+    fence entries, hands the completion to the stream (:meth:`~tiered_kv.device.CudaStream.watch_native`) and
+    counts the choice's path totals.
     """
 
     __slots__ = (
-        "_config",
         "_copier",
         "_info",
-        "_kernels",
-        "_launch",
+        "_launch_entry",
         "_partial",
         "_plans",
         "_single",
+        "_sizes",
         "_stream",
         "_submit",
         "choices",
+        "launch",
         "launched",
         "pairs",
         "stream",
@@ -569,12 +601,16 @@ class NativeRoute:
         self._copier = copier
         src_n, dst_n = info.src_pool.num_blocks, info.dst_pool.num_blocks
         same = info.src_pool is info.dst_pool
-        self._launch = functools.partial(launch, src_n, dst_n, same) if launch is not None else None
+        self._launch_entry = launch
+        self._sizes = (src_n, dst_n, same)
+        #: ``launch(src, dst, choices, stream handle, semaphore, signal stream)``: the one-call path (see the class
+        #: docstring), bound to the pools and their fence tables by :meth:`bind_fences`; ``None`` until then or
+        #: without the extension's entry
+        self.launch: Callable[..., tuple[Event, list[int], list[int], _Choice] | None] | None = None
         #: num_tokens (``None``: whole blocks) -> {(pairs, runs): (plan, path totals, bytes per block)}: the call
-        #: shapes :meth:`job` decided, which :meth:`launch` takes in one call (the copier's config they hold for)
+        #: shapes :meth:`job` decided, which :attr:`launch` takes in one call (cleared when the copier's path choice
+        #: changes: :meth:`Copier.forget_plans`)
         self.choices: dict[int | None, dict[tuple[int, int], _Choice]] = {}
-        self._config = copier.config  # the config and kernels flag the decided shapes hold for
-        self._kernels = copier.kernels
         #: calls that took :meth:`launch` (tests, probes)
         self.launched = 0
         #: the stream the copies run on
@@ -628,46 +664,18 @@ class NativeRoute:
         nbytes = len(s) * block_bytes
         totals[0] += 1
         totals[1] += nbytes
-        if runs is not None and self._launch is not None:  # this shape is decided: launch() takes it from now on
-            copier = self._copier
-            if self._config is not copier.config or self._kernels != copier.kernels:
-                self._config, self._kernels = copier.config, copier.kernels
-                self.choices.clear()
+        if runs is not None and self.launch is not None:  # this shape is decided: launch takes it from now on
             self.choices.setdefault(num_tokens, {})[len(s), runs] = (plan, totals, block_bytes)
         return NativeCopy(self._stream, self._submit, plan, s, d, nbytes)
 
-    def launch(
-        self, src: object, dst: object, num_tokens: int | None, tables: tuple[object, object, object]
-    ) -> tuple[Event, list[int], list[int], _Choice] | None:
-        """Copy blocks ``src`` to ``dst`` in one call into C++: ``(event, src list, dst list, choice)``, or ``None``.
+    def bind_fences(self, tables: tuple[object, object, object]) -> None:
+        """Bind :attr:`launch` to the fence tables of its pools (:meth:`~tiered_kv.fences.FenceTable.tables`).
 
-        ``tables``: the fence tables the copy's blocks must have no pending op in
-        (:meth:`~tiered_kv.fences.FenceTable.tables`). ``None`` -- nothing enqueued -- when the indices are not a
-        valid small call (the engine's checks then raise the descriptive errors), a block has an op to wait for,
-        the call's shape (``num_tokens``, pairs, runs) was not decided yet, the copier's config changed since, the
-        stream's waiter is not running, or the call into C++ failed: the per-step path (:attr:`pairs`, :meth:`job`)
-        then does it, waits where it must, and reports any error in stream order. The caller records the fence
-        entries, hands the completion to the stream (:meth:`~tiered_kv.device.CudaStream.watch_native`); the
-        choice's path totals are counted here. ``num_tokens``: as :meth:`job` takes it (``None`` for whole blocks).
+        The one-call path then reads, at each call, whether a block has an op to wait for; it enqueues only when
+        none has (else the per-step path waits as the fences say). A no-op without the extension's entry.
         """
-        choices = self.choices.get(num_tokens)
-        args = self.stream.native_args
-        if choices is None or args is None or self._launch is None:
-            return None
-        copier = self._copier
-        if self._config is not copier.config or self._kernels != copier.kernels:
-            return None
-        try:
-            got = self._launch(src, dst, choices, *tables, args[0], args[1], 0)
-        except (RuntimeError, ValueError, IndexError, TypeError):
-            # an error of the CUDA runtime: the per-step path issues the copy again and reports what it gets
-            return None
-        if got is not None:
-            self.launched += 1
-            _plan, totals, block_bytes = got[3]
-            totals[0] += 1
-            totals[1] += len(got[1]) * block_bytes
-        return got
+        if self._launch_entry is not None:
+            self.launch = functools.partial(self._launch_entry, *self._sizes, *tables)
 
 
 def _pairs_in_python(

@@ -486,6 +486,8 @@ class TransferEngine:
         handler = self.route(src_t, dst_t)
         memory = isinstance(handler, StreamCopier)
         native = handler.native_route(src_t, dst_t) if isinstance(handler, StreamCopier) else None
+        if native is not None:
+            native.bind_fences(self._fences.tables(src_pool.name, dst_pool.name))
         route = (src_t, dst_t, src_pool, dst_pool, handler, memory, f"{src_t.value}->{dst_t.value}", native)
         if type(src_tier) in (Tier, str) and type(dst_tier) in (Tier, str):
             self._resolved[src_tier, dst_tier] = route
@@ -726,15 +728,18 @@ class TransferEngine:
             if num_tokens is None or (type(num_tokens) is int and 0 < num_tokens <= self._tokens_per_block):
                 # a call shape decided before, with nothing to wait for, is enqueued in one call into C++ (indices,
                 # plan, fences, launch), before any object of the call is made; its bookkeeping follows while the
-                # device copies
-                got = native.launch(
-                    src_indices,
-                    dst_indices,
-                    None if num_tokens == self._tokens_per_block else num_tokens,
-                    self._fences.tables(src_pool.name, dst_pool.name),
-                )
-                if got is not None:
-                    return self._launched(route, *got)
+                # device copies. None: the per-step path below does it (and raises the errors, or waits)
+                choices = native.choices.get(None if num_tokens == self._tokens_per_block else num_tokens)
+                args = native.stream.native_args
+                if choices is not None and args is not None:
+                    launch = native.launch
+                    assert launch is not None  # shapes are decided only with it
+                    try:
+                        got = launch(src_indices, dst_indices, choices, args[0], args[1], 0)
+                    except (RuntimeError, ValueError, IndexError, TypeError):
+                        got = None  # the CUDA runtime failed: the per-step path issues it again and reports the error
+                    if got is not None:
+                        return self._launched(route, *got)
             # indices checked in C++ (small_pairs' rules), with the runs the path choice needs
             checked = native.pairs(src_indices, dst_indices)
         elif memory:
@@ -896,7 +901,7 @@ class TransferEngine:
     def _launched(
         self, route: _Route, event: Event, s_list: list[int], d_list: list[int], choice: tuple[int, list[int], int]
     ) -> Transfer:
-        """The bookkeeping of a copy :meth:`NativeRoute.launch <tiered_kv.copyops.NativeRoute.launch>` enqueued.
+        """The bookkeeping of a copy :attr:`NativeRoute.launch <tiered_kv.copyops.NativeRoute.launch>` enqueued.
 
         None of its blocks had an op to wait for; its fence entries, transfer and completion are made now, while the
         device copies.
@@ -904,17 +909,22 @@ class TransferEngine:
         src_t, dst_t, src_pool, dst_pool, _handler, _memory, direction, native = route
         assert native is not None
         count = len(s_list)
+        nbytes = count * choice[2]
+        native.launched += 1
+        totals = choice[1]  # the route's per-path totals (the copier's statistics)
+        totals[0] += 1
+        totals[1] += nbytes
         marker = Marker(native.stream)
         marker.event = event
         marker.job = _LAUNCHED
-        transfer = Transfer(marker, src_t, dst_t, count, count * choice[2])
+        transfer = Transfer(marker, src_t, dst_t, count, nbytes)
         self._submitted += 1
         fences = self._fences
         if count == 1:  # plain dict operations; nothing to wait for (the launch found no pending op)
             fences.fence(marker, src_pool.name, s_list, dst_pool.name, d_list)
         else:
             fences.register(marker, [(src_pool.name, s_list)], [(dst_pool.name, d_list)])
-        native.stream.watch_native(event, functools.partial(self._completion(marker), None), transfer.nbytes)
+        native.stream.watch_native(event, functools.partial(self._completion(marker), None), nbytes)
         self._inflight[marker] = (direction, transfer)
         return transfer
 

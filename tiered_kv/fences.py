@@ -233,15 +233,16 @@ class FenceTable:
 
     def tables(
         self, src_pool: str, dst_pool: str
-    ) -> tuple[dict[int, Marker] | None, dict[int, Marker] | None, dict[int, Marker | dict[Marker, None]] | None]:
+    ) -> tuple[dict[int, Marker], dict[int, Marker], dict[int, Marker | dict[Marker, None]]]:
         """The entries a copy from ``src_pool`` to ``dst_pool`` waits for: ``(src writes, dst writes, dst reads)``.
 
-        Each is the pool's table (block -> pending write; block -> pending reader or readers) or ``None``; a
-        copy must wait for every op not completed yet in them for its blocks (:meth:`dependencies`' rules). Read
-        as they are (no copy) by the one-call launch of small copies, which enqueues only when there is none.
+        The pools' own tables (block -> pending write; block -> pending reader or readers), made here if missing:
+        each stays the same dict object for the table's life (entries are dropped in place), so the one-call launch
+        of small copies binds them once and reads them as they are at each call. A copy must wait for every op not
+        completed yet in them for its blocks (:meth:`dependencies`' rules).
         """
         writes = self._writes
-        return writes.get(src_pool), writes.get(dst_pool), self._reads.get(dst_pool)
+        return writes.setdefault(src_pool, {}), writes.setdefault(dst_pool, {}), self._reads.setdefault(dst_pool, {})
 
     def _hold(self, marker: Marker, pools: Iterable[str]) -> None:
         holders = self._holders
