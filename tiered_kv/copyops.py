@@ -338,10 +338,10 @@ class Copier:
         else:
             runs = int(np.count_nonzero((np.diff(s) != 1) | (np.diff(d) != 1))) + 1
         if small:  # few (pairs, runs) shapes: decide each once per pair of pools, kernels flag and config
-            key = (id(info), size, runs, self.kernels)
+            key = (id(info), size, runs, self._kernels)  # the attributes, not the properties: this runs per call
             entry = self._plans.get(key)
-            if entry is None or entry[0] is not info or entry[1] is not self.config:  # ids may be recycled
-                entry = self._plans[key] = (info, self.config, self._choose(info, size, runs))
+            if entry is None or entry[0] is not info or entry[1] is not self._config:  # ids may be recycled
+                entry = self._plans[key] = (info, self._config, self._choose(info, size, runs))
             return entry[2]
         return self._choose(info, size, runs)
 
