@@ -445,8 +445,10 @@ bool completed(PyObject* marker) {
 }
 
 // Whether a fence table of one pool (tiered_kv.fences.FenceTable: block -> its pending write, or block -> its pending
-// reader or readers) holds an op not completed yet for block `key`. None: the pool has no such table.
-bool pending(PyObject* table, PyObject* key) {
+// reader or readers) holds an op not completed yet for block `key`. None: the pool has no such table. `done`: the
+// last marker found completed by this call (a copy's blocks mostly share one marker: its attribute is read once),
+// updated here; a marker stays completed, and every one looked at is held by a table for the whole call.
+bool pending(PyObject* table, PyObject* key, PyObject*& done) {
   if (table == Py_None) return false;
   PyObject* entry = PyDict_GetItemWithError(table, key);  // borrowed
   if (entry == nullptr) {
@@ -457,11 +459,16 @@ bool pending(PyObject* table, PyObject* key) {
     Py_ssize_t pos = 0;
     PyObject *reader, *unused;
     while (PyDict_Next(entry, &pos, &reader, &unused)) {
+      if (reader == done) continue;
       if (!completed(reader)) return true;
+      done = reader;
     }
     return false;
   }
-  return !completed(entry);
+  if (entry == done) return false;
+  if (!completed(entry)) return true;
+  done = entry;
+  return false;
 }
 
 // check_pairs and submit in one call, the copy enqueued before the call's Python objects are made: the index
@@ -509,10 +516,11 @@ py::object launch(int64_t src_blocks, int64_t dst_blocks, bool same_pool, py::ha
   py::object s_list, d_list;
   if (fenced) {  // the tables are keyed by Python ints: the lists first
     std::tie(s_list, d_list) = index_lists(lists, src, dst, sb.data(), db.data(), ns);
+    PyObject* done = nullptr;  // no Python code runs during the loop: the tables do not change under it
     for (Py_ssize_t i = 0; i < ns; ++i) {
       PyObject* x = PyList_GET_ITEM(s_list.ptr(), i);
       PyObject* y = PyList_GET_ITEM(d_list.ptr(), i);
-      if (pending(tables[0], x) || pending(tables[1], y) || pending(tables[2], y)) {
+      if (pending(tables[0], x, done) || pending(tables[1], y, done) || pending(tables[2], y, done)) {
         return py::none();
       }
     }

@@ -20,6 +20,7 @@ import torch
 from tiered_kv import KVLayout, Tier, TransferEngine, _ext
 from tiered_kv.config import EngineConfig
 from tiered_kv.copyops import NativeCopy
+from tiered_kv.fences import Marker
 from tiered_kv.pools import BlockPool
 from tiered_kv.testing import fill_random
 
@@ -426,5 +427,25 @@ def test_launch_returns_none_for_what_it_cannot_take(native: Any) -> None:
             event.synchronize()
             g = _tensor(engine, Tier.GPU).cpu()
             assert _bits(host_t[7].cpu(), g[5]) and _bits(host_t[8].cpu(), g[6])
+            # the fence check reads a marker's state once per call: a block behind the one whose (completed) marker
+            # it read must still be checked against its own marker (writes, then a reader set)
+            two = {(2, 1): (plan, [0, 0], LAYOUT.bytes_per_block)}  # two pairs, one run
+            done, busy, done2 = Marker(None), Marker(None), Marker(None)
+            done.completed = done2.completed = True
+            h = host_t.clone()
+            for writes, reads in (
+                ({10: done, 11: busy}, None),
+                ({10: done}, {11: {done: None, busy: None}}),
+                (None, {10: {done: None}, 11: {done: None, done2: None, busy: None}}),
+            ):
+                got = native.launch(32, 32, False, None, writes, reads, [0, 1], [10, 11], two, handle, 0)
+                assert got is None, (writes, reads)
+            torch.cuda.synchronize()
+            assert _bits(host_t, h)  # nothing enqueued by the declined calls
+            for writes, reads in (({10: done, 11: done2}, {11: {done: None, done2: None}}), ({10: done}, {11: done})):
+                event, *_ = native.launch(32, 32, False, None, writes, reads, [0, 1], [10, 11], two, handle, 0)
+                event.synchronize()
+            g = _tensor(engine, Tier.GPU).cpu()
+            assert _bits(host_t[10].cpu(), g[0]) and _bits(host_t[11].cpu(), g[1])
 
     asyncio.run(main())
