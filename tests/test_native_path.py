@@ -433,16 +433,21 @@ def test_launch_returns_none_for_what_it_cannot_take(native: Any) -> None:
             done, busy, done2 = Marker(None), Marker(None), Marker(None)
             done.completed = done2.completed = True
             h = host_t.clone()
-            for writes, reads in (
+            declined: list[tuple[Any, Any]] = [
                 ({10: done, 11: busy}, None),
                 ({10: done}, {11: {done: None, busy: None}}),
                 (None, {10: {done: None}, 11: {done: None, done2: None, busy: None}}),
-            ):
+            ]
+            for writes, reads in declined:
                 got = native.launch(32, 32, False, None, writes, reads, [0, 1], [10, 11], two, handle, 0)
                 assert got is None, (writes, reads)
             torch.cuda.synchronize()
             assert _bits(host_t, h)  # nothing enqueued by the declined calls
-            for writes, reads in (({10: done, 11: done2}, {11: {done: None, done2: None}}), ({10: done}, {11: done})):
+            taken: list[tuple[Any, Any]] = [
+                ({10: done, 11: done2}, {11: {done: None, done2: None}}),
+                ({10: done}, {11: done}),
+            ]
+            for writes, reads in taken:
                 event, *_ = native.launch(32, 32, False, None, writes, reads, [0, 1], [10, 11], two, handle, 0)
                 event.synchronize()
             g = _tensor(engine, Tier.GPU).cpu()
