@@ -132,3 +132,65 @@ def test_arch_flags() -> None:
         "-gencode=arch=compute_90,code=sm_90",
         "-gencode=arch=compute_90,code=compute_90",
     ]
+
+
+# The one-call launch's decisions (kernels/fast_path.cpp: launch) run before any CUDA call: on a machine without a
+# GPU the built module still answers them. A call that passes every check reaches the copy plan's lookup, which
+# raises for the plan id -1 (no such plan): "issued" below. None (nothing enqueued): "declined".
+_LAUNCH_DECISIONS = """
+import importlib.machinery, importlib.util, json
+from pathlib import Path
+import torch
+from tiered_kv import _ext
+from tiered_kv.fences import Marker
+
+path = _ext.build()
+loader = importlib.machinery.ExtensionFileLoader(Path(path).stem, str(path))
+spec = importlib.util.spec_from_file_location(Path(path).stem, str(path), loader=loader)
+native = importlib.util.module_from_spec(spec)
+loader.exec_module(native)
+done, done2, busy = Marker(None), Marker(None), Marker(None)
+done.completed = done2.completed = True
+choices = {(2, 1): (-1, [0, 0], 64)}  # two pairs in one run, decided; plan -1 does not exist
+
+def outcome(src_writes, dst_writes, dst_reads, src=(0, 1), dst=(10, 11)):
+    try:
+        got = native.launch(32, 32, False, src_writes, dst_writes, dst_reads, list(src), list(dst), choices, 0, 0)
+    except RuntimeError as exc:
+        return "issued" if "unknown copy plan" in str(exc) else repr(exc)
+    return "declined" if got is None else repr(got)
+
+cases = {
+    "no tables": (None, None, None),
+    "empty tables": ({}, {}, {}),
+    "completed writer and readers": (None, {10: done, 11: done2}, {11: {done: None, done2: None}}),
+    "one completed marker everywhere": ({0: done, 1: done}, {10: done}, {11: done}),
+    "first block completed, second busy": (None, {10: done, 11: busy}, None),
+    "busy source": ({0: done, 1: busy}, None, None),
+    "busy reader behind a completed one": (None, {10: done}, {11: {done: None, busy: None}}),
+    "busy reader in a later set": (None, None, {10: {done: None}, 11: {done: None, done2: None, busy: None}}),
+    "busy first block": (None, {10: busy, 11: done}, None),
+    "undecided shape": (None, None, None, (0, 1, 2), (10, 11, 12)),
+    "index out of range": (None, None, None, (0, 1), (10, 32)),
+}
+print(json.dumps({name: outcome(*args) for name, args in cases.items()}))
+"""
+
+
+@needs_toolkit
+@pytest.mark.timeout(900)
+def test_one_call_launch_decisions_without_a_gpu(tmp_path: Path) -> None:
+    """``launch`` declines (returns None) for any block with an op not completed, however the blocks share markers.
+
+    The fence check reads a marker's ``completed`` once per call (a copy's blocks mostly share one): a block behind
+    one whose completed marker it read must still be checked against its own writer and readers.
+    """
+    env = {**os.environ, "TIERED_KV_EXT_DIR": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "-c", _LAUNCH_DECISIONS], capture_output=True, text=True, env=env, timeout=900
+    )
+    assert proc.returncode == 0, proc.stderr[-8000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    issued = {"no tables", "empty tables", "completed writer and readers", "one completed marker everywhere"}
+    assert got == {name: "issued" if name in issued else "declined" for name in got}, got
+    assert len(got) == 11
