@@ -161,12 +161,12 @@ class Copier:
 
     def __init__(self, device: Device, config: EngineConfig) -> None:
         self.device = device
-        self.config = config
-        self.kernels = False
+        self._config = config  # the attributes behind the `config` and `kernels` properties: no shapes decided yet
+        self._kernels = False
         if device.is_cuda:
             from . import _ext  # lazy: keeps `python -m tiered_kv._ext` from importing itself twice
 
-            self.kernels = _ext.load()
+            self._kernels = _ext.load()
         #: the piece size from which the auto path takes DMA (configured, or measured on this GPU once)
         self.dma_min_chunk_bytes: int = (
             config.dma_min_chunk_bytes if config.dma_min_chunk_bytes is not None else DEFAULT_DMA_MIN_CHUNK
@@ -220,7 +220,7 @@ class Copier:
 
         The small-call memo of :meth:`_plan` keys its entries by config and kernels flag already.
         """
-        for route in getattr(self, "_native_routes", ()):
+        for route in self._native_routes:
             route.choices.clear()
 
     def _pair(self, src_pool: Side, dst_pool: Side, n: int) -> _PairInfo:
