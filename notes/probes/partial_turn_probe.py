@@ -179,6 +179,16 @@ async def main_async() -> list[dict[str, Any]]:
 
 
 if __name__ == "__main__":
-    got = asyncio.run(main_async())
+    # PROBE_LOOP=uvloop runs it on uvloop; PROBE_GC=off turns the cyclic garbage collector off for the run
+    if os.environ.get("PROBE_GC") == "off":
+        import gc
+
+        gc.disable()
+    if os.environ.get("PROBE_LOOP") == "uvloop":
+        import uvloop
+
+        got = uvloop.run(main_async())
+    else:
+        got = asyncio.run(main_async())
     with open(os.path.join(OUT, "partial-turns.json"), "w") as f:
         json.dump(got, f, indent=1)
