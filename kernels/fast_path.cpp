@@ -92,6 +92,12 @@ FastPlan& plan_of(int64_t id) {
 std::mutex g_events_mutex;
 std::map<int, std::vector<cudaEvent_t>> g_free_events;  // device -> recycled events
 
+int64_t now_ns() {
+  timespec ts{};
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1000000000LL + ts.tv_nsec;
+}
+
 cudaEvent_t take_event(int device) {
   {
     const std::lock_guard<std::mutex> lock(g_events_mutex);
@@ -134,6 +140,19 @@ class DeviceEvent {
     }
     cudaGetLastError();
     throw std::runtime_error(std::string("cudaEventQuery failed: ") + cudaGetErrorString(err));
+  }
+
+  // Look at the event without yielding (the GIL kept: no Python thread can delay the caller's resume) until it is
+  // done or `budget_ns` has passed: true once done, false when the budget is spent. A CUDA error ends the look with
+  // true, so that the caller's query() reports it.
+  bool spin(int64_t budget_ns) const {
+    const int64_t until = now_ns() + budget_ns;
+    for (;;) {
+      const cudaError_t err = cudaEventQuery(ev_);
+      if (err != cudaErrorNotReady) return true;  // done, or an error the caller's query() raises
+      cudaGetLastError();
+      if (now_ns() >= until) return false;
+    }
   }
 
   void synchronize() const {
@@ -471,6 +490,18 @@ bool pending(PyObject* table, PyObject* key, PyObject*& done) {
   return false;
 }
 
+// Whether a pool's holders (FenceTable: the markers holding entries in the pool, as dict keys, until released) include
+// an op not completed yet. None: not known, so true.
+bool live(PyObject* holders) {
+  if (holders == Py_None) return true;
+  Py_ssize_t pos = 0;
+  PyObject *marker, *unused;
+  while (PyDict_Next(holders, &pos, &marker, &unused)) {
+    if (!completed(marker)) return true;
+  }
+  return false;
+}
+
 // check_pairs and submit in one call, the copy enqueued before the call's Python objects are made: the index
 // check, the plan of the call's shape from `choices` ({(pairs, runs): (plan, ...)}, filled by the caller as it
 // decides each shape once), the fences, then the copy, its event and completion signal (submit's `stream`, `sem`,
@@ -478,20 +509,23 @@ bool pending(PyObject* table, PyObject* key, PyObject*& done) {
 //
 // The fences, by FenceTable.dependencies' rules: a source block must have no pending write (`src_writes`), a
 // destination block no pending write (`dst_writes`) nor read (`dst_reads`); each is the pool's table (the same dict
-// object for the pool's life, FenceTable.tables: the caller binds them once) or None.
+// object for the pool's life, FenceTable.tables: the caller binds them once) or None. `src_holders` and
+// `dst_holders` are the pools' holders (FenceTable.tables, or None): when no op of either pool is still running,
+// nothing can be pending and the tables are not read at all (entries of completed ops not yet dropped are
+// common: the engine drops them after the awaiting coroutine resumed).
 // Returns `(event, src list, dst list, choice)`, or None -- nothing enqueued -- when the check declines the
 // indices, `choices` has no entry for the shape, or a block has an op to wait for: the caller then takes the
 // per-step path, which decides the shape, waits where it must and reports the errors. The caller records the
-// copy's own fence entries after the call.
+// copy's own fence entries after the call (register_pair).
 py::object launch(int64_t src_blocks, int64_t dst_blocks, bool same_pool, py::handle src_writes, py::handle dst_writes,
-                  py::handle dst_reads, py::handle src, py::handle dst, py::handle choices, int64_t stream_handle,
-                  int64_t sem, int64_t signal_stream) {
+                  py::handle dst_reads, py::handle src_holders, py::handle dst_holders, py::handle src,
+                  py::handle dst, py::handle choices, int64_t stream_handle, int64_t sem, int64_t signal_stream) {
   std::array<int64_t, kMaxPairs> sb{}, db{};
   Py_ssize_t ns = 0;
   int64_t runs = 1;
   bool lists = false;
   if (!PyDict_CheckExact(choices.ptr())) throw py::type_error("choices must be a dict");
-  for (PyObject* table : {src_writes.ptr(), dst_writes.ptr(), dst_reads.ptr()}) {
+  for (PyObject* table : {src_writes.ptr(), dst_writes.ptr(), dst_reads.ptr(), src_holders.ptr(), dst_holders.ptr()}) {
     if (table != Py_None && !PyDict_CheckExact(table)) throw py::type_error("a fence table must be a dict or None");
   }
   if (!check_into(src_blocks, dst_blocks, same_pool, src.ptr(), dst.ptr(), sb.data(), db.data(), ns, runs, lists)) {
@@ -512,7 +546,8 @@ py::object launch(int64_t src_blocks, int64_t dst_blocks, bool same_pool, py::ha
   for (PyObject*& table : tables) {
     if (table != Py_None && PyDict_GET_SIZE(table) == 0) table = Py_None;
   }
-  const bool fenced = tables[0] != Py_None || tables[1] != Py_None || tables[2] != Py_None;
+  const bool fenced = (tables[0] != Py_None || tables[1] != Py_None || tables[2] != Py_None) &&
+                      (live(src_holders.ptr()) || live(dst_holders.ptr()));
   py::object s_list, d_list;
   if (fenced) {  // the tables are keyed by Python ints: the lists first
     std::tie(s_list, d_list) = index_lists(lists, src, dst, sb.data(), db.data(), ns);
@@ -532,6 +567,55 @@ py::object launch(int64_t src_blocks, int64_t dst_blocks, bool same_pool, py::ha
   return py::make_tuple(ev, s_list, d_list, keep);
 }
 
+// ------------------------------------------------------------------------------------------ fence entries
+
+// One source's entry in a pool's reads table: `marker` alone, or added to the block's readers (one marker, or
+// several as a dict used as an ordered set).
+void add_reader(PyObject* table, PyObject* key, PyObject* marker) {
+  PyObject* entry = PyDict_GetItemWithError(table, key);  // borrowed
+  if (entry == nullptr) {
+    if (PyErr_Occurred() || PyDict_SetItem(table, key, marker) != 0) throw py::error_already_set();
+    return;
+  }
+  if (entry == marker) return;  // a source named twice
+  if (PyDict_Check(entry)) {
+    if (PyDict_SetItem(entry, marker, Py_None) != 0) throw py::error_already_set();
+    return;
+  }
+  py::object readers = py::reinterpret_steal<py::object>(PyDict_New());
+  if (!readers || PyDict_SetItem(readers.ptr(), entry, Py_None) != 0 ||
+      PyDict_SetItem(readers.ptr(), marker, Py_None) != 0 || PyDict_SetItem(table, key, readers.ptr()) != 0) {
+    throw py::error_already_set();
+  }
+}
+
+// FenceTable.register of one copy, the per-block part (the Python reference is FenceTable._register_blocks, which
+// does alike): `marker` becomes a pending reader of each block of `src` (a list of ints) in `src_reads`, and the
+// pending write of each block of `dst` in `dst_writes`, whose pending readers it drops from `dst_reads` (the new write
+// waits for them; ordering is transitive). The tables are the pools' (FenceTable.tables); `dst` holds no duplicates
+// and, within one pool, no block of `src` (the engine checked).
+void register_pair(py::handle src_reads, py::handle dst_reads, py::handle dst_writes, py::handle marker, py::handle src,
+                   py::handle dst) {
+  for (PyObject* table : {src_reads.ptr(), dst_reads.ptr(), dst_writes.ptr()}) {
+    if (!PyDict_CheckExact(table)) throw py::type_error("a fence table must be a dict");
+  }
+  if (!PyList_CheckExact(src.ptr()) || !PyList_CheckExact(dst.ptr())) throw py::type_error("indices must be lists");
+  PyObject* m = marker.ptr();
+  PyObject* s_list = src.ptr();
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(s_list); ++i) add_reader(src_reads.ptr(), PyList_GET_ITEM(s_list, i), m);
+  PyObject* reads = dst_reads.ptr();
+  PyObject* writes = dst_writes.ptr();
+  PyObject* d_list = dst.ptr();
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(d_list); ++i) {
+    PyObject* key = PyList_GET_ITEM(d_list, i);
+    if (PyDict_GET_SIZE(reads) != 0) {
+      const int found = PyDict_Contains(reads, key);
+      if (found < 0 || (found == 1 && PyDict_DelItem(reads, key) != 0)) throw py::error_already_set();
+    }
+    if (PyDict_SetItem(writes, key, m) != 0) throw py::error_already_set();
+  }
+}
+
 // An event after the work queued so far on `stream` (and the host-function post, as submit does).
 std::unique_ptr<DeviceEvent> record(int device, int64_t stream_handle, int64_t sem) {
   const DeviceGuard guard(device);
@@ -548,12 +632,6 @@ std::unique_ptr<DeviceEvent> record(int device, int64_t stream_handle, int64_t s
 }
 
 // ------------------------------------------------------------------------------------------ completion wait
-
-int64_t now_ns() {
-  timespec ts{};
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return static_cast<int64_t>(ts.tv_sec) * 1000000000LL + ts.tv_nsec;
-}
 
 void sleep_ns(int64_t ns) {
   const timespec ts{static_cast<time_t>(ns / 1000000000LL), static_cast<long>(ns % 1000000000LL)};
@@ -703,6 +781,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("query", &DeviceEvent::query)
       .def("synchronize", &DeviceEvent::synchronize)
       .def("wait", &DeviceEvent::wait, py::arg("stream"))
+      .def("spin", &DeviceEvent::spin, py::arg("budget_ns"))
       .def_property_readonly("handle", &DeviceEvent::handle)
       .def("__repr__", [](const DeviceEvent& e) {
         return "<DeviceEvent " + std::string(e.query() ? "done" : "pending") + ">";
@@ -712,8 +791,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("check_pairs", &tiered_kv::check_pairs, py::arg("src_blocks"), py::arg("dst_blocks"), py::arg("same_pool"),
         py::arg("src"), py::arg("dst"));
   m.def("launch", &tiered_kv::launch, py::arg("src_blocks"), py::arg("dst_blocks"), py::arg("same_pool"),
-        py::arg("src_writes"), py::arg("dst_writes"), py::arg("dst_reads"), py::arg("src"), py::arg("dst"),
+        py::arg("src_writes"), py::arg("dst_writes"), py::arg("dst_reads"), py::arg("src_holders"),
+        py::arg("dst_holders"), py::arg("src"), py::arg("dst"),
         py::arg("choices"), py::arg("stream"), py::arg("sem"), py::arg("signal_stream") = 0);
+  m.def("register_pair", &tiered_kv::register_pair, py::arg("src_reads"), py::arg("dst_reads"), py::arg("dst_writes"),
+        py::arg("marker"), py::arg("src"), py::arg("dst"));
   m.def("record", &tiered_kv::record, py::arg("device"), py::arg("stream"), py::arg("sem"));
   m.def("wait_done", &tiered_kv::wait_done, py::arg("event"), py::arg("device"), py::arg("sem"), py::arg("wake_ns"),
         py::arg("due_ns"), py::arg("owed"), py::arg("stop_ns") = -1);

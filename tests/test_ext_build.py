@@ -153,9 +153,10 @@ done, done2, busy = Marker(None), Marker(None), Marker(None)
 done.completed = done2.completed = True
 choices = {(2, 1): (-1, [0, 0], 64)}  # two pairs in one run, decided; plan -1 does not exist
 
-def outcome(src_writes, dst_writes, dst_reads, src=(0, 1), dst=(10, 11)):
+def outcome(src_writes, dst_writes, dst_reads, src=(0, 1), dst=(10, 11), holders=(None, None)):
     try:
-        got = native.launch(32, 32, False, src_writes, dst_writes, dst_reads, list(src), list(dst), choices, 0, 0)
+        tables = (src_writes, dst_writes, dst_reads, *holders)
+        got = native.launch(32, 32, False, *tables, list(src), list(dst), choices, 0, 0)
     except RuntimeError as exc:
         return "issued" if "unknown copy plan" in str(exc) else repr(exc)
     return "declined" if got is None else repr(got)
@@ -172,8 +173,68 @@ cases = {
     "busy first block": (None, {10: busy, 11: done}, None),
     "undecided shape": (None, None, None, (0, 1, 2), (10, 11, 12)),
     "index out of range": (None, None, None, (0, 1), (10, 32)),
+    # the pools' holders (FenceTable.tables): none still running -> the tables are not read
+    "completed holders": (
+        {0: done}, {10: done}, {11: {done: None, done2: None}}, (0, 1), (10, 11),
+        ({done: None}, {done: None, done2: None}),
+    ),
+    "busy source holder": ({0: busy}, None, None, (0, 1), (10, 11), ({busy: None}, {})),
+    "busy destination holder behind a completed one": (
+        None, {11: busy}, None, (0, 1), (10, 11), ({}, {done: None, busy: None})
+    ),
+    "busy holder, other blocks": ({5: busy}, {12: busy}, None, (0, 1), (10, 11), ({busy: None}, {busy: None})),
 }
-print(json.dumps({name: outcome(*args) for name, args in cases.items()}))
+launch = {name: outcome(*args) for name, args in cases.items()}
+
+# register_pair against its Python reference (FenceTable._register_blocks): random copies, completions and
+# releases on two tables, one with the native entries; after each step both hold the same entries, in the same order
+import random
+from tiered_kv.fences import FenceTable
+
+def state(table):
+    def entry(e):
+        return [id(m) for m in e] if isinstance(e, dict) else id(e)
+    return (
+        {p: [(i, entry(e)) for i, e in t.items()] for p, t in table._reads.items() if t},
+        {p: [(i, id(m)) for i, m in t.items()] for p, t in table._writes.items() if t},
+        {p: [id(m) for m in t] for p, t in table._holders.items() if t},
+    )
+
+rng = random.Random(7)
+ref, fast = FenceTable(), FenceTable(native.register_pair)
+live, steps, mismatches = [], 0, []
+for step in range(3000):
+    action = rng.random()
+    if action < 0.6 or not live:
+        src_pool, dst_pool = rng.choice(["gpu", "host"]), rng.choice(["gpu", "host"])
+        n = rng.randint(1, 12)
+        d = rng.sample(range(40), n)
+        pool_s = [i for i in range(40) if src_pool != dst_pool or i not in d]
+        s = [rng.choice(pool_s) for _ in range(n)]  # sources may repeat
+        marker = Marker(None)
+        for table in (ref, fast):
+            table.register(marker, [(src_pool, list(s))], [(dst_pool, list(d))])
+        live.append(marker)
+    elif action < 0.85:
+        marker = live.pop(rng.randrange(len(live)))
+        marker.completed = True
+        for table in (ref, fast):
+            table.release_later(marker)
+    else:
+        marker = live.pop(rng.randrange(len(live)))
+        marker.completed = True
+        for table in (ref, fast):
+            table.release(marker)
+    steps += 1
+    if state(ref) != state(fast):
+        mismatches.append(step)
+register = {"steps": steps, "mismatches": mismatches[:5], "fenced": len(ref)}
+try:
+    native.register_pair({}, {}, [], Marker(None), [0], [1])
+    register["bad table"] = "accepted"
+except TypeError as exc:
+    register["bad table"] = str(exc)
+print(json.dumps({"launch": launch, "register": register}))
 """
 
 
@@ -190,7 +251,19 @@ def test_one_call_launch_decisions_without_a_gpu(tmp_path: Path) -> None:
         [sys.executable, "-c", _LAUNCH_DECISIONS], capture_output=True, text=True, env=env, timeout=900
     )
     assert proc.returncode == 0, proc.stderr[-8000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
-    issued = {"no tables", "empty tables", "completed writer and readers", "one completed marker everywhere"}
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = out["launch"]
+    issued = {
+        "no tables",
+        "empty tables",
+        "completed writer and readers",
+        "one completed marker everywhere",
+        "completed holders",
+        "busy holder, other blocks",
+    }
     assert got == {name: "issued" if name in issued else "declined" for name in got}, got
-    assert len(got) == 11
+    assert len(got) == 15
+    register = out["register"]
+    assert register["steps"] == 3000 and register["mismatches"] == [], register
+    assert register["fenced"] > 0, register  # the tables were not empty at the end: entries were compared
+    assert register["bad table"] == "a fence table must be a dict", register

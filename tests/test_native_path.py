@@ -408,7 +408,7 @@ def test_launch_returns_none_for_what_it_cannot_take(native: Any) -> None:
             stream = engine.stream("offload")
             handle = stream.torch_stream.cuda_stream  # type: ignore[attr-defined]
             choices = {(1, 1): (plan, [0, 0], LAYOUT.bytes_per_block)}
-            none: tuple[Any, ...] = (None, {}, None)  # no table, or an empty one: nothing pending anywhere
+            none: tuple[Any, ...] = (None, {}, None, None, {})  # no table, or an empty one: nothing pending anywhere
             for src, dst in (([0], [32]), ([-1], [0]), ([0, 1], [2, 2]), ([0], [True]), ([0, 1], [2]), ((0,), (1,))):
                 assert native.launch(32, 32, False, *none, src, dst, choices, handle, 0) is None, (src, dst)
             assert native.launch(32, 32, False, *none, [0, 1], [2, 3], choices, handle, 0) is None  # shape not decided
@@ -439,7 +439,7 @@ def test_launch_returns_none_for_what_it_cannot_take(native: Any) -> None:
                 (None, {10: {done: None}, 11: {done: None, done2: None, busy: None}}),
             ]
             for writes, reads in declined:
-                got = native.launch(32, 32, False, None, writes, reads, [0, 1], [10, 11], two, handle, 0)
+                got = native.launch(32, 32, False, None, writes, reads, None, None, [0, 1], [10, 11], two, handle, 0)
                 assert got is None, (writes, reads)
             torch.cuda.synchronize()
             assert _bits(host_t, h)  # nothing enqueued by the declined calls
@@ -448,7 +448,8 @@ def test_launch_returns_none_for_what_it_cannot_take(native: Any) -> None:
                 ({10: done}, {11: done}),
             ]
             for writes, reads in taken:
-                event, *_ = native.launch(32, 32, False, None, writes, reads, [0, 1], [10, 11], two, handle, 0)
+                args = (None, writes, reads, None, None, [0, 1], [10, 11], two, handle, 0)
+                event, *_ = native.launch(32, 32, False, *args)
                 event.synchronize()
             g = _tensor(engine, Tier.GPU).cpu()
             assert _bits(host_t[10].cpu(), g[0]) and _bits(host_t[11].cpu(), g[1])

@@ -514,8 +514,11 @@ def _fake_native(engine: TransferEngine, monkeypatch: pytest.MonkeyPatch) -> tup
             return False
         return any(not m.completed for m in entry) if isinstance(entry, dict) else not entry.completed
 
+    def live(holders: dict[Any, None] | None) -> bool:  # fast_path.cpp's rule
+        return holders is None or any(not m.completed for m in holders)
+
     def launch(sn: int, dn: int, same: bool, *args: Any) -> Any:
-        src_writes, dst_writes, dst_reads, src, dst, choices = args[:6]
+        src_writes, dst_writes, dst_reads, src_holders, dst_holders, src, dst, choices = args[:8]
         checked = _pairs_in_python(sn, dn, same, src, dst)
         if checked is None:
             return None
@@ -523,9 +526,10 @@ def _fake_native(engine: TransferEngine, monkeypatch: pytest.MonkeyPatch) -> tup
         choice = choices.get((len(s), runs))
         if choice is None:
             return None
-        for x, y in zip(s, d, strict=True):
-            if pending(src_writes, x) or pending(dst_writes, y) or pending(dst_reads, y):
-                return None
+        if live(src_holders) or live(dst_holders):
+            for x, y in zip(s, d, strict=True):
+                if pending(src_writes, x) or pending(dst_writes, y) or pending(dst_reads, y):
+                    return None
         log.append("launch")
         copy(choice[0], s, d)
         return _DoneEvent(), s, d, choice

@@ -290,6 +290,10 @@ class Copier:
         """Whether small calls take the native submission path (CUDA, extension built with it)."""
         return self._native is not None
 
+    def native_entry(self, name: str) -> Any:
+        """The extension's function ``name`` when small calls take the native path (:attr:`native`), else ``None``."""
+        return getattr(self._native, name, None) if self._native is not None else None
+
     def close(self) -> None:
         """Free the native copy plans (the engine is closing). Idempotent."""
         self._finalizer()
@@ -668,7 +672,7 @@ class NativeRoute:
             self.choices.setdefault(num_tokens, {})[len(s), runs] = (plan, totals, block_bytes)
         return NativeCopy(self._stream, self._submit, plan, s, d, nbytes)
 
-    def bind_fences(self, tables: tuple[object, object, object]) -> None:
+    def bind_fences(self, tables: tuple[object, ...]) -> None:
         """Bind :attr:`launch` to the fence tables of its pools (:meth:`~tiered_kv.fences.FenceTable.tables`).
 
         The one-call path then reads, at each call, whether a block has an op to wait for; it enqueues only when

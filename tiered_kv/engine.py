@@ -250,7 +250,7 @@ class TransferEngine:
         self._resolved: dict[tuple[Tier | str, Tier | str], _Route] = {}  # see _resolve_route
         self._block_bytes = layout.bytes_per_block
         self._tokens_per_block = layout.tokens_per_block
-        self._fences = FenceTable()
+        self._fences = FenceTable(self.copier.native_entry("register_pair"))
         # in-flight marker -> ("src->dst" direction, its transfer): one dict for the in-flight set and the statistics
         self._inflight: dict[Marker, tuple[str, Transfer]] = {}
         # The engine owns its deferred enqueues (copies waiting on the loop for an off-lane dependency): each
@@ -262,6 +262,9 @@ class TransferEngine:
         self._await_spin = 0.0  # seconds an awaiting coroutine polls in place (EngineConfig.await_spin_us)
         self._in_place = 0  # awaits that found their copy done before yielding (one look, or the in-place poll)
         self._spin_yields_gil = True  # the in-place poll gives up the GIL between looks (set per device at bind)
+        # the extension's event type: the in-place poll of one looks in C++ (DeviceEvent.spin), else None
+        self._native_event: type | None = self.copier.native_entry("DeviceEvent")
+        self._settle_queued = False  # a _settle is queued on the loop (the in-place poll queues one per round)
         self._closing = False
         self._closed = False
         self._owner: str | None = None  # who the blocks belong to (claim): copy() is theirs alone
@@ -1025,22 +1028,28 @@ class TransferEngine:
         if due <= now + spin:
             # due now or within the in-place budget: look until it is done or the budget is spent. Done (or left to
             # its thread: a failed op): the awaiting coroutine then finds it completed and goes on without yielding;
-            # the bookkeeping runs behind it, as after the poller's rounds
-            until = now + spin
-            yield_gil = self._spin_yields_gil
-            while not self._poll(marker):
-                if time.perf_counter() >= until:
-                    break
-                if yield_gil:  # the emulated device's ops run on threads that need the GIL
-                    time.sleep(0)
+            # the bookkeeping runs behind it, as after the poller's rounds. Its _settle is queued first, while the
+            # device still copies (one per loop round; a queued _settle with nothing to do returns at once)
+            if not self._settle_queued:
+                loop = self._loop
+                assert loop is not None
+                self._settle_queued = True
+                loop.call_soon(self._settle)
+            event = marker.event
+            if type(event) is self._native_event:  # looked at in C++, the GIL kept; its end completes it here
+                done = event.spin(int(spin * 1e9)) and self._poll(marker)  # type: ignore[union-attr]
             else:
+                until = now + spin
+                yield_gil = self._spin_yields_gil
+                while not (done := self._poll(marker)):
+                    if time.perf_counter() >= until:
+                        break
+                    if yield_gil:  # the emulated device's ops run on threads that need the GIL
+                        time.sleep(0)
+            if done:
                 self._in_place += 1  # seen before the coroutine yielded (tests, probes)
                 if self._poller is not None:
                     self._poller.finished += 1  # seen by the loop, as a poll would
-                if marker.completed:
-                    loop = self._loop
-                    assert loop is not None
-                    loop.call_soon(self._settle)
                 return
         poller = self._poller
         if poller is not None:
@@ -1080,6 +1089,7 @@ class TransferEngine:
 
     def _settle(self) -> None:
         """The bookkeeping of the copies completed so far: fence release, in-flight set, statistics."""
+        self._settle_queued = False
         self._fences.release_done()
         markers = self._settling
         if not markers:

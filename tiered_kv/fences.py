@@ -204,7 +204,10 @@ class FenceTable:
         are actually fenced, not to the blocks of the call.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, register_pair: Callable[..., None] | None = None) -> None:
+        # the per-block part of register() for one pair of pools in native code (the extension's register_pair,
+        # which does what _register_blocks does), or None
+        self._register_pair = register_pair
         self._writes: dict[str, dict[int, Marker]] = {}  # pool -> block index -> pending write
         # pool -> block index -> pending read(s): one marker, or several as an ordered set (dict keys)
         self._reads: dict[str, dict[int, Marker | dict[Marker, None]]] = {}
@@ -231,18 +234,24 @@ class FenceTable:
                     return True
         return False
 
-    def tables(
-        self, src_pool: str, dst_pool: str
-    ) -> tuple[dict[int, Marker], dict[int, Marker], dict[int, Marker | dict[Marker, None]]]:
-        """The entries a copy from ``src_pool`` to ``dst_pool`` waits for: ``(src writes, dst writes, dst reads)``.
+    def tables(self, src_pool: str, dst_pool: str) -> tuple[dict[Any, Any], ...]:
+        """What a copy from ``src_pool`` to ``dst_pool`` waits for, as the pools' tables.
 
-        The pools' own tables (block -> pending write; block -> pending reader or readers), made here if missing:
-        each stays the same dict object for the table's life (entries are dropped in place), so the one-call launch
-        of small copies binds them once and reads them as they are at each call. A copy must wait for every op not
-        completed yet in them for its blocks (:meth:`dependencies`' rules).
+        ``(src writes, dst writes, dst reads, src holders, dst holders)``: block -> pending write; block -> pending
+        reader or readers; the markers holding entries in the pool (see :meth:`live`). Made here if missing, each
+        stays the same dict object for the table's life (entries are dropped in place), so the one-call launch of
+        small copies binds them once and reads them as they are at each call. A copy must wait for every op not
+        completed yet in the first three for its blocks (:meth:`dependencies`' rules); none is pending when no
+        holder of either pool is still running.
         """
-        writes = self._writes
-        return writes.setdefault(src_pool, {}), writes.setdefault(dst_pool, {}), self._reads.setdefault(dst_pool, {})
+        writes, holders = self._writes, self._holders
+        return (
+            writes.setdefault(src_pool, {}),
+            writes.setdefault(dst_pool, {}),
+            self._reads.setdefault(dst_pool, {}),
+            holders.setdefault(src_pool, {}),
+            holders.setdefault(dst_pool, {}),
+        )
 
     def _hold(self, marker: Marker, pools: Iterable[str]) -> None:
         holders = self._holders
@@ -287,7 +296,23 @@ class FenceTable:
             self.release_done()
         marker.reads = reads
         marker.writes = writes
-        self._hold(marker, {pool for pool, _ in (*reads, *writes)})
+        if len(reads) == 1 and len(writes) == 1:  # one copy between two pools (every engine copy but layer groups)
+            (src_pool, s), (dst_pool, d) = reads[0], writes[0]
+            self._hold(marker, (src_pool,) if src_pool == dst_pool else (src_pool, dst_pool))
+            native = self._register_pair
+            if native is not None and type(s) is list and type(d) is list:
+                rt = self._reads
+                writes_to = self._writes.setdefault(dst_pool, {})
+                native(rt.setdefault(src_pool, {}), rt.setdefault(dst_pool, {}), writes_to, marker, s, d)
+                return
+        else:
+            self._hold(marker, {pool for pool, _ in (*reads, *writes)})
+        self._register_blocks(marker, reads, writes)
+
+    def _register_blocks(
+        self, marker: Marker, reads: list[tuple[str, list[int]]], writes: list[tuple[str, list[int]]]
+    ) -> None:
+        """:meth:`register`'s per-block entries (the reference of the extension's ``register_pair``)."""
         for pool, indices in reads:
             rt = self._reads.setdefault(pool, {})
             shared = rt.keys() & indices

@@ -120,8 +120,9 @@ class Transfer:
             if lane is not None and marker.event is not None:
                 watch = getattr(lane, "watch", None)  # the engine's loop-side poll (tiered_kv streams), if on
                 if watch is not None:
-                    watch(marker, self)
-            yield from marker.wait_steps()
+                    watch(marker, self)  # may complete it in place
+            if not marker.completed:
+                yield from marker.wait_steps()
         return self.result()
 
     def __repr__(self) -> str:

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Session s: the bench's partial rows, this build against the previous one, alternating processes on one GPU.
+# Needs the installed build (bash .ci/gpu-run install) and the previous build's tree in $1 (git archive of it);
+# writes $OUT/partial-ab.jsonl. Usage: bash notes/probes/partial_ab.sh OLD_TREE [ROUNDS]
+set -uo pipefail
+OLD=$1; ROUNDS=${2:-4}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+here=$(cd "$(dirname "$0")" && pwd)
+if [ ! -f /tmp/site-old/.ready ]; then
+  rm -rf /tmp/site-old
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site-old "$OLD" > "$OUT/ab-install.log" 2>&1 \
+    || { tail -5 "$OUT/ab-install.log"; exit 1; }
+  (cd /tmp && PYTHONPATH=/tmp/site-old:/tmp/site TIERED_KV_EXT_DIR=/tmp/tiered_kv_ext_old python3 -m tiered_kv build-ext) \
+    > "$OUT/ab-build.log" 2>&1 || { tail -5 "$OUT/ab-build.log"; exit 1; }
+  touch /tmp/site-old/.ready
+fi
+for i in $(seq "$ROUNDS"); do
+  for build in new old; do
+    if [ $build = new ]; then site=/tmp/site; ext=/tmp/tiered_kv_ext; else site=/tmp/site-old:/tmp/site; ext=/tmp/tiered_kv_ext_old; fi
+    (cd /tmp && PYTHONPATH=$site TIERED_KV_EXT_DIR=$ext timeout 120 python3 "$here/partial_ab_probe.py") 2>> "$OUT/ab-err.log" \
+      | sed "s/^{/{\"build\": \"$build\", \"round\": $i, /" >> "$OUT/partial-ab.jsonl"
+  done
+done
+python3 - "$OUT/partial-ab.jsonl" <<'PY'
+import json, statistics, sys
+runs = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
+keys = sorted({k for r in runs for k in r["rows"]})
+print(f"{'row':<16} {'new fraction (runs)':<36} {'old fraction (runs)':<36} new/old median")
+for k in keys:
+    got = {b: [r["rows"][k]["fraction"] for r in runs if r["build"] == b and k in r["rows"]] for b in ("new", "old")}
+    med = {b: statistics.median(v) if v else float("nan") for b, v in got.items()}
+    print(f"{k:<16} {str(got['new']):<36} {str(got['old']):<36} {med['new']:.3f} / {med['old']:.3f}")
+PY
