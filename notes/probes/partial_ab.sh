@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Session s: the bench's partial rows, this build against the previous one, alternating processes on one GPU.
 # Needs the installed build (bash .ci/gpu-run install) and the previous build's tree in $1 (git archive of it);
-# writes $OUT/partial-ab.jsonl. Usage: bash notes/probes/partial_ab.sh OLD_TREE [ROUNDS]
+# writes $OUT/partial-ab.jsonl. Usage: bash notes/probes/partial_ab.sh OLD_TREE [ROUNDS] (a directory, or a .tar.xz of one)
 set -uo pipefail
 OLD=$1; ROUNDS=${2:-4}
+if [ -f "$OLD" ]; then mkdir -p /tmp/ab-old-tree && tar -xJf "$OLD" -C /tmp/ab-old-tree && OLD=/tmp/ab-old-tree; fi
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 here=$(cd "$(dirname "$0")" && pwd)
 if [ ! -f /tmp/site-old/.ready ]; then
