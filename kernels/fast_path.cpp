@@ -143,15 +143,16 @@ class DeviceEvent {
   }
 
   // Look at the event without yielding (the GIL kept: no Python thread can delay the caller's resume) until it is
-  // done or `budget_ns` has passed: true once done, false when the budget is spent. A CUDA error ends the look with
-  // true, so that the caller's query() reports it.
-  bool spin(int64_t budget_ns) const {
+  // done or `budget_ns` has passed: 1 once done, 0 when the budget is spent, -1 on a CUDA error (the caller's
+  // query() then reports it).
+  int spin(int64_t budget_ns) const {
     const int64_t until = now_ns() + budget_ns;
     for (;;) {
       const cudaError_t err = cudaEventQuery(ev_);
-      if (err != cudaErrorNotReady) return true;  // done, or an error the caller's query() raises
+      if (err == cudaSuccess) return 1;
+      if (err != cudaErrorNotReady) return -1;
       cudaGetLastError();
-      if (now_ns() >= until) return false;
+      if (now_ns() >= until) return 0;
     }
   }
 

@@ -626,6 +626,99 @@ async def test_one_call_launch_takes_decided_shapes_with_fences_and_completion(
             stream.release()
 
 
+class _SpinEvent:
+    """A native event the test reaches by hand: ``state`` 0 running, 1 done, -1 a CUDA error (``DeviceEvent.spin``)."""
+
+    def __init__(self) -> None:
+        self.state = 0
+        self.spins = 0
+
+    def spin(self, budget_ns: int) -> int:
+        self.spins += 1
+        return self.state
+
+    def query(self) -> bool:
+        if self.state < 0:
+            raise RuntimeError("cudaEventQuery failed: an illegal memory access was encountered")
+        return self.state == 1
+
+    def synchronize(self) -> None:
+        pass
+
+
+async def test_in_place_await_of_a_native_event_completes_in_order(
+    layout: KVLayout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The in-place await of a launched copy's native event (``DeviceEvent.spin``), as on CUDA.
+
+    - the oldest copy in flight is completed right where its end is seen, without ``_poll``; its fences and
+      statistics settle as any completion's;
+    - a copy with an older one still in flight on its stream takes ``_poll``, which completes the older one first:
+      no transfer is done before one enqueued before it on its stream;
+    - a CUDA error seen by the look completes nothing: the await raises it, and the copy completes (failed or not)
+      only from its stream's thread.
+    """
+    async with TransferEngine(layout, gpu_blocks=16, host_blocks=2, device="cpu") as engine:
+        native, stream, log = _fake_native(engine, monkeypatch)
+        fill_pool(engine, Tier.GPU, seed=9)
+        events: list[_SpinEvent] = []
+        launch = native.launch
+
+        def spin_launch(*args: Any) -> Any:
+            got = launch(*args)
+            if got is None:
+                return None
+            events.append(_SpinEvent())
+            return (events[-1], *got[1:])
+
+        native.launch = spin_launch
+        monkeypatch.setattr(engine, "_native_event", _SpinEvent)
+        monkeypatch.setattr(engine, "_await_spin", 1e-3)
+        stream.watch = engine._watch  # type: ignore[attr-defined]  # as the engine binds its own streams
+        polls: list[Any] = []
+        poll = engine._poll
+        def counted_poll(marker: Any) -> bool:
+            polls.append(marker)
+            return poll(marker)
+
+        monkeypatch.setattr(engine, "_poll", counted_poll)
+        try:
+            first = engine.copy(Tier.GPU, [0, 1], Tier.GPU, [8, 9])  # decides the shape (per-step path)
+            stream.release()
+            await first
+            engine.statistics()  # settled: nothing older in flight
+            one = engine.copy(Tier.GPU, [2, 3], Tier.GPU, [10, 11])
+            assert log[-1] == "launch" and len(events) == 1
+            events[0].state = 1
+            polls.clear()
+            await one
+            assert one.done() and events[0].spins == 1 and polls == [], "the oldest copy is completed in place"
+            stats = engine.statistics()
+            assert stats.in_flight == 0 and stats.completed == 2 and not engine.fences
+            # an older copy in flight on the same stream: _poll completes it first
+            older = engine.copy(Tier.GPU, [4, 5], Tier.GPU, [12, 13])
+            newer = engine.copy(Tier.GPU, [6, 7], Tier.GPU, [14, 15])
+            assert log[-2:] == ["launch", "launch"] and len(events) == 3
+            events[1].state = events[2].state = 1
+            await newer
+            assert polls == [newer._marker] and older.done() and newer.done()
+            done_at = (older._marker.done_at, newer._marker.done_at)
+            assert done_at[0] is not None and done_at[1] is not None and done_at[0] <= done_at[1]
+            await older
+            # a CUDA error seen by the look: the await raises it, the copy is not taken for done
+            engine.statistics()
+            failed = engine.copy(Tier.GPU, [0, 1], Tier.GPU, [10, 11])
+            events[-1].state = -1
+            with pytest.raises(RuntimeError, match="illegal memory access"):
+                await failed
+            assert not failed.done()
+            stream.release()  # its thread's completion
+            await asyncio.wait_for(failed._marker.wait(), 5)
+            assert failed.done()
+        finally:
+            stream.release()
+
+
 async def test_one_call_launch_declines_to_the_per_step_path(layout: KVLayout, monkeypatch: pytest.MonkeyPatch) -> None:
     """Whatever the one-call launch cannot take goes the per-step way, with the same results and errors.
 
