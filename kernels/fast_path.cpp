@@ -8,7 +8,9 @@
 // kernel on `stream`, records a pooled CUDA event after it and, when `sem` is non-zero, enqueues a host function
 // that posts that POSIX semaphore (the stream's waiter thread sleeps on it), on `stream` or on `signal_stream`
 // (signal_after). It returns the event as a `DeviceEvent`:
-// query(), synchronize() (GIL released), wait(stream) (stream-side), recycled when the last reference goes.
+// query(), synchronize() (GIL released), wait(stream) (stream-side), spin(budget_ns) (looks until done, the GIL
+// kept: the engine's in-place await), recycled when the last reference goes. `launch` is check and submit in one
+// call, with the fence check; `register_pair` writes one copy's fence entries (FenceTable.register's per-block part).
 //
 // Errors raise RuntimeError (IndexError for an index out of range) before anything is enqueued where they can
 // be found before, and carry the CUDA error otherwise.
@@ -491,14 +493,22 @@ bool pending(PyObject* table, PyObject* key, PyObject*& done) {
   return false;
 }
 
-// Whether a pool's holders (FenceTable: the markers holding entries in the pool, as dict keys, until released) include
-// an op not completed yet. None: not known, so true.
+// Calls of at least this many pairs first ask the pools' holders whether any op there still runs (below it, the
+// per-block lookups cost no more than that); at most kHolderLooks holders are looked at per pool.
+constexpr Py_ssize_t kHolderMinPairs = 16;
+constexpr int kHolderLooks = 16;
+
+// Whether a pool's holders (FenceTable: the markers holding entries in the pool, as dict keys, until released) may
+// include an op not completed yet: true when one is found, or when none is known (None) or more than kHolderLooks
+// would have to be looked at (completed holders not yet released stay in front, oldest first: the caller then
+// looks at the blocks themselves).
 bool live(PyObject* holders) {
   if (holders == Py_None) return true;
   Py_ssize_t pos = 0;
   PyObject *marker, *unused;
+  int looked = 0;
   while (PyDict_Next(holders, &pos, &marker, &unused)) {
-    if (!completed(marker)) return true;
+    if (!completed(marker) || ++looked > kHolderLooks) return true;
   }
   return false;
 }
@@ -511,9 +521,9 @@ bool live(PyObject* holders) {
 // The fences, by FenceTable.dependencies' rules: a source block must have no pending write (`src_writes`), a
 // destination block no pending write (`dst_writes`) nor read (`dst_reads`); each is the pool's table (the same dict
 // object for the pool's life, FenceTable.tables: the caller binds them once) or None. `src_holders` and
-// `dst_holders` are the pools' holders (FenceTable.tables, or None): when no op of either pool is still running,
-// nothing can be pending and the tables are not read at all (entries of completed ops not yet dropped are
-// common: the engine drops them after the awaiting coroutine resumed).
+// `dst_holders` are the pools' holders (FenceTable.tables, or None): for a call of kHolderMinPairs pairs or more,
+// when no op of either pool is still running, nothing can be pending and the tables are not read at all (entries
+// of completed ops not yet dropped are common: the engine drops them after the awaiting coroutine resumed).
 // Returns `(event, src list, dst list, choice)`, or None -- nothing enqueued -- when the check declines the
 // indices, `choices` has no entry for the shape, or a block has an op to wait for: the caller then takes the
 // per-step path, which decides the shape, waits where it must and reports the errors. The caller records the
@@ -548,7 +558,7 @@ py::object launch(int64_t src_blocks, int64_t dst_blocks, bool same_pool, py::ha
     if (table != Py_None && PyDict_GET_SIZE(table) == 0) table = Py_None;
   }
   const bool fenced = (tables[0] != Py_None || tables[1] != Py_None || tables[2] != Py_None) &&
-                      (live(src_holders.ptr()) || live(dst_holders.ptr()));
+                      (ns < kHolderMinPairs || live(src_holders.ptr()) || live(dst_holders.ptr()));
   py::object s_list, d_list;
   if (fenced) {  // the tables are keyed by Python ints: the lists first
     std::tie(s_list, d_list) = index_lists(lists, src, dst, sb.data(), db.data(), ns);

@@ -151,7 +151,11 @@ native = importlib.util.module_from_spec(spec)
 loader.exec_module(native)
 done, done2, busy = Marker(None), Marker(None), Marker(None)
 done.completed = done2.completed = True
-choices = {(2, 1): (-1, [0, 0], 64)}  # two pairs in one run, decided; plan -1 does not exist
+many = [Marker(None) for _ in range(17)]
+for m in many:
+    m.completed = True
+# two, fifteen and sixteen pairs in one run, decided; plan -1 does not exist
+choices = {(2, 1): (-1, [0, 0], 64), (15, 1): (-1, [0, 0], 64), (16, 1): (-1, [0, 0], 64)}
 
 def outcome(src_writes, dst_writes, dst_reads, src=(0, 1), dst=(10, 11), holders=(None, None)):
     try:
@@ -183,6 +187,15 @@ cases = {
         None, {11: busy}, None, (0, 1), (10, 11), ({}, {done: None, busy: None})
     ),
     "busy holder, other blocks": ({5: busy}, {12: busy}, None, (0, 1), (10, 11), ({busy: None}, {busy: None})),
+    # from 16 pairs the holders are asked first (at most 16 per pool): the entry of a busy op that no holder names
+    # (a state the fence table never has) shows whether the blocks were looked at
+    "16 pairs, completed holders: blocks not looked at": (
+        {0: busy}, None, None, range(16), range(16, 32), ({done: None}, {done2: None})
+    ),
+    "16 pairs, 17 completed holders: blocks looked at": (
+        {0: busy}, None, None, range(16), range(16, 32), (dict.fromkeys(many), {})
+    ),
+    "15 pairs: blocks looked at": ({0: busy}, None, None, range(15), range(16, 31), ({done: None}, {done2: None})),
 }
 launch = {name: outcome(*args) for name, args in cases.items()}
 
@@ -260,9 +273,10 @@ def test_one_call_launch_decisions_without_a_gpu(tmp_path: Path) -> None:
         "one completed marker everywhere",
         "completed holders",
         "busy holder, other blocks",
+        "16 pairs, completed holders: blocks not looked at",
     }
     assert got == {name: "issued" if name in issued else "declined" for name in got}, got
-    assert len(got) == 15
+    assert len(got) == 18
     register = out["register"]
     assert register["steps"] == 3000 and register["mismatches"] == [], register
     assert register["fenced"] > 0, register  # the tables were not empty at the end: entries were compared
