@@ -1049,9 +1049,7 @@ class TransferEngine:
                     # _poll, in short: the oldest copy in flight (none before it to complete first), enqueued whole by
                     # the one-call launch (nothing it waited for; reaching its event is its whole completion)
                     marker.done_at = time.perf_counter()
-                    self._fences.release_later(marker)
-                    self._settling.append(marker)
-                    marker.complete()
+                    self._complete(marker)
                     done = True
                 else:
                     done = seen != 0 and self._poll(marker)
