@@ -88,7 +88,8 @@ at::Device run_device(at::TensorList dst, at::TensorList src) {
   return device;
 }
 
-// One cudaMemcpy(2D)Async per run of blocks contiguous on both sides and per group.
+// One cudaMemcpy(2D)Async per run of blocks contiguous on both sides and per group (a partial copy: per block, or
+// per run where the rows of consecutive blocks follow each other).
 void issue_dma(const BlockCopyGeometry& g, const std::vector<char*>& dbase, const std::vector<char*>& sbase,
                const int64_t* sb, const int64_t* db, cudaStream_t stream) {
   const int64_t ks = g.src_tensors, kd = g.dst_tensors, groups = g.groups;
@@ -100,10 +101,14 @@ void issue_dma(const BlockCopyGeometry& g, const std::vector<char*>& dbase, cons
   };
   const size_t n = static_cast<size_t>(g.num_pairs);
   DmaBatch dense;  // 1-D copies, issued together below (one cudaMemcpyBatchAsync where the runtime has it)
+  // partial blocks whose rows go on from one block into the next on both sides (one group per tensor, dense): a
+  // run of blocks is one 2-D call of its rows (the copy engine's cost is mostly per call)
+  const bool rows_go_on = g.rows > 1 && g.src_block_stride == g.rows * g.row_pitch &&
+                          g.dst_block_stride == g.rows * g.row_pitch;
   size_t i = 0;
   while (i < n) {
     size_t j = i + 1;  // a run: consecutive blocks on both sides
-    if (g.rows == 1) {
+    if (g.rows == 1 || rows_go_on) {
       while (j < n && sb[j] == sb[j - 1] + 1 && db[j] == db[j - 1] + 1) ++j;
     }
     const int64_t run = static_cast<int64_t>(j - i);
@@ -120,7 +125,7 @@ void issue_dma(const BlockCopyGeometry& g, const std::vector<char*>& dbase, cons
       } else if (g.rows == 1) {
         err = cudaMemcpy2DAsync(d, g.dst_block_stride, s, g.src_block_stride, g.width, run, cudaMemcpyDefault, stream);
       } else {
-        err = cudaMemcpy2DAsync(d, g.row_pitch, s, g.row_pitch, g.width, g.rows, cudaMemcpyDefault, stream);
+        err = cudaMemcpy2DAsync(d, g.row_pitch, s, g.row_pitch, g.width, g.rows * run, cudaMemcpyDefault, stream);
       }
       check_launch(err, "copy_blocks DMA");
     }

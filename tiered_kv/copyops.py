@@ -34,7 +34,12 @@ the GPU once per process (:func:`calibrated_dma_threshold`): the kernel is up to
 ``tiered-kv bench``'s sweep). A layer-major copy whose blocks come in runs of consecutive blocks (on average at
 least :data:`MIN_RUN_BLOCKS`) is one 2-D DMA call per run and group, a row per block: it is chosen by the row size
 from which such calls match the kernel, measured the same way (:func:`calibrated_dma_row_threshold`; 32 KiB rows
-against 64-128 KiB pieces on an H100 host). ``EngineConfig.copy_path`` forces one path.
+against 64-128 KiB pieces on an H100 host). A partial copy between pinned host memory and the GPU whose rows go on
+from block to block (dense block-major pools) is, in runs of consecutive blocks, one 2-D DMA call per run and group
+too: it takes DMA when its rows are at least the width from which such a call beats the kernel
+(:func:`calibrated_dma_strided_threshold`; 512 B on an H100 and an H200, where the kernel stops at ~0.93 of PCIe)
+and its calls move at least what the row calibration's calls moved at that threshold (the copy engine's cost is
+per call). ``EngineConfig.copy_path`` forces one path.
 
 Layer-by-layer copies (``copy(..., layers=)``, :mod:`tiered_kv.layerwise`) count a run of consecutive blocks
 as one piece too: DMA moves it in one ``cudaMemcpy2DAsync`` (a row per block), and a load that is meant to
@@ -125,6 +130,9 @@ class _PairInfo:
     on_cuda: bool
     layered: bool  # a side is a LayerSlice (layer-by-layer copy)
     block_bytes: int  # bytes one block pair moves (num_tokens of every row)
+    # a partial copy between pinned host memory and the GPU whose rows go on from one block into the next on both
+    # sides (one group per tensor, dense): a run of consecutive blocks is one 2-D DMA call per group
+    strided_runs: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,9 +181,13 @@ class Copier:
         )
         #: the row size from which a layer-major copy in runs of consecutive blocks (2-D DMA calls) takes DMA
         self.dma_min_row_bytes: int = self.dma_min_chunk_bytes
+        #: the row width from which a partial host<->GPU copy in runs of blocks may take 2-D DMA calls (measured;
+        #: else never: partial rows are far below the default piece size)
+        self.dma_min_strided_row_bytes: int = self.dma_min_chunk_bytes
         if config.dma_min_chunk_bytes is None and self.kernels and config.copy_path == "auto":
             self.dma_min_chunk_bytes = calibrated_dma_threshold(device.torch_device)
             self.dma_min_row_bytes = calibrated_dma_row_threshold(device.torch_device)
+            self.dma_min_strided_row_bytes = calibrated_dma_strided_threshold(device.torch_device)
         self._lock = threading.Lock()
         self._calls: dict[str, int] = {}
         self._bytes: dict[str, int] = {}
@@ -229,9 +241,11 @@ class Copier:
         info = self._pairs.get(key)
         if info is None or info.src_pool is not src_pool or info.dst_pool is not dst_pool:
             src_t, dst_t = pool_tensors(src_pool), pool_tensors(dst_pool)
-            groups, rows, _row, width = opdefs.block_geometry(dst_t, src_t, n)
+            groups, rows, row, width = opdefs.block_geometry(dst_t, src_t, n)
             dense = all(t.stride(0) == math.prod(t.shape[1:]) for t in (src_t[0], dst_t[0]))
             on_cuda = src_t[0].is_cuda or dst_t[0].is_cuda
+            via_host = on_cuda and not (src_t[0].is_cuda and dst_t[0].is_cuda)
+            rows_go_on = rows > 1 and all(t.stride(0) == rows * row for t in (src_t[0], dst_t[0]))
             layered = isinstance(src_pool, LayerSlice) or isinstance(dst_pool, LayerSlice)
             info = _PairInfo(
                 src_pool,
@@ -245,6 +259,7 @@ class Copier:
                 on_cuda,
                 layered,
                 src_pool.layout.bytes_per_block // src_pool.layout.tokens_per_block * n,
+                via_host and rows_go_on,
             )
             self._pairs[key] = info
         return info
@@ -360,6 +375,12 @@ class Copier:
             # layer-major groups in long runs of consecutive blocks: one 2-D DMA call per run and group, whose cost is
             # per row of `piece` bytes (measured apart from scattered pieces)
             threshold = self.dma_min_row_bytes
+        elif info.strided_runs and runs and piece >= self.dma_min_strided_row_bytes:
+            # partial blocks host<->GPU, rows wide enough for the copy engine: one 2-D DMA call per run and group,
+            # whose cost is mostly per call; it must move at least what the row calibration's calls moved where
+            # DMA caught up with the kernel
+            piece = info.block_bytes * size // (runs * info.groups)
+            threshold = 2 * MIN_RUN_BLOCKS * self.dma_min_row_bytes
         path = choose_path(piece, self.config, on_cuda=info.on_cuda, kernels=self.kernels, threshold=threshold)
         one_piece = runs == 1 and info.rows == 1 and info.groups == 1 and info.dense
         if path == "kernel" and one_piece and self.config.copy_path == "auto":
@@ -734,6 +755,14 @@ _calibrated: dict[int, tuple[int, int]] = {}  # device index -> (piece threshold
 _measured_ratios: dict[int, tuple[list[float], list[float]]] = {}  # device index -> (piece ratios, row ratios)
 _calibration_lock = threading.Lock()
 
+#: Row widths the strided calibration compares (partial-block rows: ``num_tokens * head_dim`` elements), and what it
+#: keeps per device: the threshold (:data:`NEVER` if DMA won at none) and the median ratio per width.
+_STRIDED_WIDTHS = (256, 512, 1024, 2048, 4096)
+_calibrated_strided: dict[int, tuple[int, list[float]]] = {}
+
+#: A threshold no piece or row reaches (a path that is never taken).
+NEVER = 1 << 62
+
 #: A layer-major copy whose runs of consecutive blocks average at least this many blocks moves each group's run as
 #: one 2-D DMA call (a row per block): the DMA row size applies (:func:`calibrated_dma_row_threshold`). The
 #: calibration measures runs of twice that.
@@ -766,6 +795,79 @@ def calibrated_dma_row_threshold(device: torch.device) -> int:
     ``2 * MIN_RUN_BLOCKS`` blocks.
     """
     return _calibration(device)[1]
+
+
+def calibrated_dma_strided_threshold(device: torch.device) -> int:
+    """The smallest partial-block row width from which one 2-D DMA call beats the copy kernel, host<->GPU.
+
+    A partial copy (tokens ``[0, n)`` of every row) between pinned host memory and the GPU, in runs of consecutive
+    blocks whose rows go on from block to block, is one ``cudaMemcpy2DAsync`` per run and group, a row of
+    ``n * head_dim`` elements each. Over PCIe the copy engine moves rows of 512 B and more at the rate of one
+    contiguous copy, rows of 256 B at ~0.85 of it, while the kernel's reads and writes of pinned memory stop at
+    ~0.93 (an H100 and an H200: ``kernels/probes/partial_probe.cu host``); each call costs ~2.5 µs of its own, which
+    the row calibration measures (:meth:`Copier.plan` asks for calls as large as that calibration's at its
+    threshold). Measured once per process and device like :func:`calibrated_dma_threshold`: per width in
+    :data:`_STRIDED_WIDTHS`, 16 MiB of rows (pitch twice the width) copied each way in one call by each path, nine
+    turns, the median of the per-turn ratios; the threshold is the smallest width from which DMA wins by at least
+    2 % at every larger width, :data:`NEVER` if it wins at none (or the measurement failed).
+    """
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _calibration_lock:
+        found = _calibrated_strided.get(index)
+        if found is None:
+            try:
+                medians = [statistics.median(r) for r in _strided_samples(index).values()]
+                found = (_strided_threshold_of(medians), medians)
+                log.info("tiered_kv: 2-D DMA of partial rows from %d bytes on cuda:%d (measured)", found[0], index)
+            except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
+                found = (NEVER, [])
+                log.warning("tiered_kv: could not measure partial rows by DMA (%s); the kernel copies them", exc)
+            _calibrated_strided[index] = found
+    return found[0]
+
+
+def _strided_threshold_of(medians: list[float]) -> int:
+    """The threshold the median DMA/kernel ratios of :data:`_STRIDED_WIDTHS` lead to (:data:`NEVER` if none won)."""
+    threshold = NEVER
+    for width, ratio in zip(reversed(_STRIDED_WIDTHS), reversed(medians), strict=True):
+        if not ratio <= _DMA_WINS:  # NaN loses too
+            break
+        threshold = width
+    return threshold
+
+
+def _strided_samples(index: int, turns: int = _CALIBRATION_TURNS) -> dict[int, list[float]]:
+    """Per-turn DMA/kernel time ratios per width of :data:`_STRIDED_WIDTHS`: one 2-D call each way per path."""
+    import time
+
+    with torch.cuda.device(index):
+        host = torch.empty(_CALIBRATION_BYTES, dtype=torch.uint8, pin_memory=True)
+        gpu = torch.empty(_CALIBRATION_BYTES, dtype=torch.uint8, device=f"cuda:{index}")
+        stream = torch.cuda.Stream()
+        op = torch.ops.tiered_kv.copy_blocks
+        cases = []
+        for width in _STRIDED_WIDTHS:
+            blocks = _CALIBRATION_BYTES // (64 * 2 * width)  # blocks of 64 rows of two tokens of `width` bytes
+            idx = torch.arange(blocks)
+            shape = (blocks, 64, 2, width)
+            cases.append((width, [host.view(shape)], [gpu.view(shape)], idx))
+        out: dict[int, list[float]] = {width: [] for width in _STRIDED_WIDTHS}
+        for turn in range(turns + 1):
+            order = (ops.METHOD_KERNEL, ops.METHOD_DMA) if turn % 2 else (ops.METHOD_DMA, ops.METHOD_KERNEL)
+            for width, host_side, gpu_side, idx in cases:
+                t = dict.fromkeys(order, 0.0)
+                for method in order:
+                    for dst, src in ((gpu_side, host_side), (host_side, gpu_side)):
+                        stream.synchronize()
+                        t0 = time.perf_counter()
+                        with torch.cuda.stream(stream):
+                            op(dst, src, idx, idx, 1, method)  # token 0 of 2: rows of `width` bytes, pitch 2x
+                        stream.synchronize()
+                        t[method] += time.perf_counter() - t0
+                if turn:
+                    out[width].append(t[ops.METHOD_DMA] / t[ops.METHOD_KERNEL])
+        del host, gpu, cases
+    return out
 
 
 def _calibration(device: torch.device) -> tuple[int, int]:
@@ -887,7 +989,8 @@ def _dma_samples(index: int, sizes: tuple[int, ...], turns: int = _CALIBRATION_T
 def measured_dma_ratios(device: torch.device) -> dict[str, dict[int, float]] | None:
     """The calibration's median DMA/kernel time ratio per size on ``device`` (``None`` if it has not run there).
 
-    ``{"pieces": {size: ratio}, "rows": {size: ratio}}``; a ratio at most 0.98 is a DMA win. For reports (the
+    ``{"pieces": {size: ratio}, "rows": {size: ratio}}``, and ``"strided": {width: ratio}`` once
+    :func:`calibrated_dma_strided_threshold` has measured; a ratio at most 0.98 is a DMA win. For reports (the
     kernels benchmark prints it next to the thresholds it led to).
     """
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -896,7 +999,11 @@ def measured_dma_ratios(device: torch.device) -> dict[str, dict[int, float]] | N
         return None
     pieces, rows = found
     sizes = _CALIBRATION_PIECES
-    return {"pieces": dict(zip(sizes, pieces, strict=True)), "rows": dict(zip(sizes, rows, strict=True))}
+    out = {"pieces": dict(zip(sizes, pieces, strict=True)), "rows": dict(zip(sizes, rows, strict=True))}
+    strided = _calibrated_strided.get(index)
+    if strided is not None and strided[1]:
+        out["strided"] = dict(zip(_STRIDED_WIDTHS, strided[1], strict=True))
+    return out
 
 
 def _threshold_of(medians: list[float]) -> int:

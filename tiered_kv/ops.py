@@ -288,7 +288,8 @@ def copy_blocks(
 
     Notes:
         Host tensors must be pinned on CUDA; the kernel reads and writes them through unified addressing at
-        execution time. A partial copy by ``METHOD_DMA`` is one ``cudaMemcpy2DAsync`` per (block, group).
+        execution time. A partial copy by ``METHOD_DMA`` is one ``cudaMemcpy2DAsync`` per (block, group), or per
+        (run of consecutive blocks, group) where the rows of one block go on into the next on both sides.
     """
     ns, s_logical, s_dtype, _s_dev = _side_shape(src, "src")
     nd, d_logical, d_dtype, _d_dev = _side_shape(dst, "dst")

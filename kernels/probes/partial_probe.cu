@@ -5,6 +5,9 @@
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/partial_probe kernels/probes/partial_probe.cu && /tmp/partial_probe
 //
+// `partial_probe host`: the same pattern host<->GPU (pinned host pool): one contiguous copy, the 2-D copy-engine call
+// for all blocks and per block, and the engine's kernel reading or writing the pinned side over UVA.
+//
 // One line per measurement.
 #include <cuda_runtime.h>
 
@@ -13,6 +16,8 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <string>
 #include <vector>
 
 #define CK(x)                                                                                           \
@@ -144,9 +149,84 @@ double dev_us(cudaStream_t st, F&& fn, int repeat = 15) {
   return t[t.size() / 2];
 }
 
-int main() {
+// host<->GPU: the partial pattern between a pinned pool and a device pool, per mechanism
+int host_main(int sms) {
+  char *dev = nullptr, *host = nullptr;
+  CK(cudaMalloc(&dev, 2 * kPairs * kBlockBytes));
+  CK(cudaHostAlloc(&host, 2 * kPairs * kBlockBytes, cudaHostAllocDefault));
+  memset(host, 1, 2 * kPairs * kBlockBytes);
+  CK(cudaMemset(dev, 1, 2 * kPairs * kBlockBytes));
+  cudaStream_t st;
+  CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  for (int dir = 0; dir < 2; ++dir) {  // 0: host->GPU, 1: GPU->host
+    char* src = dir == 0 ? host : dev;
+    char* dst = dir == 0 ? dev : host;
+    const char* dname = dir == 0 ? "h2d" : "d2h";
+    Meta meta{};
+    meta.v[0] = reinterpret_cast<int64_t>(src);
+    meta.v[1] = reinterpret_cast<int64_t>(dst);
+    meta.src_index = 2;
+    meta.dst_index = 2 + kPairs;
+    for (int p = 0; p < kPairs; ++p) meta.v[2 + p] = meta.v[2 + kPairs + p] = p;
+    for (int tokens : {1, 2, 4, 12}) {
+      const uint32_t width = tokens * 256;
+      const size_t nbytes = size_t(kPairs) * kRows * width;
+      const double base = dev_us(st, [&] { CK(cudaMemcpyAsync(dst + kPairs * kBlockBytes, src, nbytes, cudaMemcpyDefault, st)); });
+      auto line = [&](const char* name, double us) {
+        printf("%s tokens=%2d %-40s %8.1f us  %6.2f GB/s  fraction %.3f\n", dname, tokens, name, us, nbytes / us / 1e3,
+               base / us);
+      };
+      line("contiguous cudaMemcpyAsync", base);
+      line("2-D, one call for all blocks", dev_us(st, [&] {
+             CK(cudaMemcpy2DAsync(dst, kPitch, src, kPitch, width, kPairs * kRows, cudaMemcpyDefault, st));
+           }));
+      line("2-D, one call per block", dev_us(st, [&] {
+             for (int p = 0; p < kPairs; ++p)
+               CK(cudaMemcpy2DAsync(dst + p * kBlockBytes, kPitch, src + p * kBlockBytes, kPitch, width, kRows,
+                                    cudaMemcpyDefault, st));
+           }));
+      for (int run : {2, 4, 8, 16, 32}) {  // runs of `run` blocks, issued last run first
+        char name[64];
+        snprintf(name, sizeof name, "2-D, one call per %d blocks, reversed", run);
+        line(name, dev_us(st, [&] {
+               for (int p = kPairs - run; p >= 0; p -= run)
+                 CK(cudaMemcpy2DAsync(dst + p * kBlockBytes, kPitch, src + p * kBlockBytes, kPitch, width, run * kRows,
+                                      cudaMemcpyDefault, st));
+             }));
+      }
+      for (int ctas : {2, 4}) {
+        for (uint32_t bb : {8192u, 16384u}) {
+          const uint32_t batch = std::max<uint32_t>(1, bb / width);
+          const uint32_t items = kPairs * ((kRows + batch - 1) / batch);
+          const unsigned grid = std::min<int64_t>((items + kWarps - 1) / kWarps, int64_t(sms) * ctas);
+          char name[64];
+          snprintf(name, sizeof name, "kernel warp items ctas/sm=%d item=%uB u8", ctas, bb);
+          line(name, dev_us(st, [&] { warp_items<8><<<grid, kThreads, 0, st>>>(meta, width, batch, items); }));
+        }
+      }
+      // host time to issue 128 per-block 2-D calls (the engine's DMA path for a partial copy today)
+      std::vector<double> t;
+      for (int rep = 0; rep < 7; ++rep) {
+        CK(cudaStreamSynchronize(st));
+        const auto t0 = std::chrono::steady_clock::now();
+        for (int p = 0; p < kPairs; ++p)
+          CK(cudaMemcpy2DAsync(dst + p * kBlockBytes, kPitch, src + p * kBlockBytes, kPitch, width, kRows,
+                               cudaMemcpyDefault, st));
+        t.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+      }
+      CK(cudaStreamSynchronize(st));
+      std::sort(t.begin(), t.end());
+      printf("%s tokens=%2d host issue of 128 per-block 2-D calls p50 %.1f us\n", dname, tokens, t[t.size() / 2]);
+    }
+  }
+  CK(cudaDeviceSynchronize());
+  return 0;
+}
+
+int main(int argc, char** argv) {
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  if (argc > 1 && std::string(argv[1]) == "host") return host_main(sms);
   cudaDeviceProp prop{};
   CK(cudaGetDeviceProperties(&prop, 0));
   printf("# %s, %d SMs\n", prop.name, sms);

@@ -312,8 +312,8 @@ async def _partial(device: str, blocks: int, repeat: int) -> list[dict[str, Any]
                     (a[:one], h[:one]),
                 ),
             }
-            path = engine.copier.plan(engine.pool(Tier.GPU), idx[:half], engine.pool(Tier.GPU), idx[half:], n).path
             for direction, (route, base, single, bare) in cases.items():
+                path = engine.copier.plan(engine.pool(route[0]), route[1], engine.pool(route[2]), route[3], n).path
                 # the op alone (no engine: no fences, waiter thread or loop wake-up)
                 op_call: Callable[[], object] | None = None
                 if cuda:
@@ -355,7 +355,7 @@ async def _partial(device: str, blocks: int, repeat: int) -> list[dict[str, Any]
                         "device": "cuda" if cuda else "emulated",
                         "tokens": f"{n}/{layout.tokens_per_block}",
                         "direction": direction,
-                        "path": path,
+                        "engine_path": path,
                         "MiB_moved": nbytes / 2**20,
                         "engine_GBps": nbytes / statistics.median(ours) / 1e9,
                         "contiguous_GBps": nbytes / statistics.median(theirs) / 1e9,
@@ -459,12 +459,16 @@ def _calibration_note(device: torch.device) -> str:
     if config.dma_min_chunk_bytes is not None:
         return f"calibration: not run; DMA from {config.dma_min_chunk_bytes} byte pieces and rows (configured)"
     piece, row = copyops.calibrated_dma_threshold(device), copyops.calibrated_dma_row_threshold(device)
+    strided = copyops.calibrated_dma_strided_threshold(device)
     text = f"calibration: DMA from {piece >> 10} KiB pieces and {row >> 10} KiB rows"
+    text += ", partial rows host<->GPU " + ("never" if strided >= copyops.NEVER else f"from {strided} B")
     ratios = copyops.measured_dma_ratios(device)
     if ratios is None:  # the measurement failed (see the log): the default
         return text + " (not measured)"
     for kind, by_size in ratios.items():
-        text += f"; {kind} DMA/kernel time " + " ".join(f"{size >> 10}K:{r:.3f}" for size, r in by_size.items())
+        text += f"; {kind} DMA/kernel time " + " ".join(
+            f"{f'{size >> 10}K' if size >= 1024 else f'{size}B'}:{r:.3f}" for size, r in by_size.items()
+        )
     return text
 
 

@@ -115,7 +115,8 @@ _RULES: dict[str, Callable[[Row], Target | None]] = {
 }
 
 # keys that are measurements or verdicts, never part of a row's identity
-_NOT_LABELS = {"target", "met", "id", "device"}
+# not labels: verdicts, and what the engine chose for a row (a row keeps its id when a calibration chooses otherwise)
+_NOT_LABELS = {"target", "met", "id", "device", "engine_path"}
 # int fields that label a row (other ints, such as counts of hits, are measurements)
 _INT_LABELS = {"blocks", "chunks", "seqs", "threads", "pairs", "layers", "tokens", "new_tokens", "group_layers"}
 _INT_LABEL_ENDINGS = ("_tokens", "_blocks", "_layers", "_seqs")  # prefix_tokens ... (not tokens_reused: a count)
