@@ -410,7 +410,7 @@ def test_the_dma_threshold_is_measured_once_per_device() -> None:
     assert Copier(resolve_device("cuda"), EngineConfig()).dma_min_chunk_bytes == first  # cached
     # the ratios it measured are kept, and the thresholds follow from them by the rule
     ratios = copyops.measured_dma_ratios(torch.device("cuda"))
-    assert ratios is not None and set(ratios) == {"pieces", "rows"}
+    assert ratios is not None and {"pieces", "rows"} <= set(ratios)  # and "strided" once measured
     for kind, threshold in (("pieces", first), ("rows", copier.dma_min_row_bytes)):
         by_size = ratios[kind]
         assert list(by_size) == list(copyops._CALIBRATION_PIECES)

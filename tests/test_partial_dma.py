@@ -23,6 +23,7 @@ from tiered_kv import KVLayout, Tier, TransferEngine, _ext, copyops
 from tiered_kv.config import EngineConfig
 from tiered_kv.copyops import MIN_RUN_BLOCKS, NEVER, Copier
 from tiered_kv.device import resolve_device
+from tiered_kv.layer_major import LayerMajorPool
 from tiered_kv.pools import BlockPool
 from tiered_kv.testing import fill_random
 
@@ -90,8 +91,8 @@ def _bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @pytest.mark.gpu
 def test_the_choice_on_real_pools() -> None:
-    """Host<->GPU block-major pools: rows go on from block to block (DMA in runs); GPU<->GPU and a strided host
-    pool (a view with room between blocks): the kernel."""
+    """Host<->GPU block-major pools: rows go on from block to block (DMA in runs); GPU<->GPU: the kernel; a
+    layer-major GPU pool against a host pool: the host's rows of a layer stop at the block's end (the kernel)."""
     assert _ext.load(), f"the CUDA extension must build on the GPU machine: {_ext.status()['error']}"
     copier = Copier(resolve_device("cuda"), EngineConfig(dma_min_chunk_bytes=64 * KiB))
     copier.dma_min_row_bytes = 32 * KiB
@@ -100,13 +101,16 @@ def test_the_choice_on_real_pools() -> None:
     host = BlockPool(Tier.HOST, BIG, torch.empty(8, *shape, dtype=BIG.dtype, pin_memory=True))
     gpu = BlockPool(Tier.GPU, BIG, torch.empty(8, *shape, dtype=BIG.dtype, device="cuda"))
     gpu2 = BlockPool(Tier.GPU, BIG, torch.empty(8, *shape, dtype=BIG.dtype, device="cuda"))
-    padded = torch.empty(8, 2 * math.prod(shape), dtype=BIG.dtype, pin_memory=True)[:, : math.prod(shape)]
-    strided = BlockPool(Tier.HOST, BIG, padded.view(8, *shape))
+    # a layer-major GPU pool against a block-major host pool: a group per layer, and on the host side the rows of a
+    # group stop at the end of its layer (the next block's rows of that layer are a block further)
+    lm = LayerMajorPool.allocate(BIG, 8, "cuda", split_kv=False)
     run = np.arange(8)
     assert copier.plan(host, run, gpu, run, 4).path == "dma"
     assert copier.plan(gpu, run, host, run, 4).path == "dma"
     assert copier.plan(gpu, run, gpu2, run, 4).path == "kernel"
-    assert copier.plan(strided, run, gpu, run, 4).path == "kernel"
+    assert not copier._pair(host, lm, 4).strided_runs
+    assert copier.plan(host, run, lm, run, 4).path == "kernel"
+    assert not copier._pair(host, LayerMajorPool.allocate(BIG, 8, "cuda", split_kv=True), 4).strided_runs
     assert copier.plan(host, run[::2], gpu, run[::2], 4).path == "kernel"  # scattered: a call per block
     assert copier.plan(host, run, gpu, run, 1).path == "kernel"  # rows of 256 B: below the width
     copier.close()
