@@ -758,7 +758,7 @@ _calibration_lock = threading.Lock()
 #: Row widths the strided calibration compares (partial-block rows: ``num_tokens * head_dim`` elements), and what it
 #: keeps per device: the threshold (:data:`NEVER` if DMA won at none) and the median ratio per width.
 _STRIDED_WIDTHS = (256, 512, 1024, 2048, 4096)
-_STRIDED_BYTES = 64 << 20  # scratch per side: rows of `width` every 8 widths, 8 MiB moved per copy
+_STRIDED_BYTES = 64 << 20  # scratch per side: rows of `width` every 16 widths, 4 MiB moved per copy
 _calibrated_strided: dict[int, tuple[int, list[float]]] = {}
 
 #: A threshold no piece or row reaches (a path that is never taken).
@@ -808,10 +808,10 @@ def calibrated_dma_strided_threshold(device: torch.device) -> int:
     ~0.93 (an H100 and an H200: ``kernels/probes/partial_probe.cu host``); each call costs ~2.5 µs of its own, which
     the row calibration measures (:meth:`Copier.plan` asks for calls as large as that calibration's at its
     threshold). Measured once per process and device like :func:`calibrated_dma_threshold`: per width in
-    :data:`_STRIDED_WIDTHS`, 8 MiB of rows (one token of 8: a pitch of 8 widths, 64 rows per block) copied each way
-    in one call by each path, nine turns, the median of the per-turn ratios; the threshold is the smallest width
-    from which DMA wins by at least 2 % at every larger width, :data:`NEVER` if it wins at none (or the measurement
-    failed).
+    :data:`_STRIDED_WIDTHS`, 4 MiB of rows (one token of 16: a pitch of 16 widths, 512 rows per block) copied each
+    way in one call by each path, nine turns, the median of the per-turn ratios of device times; the threshold is
+    the smallest width from which DMA wins by at least 2 % at every larger width, :data:`NEVER` if it wins at none (or
+    the measurement failed).
     """
     index = device.index if device.index is not None else torch.cuda.current_device()
     with _calibration_lock:
@@ -839,9 +839,11 @@ def _strided_threshold_of(medians: list[float]) -> int:
 
 
 def _strided_samples(index: int, turns: int = _CALIBRATION_TURNS) -> dict[int, list[float]]:
-    """Per-turn DMA/kernel time ratios per width of :data:`_STRIDED_WIDTHS`: one 2-D call each way per path."""
-    import time
+    """Per-turn DMA/kernel device-time ratios per width of :data:`_STRIDED_WIDTHS`: one 2-D call each way per path.
 
+    The geometry of a partial copy of one token of 16: blocks of 512 rows, a row every 16 widths; 4 MiB moved per
+    copy. Device time (CUDA events around the op): both paths are one call, whose host time is alike.
+    """
     with torch.cuda.device(index):
         host = torch.empty(_STRIDED_BYTES, dtype=torch.uint8, pin_memory=True)
         gpu = torch.empty(_STRIDED_BYTES, dtype=torch.uint8, device=f"cuda:{index}")
@@ -849,9 +851,9 @@ def _strided_samples(index: int, turns: int = _CALIBRATION_TURNS) -> dict[int, l
         op = torch.ops.tiered_kv.copy_blocks
         cases = []
         for width in _STRIDED_WIDTHS:
-            blocks = _STRIDED_BYTES // (64 * 8 * width)  # blocks of 64 rows of eight tokens of `width` bytes
+            blocks = _STRIDED_BYTES // (512 * 16 * width)  # blocks of 512 rows of 16 tokens of `width` bytes
             idx = torch.arange(blocks)
-            shape = (blocks, 64, 8, width)
+            shape = (blocks, 512, 16, width)
             cases.append((width, [host.view(shape)], [gpu.view(shape)], idx))
         out: dict[int, list[float]] = {width: [] for width in _STRIDED_WIDTHS}
         for turn in range(turns + 1):
@@ -860,12 +862,14 @@ def _strided_samples(index: int, turns: int = _CALIBRATION_TURNS) -> dict[int, l
                 t = dict.fromkeys(order, 0.0)
                 for method in order:
                     for dst, src in ((gpu_side, host_side), (host_side, gpu_side)):
+                        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                         stream.synchronize()
-                        t0 = time.perf_counter()
                         with torch.cuda.stream(stream):
-                            op(dst, src, idx, idx, 1, method)  # token 0 of 8: rows of `width` bytes, pitch 8x
-                        stream.synchronize()
-                        t[method] += time.perf_counter() - t0
+                            start.record(stream)
+                            op(dst, src, idx, idx, 1, method)  # token 0 of 16: rows of `width` bytes, pitch 16x
+                            end.record(stream)
+                        end.synchronize()
+                        t[method] += start.elapsed_time(end)
                 if turn:
                     out[width].append(t[ops.METHOD_DMA] / t[ops.METHOD_KERNEL])
         del host, gpu, cases
