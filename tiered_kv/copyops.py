@@ -758,6 +758,7 @@ _calibration_lock = threading.Lock()
 #: Row widths the strided calibration compares (partial-block rows: ``num_tokens * head_dim`` elements), and what it
 #: keeps per device: the threshold (:data:`NEVER` if DMA won at none) and the median ratio per width.
 _STRIDED_WIDTHS = (256, 512, 1024, 2048, 4096)
+_SLEEP_AHEAD_CYCLES = 1 << 18  # ~130 µs at 2 GHz: longer than issuing the op takes
 _STRIDED_BYTES = 64 << 20  # scratch per side: rows of `width` every 16 widths, 4 MiB moved per copy
 _calibrated_strided: dict[int, tuple[int, list[float]]] = {}
 
@@ -842,7 +843,8 @@ def _strided_samples(index: int, turns: int = _CALIBRATION_TURNS) -> dict[int, l
     """Per-turn DMA/kernel device-time ratios per width of :data:`_STRIDED_WIDTHS`: one 2-D call each way per path.
 
     The geometry of a partial copy of one token of 16: blocks of 512 rows, a row every 16 widths; 4 MiB moved per
-    copy. Device time (CUDA events around the op): both paths are one call, whose host time is alike.
+    copy. Device time (CUDA events around the op, issued behind a sleep kernel so that no host gap between them is
+    counted): both paths are one call each, and the host time of a call is not what differs here.
     """
     with torch.cuda.device(index):
         host = torch.empty(_STRIDED_BYTES, dtype=torch.uint8, pin_memory=True)
@@ -865,6 +867,7 @@ def _strided_samples(index: int, turns: int = _CALIBRATION_TURNS) -> dict[int, l
                         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                         stream.synchronize()
                         with torch.cuda.stream(stream):
+                            torch.cuda._sleep(_SLEEP_AHEAD_CYCLES)  # busy while the host issues: device time only
                             start.record(stream)
                             op(dst, src, idx, idx, 1, method)  # token 0 of 16: rows of `width` bytes, pitch 16x
                             end.record(stream)
