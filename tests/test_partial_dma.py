@@ -73,13 +73,13 @@ def test_partial_host_gpu_copies_in_long_runs_take_2d_dma_by_call_size() -> None
 def test_the_strided_calibration_rule() -> None:
     """The smallest width from which DMA wins by 2 % at every larger width; NEVER when it wins at none."""
     widths = copyops._STRIDED_WIDTHS
-    assert widths == (256, 512, 1024, 2048, 4096)
-    assert copyops._strided_threshold_of([0.5] * 5) == 256
-    assert copyops._strided_threshold_of([1.18, 0.93, 0.93, 0.94, 0.95]) == 512  # the H100 / H200 shape
-    assert copyops._strided_threshold_of([0.9, 0.99, 0.93, 0.94, 0.95]) == 1024  # a loss above a win decides
-    assert copyops._strided_threshold_of([0.9, 0.9, 0.9, 0.9, 0.981]) == NEVER
-    assert copyops._strided_threshold_of([0.9, 0.9, 0.9, math.nan, 0.9]) == 4096  # NaN is no win
-    assert copyops._strided_threshold_of([1.1] * 5) == NEVER
+    assert widths == (256, 512, 1024, 2048)
+    assert copyops._strided_threshold_of([0.5] * 4) == 256
+    assert copyops._strided_threshold_of([1.12, 0.93, 0.93, 0.94]) == 512  # the H100 / H200 probe's shape
+    assert copyops._strided_threshold_of([0.9, 0.99, 0.93, 0.94]) == 1024  # a loss above a win decides
+    assert copyops._strided_threshold_of([0.9, 0.9, 0.9, 0.981]) == NEVER
+    assert copyops._strided_threshold_of([0.9, 0.9, math.nan, 0.9]) == 2048  # NaN is no win
+    assert copyops._strided_threshold_of([1.1] * 4) == NEVER
 
 
 # ----------------------------------------------------------------------------------------------------- GPU
@@ -113,6 +113,12 @@ def test_the_choice_on_real_pools() -> None:
     assert not copier._pair(host, LayerMajorPool.allocate(BIG, 8, "cuda", split_kv=True), 4).strided_runs
     assert copier.plan(host, run[::2], gpu, run[::2], 4).path == "kernel"  # scattered: a call per block
     assert copier.plan(host, run, gpu, run, 1).path == "kernel"  # rows of 256 B: below the width
+    # rows 2 KiB apart (head_dim 64): a pitch the calibration did not measure
+    narrow = dataclasses.replace(BIG, head_dim=64)
+    nhost = BlockPool(Tier.HOST, narrow, torch.empty(8, *narrow.block_shape, dtype=BIG.dtype, pin_memory=True))
+    ngpu = BlockPool(Tier.GPU, narrow, torch.empty(8, *narrow.block_shape, dtype=BIG.dtype, device="cuda"))
+    assert copier._pair(nhost, ngpu, 8).width_bytes == 1024 and not copier._pair(nhost, ngpu, 8).strided_runs
+    assert copier.plan(nhost, run, ngpu, run, 8).path == "kernel"
     copier.close()
 
 
@@ -123,12 +129,12 @@ def test_partial_copies_by_2d_dma_runs_land_exactly(native: str, monkeypatch: py
     runs go by DMA with one 2-D call per run; every token of every block lands, the rest is untouched, and scattered
     blocks and the GPU->GPU copies beside them are unchanged by the choice."""
     monkeypatch.setenv("TIERED_KV_NATIVE", native)
-    layout = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64, tokens_per_block=16, dtype=torch.float16)
+    layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=128, tokens_per_block=16, dtype=torch.float16)
 
     async def main() -> None:
         cfg = EngineConfig(dma_min_chunk_bytes=64 * KiB)
         async with TransferEngine(layout, gpu_blocks=96, host_blocks=96, device="cuda", config=cfg) as engine:
-            engine.copier.dma_min_row_bytes = 256  # calls of 16 KiB and more: runs of 4+ blocks at 4 tokens
+            engine.copier.dma_min_row_bytes = 256  # calls of 16 KiB and more (a block moves 8-60 KiB)
             engine.copier.dma_min_strided_row_bytes = 256
             engine.copier.forget_plans()
             gpu, host = engine.pool(Tier.GPU), engine.pool(Tier.HOST)

@@ -131,7 +131,8 @@ class _PairInfo:
     layered: bool  # a side is a LayerSlice (layer-by-layer copy)
     block_bytes: int  # bytes one block pair moves (num_tokens of every row)
     # a partial copy between pinned host memory and the GPU whose rows go on from one block into the next on both
-    # sides (one group per tensor, dense): a run of consecutive blocks is one 2-D DMA call per group
+    # sides (one group per tensor, dense), rows STRIDED_PITCH bytes apart: a run of consecutive blocks is one 2-D
+    # DMA call per group
     strided_runs: bool
 
 
@@ -246,6 +247,7 @@ class Copier:
             on_cuda = src_t[0].is_cuda or dst_t[0].is_cuda
             via_host = on_cuda and not (src_t[0].is_cuda and dst_t[0].is_cuda)
             rows_go_on = rows > 1 and all(t.stride(0) == rows * row for t in (src_t[0], dst_t[0]))
+            measured_pitch = row * src_pool.layout.itemsize == STRIDED_PITCH
             layered = isinstance(src_pool, LayerSlice) or isinstance(dst_pool, LayerSlice)
             info = _PairInfo(
                 src_pool,
@@ -259,7 +261,7 @@ class Copier:
                 on_cuda,
                 layered,
                 src_pool.layout.bytes_per_block // src_pool.layout.tokens_per_block * n,
-                via_host and rows_go_on,
+                via_host and rows_go_on and measured_pitch,
             )
             self._pairs[key] = info
         return info
@@ -757,9 +759,13 @@ _calibration_lock = threading.Lock()
 
 #: Row widths the strided calibration compares (partial-block rows: ``num_tokens * head_dim`` elements), and what it
 #: keeps per device: the threshold (:data:`NEVER` if DMA won at none) and the median ratio per width.
-_STRIDED_WIDTHS = (256, 512, 1024, 2048, 4096)
+_STRIDED_WIDTHS = (256, 512, 1024, 2048)
+#: The row pitch the strided calibration measures at (16 tokens of 128 16-bit elements: the common block row). The
+#: copy engine's rate depends on it (an H200: rows of 1 KiB every 4 KiB at the rate of a contiguous copy, every
+#: 16 KiB at 0.9 of the kernel's); partial copies of pools with another pitch keep the kernel.
+STRIDED_PITCH = 4096
 _SLEEP_AHEAD_CYCLES = 1 << 18  # ~130 µs at 2 GHz: longer than issuing the op takes
-_STRIDED_BYTES = 64 << 20  # scratch per side: rows of `width` every 16 widths, 4 MiB moved per copy
+_STRIDED_BYTES = 64 << 20  # scratch per side: 32 blocks of 512 rows every STRIDED_PITCH bytes
 _calibrated_strided: dict[int, tuple[int, list[float]]] = {}
 
 #: A threshold no piece or row reaches (a path that is never taken).
@@ -804,15 +810,17 @@ def calibrated_dma_strided_threshold(device: torch.device) -> int:
 
     A partial copy (tokens ``[0, n)`` of every row) between pinned host memory and the GPU, in runs of consecutive
     blocks whose rows go on from block to block, is one ``cudaMemcpy2DAsync`` per run and group, a row of
-    ``n * head_dim`` elements each. Over PCIe the copy engine moves rows of 512 B and more at the rate of one
-    contiguous copy, rows of 256 B at ~0.85 of it, while the kernel's reads and writes of pinned memory stop at
-    ~0.93 (an H100 and an H200: ``kernels/probes/partial_probe.cu host``); each call costs ~2.5 µs of its own, which
-    the row calibration measures (:meth:`Copier.plan` asks for calls as large as that calibration's at its
-    threshold). Measured once per process and device like :func:`calibrated_dma_threshold`: per width in
-    :data:`_STRIDED_WIDTHS`, 4 MiB of rows (one token of 16: a pitch of 16 widths, 512 rows per block) copied each
-    way in one call by each path, nine turns, the median of the per-turn ratios of device times; the threshold is
-    the smallest width from which DMA wins by at least 2 % at every larger width, :data:`NEVER` if it wins at none (or
-    the measurement failed).
+    ``n * head_dim`` elements each, for pools whose rows are :data:`STRIDED_PITCH` bytes apart. There the copy
+    engine moved rows of 512 B and more at the rate of one contiguous copy, rows of 256 B at ~0.85 of it, while the
+    kernel's accesses to pinned memory stop at ~0.93 (an H100 and an H200, ``kernels/probes/partial_probe.cu
+    host``). Each call costs ~2.5 µs of its own, which the row calibration measures (:meth:`Copier.plan` asks for
+    calls as large as that calibration's at its threshold).
+
+    Measured once per process and device like :func:`calibrated_dma_threshold`: per width in
+    :data:`_STRIDED_WIDTHS`, rows of that width every :data:`STRIDED_PITCH` bytes (512 rows per block, 32 blocks),
+    copied each way in one call by each path, nine turns; the median of the per-turn ratios of device times. The
+    threshold is the smallest width from which DMA wins by at least 2 % at every larger width; :data:`NEVER` if it
+    wins at none, or if the measurement failed.
     """
     index = device.index if device.index is not None else torch.cuda.current_device()
     with _calibration_lock:
@@ -842,9 +850,9 @@ def _strided_threshold_of(medians: list[float]) -> int:
 def _strided_samples(index: int, turns: int = _CALIBRATION_TURNS) -> dict[int, list[float]]:
     """Per-turn DMA/kernel device-time ratios per width of :data:`_STRIDED_WIDTHS`: one 2-D call each way per path.
 
-    The geometry of a partial copy of one token of 16: blocks of 512 rows, a row every 16 widths; 4 MiB moved per
-    copy. Device time (CUDA events around the op, issued behind a sleep kernel so that no host gap between them is
-    counted): both paths are one call each, and the host time of a call is not what differs here.
+    The geometry of a partial copy: blocks of 512 rows of :data:`STRIDED_PITCH` bytes, the first ``width`` bytes of
+    each copied (4-32 MiB per copy). Device time: CUDA events around the op, issued behind a sleep kernel, so that no
+    host gap between them is counted. Both paths are one call each; their host time is not what differs here.
     """
     with torch.cuda.device(index):
         host = torch.empty(_STRIDED_BYTES, dtype=torch.uint8, pin_memory=True)
@@ -853,9 +861,9 @@ def _strided_samples(index: int, turns: int = _CALIBRATION_TURNS) -> dict[int, l
         op = torch.ops.tiered_kv.copy_blocks
         cases = []
         for width in _STRIDED_WIDTHS:
-            blocks = _STRIDED_BYTES // (512 * 16 * width)  # blocks of 512 rows of 16 tokens of `width` bytes
+            blocks = _STRIDED_BYTES // (512 * STRIDED_PITCH)  # blocks of 512 rows of STRIDED_PITCH bytes
             idx = torch.arange(blocks)
-            shape = (blocks, 512, 16, width)
+            shape = (blocks, 512, STRIDED_PITCH // width, width)
             cases.append((width, [host.view(shape)], [gpu.view(shape)], idx))
         out: dict[int, list[float]] = {width: [] for width in _STRIDED_WIDTHS}
         for turn in range(turns + 1):
@@ -869,7 +877,7 @@ def _strided_samples(index: int, turns: int = _CALIBRATION_TURNS) -> dict[int, l
                         with torch.cuda.stream(stream):
                             torch.cuda._sleep(_SLEEP_AHEAD_CYCLES)  # busy while the host issues: device time only
                             start.record(stream)
-                            op(dst, src, idx, idx, 1, method)  # token 0 of 16: rows of `width` bytes, pitch 16x
+                            op(dst, src, idx, idx, 1, method)  # token 0: rows of `width` bytes every STRIDED_PITCH
                             end.record(stream)
                         end.synchronize()
                         t[method] += start.elapsed_time(end)
