@@ -88,49 +88,22 @@ at::Device run_device(at::TensorList dst, at::TensorList src) {
   return device;
 }
 
-// One cudaMemcpy(2D)Async per run of blocks contiguous on both sides and per group (a partial copy: per block, or
-// per run where the rows of consecutive blocks follow each other).
+// One cudaMemcpy(2D)Async per call of for_each_dma_call (copy_blocks.h).
 void issue_dma(const BlockCopyGeometry& g, const std::vector<char*>& dbase, const std::vector<char*>& sbase,
                const int64_t* sb, const int64_t* db, cudaStream_t stream) {
-  const int64_t ks = g.src_tensors, kd = g.dst_tensors, groups = g.groups;
-  const int64_t sper = groups / ks, dper = groups / kd;
-  auto addr = [&](bool is_src, int64_t block, int64_t group) {
-    const int64_t per = is_src ? sper : dper;
-    char* base = is_src ? sbase[group / per] : dbase[group / per];
-    return base + block * (is_src ? g.src_block_stride : g.dst_block_stride) + (group % per) * g.group_bytes;
-  };
-  const size_t n = static_cast<size_t>(g.num_pairs);
   DmaBatch dense;  // 1-D copies, issued together below (one cudaMemcpyBatchAsync where the runtime has it)
-  // partial blocks whose rows go on from one block into the next on both sides (one group per tensor, dense): a
-  // run of blocks is one 2-D call of its rows (the copy engine's cost is mostly per call)
-  const bool rows_go_on = g.rows > 1 && g.src_block_stride == g.rows * g.row_pitch &&
-                          g.dst_block_stride == g.rows * g.row_pitch;
-  size_t i = 0;
-  while (i < n) {
-    size_t j = i + 1;  // a run: consecutive blocks on both sides
-    if (g.rows == 1 || rows_go_on) {
-      while (j < n && sb[j] == sb[j - 1] + 1 && db[j] == db[j - 1] + 1) ++j;
-    }
-    const int64_t run = static_cast<int64_t>(j - i);
-    for (int64_t grp = 0; grp < groups; ++grp) {
-      char* d = addr(false, db[i], grp);
-      const char* s = addr(true, sb[i], grp);
-      cudaError_t err;
-      if (g.rows == 1 && g.width == g.src_block_stride && g.width == g.dst_block_stride) {
-        dense.add(d, s, static_cast<size_t>(run * g.width));  // dense run: one 1-D copy
-        continue;
-      } else if (g.rows == 1 && run == 1) {
-        dense.add(d, s, static_cast<size_t>(g.width));  // one chunk of one block (scattered layer-major): 1-D too
-        continue;
-      } else if (g.rows == 1) {
-        err = cudaMemcpy2DAsync(d, g.dst_block_stride, s, g.src_block_stride, g.width, run, cudaMemcpyDefault, stream);
-      } else {
-        err = cudaMemcpy2DAsync(d, g.row_pitch, s, g.row_pitch, g.width, g.rows * run, cudaMemcpyDefault, stream);
-      }
-      check_launch(err, "copy_blocks DMA");
-    }
-    i = j;
-  }
+  for_each_dma_call(g, sb, db,
+                    [&](int64_t dt, int64_t doff, int64_t st, int64_t soff, int64_t dpitch, int64_t spitch,
+                        int64_t width, int64_t height) {
+                      char* d = dbase[dt] + doff;
+                      const char* s = sbase[st] + soff;
+                      if (height == 0) {
+                        dense.add(d, s, static_cast<size_t>(width));
+                        return;
+                      }
+                      check_launch(cudaMemcpy2DAsync(d, dpitch, s, spitch, width, height, cudaMemcpyDefault, stream),
+                                   "copy_blocks DMA");
+                    });
   check_launch(dma_flush(dense, stream), "copy_blocks DMA");
 }
 

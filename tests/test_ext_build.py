@@ -247,7 +247,68 @@ try:
     register["bad table"] = "accepted"
 except TypeError as exc:
     register["bad table"] = str(exc)
-print(json.dumps({"launch": launch, "register": register}))
+
+# the DMA path's calls (kernels/copy_blocks.h: for_each_dma_call), applied to the bytes of CPU tensors with numpy,
+# against the reference op: block- and layer-major sides, blocks with room between them, whole and partial blocks,
+# runs and scattered pairs
+import numpy as np
+from tiered_kv import opdefs
+
+
+def raw(t):
+    store = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+    return store.numpy(), t.storage_offset() * t.element_size()
+
+
+def side(kind, n, pad):
+    L, KV, H, T, D = 3, 2, 2, 8, 16
+    inner = {"block": (L, KV, H, T, D), "layer": (KV, H, T, D), "layerkv": (H, T, D)}[kind]
+    count = {"block": 1, "layer": L, "layerkv": L * KV}[kind]
+    per = int(np.prod(inner))
+    return [
+        torch.randint(-30000, 30000, (n, per + pad), dtype=torch.int16)[:, :per].unflatten(1, inner)
+        for _ in range(count)
+    ]
+
+
+def apply(calls, dst, src):
+    dviews, sviews = [raw(t) for t in dst], [raw(t) for t in src]
+    for dt, doff, st, soff, dpitch, spitch, width, height in calls:
+        dbuf, dbase = dviews[dt]
+        sbuf, sbase = sviews[st]
+        for h in range(max(height, 1)):
+            a, b = dbase + doff + h * dpitch, sbase + soff + h * spitch
+            dbuf[a : a + width] = sbuf[b : b + width]
+
+
+rng2 = random.Random(7)
+cases = mismatched = 0
+for _ in range(300):
+    kinds = rng2.choice([("block", "block"), ("block", "layer"), ("layer", "block"), ("layerkv", "block"),
+                         ("layer", "layerkv"), ("layer", "layer")])
+    n = 12
+    src, dst = side(kinds[0], n, rng2.choice([0, 0, 8])), side(kinds[1], n, rng2.choice([0, 0, 8]))
+    tokens = rng2.choice([8, 1, 3, 5])
+    k = rng2.randint(1, 8)
+    if rng2.random() < 0.5:  # runs
+        a, b = rng2.randint(0, n - k), rng2.randint(0, n - k)
+        s_idx, d_idx = list(range(a, a + k)), list(range(b, b + k))
+    else:
+        s_idx, d_idx = rng2.sample(range(n), k), rng2.sample(range(n), k)
+    calls = torch.ops.tiered_kv.dma_calls(dst, src, s_idx, d_idx, tokens)
+    want = [t.clone() for t in dst]  # the reference's copy first: the calls are applied to `dst` itself, in place
+    got = dst
+    apply([calls[i : i + 8] for i in range(0, len(calls), 8)], got, src)
+    opdefs.copy_blocks_ref(want, src, torch.tensor(s_idx), torch.tensor(d_idx), tokens, 1)
+    cases += 1
+    mismatched += not all(torch.equal(x, y) for x, y in zip(got, want))
+# the partial copy of a run of 8 dense block-major blocks is one 2-D call of all their rows; with room between the
+# blocks (or scattered), one per block
+dense_src, dense_dst = side("block", 12, 0), side("block", 12, 0)
+one_run = torch.ops.tiered_kv.dma_calls(dense_dst, dense_src, list(range(8)), list(range(4, 12)), 3)
+padded = torch.ops.tiered_kv.dma_calls(side("block", 12, 8), dense_src, list(range(8)), list(range(4, 12)), 3)
+dma = {"cases": cases, "mismatched": mismatched, "one run": one_run, "padded calls": len(padded) // 8}
+print(json.dumps({"launch": launch, "register": register, "dma": dma}))
 """
 
 
@@ -281,3 +342,11 @@ def test_one_call_launch_decisions_without_a_gpu(tmp_path: Path) -> None:
     assert register["steps"] == 3000 and register["mismatches"] == [], register
     assert register["fenced"] > 0, register  # the tables were not empty at the end: entries were compared
     assert register["bad table"] == "a fence table must be a dict", register
+    # the DMA path's calls, applied to CPU bytes, equal the reference op in every case
+    dma = out["dma"]
+    assert dma["cases"] == 300 and dma["mismatched"] == 0, dma
+    # 8 blocks of 3 layers x K/V x 2 heads = 12 rows of 8 tokens x 16 int16 (256 B apart), 3 tokens (96 B) each: one
+    # call of 96 rows; with room between the blocks, one call per block
+    block = 12 * 256
+    assert dma["one run"] == [0, 4 * block, 0, 0, 256, 256, 96, 96], dma
+    assert dma["padded calls"] == 8, dma
