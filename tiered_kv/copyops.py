@@ -37,9 +37,9 @@ from which such calls match the kernel, measured the same way (:func:`calibrated
 against 64-128 KiB pieces on an H100 host). A partial copy between pinned host memory and the GPU whose rows go on
 from block to block (dense block-major pools) is, in runs of consecutive blocks, one 2-D DMA call per run and group
 too: it takes DMA when its rows are at least the width from which such a call beats the kernel
-(:func:`calibrated_dma_strided_threshold`; 512 B on an H100 and an H200, where the kernel stops at ~0.93 of PCIe)
-and its calls move at least what the row calibration's calls moved at that threshold (the copy engine's cost is
-per call). ``EngineConfig.copy_path`` forces one path.
+(:func:`calibrated_dma_strided_threshold`; a probe on an H100 and an H200: one call beats the kernel from 512 B
+rows every 4 KiB, where the kernel stops at ~0.93 of PCIe) and its calls move at least what the row calibration's
+calls moved at that threshold (the copy engine's cost is per call). ``EngineConfig.copy_path`` forces one path.
 
 Layer-by-layer copies (``copy(..., layers=)``, :mod:`tiered_kv.layerwise`) count a run of consecutive blocks
 as one piece too: DMA moves it in one ``cudaMemcpy2DAsync`` (a row per block), and a load that is meant to
