@@ -761,8 +761,8 @@ _calibration_lock = threading.Lock()
 #: keeps per device: the threshold (:data:`NEVER` if DMA won at none) and the median ratio per width.
 _STRIDED_WIDTHS = (256, 512, 1024, 2048)
 #: The row pitch the strided calibration measures at (16 tokens of 128 16-bit elements: the common block row). The
-#: copy engine's rate depends on it (an H200: rows of 1 KiB every 4 KiB at the rate of a contiguous copy, every
-#: 16 KiB at 0.9 of the kernel's); partial copies of pools with another pitch keep the kernel.
+#: copy engine's rate depends on it (an H200: rows of 1 KiB every 4 KiB at the rate of a contiguous copy; every
+#: 16 KiB, 1.1x the kernel's time); partial copies of pools with another pitch keep the kernel.
 STRIDED_PITCH = 4096
 _SLEEP_AHEAD_CYCLES = 1 << 18  # ~130 µs at 2 GHz: longer than issuing the op takes
 _STRIDED_BYTES = 64 << 20  # scratch per side: 32 blocks of 512 rows every STRIDED_PITCH bytes
