@@ -36,5 +36,8 @@ def test_quick_run_on_cpu_has_every_row_kind(tmp_path: Path, capsys: pytest.Capt
         assert math.isnan(row["bound_fraction"]) and math.isnan(row["vs_bound"]) and math.isnan(row["vs_loop_bound"])
         assert math.isnan(row["op_wall_fraction"])
         assert row["target"] == f"fraction >= {0.8 if row['direction'] == 'gpu->gpu' else 0.9:g}"
+        # the path each direction took is reported, and is no part of the row's id (ids stay when a choice changes)
+        assert row["engine_path"] == "reference", row
+        assert row["id"] == f"partial/tokens={row['tokens']}/direction={row['direction']}", row["id"]
     assert any("floor_us" in note and "NaN on the emulated device" in note for note in payload["notes"])
     assert "floor_us" in printed and "bound_fraction" in printed and "vs_bound" in printed
