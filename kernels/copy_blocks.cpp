@@ -88,7 +88,46 @@ at::Device run_device(at::TensorList dst, at::TensorList src) {
   return device;
 }
 
-// One cudaMemcpy(2D)Async per call of for_each_dma_call (copy_blocks.h).
+// The copy-engine calls of a block copy, in issue order: per run of blocks consecutive on both sides (whole blocks,
+// or partial blocks whose rows go on from one block into the next on both sides; else per block) and per group,
+// `call(dst tensor, dst byte offset, src tensor, src byte offset, dst pitch, src pitch, width, height)`; a call of
+// height 0 is one 1-D copy of `width` bytes (batched by issue_dma). issue_dma issues them; the dma_calls op returns
+// them (tests check them against the reference without a GPU).
+template <typename Call>
+void for_each_dma_call(const BlockCopyGeometry& g, const int64_t* sb, const int64_t* db, Call&& call) {
+  const int64_t groups = g.groups;
+  const int64_t sper = groups / g.src_tensors, dper = groups / g.dst_tensors;
+  const size_t n = static_cast<size_t>(g.num_pairs);
+  // partial blocks whose rows go on from one block into the next on both sides (one group per tensor, dense): a
+  // run of blocks is one 2-D call of its rows (the copy engine's cost is mostly per call)
+  const bool rows_go_on = g.rows > 1 && g.src_block_stride == g.rows * g.row_pitch &&
+                          g.dst_block_stride == g.rows * g.row_pitch;
+  size_t i = 0;
+  while (i < n) {
+    size_t j = i + 1;  // a run: consecutive blocks on both sides
+    if (g.rows == 1 || rows_go_on) {
+      while (j < n && sb[j] == sb[j - 1] + 1 && db[j] == db[j - 1] + 1) ++j;
+    }
+    const int64_t run = static_cast<int64_t>(j - i);
+    for (int64_t grp = 0; grp < groups; ++grp) {
+      const int64_t dt = grp / dper, st = grp / sper;
+      const int64_t doff = db[i] * g.dst_block_stride + (grp % dper) * g.group_bytes;
+      const int64_t soff = sb[i] * g.src_block_stride + (grp % sper) * g.group_bytes;
+      if (g.rows == 1 && g.width == g.src_block_stride && g.width == g.dst_block_stride) {
+        call(dt, doff, st, soff, 0, 0, run * g.width, 0);  // dense run: one 1-D copy
+      } else if (g.rows == 1 && run == 1) {
+        call(dt, doff, st, soff, 0, 0, g.width, 0);  // one chunk of one block (scattered layer-major): 1-D too
+      } else if (g.rows == 1) {
+        call(dt, doff, st, soff, g.dst_block_stride, g.src_block_stride, g.width, run);
+      } else {
+        call(dt, doff, st, soff, g.row_pitch, g.row_pitch, g.width, g.rows * run);
+      }
+    }
+    i = j;
+  }
+}
+
+// One cudaMemcpy(2D)Async per call of for_each_dma_call.
 void issue_dma(const BlockCopyGeometry& g, const std::vector<char*>& dbase, const std::vector<char*>& sbase,
                const int64_t* sb, const int64_t* db, cudaStream_t stream) {
   DmaBatch dense;  // 1-D copies, issued together below (one cudaMemcpyBatchAsync where the runtime has it)
@@ -203,7 +242,27 @@ void copy_blocks_list_cuda(at::TensorList dst, at::TensorList src, at::IntArrayR
   }
 }
 
+// The copy-engine calls the DMA path makes for these arguments, 8 ints per call (for_each_dma_call's arguments):
+// what tests check against the reference op without a GPU. Nothing is copied.
+std::vector<int64_t> dma_calls(at::TensorList dst, at::TensorList src, at::IntArrayRef src_blocks,
+                               at::IntArrayRef dst_blocks, int64_t num_tokens) {
+  TORCH_CHECK(src_blocks.size() == dst_blocks.size(), "dma_calls: src_blocks and dst_blocks differ in length");
+  const BlockCopyGeometry g = geometry_of(dst, src, static_cast<int64_t>(src_blocks.size()), num_tokens);
+  std::vector<int64_t> out;
+  for_each_dma_call(g, src_blocks.data(), dst_blocks.data(),
+                    [&](int64_t dt, int64_t doff, int64_t st, int64_t soff, int64_t dpitch, int64_t spitch,
+                        int64_t width, int64_t height) {
+                      out.insert(out.end(), {dt, doff, st, soff, dpitch, spitch, width, height});
+                    });
+  return out;
+}
+
 }  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tiered_kv, m) {
+  m.def("dma_calls(Tensor[] dst, Tensor[] src, int[] src_blocks, int[] dst_blocks, int num_tokens) -> int[]",
+        &dma_calls);
+}
 
 TORCH_LIBRARY_IMPL(tiered_kv, CUDA, m) {
   m.impl("copy_blocks", &copy_blocks_cuda);

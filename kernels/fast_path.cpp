@@ -778,26 +778,9 @@ std::tuple<int64_t, bool, int64_t, int64_t> wait_done(int64_t event, int device,
 
 }  // namespace
 
-// The copy-engine calls the DMA path makes for these arguments, 8 ints per call (for_each_dma_call's arguments):
-// what tests check against the reference op without a GPU. Nothing is copied.
-std::vector<int64_t> dma_calls(at::TensorList dst, at::TensorList src, at::IntArrayRef src_blocks,
-                               at::IntArrayRef dst_blocks, int64_t num_tokens) {
-  TORCH_CHECK(src_blocks.size() == dst_blocks.size(), "dma_calls: src_blocks and dst_blocks differ in length");
-  const BlockCopyGeometry g = geometry_of(dst, src, static_cast<int64_t>(src_blocks.size()), num_tokens);
-  std::vector<int64_t> out;
-  for_each_dma_call(g, src_blocks.data(), dst_blocks.data(),
-                    [&](int64_t dt, int64_t doff, int64_t st, int64_t soff, int64_t dpitch, int64_t spitch,
-                        int64_t width, int64_t height) {
-                      out.insert(out.end(), {dt, doff, st, soff, dpitch, spitch, width, height});
-                    });
-  return out;
-}
-
 TORCH_LIBRARY_FRAGMENT(tiered_kv, m) {
   m.def("copy_plan(Tensor[] dst, Tensor[] src, int num_tokens, int method) -> int", &copy_plan);
   m.def("copy_plan_free(int plan) -> int", &copy_plan_free);
-  m.def("dma_calls(Tensor[] dst, Tensor[] src, int[] src_blocks, int[] dst_blocks, int num_tokens) -> int[]",
-        &dma_calls);
 }
 
 }  // namespace tiered_kv

@@ -248,7 +248,7 @@ try:
 except TypeError as exc:
     register["bad table"] = str(exc)
 
-# the DMA path's calls (kernels/copy_blocks.h: for_each_dma_call), applied to the bytes of CPU tensors with numpy,
+# the DMA path's calls (kernels/copy_blocks.cpp: for_each_dma_call), applied to the bytes of CPU tensors with numpy,
 # against the reference op: block- and layer-major sides, blocks with room between them, whole and partial blocks,
 # runs and scattered pairs
 import numpy as np
