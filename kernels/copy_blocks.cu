@@ -121,6 +121,33 @@ __host__ __device__ __forceinline__ int64_t meta_src(const InlineMetaN<Slots>& m
 template <int Slots>
 __host__ __device__ __forceinline__ int64_t meta_dst(const InlineMetaN<Slots>& m, int64_t p) { return m.v[m.dst_index + p]; }
 
+// RunMeta: the run of pair p by binary search over the runs' first pairs (a few param-space loads per work item)
+template <int Slots>
+__host__ __device__ __forceinline__ int64_t run_slot(const RunMetaN<Slots>& m, int64_t p) {
+  int64_t lo = 0, hi = m.runs - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) >> 1;
+    if (m.v[m.run_index + 3 * mid] <= p) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return m.run_index + 3 * lo;
+}
+template <int Slots>
+__host__ __device__ __forceinline__ int64_t meta_base(const RunMetaN<Slots>& m, int64_t i) { return m.v[i]; }
+template <int Slots>
+__host__ __device__ __forceinline__ int64_t meta_src(const RunMetaN<Slots>& m, int64_t p) {
+  const int64_t r = run_slot(m, p);
+  return m.v[r + 1] + (p - m.v[r]);
+}
+template <int Slots>
+__host__ __device__ __forceinline__ int64_t meta_dst(const RunMetaN<Slots>& m, int64_t p) {
+  const int64_t r = run_slot(m, p);
+  return m.v[r + 2] + (p - m.v[r]);
+}
+
 template <typename Index, typename Meta, int kUnroll = 8>
 __global__ void copy_blocks_kernel(BlockCopyGeometry g, const __grid_constant__ Meta meta, CopyWork w) {
   const int lane = threadIdx.x & 31;
@@ -321,6 +348,11 @@ cudaError_t launch_copy_blocks_inline(const BlockCopyGeometry& g, const InlineMe
   return launch_with(g, meta, bases_aligned16, stream);
 }
 
+cudaError_t launch_copy_blocks_inline(const BlockCopyGeometry& g, const RunMeta& meta, bool bases_aligned16,
+                                      cudaStream_t stream) {
+  return launch_with(g, meta, bases_aligned16, stream);
+}
+
 template <typename Meta>
 cudaError_t launch_chunks_with(const ChunkCopyGeometry& g, const int64_t* table, const Meta& meta, cudaStream_t stream) {
   const int64_t items = g.num_pairs * g.chunks * g.pieces;
@@ -347,6 +379,11 @@ cudaError_t launch_copy_chunk_blocks_inline(const ChunkCopyGeometry& g, const in
 cudaError_t launch_copy_chunk_blocks_inline(const ChunkCopyGeometry& g, const int64_t* table,
                                             const InlineMetaLarge& meta, cudaStream_t stream) {
   if (kInlineSlotsLarge == 0) return cudaErrorNotSupported;  // the caller checks kInlineSlotsLarge first
+  return launch_chunks_with(g, table, meta, stream);
+}
+
+cudaError_t launch_copy_chunk_blocks_inline(const ChunkCopyGeometry& g, const int64_t* table, const RunMeta& meta,
+                                            cudaStream_t stream) {
   return launch_chunks_with(g, table, meta, stream);
 }
 

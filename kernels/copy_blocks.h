@@ -5,6 +5,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "tkv_kernels.cuh"
@@ -30,9 +32,9 @@ void issue_dma(const BlockCopyGeometry& g, const std::vector<char*>& dbase, cons
                const int64_t* sb, const int64_t* db, cudaStream_t stream);
 
 // A launch's bases (`nb` of them, src tensors then dst tensors) and block indices from the host: by value in
-// the kernel's parameters when they fit (InlineMeta, else InlineMetaLarge: no allocation, no H2D copy), else
-// one pinned H2D on `stream`. Calls `on_inline(meta)` or `on_staged(bases, src_blocks, dst_blocks)` (device
-// pointers) once.
+// the kernel's parameters when they fit (InlineMeta; else, for pairs in few runs, RunMeta; else InlineMetaLarge: no
+// allocation, no H2D copy), else one pinned H2D on `stream`. Calls `on_inline(meta)` or `on_staged(bases,
+// src_blocks, dst_blocks)` (device pointers) once.
 template <typename OnInline, typename OnStaged>
 void with_host_meta(std::vector<int64_t> bases, size_t nb, const int64_t* sb, const int64_t* db, size_t pairs,
                     const at::Device& device, cudaStream_t stream, OnInline&& on_inline, OnStaged&& on_staged) {
@@ -48,6 +50,17 @@ void with_host_meta(std::vector<int64_t> bases, size_t nb, const int64_t* sb, co
     fill(meta);
     on_inline(meta);
     return;
+  }
+  static const bool use_runs = [] {  // TIERED_KV_RUN_META=0 turns runs off, for measuring
+    const char* v = std::getenv("TIERED_KV_RUN_META");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  if (use_runs) {
+    RunMeta runs;  // under 1 KiB: filled up to what the call uses
+    if (fill_runs(runs, bases.data(), nb, sb, db, pairs)) {
+      on_inline(runs);
+      return;
+    }
   }
   if (nb + 2 * pairs <= static_cast<size_t>(kInlineSlotsLarge)) {
     InlineMetaLarge meta;  // 5 KiB: filled up to what the call uses, not zeroed whole

@@ -70,9 +70,46 @@ constexpr int kInlineSlotsLarge = 0;  // parameters are limited to 4 KiB: larger
 #endif
 using InlineMetaLarge = InlineMetaN<(kInlineSlotsLarge > 0 ? kInlineSlotsLarge : 1)>;
 
+// Bases and block indices as runs, by value in the kernel's parameters: pairs p in [first, next run's first) copy
+// block src + (p - first) to block dst + (p - first). A copy of many blocks in a few runs consecutive on both sides
+// (an in-order load or store) passes under 1 KiB of parameters instead of 16 bytes per pair: the launch of a 5 KiB
+// parameter block costs the host several microseconds more, and a staged one a pinned H2D copy ahead of the kernel.
+// v[0, run_index) are the bases; run r is v[run_index + 3r + {0, 1, 2}] = (first pair, src block, dst block), the
+// runs in pair order, the first at pair 0.
+template <int Slots>
+struct RunMetaN {
+  int64_t v[Slots];
+  int64_t run_index;
+  int64_t runs;
+};
+using RunMeta = RunMetaN<kInlineSlots>;
+
+// Fills `meta` with the bases and the runs of pairs (sb[i], db[i]), i < pairs, when they fit in its slots and take
+// fewer slots than the pairs themselves would (3 per run, 2 per pair); false otherwise (`meta` is then unspecified).
+template <int Slots>
+inline bool fill_runs(RunMetaN<Slots>& meta, const int64_t* bases, size_t nb, const int64_t* sb, const int64_t* db,
+                      size_t pairs) {
+  if (pairs == 0 || nb + 3 > static_cast<size_t>(Slots)) return false;
+  for (size_t i = 0; i < nb; ++i) meta.v[i] = bases[i];
+  size_t slot = nb;
+  for (size_t p = 0; p < pairs; ++p) {
+    if (p > 0 && sb[p] == sb[p - 1] + 1 && db[p] == db[p - 1] + 1) continue;  // the run goes on
+    if (slot + 3 > static_cast<size_t>(Slots)) return false;
+    meta.v[slot] = static_cast<int64_t>(p);
+    meta.v[slot + 1] = sb[p];
+    meta.v[slot + 2] = db[p];
+    slot += 3;
+  }
+  meta.run_index = static_cast<int64_t>(nb);
+  meta.runs = static_cast<int64_t>((slot - nb) / 3);
+  return 3 * meta.runs < 2 * static_cast<int64_t>(pairs);
+}
+
 cudaError_t launch_copy_blocks_inline(const BlockCopyGeometry& g, const InlineMeta& meta, bool bases_aligned16,
                                       cudaStream_t stream);
 cudaError_t launch_copy_blocks_inline(const BlockCopyGeometry& g, const InlineMetaLarge& meta, bool bases_aligned16,
+                                      cudaStream_t stream);
+cudaError_t launch_copy_blocks_inline(const BlockCopyGeometry& g, const RunMeta& meta, bool bases_aligned16,
                                       cudaStream_t stream);
 
 // A copy of whole blocks between pools whose blocks are lists of chunks (engine layouts: one chunk per
@@ -97,6 +134,8 @@ cudaError_t launch_copy_chunk_blocks_inline(const ChunkCopyGeometry& g, const in
                                             cudaStream_t stream);
 cudaError_t launch_copy_chunk_blocks_inline(const ChunkCopyGeometry& g, const int64_t* table,
                                             const InlineMetaLarge& meta, cudaStream_t stream);
+cudaError_t launch_copy_chunk_blocks_inline(const ChunkCopyGeometry& g, const int64_t* table, const RunMeta& meta,
+                                            cudaStream_t stream);
 
 // segments: [count, 3] int64 rows (src address, dst address, nbytes), device-readable; any alignment.
 // via_host: a segment touches pinned host memory (the copy is bound by PCIe and runs on a small grid).

@@ -34,8 +34,9 @@ extern "C" {
 
 // geometry: num_pairs, groups, rows, row_pitch, width, group_bytes, src_tensors, dst_tensors,
 // src_block_stride, dst_block_stride (the BlockCopyGeometry fields, in order)
-// use_inline: 1 passes bases and indices as an InlineMeta (the kernel's parameters), 2 as an InlineMetaLarge;
-// returns without copying when they do not fit (the caller checks with emu_inline_slots / _large)
+// use_inline: 1 passes bases and indices as an InlineMeta (the kernel's parameters), 2 as an InlineMetaLarge, 3 as
+// the runs of a RunMeta; returns without copying when they do not fit (the caller checks with emu_inline_slots /
+// _large, or emu_runs_fit)
 void emu_copy_blocks(const int64_t* geometry, const int64_t* bases, const int64_t* src_blocks, const int64_t* dst_blocks,
                      int max_grid, int index64, int force_unaligned, int use_inline) {
   tiered_kv::BlockCopyGeometry g{geometry[0], geometry[1], geometry[2], geometry[3], geometry[4],
@@ -60,10 +61,18 @@ void emu_copy_blocks(const int64_t* geometry, const int64_t* bases, const int64_
     meta.dst_index = nb + g.num_pairs;
     return true;
   };
+  static tiered_kv::RunMeta run_meta;
   if (use_inline == 1 && !fill(inline_meta, tiered_kv::kInlineSlots)) return;
   if (use_inline == 2 && !fill(large_meta, tiered_kv::kInlineSlotsLarge)) return;
+  if (use_inline == 3 && !tiered_kv::fill_runs(run_meta, bases, size_t(nb), src_blocks, dst_blocks, size_t(g.num_pairs))) {
+    return;
+  }
   run_grid(capped(tiered_kv::grid_for(w.items), max_grid), tiered_kv::kThreads, [&] {
-    if (use_inline == 2 && index64) {
+    if (use_inline == 3 && index64) {
+      tiered_kv::copy_blocks_kernel<int64_t, tiered_kv::RunMeta>(g, run_meta, w);
+    } else if (use_inline == 3) {
+      tiered_kv::copy_blocks_kernel<uint32_t, tiered_kv::RunMeta>(g, run_meta, w);
+    } else if (use_inline == 2 && index64) {
       tiered_kv::copy_blocks_kernel<int64_t, tiered_kv::InlineMetaLarge>(g, large_meta, w);
     } else if (use_inline == 2) {
       tiered_kv::copy_blocks_kernel<uint32_t, tiered_kv::InlineMetaLarge>(g, large_meta, w);
@@ -79,12 +88,19 @@ void emu_copy_blocks(const int64_t* geometry, const int64_t* bases, const int64_
   });
 }
 
+// 1 when the launcher would pass these pairs as runs (fill_runs), with `bases_count` bases; else 0
+int emu_runs_fit(const int64_t* src_blocks, const int64_t* dst_blocks, int64_t pairs, int64_t bases_count) {
+  static tiered_kv::RunMeta meta;
+  int64_t bases[8] = {0};
+  return tiered_kv::fill_runs(meta, bases, size_t(bases_count), src_blocks, dst_blocks, size_t(pairs)) ? 1 : 0;
+}
+
 int emu_inline_slots() { return tiered_kv::kInlineSlots; }
 int emu_inline_slots_large() { return tiered_kv::kInlineSlotsLarge; }
 
 // table: [chunks, 7] rows (see ChunkCopyGeometry); bases: src_tensors source then destination bases.
-// use_inline: 0 device-readable arrays (the staged path), 1 InlineMeta, 2 InlineMetaLarge (returns without
-// copying when they do not fit). vec16 as kernels/copy_chunks.cpp decides, unless force_unaligned.
+// use_inline: 0 device-readable arrays (the staged path), 1 InlineMeta, 2 InlineMetaLarge, 3 RunMeta (returns
+// without copying when they do not fit). vec16 as kernels/copy_chunks.cpp decides, unless force_unaligned.
 void emu_copy_chunk_blocks(const int64_t* table, int64_t chunks, const int64_t* bases, int64_t src_tensors,
                            int64_t dst_tensors, const int64_t* src_blocks, const int64_t* dst_blocks, int64_t pairs,
                            int max_grid, int index64, int force_unaligned, int use_inline) {
@@ -115,10 +131,14 @@ void emu_copy_chunk_blocks(const int64_t* table, int64_t chunks, const int64_t* 
     meta.dst_index = nb + pairs;
     return true;
   };
+  static tiered_kv::RunMeta run_meta;
   if (use_inline == 1 && !fill(inline_meta, tiered_kv::kInlineSlots)) return;
   if (use_inline == 2 && !fill(large_meta, tiered_kv::kInlineSlotsLarge)) return;
+  if (use_inline == 3 && !tiered_kv::fill_runs(run_meta, bases, size_t(nb), src_blocks, dst_blocks, size_t(pairs))) return;
   run_grid(capped(tiered_kv::grid_for(items), max_grid), tiered_kv::kThreads, [&] {
-    if (use_inline == 2) {
+    if (use_inline == 3) {
+      tiered_kv::copy_chunk_blocks_kernel<uint32_t, tiered_kv::RunMeta>(g, run_meta, table, uint32_t(items));
+    } else if (use_inline == 2) {
       tiered_kv::copy_chunk_blocks_kernel<uint32_t, tiered_kv::InlineMetaLarge>(g, large_meta, table, uint32_t(items));
     } else if (use_inline == 1) {
       tiered_kv::copy_chunk_blocks_kernel<uint32_t, tiered_kv::InlineMeta>(g, inline_meta, table, uint32_t(items));

@@ -12,6 +12,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from test_ops import GEOM, KINDS, _logical, _make_side
@@ -73,7 +74,7 @@ def _emu_copy_blocks(
     emu, dst, src, s, d, n, max_grid=0, index64=False, force_unaligned=False, use_inline=False
 ) -> None:
     geom = _i64(_geometry(dst, src, n, len(s)))
-    if use_inline:
+    if use_inline and use_inline != 3:  # runs (3): the caller checks with _runs_fit
         slots = emu.emu_inline_slots_large() if use_inline == 2 else emu.emu_inline_slots()
         assert len(src) + len(dst) + 2 * len(s) <= slots, "the case does not fit the kernel's parameters"
     bases = _i64([t.data_ptr() for t in src] + [t.data_ptr() for t in dst])
@@ -143,6 +144,66 @@ def test_copy_blocks_kernel_large_inline_parameters_every_small_call(emu, num_to
     ops.copy_blocks(want, src, _i64(s), _i64(d), num_tokens=num_tokens)
     _emu_copy_blocks(emu, dst, src, s, d, n, max_grid=5, index64=index64, use_inline=2)
     assert_blocks_equal(_logical("block", dst), _logical("block", want), f"large inline n={num_tokens}")
+
+
+def _runs_fit(emu, s, d, bases_count: int) -> bool:
+    s_t, d_t = _i64(s), _i64(d)
+    return bool(emu.emu_runs_fit(_ptr(s_t), _ptr(d_t), ctypes.c_int64(len(s)), ctypes.c_int64(bases_count)))
+
+
+def _runs(rng, lengths: list[int], src_blocks: int, dst_blocks: int) -> tuple[list[int], list[int]]:
+    """Pairs in runs of the given lengths, consecutive on both sides within a run; the runs laid out in one random
+    order on the source side and another on the destination side, gaps between them (no block twice)."""
+
+    def starts(order: list[int], blocks: int) -> dict[int, int]:
+        gaps = sorted(int(x) for x in rng.choice(blocks - sum(lengths), len(order), replace=False))
+        at, out = 0, {}
+        for gap, i in zip(gaps, order, strict=True):
+            out[i] = gap + at
+            at += lengths[i]
+        return out
+
+    s_at = starts([int(i) for i in rng.permutation(len(lengths))], src_blocks)
+    d_at = starts([int(i) for i in rng.permutation(len(lengths))], dst_blocks)
+    s: list[int] = []
+    d: list[int] = []
+    for i in (int(i) for i in rng.permutation(len(lengths))):  # the pairs in a third order
+        s += range(s_at[i], s_at[i] + lengths[i])
+        d += range(d_at[i], d_at[i] + lengths[i])
+    return s, d
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("index64", [False, True])
+def test_copy_blocks_kernel_run_parameters_every_pair_finds_its_run(emu, seed, index64) -> None:
+    # many pairs in a few runs consecutive on both sides (an in-order load): bases and runs in the small parameters
+    # (RunMeta); each pair must find its own run by the binary search, first and last pair of each run included
+    rng = np.random.default_rng(seed)
+    lengths = [int(x) for x in rng.integers(2, 40, int(rng.integers(1, 20)))]
+    src, _ = _make_side("layerkv", 900, torch.float16, "cpu")
+    dst, _ = _make_side("block", 900, torch.float16, "cpu")
+    s, d = _runs(rng, lengths, 900, 900)
+    assert len(set(d)) == len(d) and len(set(s)) == len(s)
+    n = [None, 1, 3][seed % 3]
+    tokens = GEOM["T"] if n is None else n
+    assert _runs_fit(emu, s, d, len(src) + len(dst)), (lengths, "must fit")
+    want = [t.clone() for t in dst]
+    ops.copy_blocks(want, src, _i64(s), _i64(d), num_tokens=n)
+    _emu_copy_blocks(emu, dst, src, s, d, tokens, max_grid=4, index64=index64, use_inline=3)
+    assert_blocks_equal(_logical("block", dst), _logical("block", want), f"runs {lengths} n={n}")
+
+
+def test_run_parameters_are_taken_only_where_they_are_smaller_and_fit(emu) -> None:
+    # 3 slots per run against 2 per pair, within the small parameters' 96 slots (the bases first)
+    slots = emu.emu_inline_slots()
+    assert _runs_fit(emu, list(range(200)), list(range(300, 500)), 7)  # one run of 200 pairs
+    assert not _runs_fit(emu, [0, 5, 10, 15], [1, 6, 11, 16], 2)  # four runs of one pair: larger than the pairs
+    runs = (slots - 7) // 3
+    s = [10 * i + k for i in range(runs) for k in range(5)]
+    assert _runs_fit(emu, s, s[::-1][::-1], 7) is True  # the same indices, `runs` runs of 5: fits exactly
+    s_more = [10 * i + k for i in range(runs + 1) for k in range(5)]
+    assert not _runs_fit(emu, s_more, s_more, 7)  # one run more than the slots hold
+    assert not _runs_fit(emu, [], [], 2)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 2, 3, 4, 13, 16])
@@ -308,6 +369,33 @@ def test_copy_chunk_blocks_kernel_on_engine_layouts(emu, kind, direction) -> Non
     want = [t.clone() for t in dst_t]
     opdefs.copy_chunk_blocks_ref(want, src_t, table, None, s, d, 0)
     _emu_chunk_blocks(emu, dst_t, src_t, table, s, d, max_grid=2)
+    for a, b in zip(dst_t, want, strict=True):
+        assert torch.equal(a, b), kind
+
+
+@pytest.mark.parametrize("kind", ["flash_attn", "sglang", "vllm_head_outer", "pages"])
+@pytest.mark.parametrize(("s", "d"), [(range(6), range(2, 8)), ([3, 4, 5, 0, 1, 2], [0, 1, 2, 5, 6, 7])])
+def test_copy_chunk_blocks_kernel_run_parameters_on_engine_layouts(emu, kind, s, d) -> None:
+    # whole blocks of an engine layout offloaded in one or two runs: the chunk kernel with its pairs as runs
+    from test_pool_kinds import _case, _chunked
+
+    from tiered_kv import opdefs
+    from tiered_kv import pool_kinds as pk
+    from tiered_kv.pools import BlockPool, Tier
+
+    s, d = list(s), list(d)
+    gpu_pool, _phys, _ref, lay = _case(kind, "cpu")
+    pool = _chunked(gpu_pool, lay)
+    host = BlockPool(
+        Tier.HOST, pool.layout, fill_random(torch.empty(8, *pool.layout.block_shape, dtype=pool.layout.dtype))
+    )
+    table = torch.from_numpy(pk.block_table(pool, host))
+    dst_t = [t.view(-1).view(torch.uint8) for t in pk.chunk_tensors(host)]
+    src_t = [t.view(-1).view(torch.uint8) for t in pk.chunk_tensors(pool)]
+    assert _runs_fit(emu, s, d, len(src_t) + len(dst_t))
+    want = [t.clone() for t in dst_t]
+    opdefs.copy_chunk_blocks_ref(want, src_t, table, None, s, d, 0)
+    _emu_chunk_blocks(emu, dst_t, src_t, table, s, d, max_grid=2, use_inline=3)
     for a, b in zip(dst_t, want, strict=True):
         assert torch.equal(a, b), kind
 

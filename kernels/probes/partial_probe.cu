@@ -31,7 +31,15 @@
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int64_t kBlockBytes = 2 << 20, kPitch = 4096, kRows = 512, kPairs = 128;
+// The geometry: rows of tokens x kTokenBytes every kPitch bytes, kRows rows per 2 MiB block. The default is a block
+// of [rows][16 tokens][256 B]; -DPITCH=32768 -DROWS=64 -DTOKEN_BYTES=2048 is the kernels bench's (32 layers x K/V
+// groups of 16 tokens x 8 heads x 128 bf16).
+#ifndef PITCH
+#define PITCH 4096
+#define ROWS 512
+#define TOKEN_BYTES 256
+#endif
+constexpr int64_t kBlockBytes = 2 << 20, kPitch = PITCH, kRows = ROWS, kPairs = 128, kTokenBytes = TOKEN_BYTES;
 
 struct Meta {
   int64_t v[640];
@@ -70,6 +78,37 @@ __global__ void warp_items(const __grid_constant__ Meta meta, uint32_t width, ui
         const uint32_t f = base + lane + 32 * k;
         const uint32_t r = f / nvec;
         if (f < count) *reinterpret_cast<uint4*>(d + int64_t(r) * kPitch + (f - r * nvec) * 16ull) = v[k];
+      }
+    }
+  }
+}
+
+// rows cut into pieces of `piece` bytes (a multiple of 16), one warp per (pair, row, piece): what the engine does with
+// rows wider than its item size (pieces of 16 KiB there)
+template <int kUnroll>
+__global__ void warp_pieces(const __grid_constant__ Meta meta, uint32_t width, uint32_t piece, uint32_t items) {
+  const int lane = threadIdx.x & 31;
+  const uint32_t warps = gridDim.x * kWarps;
+  const uint32_t pieces = (width + piece - 1) / piece;
+  for (uint32_t item = blockIdx.x * kWarps + (threadIdx.x >> 5); item < items; item += warps) {
+    const uint32_t pc = item % pieces, rest = item / pieces, r = rest % kRows, pair = rest / kRows;
+    const int64_t within = int64_t(r) * kPitch + int64_t(pc) * piece;
+    const uint4* s = reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(meta.v[0]) +
+                                                    meta.v[meta.src_index + pair] * kBlockBytes + within);
+    uint4* d = reinterpret_cast<uint4*>(reinterpret_cast<char*>(meta.v[1]) + meta.v[meta.dst_index + pair] * kBlockBytes +
+                                        within);
+    const uint32_t len = width - pc * piece < piece ? width - pc * piece : piece, nvec = len >> 4;
+    for (uint32_t base = 0; base < nvec; base += 32 * kUnroll) {
+      uint4 v[kUnroll];
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        const uint32_t f = base + lane + 32 * k;
+        if (f < nvec) v[k] = s[f];
+      }
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        const uint32_t f = base + lane + 32 * k;
+        if (f < nvec) d[f] = v[k];
       }
     }
   }
@@ -169,7 +208,7 @@ int host_main(int sms) {
     meta.dst_index = 2 + kPairs;
     for (int p = 0; p < kPairs; ++p) meta.v[2 + p] = meta.v[2 + kPairs + p] = p;
     for (int tokens : {1, 2, 4, 12}) {
-      const uint32_t width = tokens * 256;
+      const uint32_t width = tokens * kTokenBytes;
       const size_t nbytes = size_t(kPairs) * kRows * width;
       const double base = dev_us(st, [&] { CK(cudaMemcpyAsync(dst + kPairs * kBlockBytes, src, nbytes, cudaMemcpyDefault, st)); });
       auto line = [&](const char* name, double us) {
@@ -229,7 +268,8 @@ int main(int argc, char** argv) {
   if (argc > 1 && std::string(argv[1]) == "host") return host_main(sms);
   cudaDeviceProp prop{};
   CK(cudaGetDeviceProperties(&prop, 0));
-  printf("# %s, %d SMs\n", prop.name, sms);
+  printf("# %s, %d SMs; rows of tokens x %lld B every %lld B, %lld rows per block\n", prop.name, sms,
+         (long long)kTokenBytes, (long long)kPitch, (long long)kRows);
   char* pool = nullptr;
   CK(cudaMalloc(&pool, 3 * kPairs * kBlockBytes));  // blocks 0..255, then room for the contiguous copies
   CK(cudaMemset(pool, 1, 3 * kPairs * kBlockBytes));
@@ -244,7 +284,7 @@ int main(int argc, char** argv) {
     meta.v[2 + kPairs + p] = kPairs + p;
   }
   for (int tokens : {4, 8, 12}) {
-    const uint32_t width = tokens * 256, nvec = width / 16;
+    const uint32_t width = tokens * kTokenBytes, nvec = width / 16;
     const size_t nbytes = size_t(kPairs) * kRows * width;
     const double base = dev_us(st, [&] { CK(cudaMemcpyAsync(pool + 2 * nbytes, pool, nbytes, cudaMemcpyDeviceToDevice, st)); });
     auto line = [&](const char* name, double us) {
@@ -265,6 +305,18 @@ int main(int argc, char** argv) {
         line(name, dev_us(st, [&] { warp_items<8><<<grid, kThreads, 0, st>>>(meta, width, batch, items); }));
         snprintf(name, sizeof name, "warp items ctas/sm=%d item=%uB u4", ctas, bb);
         line(name, dev_us(st, [&] { warp_items<4><<<grid, kThreads, 0, st>>>(meta, width, batch, items); }));
+      }
+    }
+    for (int ctas : {4, 8, 16}) {
+      for (uint32_t piece : {2048u, 4096u, 8192u}) {
+        if (piece > width) continue;
+        const uint32_t items = kPairs * kRows * ((width + piece - 1) / piece);
+        const unsigned grid = std::min<int64_t>((items + kWarps - 1) / kWarps, int64_t(sms) * ctas);
+        char name[64];
+        snprintf(name, sizeof name, "warp pieces ctas/sm=%d piece=%uB u8", ctas, piece);
+        line(name, dev_us(st, [&] { warp_pieces<8><<<grid, kThreads, 0, st>>>(meta, width, piece, items); }));
+        snprintf(name, sizeof name, "warp pieces ctas/sm=%d piece=%uB u4", ctas, piece);
+        line(name, dev_us(st, [&] { warp_pieces<4><<<grid, kThreads, 0, st>>>(meta, width, piece, items); }));
       }
     }
     const uint32_t total = kPairs * kRows * nvec;
