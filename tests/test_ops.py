@@ -193,6 +193,39 @@ def _check_copy_blocks(placement, src_kind, dst_kind, num_tokens, method, dtype,
     assert_blocks_equal(_logical(dst_kind, dst), expected, f"{src_kind}->{dst_kind} n={num_tokens}")
 
 
+def _pairs_of(shape: str) -> tuple[list[int], list[int]]:
+    if shape == "3 runs of 40":  # runs in the kernel's small parameters (RunMeta)
+        return [*range(0, 40), *range(300, 340), *range(100, 140)], [*range(200, 240), *range(0, 40), *range(380, 420)]
+    if shape == "2 runs of 200":  # too many pairs for any parameters one by one: runs, not a staged copy
+        return [*range(210, 410), *range(0, 200)], [*range(0, 200), *range(220, 420)]
+    if shape == "40 runs of 3":  # more runs than the small parameters hold: pairs one by one
+        s = [10 * i + k for i in range(40) for k in range(3)]
+        return s, [x + 1 for x in reversed(s)]
+    s = [(37 * i + 5) % 420 for i in range(400)]  # "scattered 400": staged indices
+    return s, [(11 * i + 3) % 420 for i in range(400)]
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("shape", ["3 runs of 40", "2 runs of 200", "40 runs of 3", "scattered 400"])
+@pytest.mark.parametrize("num_tokens", [None, 3])
+def test_copy_blocks_many_pairs_every_parameter_form(placement, shape, num_tokens) -> None:
+    # the kernel takes block indices as runs (few runs of many pairs), one by one in its parameters, or staged in
+    # device memory: each pair must land in its own block, whichever form the launcher picked
+    src_at, dst_at = placement
+    src, src_log = _make_side("layerkv", 420, torch.float16, src_at, 0)
+    dst, dst_log = _make_side("block", 421, torch.float16, dst_at, 0)
+    s_list, d_list = _pairs_of(shape)
+    assert len(set(d_list)) == len(d_list)
+    expected = dst_log.clone()
+    t = GEOM["T"] if num_tokens is None else num_tokens
+    for a, b in zip(s_list, d_list, strict=True):
+        expected[b, :, :, :, :t] = src_log[a, :, :, :, :t]
+    ops.copy_blocks(dst, src, torch.tensor(s_list), torch.tensor(d_list), num_tokens=num_tokens)
+    if "cuda" in placement:
+        torch.cuda.synchronize()
+    assert_blocks_equal(_logical("block", dst), expected, f"{shape} n={num_tokens}")
+
+
 def test_copy_blocks_empty_and_int32_indices() -> None:
     src, _ = _make_side("layer", 3, torch.float16, "cpu")
     dst, dst_log = _make_side("block", 3, torch.float16, "cpu")
