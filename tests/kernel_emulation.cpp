@@ -4,6 +4,8 @@
 // Built and driven by tests/test_kernel_emulation.py (ctypes).
 #include <cuda_runtime.h>
 
+#include <vector>
+
 static uint3 threadIdx, blockIdx;
 static dim3 blockDim, gridDim;
 
@@ -91,8 +93,8 @@ void emu_copy_blocks(const int64_t* geometry, const int64_t* bases, const int64_
 // 1 when the launcher would pass these pairs as runs (fill_runs), with `bases_count` bases; else 0
 int emu_runs_fit(const int64_t* src_blocks, const int64_t* dst_blocks, int64_t pairs, int64_t bases_count) {
   static tiered_kv::RunMeta meta;
-  int64_t bases[8] = {0};
-  return tiered_kv::fill_runs(meta, bases, size_t(bases_count), src_blocks, dst_blocks, size_t(pairs)) ? 1 : 0;
+  const std::vector<int64_t> bases(size_t(bases_count > 0 ? bases_count : 0), 0);  // fill_runs copies them first
+  return tiered_kv::fill_runs(meta, bases.data(), bases.size(), src_blocks, dst_blocks, size_t(pairs)) ? 1 : 0;
 }
 
 int emu_inline_slots() { return tiered_kv::kInlineSlots; }
