@@ -205,6 +205,7 @@ import random
 from tiered_kv.fences import FenceTable
 
 def state(table):
+    table.flush()  # the entries the copies registered so far, written (register records them)
     def entry(e):
         return [id(m) for m in e] if isinstance(e, dict) else id(e)
     return (

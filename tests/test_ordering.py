@@ -345,3 +345,23 @@ def test_completion_mode_is_validated(monkeypatch):
         _completion_mode()
     monkeypatch.setenv("TIERED_KV_COMPLETION", "Event")
     assert _completion_mode() == "event"
+
+
+@pytest.mark.parametrize("n", [64, LARGE])
+async def test_caller_reusing_its_index_lists_does_not_move_the_fences(device, layout, n):
+    """The engine keeps its own copy of a call's indices: a server that refills its index lists right after the call
+    (a scratch list per step) must not move the fence entries of a copy still running."""
+    async with TransferEngine(layout, gpu_blocks=2 * LARGE, host_blocks=2 * LARGE, device=device) as engine:
+        g = fill_pool(engine, "gpu", 35)
+        fill_pool(engine, "host", 36)
+        src, host, _ = _large_pairs(3, n)
+        back = np.setdiff1d(np.arange(2 * LARGE), src)[:n]
+        s, h = src.tolist(), host.tolist()
+        stall(engine.stream("offload"), STALL)
+        t1 = engine.copy(Tier.GPU, s, Tier.HOST, h)
+        others = np.setdiff1d(np.arange(2 * LARGE), host)[:n].tolist()
+        s[:], h[:] = others, others  # reused for the next step
+        t2 = engine.copy(Tier.HOST, host, Tier.GPU, back)
+        await asyncio.gather(t1, t2)
+        for a, b in zip(src, back, strict=True):
+            assert same(snapshot(engine, "gpu", int(b)), g[int(a)]), f"gpu {b} did not read what the offload wrote"

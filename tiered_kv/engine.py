@@ -741,6 +741,8 @@ class TransferEngine:
                 if choices is not None and args is not None:
                     launch = native.launch
                     assert launch is not None  # shapes are decided only with it
+                    if self._fences.recorded:  # the launch reads the fence tables: the recorded entries first
+                        self._fences.flush()
                     try:
                         got = launch(src_indices, dst_indices, choices, args[0], args[1], 0)
                     except (RuntimeError, ValueError, IndexError, TypeError):

@@ -3,7 +3,7 @@
 Primitives:
 
 * :class:`FenceTable` -- ``dependencies(reads, writes)``, ``register``, ``release`` (or ``release_later``),
-  ``pending``.
+  ``pending``, ``flush``.
 * :class:`Marker` -- the completion of one enqueued op (awaitable, callbacks, lane and event).
 * :class:`FenceStatistics` -- a snapshot.
 
@@ -23,6 +23,13 @@ The engine wakes a completed op's awaiters first and drops its entries right aft
 entries of a completed marker already order nothing (``dependencies`` and ``fence`` skip completed markers, and
 ``release`` of an entry that a later op overwrote is a no-op), and every query (``pending``, ``statistics``,
 ``len``, ``bool``) drops them first, so no reader sees them.
+
+The entries of a copy between two pools are written when first needed, not when it is registered (``register``
+records the copy, ``flush`` writes what is recorded, in registration order): every lookup (``dependencies``,
+``fence``, ``pending``, ``statistics``) flushes first, and a copy that completes before anything looked never has
+its entries written or dropped. A copy of many blocks, awaited before the next one is issued (the common case), so
+costs two dict operations instead of two per block, and the caller resumes sooner. A recorded copy that has completed
+by the flush is skipped: its entries would order nothing.
 """
 
 from __future__ import annotations
@@ -53,6 +60,8 @@ class Marker:
         done_at: ``time.perf_counter()`` when the device (or worker) finished the op.
         job: the job that runs the op once it is enqueued (``None`` before): whether its completion may be taken
             from its event (the engine's loop-side poll asks it, see ``Job.ok_at_event``).
+        entries: whether a :class:`FenceTable` has written this op's per-block entries (``False`` while they are
+            only recorded, see ``FenceTable.flush``).
 
     Notes:
         Each awaiter gets a future of its own, so cancelling one awaiting task cancels only that task's
@@ -65,6 +74,7 @@ class Marker:
         "after",
         "completed",
         "done_at",
+        "entries",
         "error",
         "event",
         "job",
@@ -82,6 +92,7 @@ class Marker:
         self.job: Any = None
         self.reads: list[tuple[str, list[int]]] = []  # (pool, block indices) this op reads
         self.writes: list[tuple[str, list[int]]] = []  # (pool, block indices) this op writes
+        self.entries = False  # its per-block entries are in a fence table (not only recorded there)
         self.after: list[Marker] = []  # ops this one waited for stream-side: done on the device before it
         self._waiters: list[asyncio.Future[None]] = []
         self._callbacks: list[Callable[[], None]] = []
@@ -195,6 +206,9 @@ class FenceTable:
     Attributes:
         release_later: ``release_later(marker)`` drops a completed marker's entries at the next
             :meth:`release_done` or query (see the module docstring).
+        recorded: the copies registered whose entries are not written yet, in registration order, as dict keys
+            (read-only: :meth:`flush` writes them; a caller reading :meth:`tables` itself flushes first while it is
+            not empty).
 
     Notes:
         Per pool, two dicts: block -> pending write marker, and block -> pending reader(s) (a marker, or an
@@ -220,6 +234,8 @@ class FenceTable:
         # holders is still running has nothing to wait for, whatever its size (live(); the engine then skips the
         # lookups, and the index lists, before a launch)
         self._holders: dict[str, dict[Marker, None]] = {}
+        # copies registered whose entries are not written yet, in registration order (flush writes them)
+        self.recorded: dict[Marker, None] = {}
 
     def live(self, pool: str) -> bool:
         """True while an op that has not completed holds entries in ``pool`` (False: nothing to wait for there).
@@ -242,7 +258,8 @@ class FenceTable:
         stays the same dict object for the table's life (entries are dropped in place), so the one-call launch of
         small copies binds them once and reads them as they are at each call. A copy must wait for every op not
         completed yet in the first three for its blocks (:meth:`dependencies`' rules); none is pending when no
-        holder of either pool is still running.
+        holder of either pool is still running. Whoever reads them must :meth:`flush` first while
+        :attr:`recorded` is not empty.
         """
         writes, holders = self._writes, self._holders
         return (
@@ -265,6 +282,8 @@ class FenceTable:
         self, reads: Iterable[tuple[str, list[int]]], writes: Iterable[tuple[str, list[int]]]
     ) -> set[Marker]:
         """Markers an op must wait for before it reads ``reads`` and writes ``writes``."""
+        if self.recorded:
+            self.flush()
         deps: set[Marker] = set()
         for pool, indices in reads:
             wt = self._writes.get(pool)
@@ -287,27 +306,56 @@ class FenceTable:
     def register(self, marker: Marker, reads: list[tuple[str, list[int]]], writes: list[tuple[str, list[int]]]) -> None:
         """Record ``marker`` as a pending read of ``reads`` and the pending write of ``writes``.
 
+        A copy between two pools given as int lists is recorded (its own copies of the lists: the caller's may
+        change), and its per-block entries are written by the next lookup (:meth:`flush`), or never if it
+        completes first; it holds its pools (:meth:`live`) from now. Other shapes are written now, after the
+        recorded ones (entries keep registration order).
+
         Completed ops whose entries are still to be dropped (``release_later``) are dropped first: a copy of the
         same blocks as the one just completed would otherwise turn every block's lone reader into a reader set
-        (per-block Python, here and in the release). The engine registers a many-block copy after its launch,
-        so this runs while the device copies.
+        (per-block Python, here and in the release). The engine registers a many-block copy after its launch.
         """
         if self._done:
             self.release_done()
-        marker.reads = reads
-        marker.writes = writes
         if len(reads) == 1 and len(writes) == 1:  # one copy between two pools (every engine copy but layer groups)
             (src_pool, s), (dst_pool, d) = reads[0], writes[0]
-            self._hold(marker, (src_pool,) if src_pool == dst_pool else (src_pool, dst_pool))
-            native = self._register_pair
-            if native is not None and type(s) is list and type(d) is list:
-                rt = self._reads
-                writes_to = self._writes.setdefault(dst_pool, {})
-                native(rt.setdefault(src_pool, {}), rt.setdefault(dst_pool, {}), writes_to, marker, s, d)
+            if type(s) is list and type(d) is list:
+                marker.reads = [(src_pool, s.copy())]
+                marker.writes = [(dst_pool, d.copy())]
+                self._hold(marker, (src_pool,) if src_pool == dst_pool else (src_pool, dst_pool))
+                self.recorded[marker] = None
                 return
-        else:
-            self._hold(marker, {pool for pool, _ in (*reads, *writes)})
+        if self.recorded:
+            self.flush()
+        marker.reads = reads
+        marker.writes = writes
+        self._hold(marker, {pool for pool, _ in (*reads, *writes)})
         self._register_blocks(marker, reads, writes)
+        marker.entries = True
+
+    def flush(self) -> None:
+        """Write the entries of the copies :meth:`register` recorded, in registration order.
+
+        A copy completed by now is skipped (its entries would order nothing; its release then only leaves its
+        pools' holders).
+        """
+        unwritten = self.recorded
+        if not unwritten:
+            return
+        markers = list(unwritten)
+        unwritten.clear()
+        native = self._register_pair
+        rt, wt = self._reads, self._writes
+        for marker in markers:
+            if marker.completed:
+                continue
+            (src_pool, s), (dst_pool, d) = marker.reads[0], marker.writes[0]
+            if native is not None:
+                src_reads, dst_reads = rt.setdefault(src_pool, {}), rt.setdefault(dst_pool, {})
+                native(src_reads, dst_reads, wt.setdefault(dst_pool, {}), marker, s, d)
+            else:
+                self._register_blocks(marker, marker.reads, marker.writes)
+            marker.entries = True
 
     def _register_blocks(
         self, marker: Marker, reads: list[tuple[str, list[int]]], writes: list[tuple[str, list[int]]]
@@ -338,6 +386,8 @@ class FenceTable:
         generator). ``d`` holds no duplicates and, within one pool, no block of ``s`` (the engine checked).
         Returns the pending markers to wait for, each once.
         """
+        if self.recorded:
+            self.flush()
         if len(s) != 1:
             reads, writes = [(src_pool, s)], [(dst_pool, d)]
             deps = self.dependencies(reads, writes)
@@ -378,12 +428,23 @@ class FenceTable:
             rt[x] = {readers: None, marker: None}
         marker.reads = [(src_pool, s)]
         marker.writes = [(dst_pool, d)]
+        marker.entries = True
         self._hold(marker, (src_pool,) if src_pool == dst_pool else (src_pool, dst_pool))
         return out
 
     def release(self, marker: Marker) -> None:
         """Drop ``marker``'s entries (called once the op has completed)."""
         holders = self._holders
+        if not marker.entries:  # recorded only (or released already): it leaves its pools' holders, nothing else
+            self.recorded.pop(marker, None)
+            for pool, _ in (*marker.reads, *marker.writes):
+                held = holders.get(pool)
+                if held is not None and held.pop(marker, 0) is None and not held:
+                    for table in (self._reads.get(pool), self._writes.get(pool)):
+                        if table:  # entries of released ops only, dropped when they were released
+                            table.clear()
+            return
+        marker.entries = False
         cleared: list[str] = []
         for pool, _ in (*marker.reads, *marker.writes):  # a pool on both sides: the second pop finds nothing
             held = holders[pool]
@@ -427,6 +488,7 @@ class FenceTable:
     def pending(self, pool: str, index: int) -> tuple[Marker | None, tuple[Marker, ...]]:
         """``(pending write, pending reads)`` of one block."""
         self.release_done()
+        self.flush()
         write = self._writes.get(pool, {}).get(index)
         readers = self._reads.get(pool, {}).get(index)
         if readers is None:
@@ -436,6 +498,7 @@ class FenceTable:
     def statistics(self) -> FenceStatistics:
         """A snapshot: fenced blocks, pending reads and writes, waits so far."""
         self.release_done()
+        self.flush()
         fenced: set[tuple[str, int]] = set()
         reads = writes = 0
         for pool, wt in self._writes.items():
@@ -452,6 +515,7 @@ class FenceTable:
 
     def __bool__(self) -> bool:
         self.release_done()
+        self.flush()
         return any(self._writes.values()) or any(self._reads.values())
 
     def __repr__(self) -> str:
