@@ -26,6 +26,7 @@ def main() -> None:
                 "floor_us": round(r["floor_us"], 1),
                 "op_dev_fraction": round(r["op_dev_fraction"], 3),
                 "vs_bound": round(r["vs_bound"], 3),
+                "loop_floor_us": round(r["loop_floor_us"], 1),
             }
             for r in rows
         },
