@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Session 2026-11-25c: recorded fence entries (this build) against the previous commit, alternating processes on one
-# GPU: the bench's partial section (partial_ab_probe.py) and the cold probe's split. The kernels are the same in both
-# builds, so both use the installed extension. Needs `bash .ci/gpu-run install` first and the previous build's tree
-# as a .tar.xz of `git archive` in $1. Usage: bash notes/probes/lazy_ab.sh OLD.tar.xz [ROUNDS]
+# GPU: the bench's partial section (partial_ab_probe.py) and the cold probe's split. The builds differ only in Python
+# files, so the old one is the installed package with those files replaced, and both use the installed extension.
+# Needs `bash .ci/gpu-run install` first and, in directory $1, the previous commit's versions of the changed files
+# (`git show OLD:tiered_kv/fences.py > DIR/fences.py`, ...). Usage: bash notes/probes/lazy_ab.sh DIR [ROUNDS]
 set -uo pipefail
 OLD=$1; ROUNDS=${2:-4}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 here=$(cd "$(dirname "$0")" && pwd)
 if [ ! -f /tmp/site-old/.ready ]; then
-  rm -rf /tmp/ab-old-tree /tmp/site-old && mkdir -p /tmp/ab-old-tree && tar -xJf "$OLD" -C /tmp/ab-old-tree
-  python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site-old /tmp/ab-old-tree \
-    > "$OUT/ab-install.log" 2>&1 || { tail -5 "$OUT/ab-install.log"; exit 1; }
+  rm -rf /tmp/site-old && mkdir -p /tmp/site-old && cp -r /tmp/site/tiered_kv /tmp/site-old/
+  cp "$OLD"/*.py /tmp/site-old/tiered_kv/ && find /tmp/site-old -name __pycache__ -prune -exec rm -rf {} +
   touch /tmp/site-old/.ready
 fi
 for i in $(seq "$ROUNDS"); do
