@@ -206,13 +206,17 @@ def _large_pairs(seed: int, n: int = LARGE) -> tuple[np.ndarray, np.ndarray, np.
     return rng.permutation(2 * LARGE)[:n], rng.permutation(2 * LARGE)[:n], rng.permutation(2 * LARGE)
 
 
-async def large_raw_scenario(engine: TransferEngine, n: int) -> bool:
+async def large_raw_scenario(engine: TransferEngine, n: int, warm: bool = False) -> bool:
     """An offload of ``n`` blocks behind a stall, then an onboard of the same host blocks. True when the onboard
-    read what the offload wrote."""
-    g = fill_pool(engine, "gpu", 31)
-    fill_pool(engine, "host", 32)
+    read what the offload wrote. ``warm``: both calls made once before (awaited), so that on CUDA the engine has
+    decided their shapes and the scenario's calls take the one-call launch."""
     src, host, _ = _large_pairs(1, n)
     back = np.setdiff1d(np.arange(2 * LARGE), src)[:n]
+    if warm:
+        await engine.copy(Tier.GPU, src.tolist(), Tier.HOST, host.tolist())
+        await engine.copy(Tier.HOST, host, Tier.GPU, back)
+    g = fill_pool(engine, "gpu", 31)
+    fill_pool(engine, "host", 32)
     stall(engine.stream("offload"), STALL)
     t1 = engine.copy(Tier.GPU, src.tolist(), Tier.HOST, host.tolist())
     t2 = engine.copy(Tier.HOST, host, Tier.GPU, back)
@@ -220,12 +224,14 @@ async def large_raw_scenario(engine: TransferEngine, n: int) -> bool:
     return all(same(snapshot(engine, "gpu", int(b)), g[int(a)]) for a, b in zip(src, back, strict=True))
 
 
+@pytest.mark.parametrize("warm", [False, True])
 @pytest.mark.parametrize("n", [64, LARGE])  # the small-call path (native on CUDA) and the general path
-async def test_large_calls_read_after_write(device, layout, n):
-    """Regression: a many-block call with nothing pending registers its fence entries after the launch; the
-    next call still sees them (and a pool whose every op was released has nothing live)."""
+async def test_large_calls_read_after_write(device, layout, n, warm):
+    """Regression: a many-block call with nothing pending records its fence entries after the launch; the
+    next call still sees them, by every path (a lookup, or the one-call launch of a decided shape, which reads the
+    tables itself), and a pool whose every op was released has nothing live."""
     async with TransferEngine(layout, gpu_blocks=2 * LARGE, host_blocks=2 * LARGE, device=device) as engine:
-        assert await large_raw_scenario(engine, n)
+        assert await large_raw_scenario(engine, n, warm)
         assert engine.fences.stream_waits >= 1
         assert not engine.fences.live("host") and not engine.fences.live("gpu")
         assert not engine.fences
@@ -347,15 +353,19 @@ def test_completion_mode_is_validated(monkeypatch):
     assert _completion_mode() == "event"
 
 
+@pytest.mark.parametrize("warm", [False, True])
 @pytest.mark.parametrize("n", [64, LARGE])
-async def test_caller_reusing_its_index_lists_does_not_move_the_fences(device, layout, n):
+async def test_caller_reusing_its_index_lists_does_not_move_the_fences(device, layout, n, warm):
     """The engine keeps its own copy of a call's indices: a server that refills its index lists right after the call
     (a scratch list per step) must not move the fence entries of a copy still running."""
     async with TransferEngine(layout, gpu_blocks=2 * LARGE, host_blocks=2 * LARGE, device=device) as engine:
-        g = fill_pool(engine, "gpu", 35)
-        fill_pool(engine, "host", 36)
         src, host, _ = _large_pairs(3, n)
         back = np.setdiff1d(np.arange(2 * LARGE), src)[:n]
+        if warm:  # the shapes decided (CUDA): the scenario's calls take the one-call launch
+            await engine.copy(Tier.GPU, src.tolist(), Tier.HOST, host.tolist())
+            await engine.copy(Tier.HOST, host, Tier.GPU, back)
+        g = fill_pool(engine, "gpu", 35)
+        fill_pool(engine, "host", 36)
         s, h = src.tolist(), host.tolist()
         stall(engine.stream("offload"), STALL)
         t1 = engine.copy(Tier.GPU, s, Tier.HOST, h)
