@@ -204,14 +204,17 @@ launch = {name: outcome(*args) for name, args in cases.items()}
 import random
 from tiered_kv.fences import FenceTable
 
+# each table has markers of its own (a marker records whether its entries are written), named by the copy's step
+name = {}
+
 def state(table):
     table.flush()  # the entries the copies registered so far, written (register records them)
     def entry(e):
-        return [id(m) for m in e] if isinstance(e, dict) else id(e)
+        return [name[m] for m in e] if isinstance(e, dict) else name[e]
     return (
         {p: [(i, entry(e)) for i, e in t.items()] for p, t in table._reads.items() if t},
-        {p: [(i, id(m)) for i, m in t.items()] for p, t in table._writes.items() if t},
-        {p: [id(m) for m in t] for p, t in table._holders.items() if t},
+        {p: [(i, name[m]) for i, m in t.items()] for p, t in table._writes.items() if t},
+        {p: [name[m] for m in t] for p, t in table._holders.items() if t},
     )
 
 rng = random.Random(7)
@@ -225,19 +228,20 @@ for step in range(3000):
         d = rng.sample(range(40), n)
         pool_s = [i for i in range(40) if src_pool != dst_pool or i not in d]
         s = [rng.choice(pool_s) for _ in range(n)]  # sources may repeat
-        marker = Marker(None)
-        for table in (ref, fast):
+        pair = (Marker(None), Marker(None))
+        for table, marker in zip((ref, fast), pair):
+            name[marker] = step
             table.register(marker, [(src_pool, list(s))], [(dst_pool, list(d))])
-        live.append(marker)
+        live.append(pair)
     elif action < 0.85:
-        marker = live.pop(rng.randrange(len(live)))
-        marker.completed = True
-        for table in (ref, fast):
+        pair = live.pop(rng.randrange(len(live)))
+        for table, marker in zip((ref, fast), pair):
+            marker.completed = True
             table.release_later(marker)
     else:
-        marker = live.pop(rng.randrange(len(live)))
-        marker.completed = True
-        for table in (ref, fast):
+        pair = live.pop(rng.randrange(len(live)))
+        for table, marker in zip((ref, fast), pair):
+            marker.completed = True
             table.release(marker)
     steps += 1
     if state(ref) != state(fast):
