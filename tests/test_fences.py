@@ -266,6 +266,24 @@ def test_register_drops_completed_entries_first_instead_of_building_reader_sets(
     assert t.pending("gpu", 7) == (None, (m2,)) and t.pending("host", 7) == (m2, ())
 
 
+def _model_copy(
+    reads: dict[tuple[str, int], list[Marker]],
+    writes: dict[tuple[str, int], Marker],
+    m: Marker,
+    src: str,
+    s: list[int],
+    dst: str,
+    d: list[int],
+) -> None:
+    """The per-block model of the rules: ``m`` reads ``s`` of ``src`` and writes ``d`` of ``dst`` (dropping their
+    readers)."""
+    for b in s:
+        reads.setdefault((src, b), []).append(m)
+    for b in d:
+        reads.pop((dst, b), None)
+        writes[(dst, b)] = m
+
+
 def test_release_matches_a_per_block_model_when_holders_come_and_go() -> None:
     """``release`` clears a pool whole when its last holder goes (no per-block loop); with other holders it drops
     only the marker's own entries. Random copies (whole pools emptied often: one or two ops live) against a
@@ -298,11 +316,7 @@ def test_release_matches_a_per_block_model_when_holders_come_and_go() -> None:
                 table.fence(m, src, list(s), dst, list(d))
             else:
                 table.register(m, [(src, list(s))], [(dst, list(d))])
-            for b in s:
-                reads.setdefault((src, b), []).append(m)
-            for b in d:
-                reads.pop((dst, b), None)
-                writes[(dst, b)] = m
+            _model_copy(reads, writes, m, src, s, dst, d)
             live.append(m)
         for pool in names:
             for block in range(blocks):
@@ -372,11 +386,7 @@ def test_recorded_entries_give_the_dependencies_of_entries_written_at_once() -> 
             table.register(m, [(src, s)], [(dst, d)])
         assert got == want, step
         waited[m] = got
-        for b in s:
-            reads.setdefault((src, b), []).append(m)
-        for b in d:
-            reads.pop((dst, b), None)
-            writes[(dst, b)] = m
+        _model_copy(reads, writes, m, src, s, dst, d)
         live.append(m)
         if rng.random() < 0.05:
             for pool in names:

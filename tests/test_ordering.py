@@ -206,6 +206,13 @@ def _large_pairs(seed: int, n: int = LARGE) -> tuple[np.ndarray, np.ndarray, np.
     return rng.permutation(2 * LARGE)[:n], rng.permutation(2 * LARGE)[:n], rng.permutation(2 * LARGE)
 
 
+async def _decide_shapes(engine: TransferEngine, src: np.ndarray, host: np.ndarray, back: np.ndarray) -> None:
+    """The offload ``src`` -> ``host`` (as lists) and the onboard ``host`` -> ``back`` (as arrays), each made once and
+    awaited: on CUDA the engine then has decided their shapes, and the same calls take the one-call launch."""
+    await engine.copy(Tier.GPU, src.tolist(), Tier.HOST, host.tolist())
+    await engine.copy(Tier.HOST, host, Tier.GPU, back)
+
+
 async def large_raw_scenario(engine: TransferEngine, n: int, warm: bool = False) -> bool:
     """An offload of ``n`` blocks behind a stall, then an onboard of the same host blocks. True when the onboard
     read what the offload wrote. ``warm``: both calls made once before (awaited), so that on CUDA the engine has
@@ -213,8 +220,7 @@ async def large_raw_scenario(engine: TransferEngine, n: int, warm: bool = False)
     src, host, _ = _large_pairs(1, n)
     back = np.setdiff1d(np.arange(2 * LARGE), src)[:n]
     if warm:
-        await engine.copy(Tier.GPU, src.tolist(), Tier.HOST, host.tolist())
-        await engine.copy(Tier.HOST, host, Tier.GPU, back)
+        await _decide_shapes(engine, src, host, back)
     g = fill_pool(engine, "gpu", 31)
     fill_pool(engine, "host", 32)
     stall(engine.stream("offload"), STALL)
@@ -361,9 +367,8 @@ async def test_caller_reusing_its_index_lists_does_not_move_the_fences(device, l
     async with TransferEngine(layout, gpu_blocks=2 * LARGE, host_blocks=2 * LARGE, device=device) as engine:
         src, host, _ = _large_pairs(3, n)
         back = np.setdiff1d(np.arange(2 * LARGE), src)[:n]
-        if warm:  # the shapes decided (CUDA): the scenario's calls take the one-call launch
-            await engine.copy(Tier.GPU, src.tolist(), Tier.HOST, host.tolist())
-            await engine.copy(Tier.HOST, host, Tier.GPU, back)
+        if warm:
+            await _decide_shapes(engine, src, host, back)
         g = fill_pool(engine, "gpu", 35)
         fill_pool(engine, "host", 36)
         s, h = src.tolist(), host.tolist()

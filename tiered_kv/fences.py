@@ -339,11 +339,11 @@ class FenceTable:
         A copy completed by now is skipped (its entries would order nothing; its release then only leaves its
         pools' holders).
         """
-        unwritten = self.recorded
-        if not unwritten:
+        recorded = self.recorded
+        if not recorded:
             return
-        markers = list(unwritten)
-        unwritten.clear()
+        markers = list(recorded)
+        recorded.clear()
         native = self._register_pair
         rt, wt = self._reads, self._writes
         for marker in markers:
@@ -434,27 +434,23 @@ class FenceTable:
 
     def release(self, marker: Marker) -> None:
         """Drop ``marker``'s entries (called once the op has completed)."""
-        holders = self._holders
-        if not marker.entries:  # recorded only (or released already): it leaves its pools' holders, nothing else
+        written = marker.entries
+        if not written:  # recorded only (or released already): it leaves its pools' holders, nothing else
             self.recorded.pop(marker, None)
-            for pool, _ in (*marker.reads, *marker.writes):
-                held = holders.get(pool)
-                if held is not None and held.pop(marker, 0) is None and not held:
-                    for table in (self._reads.get(pool), self._writes.get(pool)):
-                        if table:  # entries of released ops only, dropped when they were released
-                            table.clear()
-            return
         marker.entries = False
+        holders = self._holders
         cleared: list[str] = []
         for pool, _ in (*marker.reads, *marker.writes):  # a pool on both sides: the second pop finds nothing
-            held = holders[pool]
-            if held.pop(marker, 0) is None and not held:
-                # the last holder of the pool: every entry there is this marker's (an op's entries come and go
-                # with its place among the holders), so the pool's tables are cleared whole, without a per-block loop
+            held = holders.get(pool)
+            if held is not None and held.pop(marker, 0) is None and not held:
+                # the last holder of the pool: every entry there, if any, is this marker's (an op's entries come and
+                # go with its place among the holders), so the pool's tables are cleared whole, without a per-block loop
                 for table in (self._reads.get(pool), self._writes.get(pool)):
                     if table:
                         table.clear()
                 cleared.append(pool)
+        if not written:
+            return
         for pool, indices in marker.reads:
             if pool in cleared:
                 continue

@@ -25,13 +25,4 @@ for build in new old; do
   (cd /tmp && PYTHONPATH=$site TIERED_KV_EXT_DIR=/tmp/tiered_kv_ext timeout 200 python3 -m tiered_kv.tools.bench.cold_probe \
      --calls 100 --json "$OUT/cold-$build.json") > "$OUT/cold-$build.txt" 2>&1
 done
-python3 - "$OUT/partial-ab.jsonl" <<'PY'
-import json, statistics, sys
-runs = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
-keys = sorted({k for r in runs for k in r["rows"]})
-print(f"{'row':<16} {'new fraction (runs)':<36} {'old fraction (runs)':<36} new/old median")
-for k in keys:
-    got = {b: [r["rows"][k]["fraction"] for r in runs if r["build"] == b and k in r["rows"]] for b in ("new", "old")}
-    med = {b: statistics.median(v) if v else float("nan") for b, v in got.items()}
-    print(f"{k:<16} {str(got['new']):<36} {str(got['old']):<36} {med['new']:.3f} / {med['old']:.3f}")
-PY
+python3 "$here/ab_summary.py" "$OUT/partial-ab.jsonl"
