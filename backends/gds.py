@@ -292,10 +292,10 @@ class GdsBackend:
             kvikio.defaults.set("compat_mode", compat.ON if compat is not None else True)
             forced_on = True
         if forced_on and "KVIKIO_AUTO_DIRECT_IO_READ" not in os.environ:
-            # kvikio's POSIX path reads through the page cache by default. Cold 1 MiB slot reads ran at 0.91-0.94x
-            # raw O_DIRECT preadv that way and at 0.98-0.99x with kvikio's opportunistic O_DIRECT (two runs on an
-            # H100 host, notes/probes/kvikio_read_probe.py). Slots and our buffers are page aligned, so reads
-            # can bypass the cache like the posix backend's; kvikio falls back to buffered reads where not.
+            # kvikio's POSIX path reads through the page cache by default: cold 1 MiB slot reads run at 0.91-0.94x
+            # raw O_DIRECT preadv that way and at 0.98-0.99x with kvikio's opportunistic O_DIRECT (H100 host).
+            # Slots and our buffers are page aligned, so reads can bypass the cache like the posix backend's;
+            # kvikio falls back to buffered reads where not.
             try:
                 kvikio.defaults.set("auto_direct_io_read", True)
             except Exception as exc:  # older kvikio: no such setting

@@ -20,11 +20,11 @@ import tempfile
 import time
 
 import torch
-from tqdm import tqdm
 
 from tiered_kv import KVLayout, Tier, TransferEngine
 from tiered_kv.testing import fill_random
 from tiered_kv.tools.bench.common import print_table
+from tiered_kv.tools.progress import Progress
 
 
 async def run(directory: str, blocks: int, device: str, chunk: int, quiet: bool = False) -> list[dict[str, object]]:
@@ -40,7 +40,7 @@ async def run(directory: str, blocks: int, device: str, chunk: int, quiet: bool 
 
         async def stage(name: str, src: Tier, dst: Tier, dst_offset: int = 0, with_keys: bool = False) -> None:
             t0 = time.perf_counter()
-            with tqdm(total=blocks, desc=name, unit="block", disable=quiet) as bar:
+            with Progress(name, "blocks", blocks, disable=quiet) as bar:
                 pending = []
                 for start in range(0, blocks, chunk):
                     idx = list(range(start, min(blocks, start + chunk)))

@@ -261,10 +261,10 @@ unsigned grid_for(int64_t items, int64_t max_blocks = 132 * 16) {
 }
 
 // Bytes per work item when short rows are batched (partial copies). Between GPU buffers, 4 KiB items: the op's
-// device time on 128 blocks, as a fraction of one contiguous copy (H100, notes/probes/item_probe.py), with 16 KiB
-// items -> 4 KiB: 4 of 16 tokens 0.856 -> 0.917, 8 of 16 0.917 -> 0.935, 12 of 16 0.923 -> 0.963 (whole blocks
-// unchanged at 0.95; 2 KiB items lost 4-token rows, 8 KiB ones were between). Through PCIe the small grid keeps
-// kSegmentBytes. TIERED_KV_COPY_ITEM_BYTES overrides both, for measuring.
+// device time on 128 blocks, as a fraction of one contiguous copy (H100), with 16 KiB items -> 4 KiB: 4 of 16
+// tokens 0.856 -> 0.917, 8 of 16 0.917 -> 0.935, 12 of 16 0.923 -> 0.963 (whole blocks unchanged at 0.95; 2 KiB
+// items lose 4-token rows, 8 KiB ones are between). Through PCIe the small grid keeps kSegmentBytes.
+// TIERED_KV_COPY_ITEM_BYTES overrides both, for measuring.
 constexpr int64_t kDeviceItemBytes = 4096;
 
 inline int64_t item_bytes(const BlockCopyGeometry& g) {
@@ -280,10 +280,9 @@ inline int64_t item_bytes(const BlockCopyGeometry& g) {
 }  // namespace
 
 #ifndef TKV_HOST_EMULATION  // tests/kernel_emulation.cpp runs the kernels above on the CPU, lane by lane
-// Launch shape, chosen on an H200 (notes/issue-3-perf.md): a grid of at most kCtasPerSm CTAs per SM, and short
-// rows batched into work items (item_bytes above). No other setting tried (2/4 CTAs per SM, 8/32 KiB items, 4
-// loads in flight per lane instead of 8) was better on every row: 4-token partial rows gained ~10%, 12-token
-// ones lost ~4%.
+// Launch shape (measured on an H200): a grid of at most kCtasPerSm CTAs per SM, and short rows batched into
+// work items (item_bytes above). No other setting (2/4 CTAs per SM, 8/32 KiB items, 4 loads in flight per lane
+// instead of 8) is better on every row: 4-token partial rows gain ~10%, 12-token ones lose ~4%.
 constexpr int64_t kCtasPerSm = 16;
 
 // A copy through PCIe needs few SMs: 4 CTAs of 512 threads already carry the link at 50-52 GB/s on an H100,

@@ -307,8 +307,8 @@ def test_copy_blocks_list_cuda_matches_reference(
     torch.ops.tiered_kv.copy_blocks_list(dst, src, s, d, n, method, stream.cuda_stream)
     stream.synchronize()
     assert_blocks_equal(_logical(dst_kind, dst), _logical(dst_kind, want), f"{src_kind}->{dst_kind} {pairs} {method}")
-    # The C++ range check of the raw op is not exercised here: on the H100 machine (torch 2.11+cu130) an error
-    # raised inside the extension ended the process with SIGSEGV instead of a RuntimeError (notes/issue-14.md).
+    # The C++ range check of the raw op is not exercised here: with torch 2.11+cu130 an error raised inside the
+    # extension can end the process with SIGSEGV instead of a RuntimeError.
     # The public paths check ranges in Python first (copy_blocks_list_ref on CPU, the engine's small_pairs).
 
 

@@ -9,11 +9,23 @@ import subprocess
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
+def join_continued(block: str) -> str:
+    """A line ending in `` \\`` goes on, as in the shell, on the next one (its leading blanks dropped)."""
+    return re.sub(r" \\\n[ \t]*", " ", block)
+
+
 def readme_commands() -> list[str]:
     text = (ROOT / "README.md").read_text()
     block = re.search(r"<!-- setup -->\s*```(?:bash|sh)?\n(.*?)```", text, re.S)
     assert block, "README must hold the set-up commands in a ```bash block right after <!-- setup -->"
-    return [line for line in block.group(1).splitlines() if line.strip() and not line.startswith("#")]
+    lines = join_continued(block.group(1)).splitlines()
+    return [line for line in lines if line.strip() and not line.startswith("#")]
+
+
+def test_a_continued_line_is_one_command():
+    assert join_continued("a && \\\n  b && c\nd\n").splitlines() == ["a && b && c", "d"]
+    r = subprocess.run(["bash", "-c", "echo a && \\\n  echo b"], capture_output=True, text=True, timeout=30)
+    assert r.stdout.split() == ["a", "b"]  # the shell reads it the same way
 
 
 def test_readme_has_exactly_two_setup_commands():

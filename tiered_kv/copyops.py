@@ -44,7 +44,7 @@ calls moved at that threshold (the copy engine's cost is per call). ``EngineConf
 Layer-by-layer copies (``copy(..., layers=)``, :mod:`tiered_kv.layerwise`) count a run of consecutive blocks
 as one piece too: DMA moves it in one ``cudaMemcpy2DAsync`` (a row per block), and a load that is meant to
 overlap compute must not take the SMs (measured on an H100: with the kernel, per-layer loads of a 32-layer
-prefill did not overlap the compute at all, 1.02-1.05x the serial time; see notes/issue-14.md).
+prefill did not overlap the compute at all, 1.02-1.05x the serial time).
 
 Size: about 560 lines: the path choice and the builders of one copy call's op (DMA / kernel, native, torch
 fallback) read the same per-pair geometry and plan memo.

@@ -7,7 +7,7 @@ Primitives:
   loop applies them one at a time (FIFO) and hands every resulting :class:`SlotEvent` to the listeners
   (the block manager) in the same loop step.
 
-Why (issue 11, finding 1). A file write that fails, or a read that fails verification, is detected on an
+Why. A file write that fails, or a read that fails verification, is detected on an
 I/O thread. If the tier's index changed right there, a planner on the loop could see a slot as "holds no
 block" in the middle of issuing a plan it made a moment before from the old state -- a plan issued by
 halves. Here the index a planner validates against changes only on the loop, between two of its steps,

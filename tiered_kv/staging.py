@@ -605,7 +605,7 @@ class BlockOffsetTable:
     ) -> Event:
         """Gather mode: refresh the batch's changed rows in the row versions, write its row numbers, enqueue.
 
-        The per-call path is kept to what the race-free protocol needs (issue 14): the row numbers are
+        The per-call path is kept to what the race-free protocol needs: the row numbers are
         written by numpy straight into a staging buffer that the op reads where it is (pinned memory on
         CUDA, read through unified addressing: no copy), the scale and V offset are the cached pinned
         tensors of their values (never written after they are made), and the op is called without the

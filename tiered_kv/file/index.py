@@ -13,7 +13,7 @@ Primitives:
 Thread safety: every method takes the index's lock; transitions come from the loop (``claim``, ``discard``)
 and from I/O threads (``finish_write``, ``drop_if``).
 
-Order (issue 11, finding 1): a transition decided on an I/O thread is *applied* on the engine's event loop,
+Order: a transition decided on an I/O thread is *applied* on the engine's event loop,
 through :attr:`SlotIndex.events` (:mod:`tiered_kv.slotstate`), between two loop steps, and every slot it
 gives up is announced there to the listeners (the cache's block manager) in the same step -- so a planner on
 the loop never sees a slot change in the middle of issuing a plan, and hears of a dropped slot before the

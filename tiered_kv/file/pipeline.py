@@ -19,7 +19,7 @@ GPU pools go through the staging ring (:mod:`~tiered_kv.file.ring`) in *groups*:
 ``ring.group`` blocks takes its staging blocks at once and crosses the host<->device link in **one stream op**
 (one copier call for all its block pairs) with **one completion**, instead of one op, one event and one
 thread hop per block (on a host where a torch call costs tens of microseconds that fixed cost, not the ring
-depth, bounded 1 MiB blocks; notes/issue-14-filepipe.md). After a failure no further group starts.
+depth, bounds 1 MiB blocks). After a failure no further group starts.
 
 * GPU -> file: the group's GPU blocks -> its staging blocks on the offload stream (``_link``); from that
   op's completion, per staging block a tier worker checksums it and starts its ``pwrite`` (with GDS: of the
@@ -232,8 +232,8 @@ class FileCopy:
 
         Only a window of reads is started, not the whole batch: a started read holds a future, a work item and
         a callback until it is done, and a thousand of them outlive the young GC generations and set off full
-        collections (~150 ms with the GIL held in a process that imported torch; measured in
-        notes/issue-14-fileread.md), which stall every I/O thread. A few per thread keep each one busy.
+        collections (~150 ms with the GIL held in a process that imported torch), which stall every I/O
+        thread. A few per thread keep each one busy.
         One thread at a time starts reads; a call while another thread does only adds its credit (so a backend
         that completes inline cannot recurse).
         """
@@ -276,8 +276,8 @@ class FileCopy:
         """On the I/O thread, right after the read of block ``j`` (``n`` bytes): the length only.
 
         The checksum runs on a tier worker (``_host_verify``), not here: under load xxh3 of a cache-cold MiB
-        took ~120 us and the header checks ~50 us more, during which this thread would start no read (measured
-        in notes/issue-14-fileread.md: the gap between one thread's reads grew from ~50 to ~210 us).
+        takes ~120 us and the header checks ~50 us more, during which this thread would start no read (the gap
+        between one thread's reads grows from ~50 to ~210 us).
         """
         geo = self.io.geometry
         if n < HEADER_SIZE + geo.payload_bytes:
@@ -329,9 +329,9 @@ class FileCopy:
         """The group is staged: each block is checksummed and its ``pwrite`` started on a tier worker.
 
         Not on the I/O threads, which then only write (like host pools): a staged MiB just written by the
-        device is cache-cold, and its xxh3 took 230-260 us on an H100 host, about a sixth of each I/O thread's
-        time at 1 MiB (GPU->file ran at 0.70-0.76x raw ``pwritev`` with it there, at raw speed without;
-        notes/issue-14-filepipe.md). One task per block, so a group's checksums run on all workers at once.
+        device is cache-cold, and its xxh3 takes 230-260 us on an H100 host, about a sixth of each I/O thread's
+        time at 1 MiB (GPU->file runs at 0.70-0.76x raw ``pwritev`` with it there, at raw speed without).
+        One task per block, so a group's checksums run on all workers at once.
         """
         for j, buf in zip(js, bufs, strict=True):
             try:
@@ -596,7 +596,7 @@ class FileCopy:
             truncated = self._truncation(slot)
             if truncated is not None:
                 # Backends disagree on a read past the end of the file (POSIX returns a short count, kvikio raises):
-                # a truncated slab is damage, the same IntegrityError on every backend (issue 11, finding 10).
+                # a truncated slab is damage, the same IntegrityError on every backend.
                 err: BaseException = IntegrityError(
                     f"file slot {slot}: short read ({truncated}); the slot was dropped and its data not served"
                 )

@@ -12,10 +12,10 @@ Primitives:
 * :func:`storage_error` -- an ``OSError`` (ENOSPC, EROFS, EACCES, ...) as a :class:`~tiered_kv.errors.StorageError`.
 * :func:`directory_problem` -- the same checks as a sentence or ``None`` (``tiered-kv doctor``).
 
-Why (issue 11, findings 6 and 11): a slab planted by another user in a shared directory was opened, chmod'ed
-and served as verified; a symlink at ``kv.lock`` made the process create a file elsewhere; ENOSPC, a read-only
-or missing directory, a ``file_dir`` that is a file, or a ``file_blocks`` too large surfaced as a bare
-``OSError`` or a numpy allocation message, leaving a lock file or a half-created slab behind.
+Why: in a shared directory, a slab planted by another user must never be opened, chmod'ed or served as
+verified, and a symlink at ``kv.lock`` must not make the process create a file elsewhere; ENOSPC, a read-only
+or missing directory, a ``file_dir`` that is a file, or a ``file_blocks`` too large must fail with a sentence
+(not a bare ``OSError`` or a numpy allocation message) and leave no lock file or half-created slab behind.
 """
 
 from __future__ import annotations

@@ -118,7 +118,7 @@ class _Opener:
         size = HEADER_SIZE + self.num_blocks * self.slot_size
         discarded = False
         existing = os.path.lexists(self.path)
-        if existing:  # never through a symlink, never another user's file (issue 11, finding 6)
+        if existing:  # never through a symlink, never another user's file
             fd = open_owned(self.path, os.O_RDONLY)
             try:
                 existing = os.fstat(fd).st_size > 0
@@ -132,9 +132,9 @@ class _Opener:
             if not any(raw):
                 # A zeroed superblock: a creation that crashed between preallocating and writing it (then no slot
                 # was ever written), or damage to a slab whose slots are intact. Either way it is treated as
-                # damage, not as an empty slab (issue 11, finding 7): every slot verifies itself (magic,
-                # checksum, this layout's fingerprint, its own slot number), so the scan below keeps exactly the
-                # verified slots of this layout and the superblock is written again.
+                # damage, not as an empty slab: every slot verifies itself (magic, checksum, this layout's
+                # fingerprint, its own slot number), so the scan below keeps exactly the verified slots of this
+                # layout and the superblock is written again.
                 slots_on_disk = max(0, (os.path.getsize(self.path) - HEADER_SIZE) // self.slot_size)
                 log.warning(
                     "%s has a zeroed superblock; keeping the slots that verify (%d on disk) and rewriting it",

@@ -116,7 +116,7 @@ class FileTier:
         self.payload_bytes = self.geometry.payload_bytes
         self.slot_size = self.geometry.slot_size
         self.pad_bytes = self.geometry.pad_bytes
-        # Checked before anything is created (issue 11, findings 6 and 11: tiered_kv.file.place).
+        # Checked before anything is created (tiered_kv.file.place).
         created_dir = prepare_directory(config.directory)
         self.path = os.path.join(os.fspath(config.directory), f"{config.name}.slab")
         try:

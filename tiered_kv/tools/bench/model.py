@@ -25,6 +25,7 @@ not comparable to the target.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import statistics
 import tempfile
@@ -144,6 +145,13 @@ async def _place(cache: TieredKVCache, tier: str) -> None:
 
 def run(quick: bool = False, device: str = "auto") -> dict[str, Any]:
     """Measure every row (see the module docstring); returns the benchmark dict of :mod:`.common`."""
+    if importlib.util.find_spec("transformers") is None:
+        return {
+            "name": "model",
+            "machine": machine_info(device),
+            "rows": [],
+            "notes": ["not run: transformers is not installed (pip install 'tiered-kv[hf]')"],
+        }
     t0 = time.perf_counter()
     model, lengths, repeats, emulated = _setup(quick, device)
     built = time.perf_counter() - t0

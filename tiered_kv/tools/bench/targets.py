@@ -101,7 +101,7 @@ def _pagetables(row: Row) -> Target | None:
 
 
 def _model(row: Row) -> Target | None:
-    # TTFT with the prefix in host at least 10x faster than recomputing it (issue 16)
+    # TTFT with the prefix in host at least 10x faster than recomputing it
     return Target("vs_recompute", ">=", 10.0) if row.get("path") == "host" else None
 
 
