@@ -58,11 +58,24 @@ def test_readme_is_the_front_door() -> None:
     assert not long, f"README.md lines over 120 characters (line, length): {long}"
 
 
+def anchors(page: pathlib.Path) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation but ``-`` and ``_`` dropped, blanks to ``-``."""
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)  # a '#' in a code block is no heading
+    return {
+        re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        for heading in re.findall(r"^#{1,6} (.+)$", text, re.M)
+    }
+
+
 def test_links_into_docs_resolve() -> None:
     for page in PAGES:
-        for target in re.findall(r"\]\(([^)#\s]+\.md)(?:#[^)]*)?\)", page.read_text()):
-            if "://" not in target:
-                assert (page.parent / target).resolve().is_file(), f"{page.name} links to a missing {target}"
+        for target, anchor in re.findall(r"\]\(([^)#\s]*\.md)?(?:#([^)\s]+))?\)", page.read_text()):
+            if not target and not anchor:
+                continue
+            linked = (page.parent / target).resolve() if target else page
+            assert linked.is_file(), f"{page.name} links to a missing {target}"
+            if anchor:
+                assert anchor in anchors(linked), f"{page.name} links to a missing heading {target}#{anchor}"
     readme = (ROOT / "README.md").read_text()
     for page in PAGES[1:]:
         assert f"(docs/{page.name})" in readme, f"README does not link docs/{page.name}"
