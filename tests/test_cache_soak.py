@@ -30,9 +30,14 @@ async def test_cache_soak_ci_size() -> None:
 
 
 async def test_cache_soak_catches_a_cache_that_serves_failed_copies(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With poisoning switched off, blocks whose copy failed stay in the lookup: the oracle sees wrong KV."""
+    """With poisoning and the integrity checks off, blocks whose copy failed are served: the oracle sees wrong KV."""
     import tiered_kv.cache as cache_mod
+    from tiered_kv.integrity import IntegrityChecks
 
+    async def nothing_changed(self: IntegrityChecks, *args: object) -> list[object]:
+        return []
+
+    monkeypatch.setattr(IntegrityChecks, "check_reuse", nothing_changed)
     monkeypatch.setattr(TieredKVCache, "_poison", lambda self, block: None)
     monkeypatch.setattr(TieredKVCache, "_on_file_slot_dropped", lambda self, event: None)
     monkeypatch.setattr(cache_mod, "_failed", lambda sources: False)

@@ -38,6 +38,7 @@ import dataclasses
 import heapq
 import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -111,10 +112,13 @@ class Block:
         children: cached blocks whose parent is this block (key -> block); only while cached.
         sources: transfers that produced the data in the current slot, oldest first. The async layer
             appends to it and checks it: a failed one poisons the block.
+        checksum: what the cache's integrity checks recorded when the block was committed (``None`` before, and for
+            blocks that were never committed on this GPU: adopted from the file tier or fetched from a store).
     """
 
     __slots__ = (
-        "cached", "children", "id", "key", "parent_key", "priority", "refcount", "slot", "sources", "tier", "tokens"
+        "cached", "checksum", "children", "id", "key", "parent_key", "priority", "refcount", "slot", "sources", "tier",
+        "tokens",
     )
 
     def __init__(
@@ -131,6 +135,7 @@ class Block:
         self.cached = False
         self.children: dict[ContentKey, Block] = {}
         self.sources: list[object] = []
+        self.checksum: Any = None  # its tiered_kv.integrity.Checksum once committed (the cache's integrity checks)
 
     @property
     def num_tokens(self) -> int:
@@ -745,6 +750,10 @@ class BlockManager:
         return plan
 
     # ------------------------------------------------------------------------------------ inspection
+
+    def committed_tokens(self, seq_id: int) -> int:
+        """Tokens of a live sequence whose KV is committed (reused at admission, or declared by :meth:`commit`)."""
+        return self._live(seq_id).committed
 
     def page_table(self, seq_id: int) -> tuple[int, ...]:
         """GPU block indices of a live sequence, in token order."""

@@ -7,21 +7,11 @@ Primitives:
   ``free(...)``, ``page_table(...)``, ``statistics()``.
 * :class:`CacheStatistics` -- hits per tier, evictions, bytes moved per direction.
 
-The block manager decides synchronously (so a decision and the copies it implies are issued in one step of
-the event loop, with no await in between: many tasks on one loop never interleave inside a decision); this
-layer issues the planned copies in plan order through ``engine.copy`` (the engine's per-block fences order
-a copy that overwrites a slot after every pending read of it) and then awaits, for every GPU slot it hands
-out, the pending copies of that slot. A copy that failed poisons the blocks whose data it produced: they
-leave the lookup and whoever was about to use them gets :class:`~tiered_kv.TransferError`.
-
-Copies with a file slot on one side pass the blocks' content keys (``engine.copy(..., keys=...)``): the
-file tier writes them into its slot headers and verifies them on the way back. How a plan's moves become a
-few batched copies is :mod:`tiered_kv.plan_batches`.
-
-Size: under 600 lines, one concept -- the facade whose every public call pairs a block-manager
-decision with the copies it implies, issued in the same step and settled before the call returns (the
-class docstring documents its 17 arguments); the decisions are :mod:`tiered_kv.blocks`, the copy batching
-:mod:`tiered_kv.plan_batches`, the remote tier's side :mod:`tiered_kv.remote.cachelink`.
+The block manager decides synchronously (a decision and its copies are issued in one step of the loop, so tasks
+never interleave inside a decision); this layer issues the planned copies in plan order (the engine's per-block
+fences order them) and awaits, for every GPU slot it hands out, the pending copies of that slot. A failed copy
+poisons the blocks whose data it produced. Every reused block is checked against its checksum from commit before
+it is served (:mod:`tiered_kv.integrity`). Batching a plan's moves is :mod:`tiered_kv.plan_batches`.
 """
 
 from __future__ import annotations
@@ -47,14 +37,18 @@ from .blocks import (
 )
 from .engine import EngineStatistics, Transfer, TransferEngine
 from .errors import EngineClosedError, TransferError
+from .integrity import IntegrityChecks
 from .keys import KeyHasher
 from .layout import KVLayout
 from .plan_batches import batch_moves, unissued_transfer
-from .pools import Tier
+from .pools import BlockPool, Tier
 from .slotstate import SlotEvent, SlotEvents
 from .staging import BlockOffsetTable
 
 __all__ = ["DEFAULT_PRIORITY", "Admission", "CacheFullError", "CacheStatistics", "Request", "TieredKVCache"]
+
+#: Admissions of one batch made again after reused blocks failed their integrity check (each time without them).
+_INTEGRITY_RETRIES = 3
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -73,6 +67,8 @@ class CacheStatistics:
         blocks: the block manager's snapshot (occupancy per tier, ...).
         engine: the transfer engine's snapshot.
         remote: the remote tier's :class:`~tiered_kv.remote.RemoteStatistics`, or ``None``.
+        integrity_errors: reused blocks whose KV no longer matched its checksum from commit: dropped, never
+            served, and recomputed by the request (see ``TieredKVCache(integrity=...)``).
     """
 
     requests: int
@@ -87,6 +83,7 @@ class CacheStatistics:
     blocks: BlockStatistics
     engine: EngineStatistics
     remote: Any = None  # RemoteStatistics of the remote tier, if the cache has one
+    integrity_errors: int = 0
 
 
 class TieredKVCache:
@@ -123,6 +120,10 @@ class TieredKVCache:
         remote_policy: ``"commit"`` (put every committed full block in the background), ``"evict"`` (put a
             block when it leaves the host tier) or ``"off"`` (read only).
         remote_rank: tensor-parallel rank of this process's KV shard (part of every object name).
+        integrity: checksum every committed block on the device (per token, on the current stream, after the
+            compute that wrote it) and check the checksums of every reused block on the GPU before
+            ``add_sequences`` returns it; a block that changed is dropped (never served), counted in
+            ``statistics().integrity_errors``, logged, and recomputed by the request. Default on.
 
     Example::
 
@@ -161,6 +162,7 @@ class TieredKVCache:
         remote: Any = None,
         remote_policy: str = "commit",
         remote_rank: int = 0,
+        integrity: bool = True,
     ) -> None:
         for name, value in (("gpu_blocks", gpu_blocks), ("host_blocks", host_blocks), ("file_blocks", file_blocks)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -188,6 +190,10 @@ class TieredKVCache:
                     have = engine.medium(tier).num_blocks
                     raise ValueError(f"the engine's {tier.value} pool has {have} blocks, not {n}")
         self.engine = engine
+        gpu_pool = engine.pool(Tier.GPU)
+        # block-major GPU pools only (the cache's own engine makes one); a layer-major pool is checked by its engine
+        self._integrity = IntegrityChecks(gpu_pool.tensor) if integrity and isinstance(gpu_pool, BlockPool) else None
+        self._integrity_errors = 0
         self._closed = False
         self._owner_name = f"TieredKVCache@{id(self):x}"
         self._slot_events: SlotEvents | None = None
@@ -208,7 +214,7 @@ class TieredKVCache:
 
     def _attach(self, engine: TransferEngine, file_blocks: int, warm_restart: bool, block_offsets: bool, max_seqs: int,
                 on_page_table: PageTableListener | None) -> None:
-        # Ownership (issue 11, finding 2): every block of the engine is this cache's; engine.copy() now refuses,
+        # Ownership: every block of the engine is this cache's; engine.copy() refuses,
         # the cache copies through the function the claim returns.
         self._copy = engine.claim(self._owner_name)
         if file_blocks and warm_restart:
@@ -319,23 +325,32 @@ class TieredKVCache:
     ) -> list[Admission]:
         """``add_sequences`` with the admission order ``admit`` (the naive baseline passes its own)."""
         self._check_open()
-        self._sweep()
-        if self.remote is not None:
-            requests = list(requests)
-            await self.remote.prefetch(requests)  # blocks only the store has become cached host blocks
-        admissions, plan = admit(requests)
-        if self.remote is not None:
-            admissions = self.remote.count_hits(admissions)
-        self._issue(plan)
-        seq_ids = [a.seq_id for a in admissions]
-        try:
-            await self._settle(seq_ids, [a.page_table for a in admissions])
-        except BaseException:
-            for s in seq_ids:
-                if s in self.blocks.live_sequences:
-                    self.blocks.free(s)
-            raise
-        return admissions
+        requests = list(requests)
+        for _attempt in range(_INTEGRITY_RETRIES + 1):
+            self._sweep()
+            if self.remote is not None:
+                await self.remote.prefetch(requests)  # blocks only the store has become cached host blocks
+            admissions, plan = admit(requests)
+            if self.remote is not None:
+                admissions = self.remote.count_hits(admissions)
+            self._issue(plan)
+            seq_ids = [a.seq_id for a in admissions]
+            try:
+                await self._settle(seq_ids, [a.page_table for a in admissions])
+                checks = self._integrity
+                bad = [] if checks is None else await checks.check_reuse(self.blocks, admissions, plan)
+            except BaseException:
+                for s in seq_ids:
+                    if s in self.blocks.live_sequences:
+                        self.blocks.free(s)
+                raise
+            if not bad:
+                return admissions
+            assert checks is not None
+            self._integrity_errors += checks.refuse(self.blocks, admissions, plan, bad)
+        raise TransferError(
+            f"reused blocks failed their integrity check in {_INTEGRITY_RETRIES + 1} admissions of this batch in a row"
+        )
 
     async def append_tokens(self, seq_id: int, tokens: Sequence[int] | np.ndarray) -> tuple[int, ...]:
         """Append generated tokens; a new GPU block is allocated each time one fills.
@@ -369,12 +384,15 @@ class TieredKVCache:
         Raises:
             ValueError: unknown sequence, ``num_tokens`` beyond its tokens.
         """
-        if self.remote is None:
-            return self.blocks.commit(seq_id, num_tokens)
-        before = len([b for b in self.blocks.sequence_blocks(seq_id) if b.cached])
+        tpb = self.layout.tokens_per_block
+        before = self.blocks.committed_tokens(seq_id)
         committed = self.blocks.commit(seq_id, num_tokens)
-        full = self.blocks.sequence_blocks(seq_id)[: committed // self.layout.tokens_per_block]
-        self.remote.committed([b for b in full if b.cached][before:])
+        if committed // tpb > before // tpb:
+            full = self.blocks.sequence_blocks(seq_id)[before // tpb : committed // tpb]
+            if self._integrity is not None:
+                self._integrity.committed(full)
+            if self.remote is not None:
+                self.remote.committed([b for b in full if b.cached])
         return committed
 
     async def flush(self) -> None:
@@ -394,7 +412,11 @@ class TieredKVCache:
         Raises:
             ValueError: unknown sequence id, or it was already freed.
         """
+        tail = self._integrity.tail(self.blocks, seq_id) if self._integrity is not None else None
         self.blocks.free(seq_id)
+        if tail is not None:
+            assert self._integrity is not None
+            self._integrity.freed(*tail)
 
     def set_priority(self, seq_id: int, priority: int) -> None:
         """Retention priority (0..100) of a live sequence's blocks once released."""
@@ -458,6 +480,7 @@ class TieredKVCache:
             blocks=b,
             engine=e,
             remote=self.remote.statistics() if self.remote is not None else None,
+            integrity_errors=self._integrity_errors,
         )
 
     def __repr__(self) -> str:
@@ -492,14 +515,11 @@ class TieredKVCache:
         return transfers
 
     def _issue_groups(self, groups: list[list[Move]]) -> list[Transfer]:
-        """Issue a plan's groups whole, or not at all (issue 11, finding 1).
+        """Issue a plan's groups whole, or not at all.
 
-        Every group that reads file slots is checked against the file tier first (the slot must still hold
-        its block); if one fails, no group is issued. Should a copy still raise while the plan is being
-        issued, the groups after it are not issued (they come after everything they depend on). A group
-        not issued gets a failed :class:`Transfer`: the blocks whose data it was to produce are poisoned
-        like the products of any failed copy -- dropped from the lookup, the batch failing with
-        :class:`TransferError` -- so no slot is ever recorded as holding a block it does not hold.
+        Groups reading file slots are checked first (the slot must still hold its block): if one fails, none is
+        issued. A copy that still raises stops the groups after it. A group not issued gets a failed
+        :class:`Transfer`, so the blocks it was to produce are poisoned like those of any failed copy.
         """
         failure: BaseException | None = None
         index = self.engine.file_tier.index if self.blocks.capacity[Tier.FILE] else None

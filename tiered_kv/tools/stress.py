@@ -1,5 +1,6 @@
-"""The adversarial stress of the prefix cache: tiny pools, faults, cancellations, appends, an evictor; every reused
-token checked.
+"""The adversarial stress of the prefix cache: every reused token checked against its prefix.
+
+Tiny pools, file faults, timeouts that cancel admissions and appends, an evictor beside the tasks.
 
 Primitives:
 
@@ -26,9 +27,11 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -38,14 +41,16 @@ from collections.abc import Sequence
 import torch
 
 from ..backends.posix import PosixBackend
-from ..blocks import CacheFullError
+from ..blocks import CacheFullError, Move, Plan
 from ..cache import TieredKVCache
 from ..engine import TransferEngine
 from ..errors import TransferError
 from ..faults import FaultyBackend, RandomFaults
 from ..file import FileTierConfig
 from ..layout import KVLayout
+from ..plan_batches import batch_moves
 from ..pools import Tier
+from ..transfer import Transfer
 from .workload import expected_tokens
 
 __all__ = ["StressConfig", "StressReport", "run_many", "stress"]
@@ -68,6 +73,9 @@ class StressConfig:
         append_prob: share of turns that append 1-4 generated tokens.
         block_prob: share of turns that block the loop for 1-3 ms between writing and committing.
         evict_every: mean seconds between two evictions of 1-3 blocks (0: no evictor).
+        integrity: the cache's integrity checks (``TieredKVCache(integrity=...)``); off shows what reaches the
+            model without them.
+        trace: on a wrong token, print where its bytes came from and the history of its block and slots.
         layout: block geometry (4 tokens per block, 3 layers x 2 KV heads x 8, fp32).
     """
 
@@ -87,6 +95,8 @@ class StressConfig:
     append_prob: float = 0.3
     block_prob: float = 0.1
     evict_every: float = 0.003
+    integrity: bool = True
+    trace: bool = False
     layout: KVLayout = dataclasses.field(
         default_factory=lambda: KVLayout(
             num_layers=3, num_kv_heads=2, head_dim=8, tokens_per_block=4, dtype=torch.float32
@@ -156,6 +166,62 @@ def _faulty_file_config(directory: str, config: StressConfig, backends: list[Fau
     return FileTierConfig(directory, config.file_blocks, backend_factory=factory, io_threads=2)
 
 
+class _Trace:
+    """The debug record of one run (``StressConfig.trace``): moves, writes, and the history behind a wrong token.
+
+    On a wrong token it prints the history of its block and of every slot that block passed through. It wraps the
+    cache's plan issue to log each move with the transfer that carries it; the model's writes are
+    logged with the bytes they wrote, so the bytes found in a wrong token can be traced back to their writer.
+    """
+
+    def __init__(self, cache: TieredKVCache, t0: float) -> None:
+        self.cache = cache
+        self.t0 = t0
+        self.log: list[tuple[float, str]] = []
+        self.wrote: dict[bytes, str] = {}
+        issue = cache._issue
+
+        def traced(plan: Plan) -> list[Transfer]:
+            _groups, placed = batch_moves(plan.moves)
+            transfers = issue(plan)
+            for m, g in zip(plan.moves, placed, strict=True):
+                t = transfers[g]
+                src = f" from#{m.source.id}" if m.source is not None else ""
+                self.note(f"move {m.kind} #{m.block.id}{src} {m.src_tier.value}[{m.src_slot}]->"
+                          f"{m.dst_tier.value}[{m.dst_slot}] n={m.num_tokens} t={id(t):x}")
+                t.add_done_callback(functools.partial(self._done, t, m))
+            return transfers
+
+        cache._issue = traced  # type: ignore[method-assign]
+
+    def note(self, what: str) -> None:
+        self.log.append((time.perf_counter() - self.t0, what))
+
+    def _done(self, t: Transfer, m: Move, *_: object) -> None:
+        self.note(f"done t={id(t):x} #{m.block.id} {m.kind} {'FAILED' if t.exception() else 'ok'}")
+
+    def wrote_tokens(self, seq_id: int, block_id: int, slot: int, first: int, content: torch.Tensor) -> None:
+        self.note(f"write seq {seq_id} #{block_id} gpu[{slot}] tokens {first}..{first + content.shape[3] - 1}")
+        for k in range(content.shape[3]):
+            self.wrote[_token_bytes(content, k)] = f"seq {seq_id} #{block_id} pos {first + k} gpu[{slot}]"
+
+    def dump(self, what: str, block_id: int, slot: int, actual: torch.Tensor, wrong: list[int], first: int) -> None:
+        """Print the origin of each wrong token's bytes and the history of the block and its slots."""
+        got = [self.wrote.get(_token_bytes(actual, p - first), "never written") for p in wrong]
+        print(f"TRACE wrong {what} pos {wrong} block #{block_id} gpu[{slot}] holds: {got}", flush=True)
+        tags = {f"#{block_id} ", f"gpu[{slot}]"}
+        for _ts, line in self.log:
+            if f"#{block_id} " in line:
+                tags.update(re.findall(r"(?:gpu|host|file)\[\d+\]", line))
+        for ts, line in [e for e in self.log if any(tag in e[1] for tag in tags)][-150:]:
+            print(f"TRACE   {ts:.4f} {line}", flush=True)
+
+
+def _token_bytes(block: torch.Tensor, k: int) -> bytes:
+    """The bytes of token ``k`` of a ``[layers, kv, heads, tokens, dim]`` block (all its layers, K/V and heads)."""
+    return bytes(block[:, :, :, k].contiguous().view(torch.uint8).numpy().tobytes())
+
+
 async def stress(config: StressConfig) -> StressReport:
     """One run; wrong tokens are counted in the report (never raised).
 
@@ -176,7 +242,10 @@ async def stress(config: StressConfig) -> StressReport:
     failures: list[str] = []
     backends: list[FaultyBackend] = []
     cuda = torch.device(config.device).type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
     t0 = time.perf_counter()
     deadline = t0 + config.seconds
 
@@ -186,8 +255,10 @@ async def stress(config: StressConfig) -> StressReport:
         engine = TransferEngine(layout, gpu_blocks=config.gpu_blocks, host_blocks=config.host_blocks,
                                 device=config.device, file_config=file_config)
         cache = TieredKVCache(layout, gpu_blocks=config.gpu_blocks, host_blocks=config.host_blocks,
-                              file_blocks=config.file_blocks, engine=engine, max_seqs=32)
+                              file_blocks=config.file_blocks, engine=engine, max_seqs=32,
+                              integrity=config.integrity)
         pool = engine.pool(Tier.GPU).tensor
+        trace = _Trace(cache, t0) if config.trace else None
 
         def blocks_of(seq_id: int, start: int, stop: int) -> list[tuple[int, int, int]]:
             """``(slot, first, stop)`` per block of token positions ``[start, stop)``."""
@@ -203,10 +274,19 @@ async def stress(config: StressConfig) -> StressReport:
             """Play the model: plain assignments on the current stream, then a device synchronize."""
             tokens = cache.blocks.sequence_tokens(seq_id)
             for slot, a, b in blocks_of(seq_id, start, stop):
-                pool[slot, :, :, :, a % tpb : a % tpb + (b - a), :] = expected_tokens(cache.hasher, tokens, a, b).to(
-                    pool.device, non_blocking=False
-                )
+                content = expected_tokens(cache.hasher, tokens, a, b)
+                pool[slot, :, :, :, a % tpb : a % tpb + (b - a), :] = content.to(pool.device)
+                if trace is not None:
+                    trace.wrote_tokens(seq_id, cache.blocks.sequence_blocks(seq_id)[a // tpb].id, slot, a, content)
             sync()
+
+        def invariants(when: str) -> None:
+            try:
+                cache.blocks.check()
+            except AssertionError as exc:
+                counts["wrong"] += 1  # a broken invariant fails the run like a wrong token
+                if len(failures) < 8:
+                    failures.append(f"after {when}: block manager invariant broken: {exc}")
 
         def check(seq_id: int, reused: int, what: str) -> None:
             sync()
@@ -216,12 +296,13 @@ async def stress(config: StressConfig) -> StressReport:
             for slot, a, b in blocks_of(seq_id, 0, reused):
                 expected = expected_tokens(cache.hasher, tokens, a, b)
                 actual = pool[slot, :, :, :, a % tpb : a % tpb + (b - a), :].cpu().contiguous()
-                ok = (actual.view(torch.uint8) == expected.view(torch.uint8)).reshape(-1, b - a, 4 * layout.head_dim)
-                per_token = ok.all(dim=2).all(dim=0)
-                wrong = [a + int(i) for i in torch.nonzero(~per_token).flatten()]
+                ok = (actual.view(torch.uint8) == expected.view(torch.uint8)).movedim(3, 0).reshape(b - a, -1)
+                wrong = [a + int(i) for i in torch.nonzero(~ok.all(dim=1)).flatten()]
                 if wrong:
                     bad.extend(wrong)
                     bad_slots.append(slot)
+                    if trace is not None and len(failures) < 3:
+                        trace.dump(what, cache.blocks.sequence_blocks(seq_id)[a // tpb].id, slot, actual, wrong, a)
             counts["verified"] += reused
             if bad:
                 counts["wrong"] += len(bad)
@@ -245,8 +326,12 @@ async def stress(config: StressConfig) -> StressReport:
                 counts["transfer_errors"] += 1
                 return None
             counts["admissions"] += 1
+            invariants("admission")
             for tier, n in adm.blocks_from.items():
                 hits[tier] = hits.get(tier, 0) + n
+            if trace is not None:
+                ids = [b.id for b in cache.blocks.sequence_blocks(adm.seq_id)]
+                trace.note(f"admit seq {adm.seq_id} blocks {ids} gpu{list(adm.page_table)} reused {adm.tokens_reused}")
             served = ", ".join(f"{t} {n}" for t, n in adm.blocks_from.items() if n)
             check(adm.seq_id, adm.tokens_reused,
                   f"seed {config.seed}: seq {adm.seq_id} (blocks from {served or 'none'}, partial "
@@ -266,7 +351,7 @@ async def stress(config: StressConfig) -> StressReport:
                 try:
                     write(seq_id, reused, len(prompt))
                     if local.random() < config.block_prob:
-                        time.sleep(local.uniform(1e-3, 3e-3))  # a long step of the loop's own work
+                        time.sleep(local.uniform(1e-3, 3e-3))  # noqa: ASYNC251  # a long step of the loop's own work
                     cache.commit(seq_id)
                     if local.random() < config.append_prob:
                         extra = [local.randrange(1, 2**40) for _ in range(local.randint(1, 4))]
@@ -285,6 +370,7 @@ async def stress(config: StressConfig) -> StressReport:
                             history[c] = grown if len(grown) <= config.max_history else fresh()
                 finally:
                     cache.free(seq_id)
+                    invariants("free")
 
         async def evictor() -> None:
             local = random.Random(config.seed * 7 + 3)
@@ -293,6 +379,7 @@ async def stress(config: StressConfig) -> StressReport:
                 tier = local.choice((Tier.GPU, Tier.HOST))
                 with contextlib.suppress(TransferError):
                     counts["evicted"] += await cache.evict(tier, local.randint(1, 3))
+                invariants("evict")
 
         try:
             async with engine, cache:
@@ -301,14 +388,14 @@ async def stress(config: StressConfig) -> StressReport:
                     jobs.append(evictor())
                 await asyncio.gather(*jobs)
                 await engine.drain()
-                cache.blocks.check()
+                invariants("the end")
                 stats = cache.statistics()
         finally:
             await engine.close()
     return StressReport(
         config.seed, config.device, round(time.perf_counter() - t0, 2), counts["admissions"], counts["verified"],
         counts["wrong"], hits, stats.partial_hits, counts["timeouts"], counts["transfer_errors"], counts["cache_full"],
-        sum(b.faults for b in backends), counts["evicted"], counts["appended"], getattr(stats, "integrity_errors", 0), failures,
+        sum(b.faults for b in backends), counts["evicted"], counts["appended"], stats.integrity_errors, failures,
     )
 
 
@@ -318,13 +405,18 @@ def _one(argv: Sequence[str]) -> int:
     p.add_argument("--seed", type=int, required=True)
     p.add_argument("--seconds", type=float, required=True)
     p.add_argument("--device", required=True)
+    p.add_argument("--trace", action="store_true")
+    p.add_argument("--no-integrity", action="store_true")
     args = p.parse_args(argv)
-    report = asyncio.run(stress(StressConfig(seed=args.seed, seconds=args.seconds, device=args.device)))
+    report = asyncio.run(stress(StressConfig(seed=args.seed, seconds=args.seconds, device=args.device,
+                                             trace=args.trace, integrity=not args.no_integrity)))
     print(json.dumps(dataclasses.asdict(report)), flush=True)
     return 0
 
 
-def run_many(seeds: Sequence[int], *, seconds: float, device: str, procs: int) -> list[dict[str, object]]:
+def run_many(
+    seeds: Sequence[int], *, seconds: float, device: str, procs: int, trace: bool = False, integrity: bool = True
+) -> list[dict[str, object]]:
     """Run each seed in a process of its own, ``procs`` at a time; one dict per run (``error`` if it crashed).
 
     Each run is given its seconds plus 120 s to close; a run that takes longer is killed and reported as hung.
@@ -337,7 +429,8 @@ def run_many(seeds: Sequence[int], *, seconds: float, device: str, procs: int) -
         while pending and len(running) < procs:
             seed = pending.pop(0)
             cmd = [sys.executable, "-m", "tiered_kv.tools.stress", "--one", "--seed", str(seed),
-                   "--seconds", str(seconds), "--device", device]
+                   "--seconds", str(seconds), "--device", device, *(["--trace"] if trace else []),
+                   *([] if integrity else ["--no-integrity"])]
             p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
             running.append((seed, p, time.monotonic()))
         time.sleep(0.2)
@@ -352,6 +445,9 @@ def run_many(seeds: Sequence[int], *, seconds: float, device: str, procs: int) -
             lines = [line for line in out.splitlines() if line.startswith("{")]
             if p.returncode == 0 and lines:
                 results.append(json.loads(lines[-1]))
+                traced = [line for line in out.splitlines() if line.startswith("TRACE")]
+                if traced:
+                    results[-1]["trace"] = traced
             else:
                 results.append({"seed": seed, "error": f"rc={p.returncode}: {err.strip()[-2000:]}"})
     return sorted(results, key=lambda r: int(r["seed"]))  # type: ignore[call-overload]
@@ -369,10 +465,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--procs", type=int, default=max(1, (os.cpu_count() or 2) - 1), help="runs side by side")
     p.add_argument("--device", default="cpu", help="cpu (emulated) | cuda[:N]")
     p.add_argument("--json", help="write every run's report here")
+    p.add_argument("--trace", action="store_true", help="on a wrong token, print the history of its block and slots")
+    p.add_argument("--no-integrity", action="store_true", help="run the cache without its integrity checks")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     results = run_many(range(args.first_seed, args.first_seed + args.runs), seconds=args.seconds, device=args.device,
-                       procs=args.procs)
+                       procs=args.procs, trace=args.trace, integrity=not args.no_integrity)
     print(f"{'seed':>6} {'admissions':>10} {'verified':>9} {'wrong':>6} {'timeouts':>8} {'faults':>6} "
           f"{'evicted':>7} {'integrity':>9}  hits")
     for r in results:

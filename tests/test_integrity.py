@@ -1,0 +1,118 @@
+"""The cache's end-to-end integrity checks: a block changed after commit is never served, the request recomputes."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from tiered_kv import KVLayout, TieredKVCache
+from tiered_kv.integrity import token_checksums
+from tiered_kv.tools.workload import verify_expected, write_expected
+
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, tokens_per_block=4, dtype=torch.float16)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "head_dim"), [(torch.float16, 8), (torch.float32, 8), (torch.bfloat16, 6), (torch.uint8, 3)]
+)
+def test_every_changed_word_changes_its_token_checksum(dtype: torch.dtype, head_dim: int) -> None:
+    pool = torch.randint(0, 100, (5, 2, 2, 3, 4, head_dim)).to(dtype)
+    before = token_checksums(pool, [0, 3, 4])
+    assert before.shape == (3, 4) and before.dtype == torch.int32
+    assert torch.equal(token_checksums(pool, [0, 3, 4]), before)  # deterministic
+    for token in range(4):
+        changed = pool.clone()
+        raw = changed[3, 1, 0, 2, token].view(torch.uint8)
+        raw[-1] ^= 0x10  # one bit of one word of one token
+        after = token_checksums(changed, [0, 3, 4])
+        assert torch.equal(after[0], before[0]) and torch.equal(after[2], before[2])
+        assert [bool(x) for x in after[1] != before[1]] == [t == token for t in range(4)]
+
+
+def test_moved_bytes_change_the_checksum() -> None:
+    """Two tokens swapped, or a block's words in another order, are not the same block."""
+    pool = torch.randn(2, 2, 2, 2, 4, 8).to(torch.float16)
+    swapped = pool.clone()
+    swapped[0, :, :, :, [0, 1]] = pool[0, :, :, :, [1, 0]]
+    assert not torch.equal(token_checksums(swapped, [0])[0, :2], token_checksums(pool, [0])[0, :2])
+
+
+async def _corrupt_and_reuse(integrity: bool, where: str, caplog: pytest.LogCaptureFixture) -> tuple[int, int, int]:
+    """Commit a prompt, change its second block behind the cache's back, admit it again.
+
+    Returns ``(tokens reused, wrong reused tokens, integrity errors)``.
+    """
+    prompt = list(range(1, 14))  # 3 full blocks and a partial one
+    async with TieredKVCache(LAYOUT, gpu_blocks=8, host_blocks=8, device="cpu", integrity=integrity) as cache:
+        [adm] = await cache.add_sequences([prompt])
+        write_expected(cache, adm.seq_id, 0)
+        cache.commit(adm.seq_id)
+        cache.free(adm.seq_id)
+        block = cache.blocks.lookup(cache.hasher.chain(torch.tensor(prompt).numpy())[1])
+        assert block is not None
+        if where == "host":
+            assert await cache.evict("gpu", 8) > 0
+            assert block.tier is not None and block.tier.value == "host"
+        pool = cache.engine.pool(where).tensor
+        pool[block.slot, 0, 0, 0, 1, 0] += 1  # one value of one token, as a stale or torn copy would leave it
+        with caplog.at_level(logging.WARNING, logger="tiered_kv"):
+            [again] = await cache.add_sequences([prompt])
+        wrong = len(verify_expected(cache, again.seq_id, 0, again.tokens_reused))
+        stats = cache.statistics()
+        cache.free(again.seq_id)
+        return again.tokens_reused, wrong, stats.integrity_errors
+
+
+@pytest.mark.parametrize("where", ["gpu", "host"])
+async def test_a_block_changed_after_commit_is_recomputed_not_served(
+    where: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    reused, wrong, errors = await _corrupt_and_reuse(True, where, caplog)
+    assert wrong == 0
+    assert errors == 1
+    assert reused == 4  # the first block only: the changed one and everything after it are recomputed
+    assert any("changed since it was committed" in r.message for r in caplog.records)
+
+
+async def test_without_integrity_checks_the_changed_block_is_served(caplog: pytest.LogCaptureFixture) -> None:
+    """The same corruption with the checks off reaches the model: what the checks above prevent."""
+    reused, wrong, errors = await _corrupt_and_reuse(False, "gpu", caplog)
+    assert reused == 12 and wrong == 1 and errors == 0
+
+
+async def test_a_changed_partial_source_is_not_copied_into_a_new_request() -> None:
+    prompt = list(range(1, 11))  # 2 full blocks and 2 tokens of a third, cached as a partial block on free
+    async with TieredKVCache(LAYOUT, gpu_blocks=8, host_blocks=8, device="cpu") as cache:
+        [adm] = await cache.add_sequences([prompt])
+        write_expected(cache, adm.seq_id, 0)
+        cache.commit(adm.seq_id)
+        tail = cache.page_table(adm.seq_id)[2]
+        cache.free(adm.seq_id)
+        cache.engine.pool("gpu").tensor[tail, 1, 1, 1, 1, 7] += 1
+        [again] = await cache.add_sequences([[*prompt, 99, 98]])
+        assert again.partial_tokens == 0 and again.tokens_reused == 8
+        assert verify_expected(cache, again.seq_id, 0, again.tokens_reused) == []
+        assert cache.statistics().integrity_errors == 1
+
+
+@pytest.mark.gpu
+async def test_integrity_checks_on_cuda() -> None:
+    """The same checksums on the GPU: a changed block is refused, an intact one served."""
+    prompt = list(range(1, 14))
+    async with TieredKVCache(LAYOUT, gpu_blocks=8, host_blocks=8, device="cuda") as cache:
+        [adm] = await cache.add_sequences([prompt])
+        write_expected(cache, adm.seq_id, 0)
+        cache.commit(adm.seq_id)
+        cache.free(adm.seq_id)
+        [ok] = await cache.add_sequences([prompt])
+        assert ok.tokens_reused == 12 and cache.statistics().integrity_errors == 0
+        slot = cache.page_table(ok.seq_id)[2]
+        cache.free(ok.seq_id)
+        cache.engine.pool("gpu").tensor[slot, 2, 1, 0, 3, 4] += 1
+        [again] = await cache.add_sequences([prompt])
+        assert again.tokens_reused == 8 and cache.statistics().integrity_errors == 1
+        assert verify_expected(cache, again.seq_id, 0, again.tokens_reused) == []
+        cpu = token_checksums(cache.engine.pool("gpu").tensor.cpu(), range(8))
+        assert torch.equal(token_checksums(cache.engine.pool("gpu").tensor, range(8)).cpu(), cpu)

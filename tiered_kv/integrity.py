@@ -1,0 +1,250 @@
+"""End-to-end integrity of cached KV: checksums taken on the device at commit, checked there before every reuse.
+
+A checksum per token is taken when a block is committed and checked on the device before the block is served again.
+
+Primitives:
+
+* :func:`token_checksums` -- ``int32 [blocks, tokens_per_block]`` checksums of some blocks of a block-major pool,
+  one per token (across its layers, K/V and heads), computed where the pool lives (a CUDA kernel launch on the
+  current stream, or the same torch ops on the CPU).
+* :class:`Checksum` -- what a committed block carries: its per-token checksums (a row of a device tensor) and how
+  many of its tokens are valid.
+* :class:`IntegrityChecks` -- :meth:`~IntegrityChecks.record` at commit, :meth:`~IntegrityChecks.verify` before a
+  reuse is served.
+
+Rules:
+
+* A checksum is taken on the stream that wrote the block, after the compute that wrote it: :meth:`record` is
+  called at ``commit``, when the writes have been issued, and enqueues on the current stream.
+* Whatever tiers a block then passes through (host, file, a remote store; copies, staging, partial copies), its
+  bytes are checked once more where they are read: on the GPU, after every copy that brought them there has
+  completed, before the admission returns. A partial reuse checks the first ``n`` tokens of the new block against
+  the first ``n`` checksums of the block it was copied from.
+* The checksum is a weighted sum of the block's 32-bit words with odd position-dependent weights, modulo 2**32:
+  any change of a single word changes it, and modular addition does not depend on the order of the sum, so the
+  CPU and a GPU compute the same value for the same bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from .pools import Tier
+
+if TYPE_CHECKING:
+    from .blocks import Admission, Block, BlockManager, Plan
+
+__all__ = ["Checksum", "IntegrityChecks", "token_checksums"]
+
+log = logging.getLogger(__name__)
+
+#: Bytes of temporaries one checksum call may make at once (the blocks are summed in chunks within it).
+_CHUNK_BYTES = 256 << 20
+
+_MULT = 0x9E3779B9 - (1 << 32)  # the 32-bit golden-ratio constant, as a signed int32
+
+
+_WEIGHTS: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+
+
+def _weights(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Odd int32 weights (a Weyl sequence) over one token's words ``[L, kv, H, 1, W]``, made once per shape."""
+    w = _WEIGHTS.get((shape, device))
+    if w is None:
+        n = 1
+        for d in shape:
+            n *= d
+        w = ((torch.arange(1, n + 1, dtype=torch.int64) * _MULT) | 1) & 0xFFFFFFFF
+        w = torch.where(w >= 1 << 31, w - (1 << 32), w).to(torch.int32).view(shape)
+        w = _WEIGHTS[(shape, device)] = w.to(device)
+    return w
+
+
+def token_checksums(pool: torch.Tensor, slots: Sequence[int]) -> torch.Tensor:
+    """Per-token checksums of blocks ``slots`` of a block-major pool ``[blocks, layers, kv, heads, tokens, dim]``.
+
+    Returns:
+        ``int32 [len(slots), tokens]`` on the pool's device. On CUDA the work is enqueued on the current stream.
+
+    Notes:
+        The sum of a token's words times odd weights, modulo 2**32 (a 32-bit word is summed as it is, a row of 16-
+        or 8-bit elements as wider words where its size allows). Integer wrap-around makes the result independent
+        of the order of the sum.
+    """
+    if pool.dim() != 6:
+        raise ValueError(f"token_checksums needs a block-major pool [blocks, L, kv, H, T, D], got {list(pool.shape)}")
+    row_bytes = pool.shape[5] * pool.element_size()
+    word = torch.int32 if row_bytes % 4 == 0 else torch.int16 if row_bytes % 2 == 0 else torch.uint8
+    words = pool.view(torch.uint8).view(*pool.shape[:5], row_bytes).view(word)
+    L, kv, H, _T, W = words.shape[1:]
+    weights = _weights((L, kv, H, 1, W), pool.device)
+    index = torch.as_tensor(list(slots), dtype=torch.int64).to(pool.device, non_blocking=True)
+    out = torch.empty((len(slots), pool.shape[4]), dtype=torch.int32, device=pool.device)
+    step = max(1, _CHUNK_BYTES // max(1, 4 * words[0].numel()))
+    for first in range(0, len(slots), step):
+        part = words.index_select(0, index[first : first + step])
+        if word != torch.int32:
+            part = part.to(torch.int32)
+        # products and sums wrap modulo 2**32 (the outer sum is taken in int64 and cut to 32 bits): the same value on
+        # every device, whatever order the reduction takes
+        out[first : first + step] = (part * weights).sum(dim=5, dtype=torch.int32).sum(dim=(1, 2, 3)).to(torch.int32)
+    return out
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Checksum:
+    """A committed block's checksums: row ``row`` of ``sums`` (``[*, tokens_per_block]``), ``valid`` tokens of it."""
+
+    sums: torch.Tensor
+    row: int
+    valid: int
+
+
+class IntegrityChecks:
+    """Checksums of one cache's GPU pool: taken at commit, checked before a reuse is served.
+
+    Args:
+        pool: the GPU pool's tensor (block-major).
+
+    Attributes:
+        verified_blocks: blocks checked so far; ``mismatches``: of them, found changed.
+    """
+
+    def __init__(self, pool: torch.Tensor) -> None:
+        self.pool = pool
+        self.cuda = pool.is_cuda
+        self._stream: torch.cuda.Stream | None = None
+        self.verified_blocks = 0
+        self.mismatches = 0
+
+    def committed(self, blocks: Sequence[Block]) -> None:
+        """Checksum the full blocks just committed (those cached and not checksummed yet), on the current stream."""
+        fresh = [b for b in blocks if b.cached and b.checksum is None]
+        if fresh:
+            tpb = self.pool.shape[4]
+            for b, c in zip(fresh, self.record([b.slot for b in fresh], [tpb] * len(fresh)), strict=True):
+                b.checksum = c
+
+    @staticmethod
+    def tail(manager: BlockManager, seq_id: int) -> tuple[Block, int] | None:
+        """A live sequence's partly committed last block and its committed tokens, or ``None``.
+
+        That block is cached as a partial block when the sequence is freed (then :meth:`freed` checksums it).
+        """
+        tpb = manager.tokens_per_block
+        n = manager.committed_tokens(seq_id)
+        return (manager.sequence_blocks(seq_id)[n // tpb], n % tpb) if n % tpb else None
+
+    def freed(self, block: Block, valid: int) -> None:
+        """Checksum a partial block that :meth:`tail` named once its sequence was freed (if it is cached now)."""
+        if block.cached and block.checksum is None and block.tier is Tier.GPU:
+            [block.checksum] = self.record([block.slot], [valid])
+
+    async def check_reuse(self, manager: BlockManager, admissions: Sequence[Admission], plan: Plan) -> list[Block]:
+        """The blocks reused by ``admissions`` (whose copies have completed) that changed since their commit.
+
+        Full blocks are checked where they now lie; a partial reuse checks the first tokens of the new block against
+        the block they were copied from (the one returned when it fails). Blocks without a checksum (adopted from
+        the file tier, fetched from a store: checked by their own headers on the way in) are not checked here.
+        """
+        tpb = manager.tokens_per_block
+        partial = {m.block.id: m.source for m in plan.moves if m.kind == "partial"}
+        checks: list[tuple[int, Checksum, int]] = []
+        owners: list[Block] = []
+        for adm in admissions:
+            blocks = manager.sequence_blocks(adm.seq_id)
+            full = (adm.tokens_reused - adm.partial_tokens) // tpb
+            for b in blocks[:full]:
+                if b.checksum is not None:
+                    checks.append((b.slot, b.checksum, b.checksum.valid))
+                    owners.append(b)
+            source = partial.get(blocks[full].id) if adm.partial_tokens else None
+            if source is not None and source.checksum is not None:
+                checks.append((blocks[full].slot, source.checksum, adm.partial_tokens))
+                owners.append(source)
+        return [owners[i] for i in await self.verify(checks)]
+
+    @staticmethod
+    def refuse(manager: BlockManager, admissions: Sequence[Admission], plan: Plan, bad: Sequence[Block]) -> int:
+        """After :meth:`check_reuse` found ``bad``: free the batch, drop the bad blocks; returns how many failed.
+
+        The batch's partial-copy targets are dropped too; each bad block gets one log line. The caller admits the
+        batch again (without the dropped blocks: the request recomputes them).
+        """
+        for adm in admissions:
+            if adm.seq_id in manager.live_sequences:
+                manager.free(adm.seq_id)
+        for block in bad:
+            where = f"{block.tier.value} slot {block.slot}" if block.tier is not None else "no slot"
+            key = block.key.hex()[:16] if isinstance(block.key, bytes) else block.key
+            log.warning("cached block %s (%s) changed since it was committed: dropped, not served; the request "
+                        "recomputes it", key, where)
+            manager.invalidate(block)
+        for move in plan.moves:
+            if move.kind == "partial":
+                manager.invalidate(move.block)
+        return len({id(b) for b in bad})
+
+    def record(self, slots: Sequence[int], valid: Sequence[int]) -> list[Checksum]:
+        """Checksums of GPU blocks ``slots`` (``valid`` tokens each), enqueued on the current stream."""
+        if not slots:
+            return []
+        sums = token_checksums(self.pool, slots)
+        return [Checksum(sums, i, n) for i, n in enumerate(valid)]
+
+    async def verify(self, checks: Sequence[tuple[int, Checksum, int]]) -> list[int]:
+        """Indices into ``checks`` whose GPU block no longer holds what was committed.
+
+        Args:
+            checks: ``(GPU slot, the checksum it must match, tokens to compare)`` each; the copies that brought
+                the blocks there must have completed.
+
+        Notes:
+            On CUDA the sums run on a stream of their own (behind the current stream's work, where the committed
+            checksums were taken) and the loop polls their end, so the event loop never blocks on compute.
+            Cancellation: only the wait is cancelled.
+        """
+        if not checks:
+            return []
+        slots = [c[0] for c in checks]
+        if not self.cuda:
+            now = token_checksums(self.pool, slots)
+            bad = self._compare(now, checks)
+        else:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(self.pool.device)
+            stream = self._stream
+            stream.wait_stream(torch.cuda.current_stream(self.pool.device))
+            with torch.cuda.stream(stream):
+                now = token_checksums(self.pool, slots)
+                mask = self._mismatch_mask(now, checks)
+                host = torch.empty(mask.shape, dtype=torch.bool, pin_memory=True)
+                host.copy_(mask, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(stream)
+            spins = 0
+            while not done.query():
+                spins += 1
+                await asyncio.sleep(0 if spins < 100 else 1e-4)
+            bad = [i for i, b in enumerate(host.tolist()) if b]
+        self.verified_blocks += len(checks)
+        self.mismatches += len(bad)
+        return bad
+
+    @staticmethod
+    def _mismatch_mask(now: torch.Tensor, checks: Sequence[tuple[int, Checksum, int]]) -> torch.Tensor:
+        tokens = now.shape[1]
+        expected = torch.cat([c.sums[c.row : c.row + 1] for _slot, c, _n in checks])
+        counts = torch.tensor([n for _s, _c, n in checks], device=now.device)
+        within = torch.arange(tokens, device=now.device).unsqueeze(0) < counts.unsqueeze(1)
+        return ((now != expected) & within).any(dim=1)
+
+    def _compare(self, now: torch.Tensor, checks: Sequence[tuple[int, Checksum, int]]) -> list[int]:
+        mask = self._mismatch_mask(now, checks)
+        return [i for i, b in enumerate(mask.tolist()) if b]
