@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tiered_kv import KVLayout, TieredKVCache
+from tiered_kv.device import stall_op
 from tiered_kv.integrity import token_checksums
 from tiered_kv.tools.workload import verify_expected, write_expected
 
@@ -116,3 +117,56 @@ async def test_integrity_checks_on_cuda() -> None:
         assert verify_expected(cache, again.seq_id, 0, again.tokens_reused) == []
         cpu = token_checksums(cache.engine.pool("gpu").tensor.cpu(), range(8))
         assert torch.equal(token_checksums(cache.engine.pool("gpu").tensor, range(8)).cpu(), cpu)
+
+
+async def test_a_cancelled_admission_leaves_no_unchecked_partial_block() -> None:
+    """The partial-copy target of an admission cancelled before its copy was verified is not cached (it would be a
+    partial block with no checksum, its bytes unchecked, maybe not landed)."""
+    import asyncio
+
+    prompt = list(range(1, 11))  # blocks [1..4] [5..8] and a partial [9, 10]
+    async with TieredKVCache(LAYOUT, gpu_blocks=8, host_blocks=8, device="cpu") as cache:
+        [adm] = await cache.add_sequences([prompt])
+        write_expected(cache, adm.seq_id, 0)
+        cache.commit(adm.seq_id)
+        cache.free(adm.seq_id)
+        other = [*prompt[:9], 77, 78]  # shares 9 tokens: a partial copy of 1 token into a new block
+        local = cache.engine.stream("local")  # where GPU -> GPU partial copies run: held, so the copy is in flight
+        local.submit(stall_op(local, 0.3))
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(cache.add_sequences([other]), 0.05)
+        await cache.engine.drain()
+        keys = cache.hasher.chain(torch.tensor(prompt).numpy())
+        one_token = cache.hasher.block_key(keys[1], torch.tensor(other[8:9]).numpy())
+        assert cache.blocks.lookup(one_token) is None
+        cache.blocks.check()
+
+
+async def test_a_block_adopted_back_from_the_file_tier_is_checked_and_refused_for_good(
+    tmp_path: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A block that left the lookup but stays in the file tier keeps its checksum when it is adopted again: bytes
+    that changed before the spill (a self-consistent slot) are refused, and the key is not adopted a second time."""
+    prompt = list(range(1, 14))
+    async with TieredKVCache(
+        LAYOUT, gpu_blocks=8, host_blocks=4, file_blocks=8, file_dir=str(tmp_path), device="cpu"
+    ) as cache:
+        [adm] = await cache.add_sequences([prompt])
+        write_expected(cache, adm.seq_id, 0)
+        cache.commit(adm.seq_id)
+        cache.free(adm.seq_id)
+        key = cache.hasher.chain(torch.tensor(prompt).numpy())[2]
+        block = cache.blocks.lookup(key)
+        assert block is not None
+        await cache.evict("gpu", 8)
+        assert block.tier is not None and block.tier.value == "host"
+        cache.engine.pool("host").tensor[block.slot, 1, 0, 1, 2, 3] += 1  # changed before it reaches the file
+        await cache.evict("host", 4)
+        assert block.tier is not None and block.tier.value == "file"
+        cache.blocks.invalidate(block)  # leaves the lookup; the file tier still holds its slot
+        with caplog.at_level(logging.WARNING, logger="tiered_kv"):
+            [again] = await cache.add_sequences([prompt])
+        assert again.tokens_reused == 8 and cache.statistics().integrity_errors == 1
+        assert verify_expected(cache, again.seq_id, 0, again.tokens_reused) == []
+        cache.free(again.seq_id)
+        assert cache.match(prompt)[0] == 8  # the refused key is not adopted again

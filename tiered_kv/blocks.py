@@ -97,6 +97,10 @@ class Request:
         return cls(value)  # type: ignore[arg-type]
 
 
+_REFUSED = object()
+"""``BlockManager._ghosts`` value of a key whose bytes failed an integrity check: never adopted again."""
+
+
 class Block:
     """One logical KV block: lives in exactly one (tier, slot) while alive.
 
@@ -113,7 +117,8 @@ class Block:
         sources: transfers that produced the data in the current slot, oldest first. The async layer
             appends to it and checks it: a failed one poisons the block.
         checksum: what the cache's integrity checks recorded when the block was committed (``None`` before, and for
-            blocks that were never committed on this GPU: adopted from the file tier or fetched from a store).
+            blocks never committed in this process: adopted from a file tier an earlier run left, fetched from a
+            store). A block that leaves the lookup leaves its checksum behind for a later adoption of its key.
     """
 
     __slots__ = (
@@ -363,6 +368,10 @@ class BlockManager:
         # tier -> priority -> block id -> block: cached blocks with refcount 0, least recently released first
         self._lru: dict[Tier, dict[int, collections.OrderedDict[int, Block]]] = {t: {} for t in TIER_ORDER}
         self._lookup: dict[ContentKey, Block] = {}  # content key -> the cached block
+        # content key -> the checksum of a block that left the lookup (a block adopted from the file tier under that
+        # key gets it back), or _REFUSED (never adopt that key again: its bytes failed an integrity check); bounded
+        self._ghosts: collections.OrderedDict[ContentKey, Any] = collections.OrderedDict()
+        self._ghost_limit = 4 * sum(self.capacity.values()) + 64
         self._roots: dict[ContentKey, Block] = {}  # cached first blocks (children of the root key)
         self._seqs: dict[int, _Sequence] = {}  # seq id -> live sequence
         self._free_seq_slots = list(range(max_seqs))  # a heap: lowest free slot first
@@ -449,6 +458,8 @@ class BlockManager:
         block; its bytes are verified against the key and checksum when it is read.
         """
         assert self.file_index is not None
+        if self._ghosts.get(key) is _REFUSED:
+            return None
         slot = self.file_index(key)
         if slot is None or not 0 <= slot < self.capacity[Tier.FILE]:
             return None
@@ -459,6 +470,7 @@ class BlockManager:
             return None  # the manager uses that slot for another block (its copy is about to overwrite it)
         block = Block(next(self._ids), Tier.FILE, slot, parent_key, tokens.copy(), DEFAULT_PRIORITY)
         block.refcount = 0
+        block.checksum = self._ghosts.pop(key, None)
         self._register(block, key)
         assert block.cached, "the parent of an adopted block is cached"
         self._adopted += 1
@@ -1011,6 +1023,8 @@ class BlockManager:
             b.children.clear()
             del self._lookup[b.key]  # type: ignore[arg-type]
             b.cached = False
+            if b.checksum is not None:
+                self._ghost(b.key, b.checksum)  # type: ignore[arg-type]
             if b is block:
                 continue
             if b.refcount == 0:
@@ -1075,6 +1089,22 @@ class BlockManager:
             self._release_slot(block)
         else:
             self._uncache(block, Plan())
+
+    def refuse(self, block: Block) -> None:
+        """Drop a block whose bytes failed an integrity check, and never adopt its key from the file tier again."""
+        key = block.key
+        self.invalidate(block)
+        if key is not None:
+            self._ghost(key, _REFUSED)
+
+    def _ghost(self, key: ContentKey, value: Any) -> None:
+        ghosts = self._ghosts
+        if ghosts.get(key) is _REFUSED:
+            return
+        ghosts[key] = value
+        ghosts.move_to_end(key)
+        while len(ghosts) > self._ghost_limit:
+            ghosts.popitem(last=False)
 
     def file_slot_dropped(self, slot: int, key: ContentKey) -> Block | None:
         """The file tier gave up ``slot`` (which held ``key``): take the block recorded there out of the lookup.

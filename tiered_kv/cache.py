@@ -343,6 +343,9 @@ class TieredKVCache:
                 for s in seq_ids:
                     if s in self.blocks.live_sequences:
                         self.blocks.free(s)
+                for move in plan.moves:  # a partial copy not verified (maybe not landed): never cached
+                    if move.kind == "partial":
+                        self.blocks.invalidate(move.block)
                 raise
             if not bad:
                 return admissions

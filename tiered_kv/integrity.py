@@ -185,7 +185,7 @@ class IntegrityChecks:
             key = block.key.hex()[:16] if isinstance(block.key, bytes) else block.key
             log.warning("cached block %s (%s) changed since it was committed: dropped, not served; the request "
                         "recomputes it", key, where)
-            manager.invalidate(block)
+            manager.refuse(block)
         for move in plan.moves:
             if move.kind == "partial":
                 manager.invalidate(move.block)
