@@ -45,7 +45,7 @@ async def test_stress_oracle_sees_a_cache_that_serves_stale_blocks(monkeypatch: 
 def test_stress_command_runs_seeds_side_by_side(tmp_path: object) -> None:
     out = tmp_path / "stress.json"  # type: ignore[operator]
     done = subprocess.run(
-        [sys.executable, "-m", "tiered_kv.tools.stress", "--runs", "2", "--procs", "2", "--seconds", "2",
+        [sys.executable, "-m", "tiered_kv", "stress", "--runs", "2", "--procs", "2", "--seconds", "2",
          "--json", str(out)],
         capture_output=True, text=True, timeout=300, check=False,
     )

@@ -1,4 +1,4 @@
-"""``tiered-kv`` / ``python -m tiered_kv``: demo, bench, soak, crash, doctor, build-ext.
+"""``tiered-kv`` / ``python -m tiered_kv``: demo, bench, soak, stress, crash, doctor, build-ext.
 
 Primitives:
 
@@ -6,8 +6,7 @@ Primitives:
 
 torch is imported only by the subcommands that need it, so ``tiered-kv --help`` answers at once.
 
-Size: over 500 lines because every subcommand (demo, bench, soak, crash, doctor, build-ext) and its flags
-live here, each a short function; the work itself is in the modules they call.
+Every subcommand and its flags live here, each a short function; the work itself is in the modules they call.
 """
 
 from __future__ import annotations
@@ -536,6 +535,11 @@ def build_parser() -> argparse.ArgumentParser:
     crash.add_argument("--dir", type=_writable_dir, help="where the slabs go (default: a temporary directory)")
     crash.set_defaults(func=_crash)
 
+    stress = sub.add_parser(
+        "stress", add_help=False, help="the adversarial cache stress, many seeds side by side (--help: its flags)"
+    )
+    stress.add_argument("args", nargs=argparse.REMAINDER)  # main() hands them to tiered_kv.tools.stress
+
     build = sub.add_parser("build-ext", help="build the CUDA extension now (ahead of first use)")
     build.set_defaults(func=_build_ext)
 
@@ -553,6 +557,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``tiered-kv`` with ``argv``; the exit status (2 for bad input, one line on stderr)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["stress"]:  # its own flags, parsed by its own parser
+        return int(importlib.import_module("tiered_kv.tools.stress").main(argv[1:]))
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
