@@ -228,7 +228,7 @@ class TransferEngine:
             for name in ("offload", "onboard", "local"):
                 self._streams[name] = self.device.new_stream(name)
         except BaseException:
-            # a failed constructor leaves no thread, fd or slab lock behind (issue 11, finding 4)
+            # a failed constructor leaves no thread, fd or slab lock behind
             for stream in self._streams.values():
                 stream.close()
             if file_tier is not None:
@@ -325,7 +325,7 @@ class TransferEngine:
         assert not self._fences, "fences left after every op completed"
 
     async def _take_over_completions(self) -> None:
-        """close() from a new loop after the engine's loop ended with copies in flight (issue 11, finding 5).
+        """close() from a new loop after the engine's loop ended with copies in flight.
 
         A copy that finished on its thread posted its completion to the dead loop, where it never ran: complete
         it here (dependencies first, as always). A copy that never finished within ``ORPHAN_TIMEOUT`` seconds
