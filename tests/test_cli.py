@@ -154,6 +154,33 @@ def test_doctor_exits_1_when_a_needed_check_fails_and_advises_for_the_installed_
     assert checks["pinned memory (ulimit -l)"]["ok"] is (not small)
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc (a filesystem with no free space)")
+def test_doctor_refuses_a_directory_the_engine_refuses(tmp_path):
+    """`doctor --dir /proc` fails with one line, as `TransferEngine(file_dir="/proc")` does (issue 41, item 5)."""
+    r = tkv("doctor", "--dir", "/proc", "--json", str(tmp_path / "d.json"))
+    assert r.returncode == 1, r.stdout
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and "/proc" in errors[0] and "free" in errors[0], r.stderr
+    assert "failed: directory" in r.stdout and "ready" not in r.stdout.splitlines()[-1]
+    checks = {c["check"]: c for c in json.loads((tmp_path / "d.json").read_text())}
+    assert checks["directory"]["required"] and not checks["directory"]["ok"]
+
+
+def test_doctor_fails_when_the_remote_store_asked_for_is_unreachable(tmp_path):
+    r = tkv("doctor", "--dir", str(tmp_path), "--remote", "redis://127.0.0.1:1/0", timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and "remote store" in errors[0] and "unreachable" in errors[0], r.stderr
+
+
+def test_doctor_passes_a_writable_directory_and_leaves_nothing_in_it(tmp_path):
+    d = tmp_path / "tier"
+    d.mkdir(mode=0o700)
+    r = tkv("doctor", "--dir", str(d))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "ready" in r.stdout and not list(d.iterdir())
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -11,6 +11,9 @@ Primitives:
   against the machine's memory, before anything is created.
 * :func:`storage_error` -- an ``OSError`` (ENOSPC, EROFS, EACCES, ...) as a :class:`~tiered_kv.errors.StorageError`.
 * :func:`directory_problem` -- the same checks as a sentence or ``None`` (``tiered-kv doctor``).
+* :func:`slab_problem` -- what :class:`~tiered_kv.file.tier.FileTier` checks next in an existing directory (the
+  free space, :func:`check_space`; creating a file there, :func:`open_owned`) as a sentence or ``None``
+  (``tiered-kv doctor``, so that it refuses what the engine refuses, e.g. ``/proc``).
 
 Why: in a shared directory, a slab planted by another user must never be opened, chmod'ed or served as
 verified, and a symlink at ``kv.lock`` must not make the process create a file elsewhere; ENOSPC, a read-only
@@ -26,7 +29,7 @@ import stat
 
 from ..errors import StorageError
 
-__all__ = ["check_space", "directory_problem", "open_owned", "prepare_directory", "storage_error"]
+__all__ = ["check_space", "directory_problem", "open_owned", "prepare_directory", "slab_problem", "storage_error"]
 
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -34,8 +37,12 @@ _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 INDEX_BYTES_PER_SLOT = 96
 
 
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
+def _size(n: int) -> str:
+    """A size in bytes with a unit chosen by its magnitude, so that small sizes still show (not "0.00 GiB")."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if abs(n) >= 1 << shift:
+            return f"{n / (1 << shift):.2f} {unit}"
+    return f"{n} B"
 
 
 def storage_error(exc: OSError, path: str | os.PathLike[str], doing: str, size: int | None = None) -> StorageError:
@@ -53,7 +60,7 @@ def storage_error(exc: OSError, path: str | os.PathLike[str], doing: str, size: 
             "the path is a symbolic link, which the file tier never follows: remove it or give another file_dir"
         ),
     }.get(exc.errno or 0, "check the path and the filesystem")
-    sized = f" ({_gib(size)} asked)" if size is not None else ""
+    sized = f" ({_size(size)} asked)" if size is not None else ""
     err = StorageError(exc.errno or 0, f"cannot {doing} {os.fspath(path)}{sized}: {exc.strerror or exc}; {what}")
     err.filename = os.fspath(path)
     err.__cause__ = exc
@@ -142,8 +149,8 @@ def check_space(slab_path: str, slab_bytes: int, num_slots: int, existing_bytes:
     if memory and index_bytes > memory:
         raise StorageError(
             errno.ENOMEM,
-            f"file_blocks={num_slots} needs about {_gib(index_bytes)} of memory for the slot "
-            f"index, more than this machine has ({_gib(memory)}): lower file_blocks",
+            f"file_blocks={num_slots} needs about {_size(index_bytes)} of memory for the slot "
+            f"index, more than this machine has ({_size(memory)}): lower file_blocks",
         )
     try:
         vfs = os.statvfs(path)
@@ -154,7 +161,32 @@ def check_space(slab_path: str, slab_bytes: int, num_slots: int, existing_bytes:
     if grow > free:
         raise StorageError(
             errno.ENOSPC,
-            f"the slab {slab_path} needs {_gib(slab_bytes)} "
-            f"(file_blocks={num_slots}) but the filesystem has {_gib(free)} free: "
+            f"the slab {slab_path} needs {_size(slab_bytes)} "
+            f"(file_blocks={num_slots}) but the filesystem has {_size(free)} free: "
             "free space there or lower file_blocks",
         )
+
+
+def slab_problem(directory: str | os.PathLike[str], slab_bytes: int = 4096) -> str | None:
+    """Why the file tier could not create a slab of ``slab_bytes`` in the existing ``directory``, or ``None``.
+
+    The checks :class:`~tiered_kv.file.tier.FileTier` runs after :func:`prepare_directory`: the free space
+    (:func:`check_space`) and creating a file there (:func:`open_owned`, as for ``kv.lock``; the probe file is
+    removed). Nothing is left behind.
+    """
+    path = os.fspath(directory)
+    try:
+        check_space(os.path.join(path, "kv.slab"), slab_bytes, 1)
+    except StorageError as exc:
+        return exc.strerror or str(exc)
+    probe = os.path.join(path, f".tiered_kv-doctor-{os.getpid()}")
+    try:
+        fd = open_owned(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except StorageError as exc:
+        return exc.strerror or str(exc)
+    os.close(fd)
+    try:
+        os.unlink(probe)
+    except OSError as exc:
+        return storage_error(exc, probe, "remove a file in").strerror
+    return None

@@ -157,7 +157,9 @@ def _print_verdicts(payload: dict[str, Any]) -> None:
 
 
 #: doctor checks without which tiered_kv cannot run here (the others are optional features).
-REQUIRED_CHECKS = frozenset({"python", "torch", "directory", "file tier I/O (TIERED_KV_GDS)"})
+REQUIRED_CHECKS = frozenset(
+    {"python", "torch", "directory", "directory safe for a file tier", "file tier I/O (TIERED_KV_GDS)"}
+)
 #: a locked-memory limit below this is flagged.
 MEMLOCK_WARN_BYTES = 64 << 20
 
@@ -254,17 +256,32 @@ def _doctor_checks(directory: str) -> list[tuple[str, bool, str, str]]:
             "--ulimit memlock=-1 for containers): GDS buffer registration and large pinned host pools need it",
         )
     )
-    writable = os.path.isdir(directory) and os.access(directory, os.W_OK)
-    checks.append(("directory", writable, directory, "pass --dir with a writable directory"))
-    from ..file.place import directory_problem
+    # the checks the file tier runs on its directory (tiered_kv.file.place), so that doctor refuses what the
+    # engine refuses: shared directories (symlinks, other users' files), then no free space or no file creatable
+    from ..file.place import directory_problem, slab_problem
 
-    problem = directory_problem(directory)  # shared directories: symlinks, other users' files
+    problem = directory_problem(directory)
     checks.append(
         (
             "directory safe for a file tier",
             problem is None,
             "yes" if problem is None else problem,
             "use a directory of your own (0700), or a sticky one (chmod +t) like /tmp",
+        )
+    )
+    if not os.path.isdir(directory):
+        unusable: str | None = f"{directory} is not an existing directory"
+    elif problem is not None:
+        unusable = "not safe (above)"
+    else:
+        unusable = slab_problem(directory)
+    writable = unusable is None
+    checks.append(
+        (
+            "directory",
+            writable,
+            directory if writable else f"{directory}: {unusable}",
+            "pass --dir with a writable directory on a filesystem with free space",
         )
     )
     if writable:
@@ -291,29 +308,37 @@ def _doctor_checks(directory: str) -> list[tuple[str, bool, str, str]]:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    """Exit 1 when a check that running needs fails (REQUIRED_CHECKS); missing optional features only advise."""
+    """Exit 1 when a check that running needs fails (REQUIRED_CHECKS, and with --remote the remote probe).
+
+    Missing optional features only advise.
+    """
     checks = _doctor_checks(args.dir)
+    required = set(REQUIRED_CHECKS)
     if args.remote:
         from ..remote.doctor import remote_checks
 
-        checks += _run_loop(remote_checks(args.remote))
+        remote = _run_loop(remote_checks(args.remote))
+        required |= {c[0] for c in remote}  # asked for: a store that is down or loses data fails the doctor
+        checks += remote
     width = max(len(c[0]) for c in checks)
     for name, ok, found, fix in checks:
-        mark = "ok " if ok else ("XX " if name in REQUIRED_CHECKS else "-- ")
+        mark = "ok " if ok else ("XX " if name in required else "-- ")
         print(f"{mark} {name.ljust(width)}  {found}" + (f"\n    {' ' * width}  -> {fix}" if not ok and fix else ""))
-    failed = [c[0] for c in checks if not c[1] and c[0] in REQUIRED_CHECKS]
+    failed = [c for c in checks if not c[1] and c[0] in required]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
                 [
-                    {"check": c[0], "ok": c[1], "required": c[0] in REQUIRED_CHECKS, "found": c[2], "fix": c[3]}
+                    {"check": c[0], "ok": c[1], "required": c[0] in required, "found": c[2], "fix": c[3]}
                     for c in checks
                 ],
                 f,
                 indent=2,
             )
     if failed:
-        print(f"\nfailed: {', '.join(failed)} (XX: needed to run; --: optional, with what to do)")
+        print(f"\nfailed: {', '.join(c[0] for c in failed)} (XX: needed to run; --: optional, with what to do)")
+        for name, _, found, _ in failed:  # one line per failed check, also on stderr for scripts
+            print(f"error: {name}: {found}", file=sys.stderr)
         return 1
     print("\nready (--: optional features missing, with what to do)" if any(not c[1] for c in checks) else "\nready")
     return 0
