@@ -29,6 +29,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
@@ -116,6 +117,19 @@ class EmulatedEvent:
 _STOP = object()
 
 
+def _emulated_worker(work: queue.SimpleQueue[object], name: str) -> None:
+    """An emulated stream's worker thread: run queued work in order until ``_STOP``."""
+    while True:
+        fn = work.get()
+        if fn is _STOP:
+            return
+        try:
+            fn()  # type: ignore[operator]
+        except BaseException:
+            log.exception("emulated stream %s: submitted work raised", name)
+        del fn  # hold no finished work (nor what it refers to) while waiting for the next
+
+
 class EmulatedStream:
     """A FIFO worker thread: work runs when the worker reaches it, not when it is submitted.
 
@@ -130,18 +144,14 @@ class EmulatedStream:
         #: set by the engine that owns the stream: ``watch(marker, transfer)`` from a coroutine about to await work
         #: on this stream (the loop polls it near its end, see ``EngineConfig.completion_spin_us``)
         self.watch: Callable[[Any, Any], None] | None = None
-        self._thread = threading.Thread(target=self._run, name=f"tiered_kv-emu-{name}", daemon=True)
+        # The worker holds the queue and the name, not the stream: a stream (and the engine that owns it) dropped
+        # without close() is collected, and its finalizer stops the worker (no thread left running).
+        self._thread = threading.Thread(
+            target=_emulated_worker, args=(self._queue, name), name=f"tiered_kv-emu-{name}", daemon=True
+        )
         self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            fn = self._queue.get()
-            if fn is _STOP:
-                return
-            try:
-                fn()  # type: ignore[operator]
-            except BaseException:
-                log.exception("emulated stream %s: submitted work raised", self.name)
+        self._finalizer = weakref.finalize(self, self._queue.put, _STOP)
+        self._finalizer.atexit = False  # at exit the daemon worker just ends with the process
 
     def submit(self, fn: Callback, *, explicit: bool = False) -> None:
         """Queue ``fn`` on the stream's worker thread (``explicit`` changes nothing here)."""
@@ -187,6 +197,7 @@ class EmulatedStream:
         if self._closed:
             return
         self._closed = True
+        self._finalizer.detach()
         self._queue.put(_STOP)
         if threading.current_thread() is not self._thread:
             self._thread.join()

@@ -105,6 +105,7 @@ def as_indices(value: Iterable[int] | np.ndarray | torch.Tensor, what: str) -> n
 
     Raises:
         TypeError: not a sequence of integers.
+        ValueError: an integer too large for a block index (beyond int64, e.g. ``np.uint64(2**63)`` or ``2**70``).
     """
     if isinstance(value, torch.Tensor):
         if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
@@ -127,9 +128,40 @@ def as_indices(value: Iterable[int] | np.ndarray | torch.Tensor, what: str) -> n
         raise TypeError(f"{what} must be one-dimensional, got shape {arr.shape}")
     if arr.size == 0:
         return arr.astype(np.int64)
+    if arr.dtype == object:  # Python ints beyond int64 (``[2**70]``), or a mix of types
+        return _object_indices(arr, what)
     if arr.dtype.kind not in "iu":
         raise TypeError(f"{what} must be integers, got {arr.dtype}")
+    if arr.dtype.kind == "u" and arr.dtype.itemsize >= 8 and int(arr.max()) > _INT64_MAX:
+        raise ValueError(_too_large(what, int(arr.max())))  # astype(int64) would wrap it to a negative index
     return arr.astype(np.int64, copy=False)
+
+
+#: The largest block index: indices are int64.
+_INT64_MAX = 2**63 - 1
+
+
+def _too_large(what: str, value: int) -> str:
+    return f"{what} contain block index {value}, out of range: too large for a block index (at most 2**63 - 1)"
+
+
+def _object_indices(arr: np.ndarray, what: str) -> np.ndarray:
+    """An object array of indices as int64.
+
+    A non-integer is a ``TypeError`` naming its type, an integer beyond int64 a ``ValueError`` saying it is out of
+    range (not "got object").
+    """
+    items = arr.tolist()
+    for x in items:
+        if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+            raise TypeError(f"{what} must be integers, got {type(x).__name__}")
+    values = [int(x) for x in items]
+    lo, hi = min(values), max(values)
+    if lo < 0:
+        raise ValueError(f"{what} contain a negative block index ({lo})")
+    if hi > _INT64_MAX:
+        raise ValueError(_too_large(what, hi))
+    return np.array(values, dtype=np.int64)
 
 
 def small_pairs(
