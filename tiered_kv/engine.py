@@ -1117,7 +1117,8 @@ class TransferEngine:
             self._completed += 1
             if marker.error is not None:
                 self._failed += 1
-                log.warning("%s transfer of %d blocks failed: %r", direction, transfer.num_blocks, marker.error)
+                # one message per failure: the error reaches whoever awaits the transfer (or its done-callback)
+                log.debug("%s transfer of %d blocks failed: %r", direction, transfer.num_blocks, marker.error)
                 continue
             seconds = (marker.done_at or time.perf_counter()) - transfer.submitted_at
             totals = self._by_direction.get(direction)
