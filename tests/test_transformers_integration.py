@@ -311,33 +311,51 @@ async def test_bf16_equal_to_transformers_with_the_same_kv_and_argmax_equal_to_a
     assert agree >= 0.9, agree
 
 
-async def test_the_equality_checks_catch_one_wrong_block(model32, tmp_path):
-    """The bound above is far below what one block of someone else's KV does to the logits.
-
-    The cache's integrity checks are off here: they would refuse the swapped block (tests/test_integrity.py).
-    """
+async def _generate_after_a_block_swap(model: Any, tmp_path: Any, integrity: bool) -> tuple[list[int], Any, int]:
+    """Cache two prompts, put the second block of the other one in the first one's slot (right shape, wrong
+    content), then generate a prompt sharing the first one's 48 tokens: ``(that prompt, its output, integrity
+    errors)``."""
     first, other = _tokens(19, 64), _tokens(20, 64)
     second = first[:48] + _tokens(21, 30)
-    async with _cache(model32, tmp_path, integrity=False) as cache:
-        gen = CachedGenerator(model32, cache)
+    async with _cache(model, tmp_path, integrity=integrity) as cache:
+        gen = CachedGenerator(model, cache)
         try:
             await gen.generate(first, max_new_tokens=1)
             await gen.generate(other, max_new_tokens=1)
-            # swap the second block of `first` for the second block of `other` (right shape, wrong content)
             pool = cache.engine.pool(Tier.GPU).tensor
             a = cache.blocks.lookup(cache.hasher.chain(np.asarray(first, dtype=np.int64))[1])
             b = cache.blocks.lookup(cache.hasher.chain(np.asarray(other, dtype=np.int64))[1])
             assert a is not None and b is not None
             pool[a.slot] = pool[b.slot]
             out = await gen.generate(second, max_new_tokens=1, output_logits=True)
+            return second, out, cache.statistics().integrity_errors
         finally:
             gen.close()
+
+
+async def test_the_equality_checks_catch_one_wrong_block(model32, tmp_path):
+    """The bound above is far below what one block of someone else's KV does to the logits.
+
+    The cache's integrity checks are off here: they would refuse the swapped block (the test below).
+    """
+    second, out, _ = await _generate_after_a_block_swap(model32, tmp_path, integrity=False)
     assert out.tokens_reused == 48
     _, logits, _ = reference_generate(
-        model32, second, max_new_tokens=1, output_logits=True, past=_past(model32, first, 48)
+        model32, second, max_new_tokens=1, output_logits=True, past=_past(model32, second, 48)
     )
     assert logits is not None and out.logits is not None
     assert (out.logits - logits).abs().max().item() > 100 * FP32_TOL
+
+
+async def test_integrity_checks_refuse_a_swapped_block_and_the_generator_recomputes_it(model32, tmp_path):
+    """With the checks on (the default), the same swap is caught: the block is recomputed and the output equals a
+    run without the cache."""
+    second, out, errors = await _generate_after_a_block_swap(model32, tmp_path, integrity=True)
+    assert errors == 1
+    assert out.tokens_reused == 16  # the first block only: the swapped one and what follows are recomputed
+    _, logits, _ = reference_generate(model32, second, max_new_tokens=1, output_logits=True)
+    assert logits is not None and out.logits is not None
+    assert (out.logits - logits[out.tokens_reused :]).abs().max().item() <= FP32_TOL
 
 
 async def test_the_cost_model_is_fed_by_the_generator_and_its_choice_keeps_the_output(model32, tmp_path):
@@ -358,28 +376,3 @@ async def test_the_cost_model_is_fed_by_the_generator_and_its_choice_keeps_the_o
     assert cost.statistics().saved_vs_reuse_all_s > 0
     tokens, _, _ = reference_generate(model32, prompt, max_new_tokens=4)
     assert list(out.tokens) == tokens
-
-
-async def test_integrity_checks_refuse_a_swapped_block_and_the_generator_recomputes_it(model32, tmp_path):
-    """With the checks on (the default), the same swap is caught: the block is recomputed and the output equals a
-    run without the cache."""
-    first, other = _tokens(19, 64), _tokens(20, 64)
-    second = first[:48] + _tokens(21, 30)
-    async with _cache(model32, tmp_path) as cache:
-        gen = CachedGenerator(model32, cache)
-        try:
-            await gen.generate(first, max_new_tokens=1)
-            await gen.generate(other, max_new_tokens=1)
-            pool = cache.engine.pool(Tier.GPU).tensor
-            a = cache.blocks.lookup(cache.hasher.chain(np.asarray(first, dtype=np.int64))[1])
-            b = cache.blocks.lookup(cache.hasher.chain(np.asarray(other, dtype=np.int64))[1])
-            assert a is not None and b is not None
-            pool[a.slot] = pool[b.slot]
-            out = await gen.generate(second, max_new_tokens=1, output_logits=True)
-            assert cache.statistics().integrity_errors == 1
-        finally:
-            gen.close()
-    assert out.tokens_reused == 16  # the first block only: the swapped one and what follows are recomputed
-    _, logits, _ = reference_generate(model32, second, max_new_tokens=1, output_logits=True)
-    assert logits is not None and out.logits is not None
-    assert (out.logits - logits[out.tokens_reused :]).abs().max().item() <= FP32_TOL
