@@ -214,16 +214,14 @@ class IntegrityChecks:
             return []
         slots = [c[0] for c in checks]
         if not self.cuda:
-            now = token_checksums(self.pool, slots)
-            bad = self._compare(now, checks)
+            host = self._mismatch_mask(token_checksums(self.pool, slots), checks)
         else:
             if self._stream is None:
                 self._stream = torch.cuda.Stream(self.pool.device)
             stream = self._stream
             stream.wait_stream(torch.cuda.current_stream(self.pool.device))
             with torch.cuda.stream(stream):
-                now = token_checksums(self.pool, slots)
-                mask = self._mismatch_mask(now, checks)
+                mask = self._mismatch_mask(token_checksums(self.pool, slots), checks)
                 host = torch.empty(mask.shape, dtype=torch.bool, pin_memory=True)
                 host.copy_(mask, non_blocking=True)
                 done = torch.cuda.Event()
@@ -232,7 +230,7 @@ class IntegrityChecks:
             while not done.query():
                 spins += 1
                 await asyncio.sleep(0 if spins < 100 else 1e-4)
-            bad = [i for i, b in enumerate(host.tolist()) if b]
+        bad = [i for i, b in enumerate(host.tolist()) if b]
         self.verified_blocks += len(checks)
         self.mismatches += len(bad)
         return bad
@@ -244,7 +242,3 @@ class IntegrityChecks:
         counts = torch.tensor([n for _s, _c, n in checks], device=now.device)
         within = torch.arange(tokens, device=now.device).unsqueeze(0) < counts.unsqueeze(1)
         return ((now != expected) & within).any(dim=1)
-
-    def _compare(self, now: torch.Tensor, checks: Sequence[tuple[int, Checksum, int]]) -> list[int]:
-        mask = self._mismatch_mask(now, checks)
-        return [i for i, b in enumerate(mask.tolist()) if b]
