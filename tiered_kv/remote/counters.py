@@ -26,7 +26,9 @@ class RemoteStatistics:
         available: connected and not backing off after a failure.
         batches: ``"get"``/``"put"`` -> store round trips.
         blocks: ``"get"`` (verified objects copied), ``"miss"`` (absent), ``"bad"`` (failed verification),
-            ``"put"`` (stored or already present), ``"put_dropped"`` (not stored: store away, error, full).
+            ``"put"`` (stored or already present), ``"put_dropped"`` (not stored: store away, error, full),
+            ``"replaced_corrupt"`` (puts, counted in ``"put"`` too, that replaced an object this tier had found
+            corrupted).
         bytes: ``"get"``/``"put"`` -> object bytes moved.
         errors: store errors and timeouts; ``timeouts`` of them timeouts.
         seconds: ``"get"``/``"put"`` -> summed batch latency; ``latency_counts`` per :data:`LATENCY_BUCKETS`.
@@ -53,7 +55,7 @@ class RemoteCounters:
 
     def __init__(self) -> None:
         self.batches = {"get": 0, "put": 0}
-        self.blocks = {"get": 0, "miss": 0, "bad": 0, "put": 0, "put_dropped": 0}
+        self.blocks = {"get": 0, "miss": 0, "bad": 0, "put": 0, "put_dropped": 0, "replaced_corrupt": 0}
         self.bytes = {"get": 0, "put": 0}
         self.seconds = {"get": 0.0, "put": 0.0}
         self.latency = {"get": [0] * (len(LATENCY_BUCKETS) + 1), "put": [0] * (len(LATENCY_BUCKETS) + 1)}

@@ -4,14 +4,16 @@ Primitives:
 
 * :class:`RemoteStore` -- the protocol the remote tier uses: ``connect``, ``register`` (memory the store
   may read/write directly), ``put`` and ``get`` of a *batch* of named objects (one round trip each),
-  ``ping``, ``close``.
+  ``replace`` (a batch of objects found corrupted, each overwritten by a good one), ``ping``, ``close``.
 * :class:`RedisStore` -- ``redis.asyncio`` (plain, TLS, or Redis Cluster): ``SET name value NX [EX ttl]``
   and ``MGET`` batches in one pipeline each. ``NX`` makes objects immutable like Mooncake's: a second
-  writer of a key keeps the first value.
+  writer of a key keeps the first value. ``replace`` is a compare-and-set in one Lua script per object: the
+  value is overwritten only while it is still the corrupted one the reader saw (same SHA-1).
 * :class:`MooncakeStore` -- ``mooncake.store.MooncakeDistributedStore`` with ``P2PHANDSHAKE`` metadata (no
   etcd): zero-copy ``batch_put_from`` / ``batch_get_into`` from registered (pinned) host memory. Its calls
   block, so they run on a worker thread; a call that outlives its timeout keeps its buffers until it returns
-  (:attr:`RemoteStoreError.pending`).
+  (:attr:`RemoteStoreError.pending`). ``replace`` is ``batch_upsert_from``: Mooncake has no compare-and-set,
+  so it may overwrite another node's good replacement with an equally good one.
 * :func:`open_store` -- the client for a URL (:mod:`tiered_kv.remote.url`).
 
 Every failure (refused, timed out, a store error) is a :class:`~tiered_kv.errors.RemoteStoreError`; a
@@ -36,12 +38,25 @@ import numpy as np
 from ..errors import BackendUnavailable, RemoteStoreError
 from .url import StoreURL, parse_store_url
 
-__all__ = ["MISSING", "MooncakeStore", "RedisStore", "RemoteStore", "StoreTimeout", "open_store"]
+__all__ = [
+    "KEPT",
+    "MISSING",
+    "REPLACED",
+    "STORED",
+    "MooncakeStore",
+    "RedisStore",
+    "RemoteStore",
+    "StoreTimeout",
+    "open_store",
+]
 
 log = logging.getLogger(__name__)
 
 #: ``get`` result of an object the store does not have (any other negative result is a store error code).
 MISSING = -1
+#: ``replace`` outcomes: the corrupted object was overwritten; the name held nothing and the object was stored;
+#: the name holds another object than the corrupted one (a replacement by another node), which stays.
+REPLACED, STORED, KEPT = "replaced", "stored", "kept"
 _MOONCAKE_MISSES = (-704, -707)  # OBJECT_NOT_FOUND, LEASE_EXPIRED
 _CLOSE_WAIT = 60  # seconds close() waits for Mooncake calls that outlived their timeout
 _ABANDONED: list[Any] = []  # Mooncake clients left open because a call still ran at close()
@@ -85,6 +100,20 @@ class RemoteStore(Protocol):
         """
         ...
 
+    async def replace(self, names: list[str], objects: list[np.ndarray], corrupt: list[str | None]) -> list[str | None]:
+        """Overwrite objects found corrupted with good ones; one round trip.
+
+        Args:
+            names: the objects' names.
+            objects: the good objects.
+            corrupt: per name, the SHA-1 (hex) of the corrupted bytes read, or ``None`` when they were not of
+                the object's size (a store with compare-and-set replaces only that value).
+
+        Returns:
+            Per object: :data:`REPLACED`, :data:`STORED`, :data:`KEPT`, or ``None`` (not stored: an error).
+        """
+        ...
+
     async def ping(self) -> float:
         """Seconds of one round trip."""
         ...
@@ -107,6 +136,27 @@ def _probe(url: StoreURL, what: str) -> None:
             pass
     except OSError as exc:
         raise RemoteStoreError(f"cannot reach the {what} at {url}: {exc}") from exc
+
+
+#: KEYS[1] the name; ARGV: the good object, the corrupted object's SHA-1 ("" when its size was wrong), the TTL
+#: ("0": none). Overwrites the value only while it is the corrupted one; 2 replaced, 1 stored (absent), 0 kept.
+_REPLACE_SCRIPT = """
+local cur = redis.call('GET', KEYS[1])
+local still_bad = cur and ((ARGV[2] ~= '' and redis.sha1hex(cur) == ARGV[2])
+    or (ARGV[2] == '' and string.len(cur) ~= string.len(ARGV[1])))
+if cur and not still_bad then
+    return 0
+end
+if tonumber(ARGV[3]) > 0 then
+    redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[3])
+else
+    redis.call('SET', KEYS[1], ARGV[1])
+end
+if cur then
+    return 2
+end
+return 1
+"""
 
 
 class RedisStore:
@@ -186,6 +236,27 @@ class RedisStore:
             raise RemoteStoreError(f"Redis put of {len(names)} objects at {self.url} failed: {exc}") from exc
         # NX: True when set, None when the name existed (immutable: the first value stays) -- both are fine
         return [not isinstance(r, Exception) for r in replies]
+
+    async def replace(self, names: list[str], objects: list[np.ndarray], corrupt: list[str | None]) -> list[str | None]:
+        """Compare-and-set of every object in one pipeline (one Lua script each; see :meth:`RemoteStore.replace`).
+
+        Cancellation: as :meth:`put` (each script is atomic).
+        """
+        if not names:
+            return []
+        import redis.exceptions
+
+        pipe = self._require().pipeline(transaction=False)
+        for name, obj, digest in zip(names, objects, corrupt, strict=True):
+            pipe.eval(_REPLACE_SCRIPT, 1, name, obj.data, digest or "", self.url.ttl or 0)
+        try:
+            replies = await _bounded(
+                pipe.execute(raise_on_error=False), self.url.timeout, f"replace of {len(names)} objects", self.url
+            )
+        except (redis.exceptions.RedisError, OSError) as exc:
+            raise RemoteStoreError(f"Redis replace of {len(names)} objects at {self.url} failed: {exc}") from exc
+        outcomes = {0: KEPT, 1: STORED, 2: REPLACED}
+        return [None if isinstance(r, Exception) else outcomes.get(int(r)) for r in replies]
 
     async def get(self, names: list[str], out: list[np.ndarray]) -> list[int]:
         """``MGET`` of every name (one round trip; a cluster splits it per node), copied into ``out``.
@@ -365,6 +436,23 @@ class MooncakeStore:
             [int(o.nbytes) for o in objects],
         )
         return [c == 0 for c in codes]
+
+    async def replace(self, names: list[str], objects: list[np.ndarray], corrupt: list[str | None]) -> list[str | None]:
+        """``batch_upsert_from`` (one call, zero-copy): Mooncake has no compare-and-set, ``corrupt`` is not used.
+
+        Cancellation: as :meth:`put`.
+        """
+        if not names:
+            return []
+        store = self._require()
+        codes = await self._call(
+            f"replace of {len(names)} objects",
+            store.batch_upsert_from,
+            names,
+            [int(o.ctypes.data) for o in objects],
+            [int(o.nbytes) for o in objects],
+        )
+        return [REPLACED if c == 0 else None for c in codes]
 
     async def get(self, names: list[str], out: list[np.ndarray]) -> list[int]:
         """``batch_get_into`` (one call, zero-copy into registered memory).

@@ -21,10 +21,14 @@ xxh3-128 checksum) and only then copies verified payloads into the destination b
 concurrently (the network round trip of one chunk overlaps the staging copies of the next).
 
 Failure model: a missing object, one that fails verification or a lease that expired mid-read is a *miss*
-(``found[i] = False``; the destination block is left untouched). A store error or timeout fails the whole
-transfer with :class:`~tiered_kv.errors.RemoteStoreError` (destination blocks untouched). After a failure the
-tier stays away from the store for ``backoff`` seconds (gets answer "miss" at once, puts are dropped), then
-tries again: requests are never stalled behind a dead or hung store for more than one timeout.
+(``found[i] = False``; the destination block is left untouched). An object that failed verification is
+remembered (:mod:`tiered_kv.remote.repair`): the next put of its name replaces it (counted in
+``blocks["replaced_corrupt"]``), so one node that recomputes the block heals it for every node.
+
+A store error or timeout fails the whole transfer with :class:`~tiered_kv.errors.RemoteStoreError`
+(destination blocks untouched). After a failure the tier stays away from the store for ``backoff`` seconds
+(gets answer "miss" at once, puts are dropped), then tries again: requests are never stalled behind a dead or
+hung store for more than one timeout.
 
 Size: a little over 500 lines: the tier's put / get / drain life cycle and its lease rules (staging and
 counters are modules of their own).
@@ -46,8 +50,9 @@ from ..fences import Marker
 from ..pools import BlockPool, Tier, as_indices
 from .counters import RemoteCounters, RemoteStatistics
 from .objects import object_name, object_size, verify_object
+from .repair import CorruptObjects, digest
 from .staging import Lease, StagingArea
-from .stores import MISSING, RemoteStore, StoreTimeout, open_store
+from .stores import MISSING, REPLACED, RemoteStore, StoreTimeout, open_store
 from .url import StoreURL
 
 __all__ = ["RemoteStatistics", "RemoteTier", "RemoteTransfer"]
@@ -117,6 +122,7 @@ class RemoteTier:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
         self._counts = RemoteCounters()
+        self._corrupt = CorruptObjects()
         if route:
             from .handler import RemoteHandler
 
@@ -192,7 +198,8 @@ class RemoteTier:
         """Store blocks ``slots`` of ``src_tier`` as the objects of content keys ``keys``; returns at once.
 
         Objects are immutable: a key already in the store keeps its first value (same content key, same
-        tokens, same KV). ``found[i]`` is ``True`` once block ``i`` is stored or was already there.
+        tokens, same KV), unless this tier found that value corrupted: then it is replaced.
+        ``found[i]`` is ``True`` once block ``i`` is stored or was already there.
 
         Raises:
             ValueError, TypeError: unknown tier, indices out of range, keys not pairing up with slots.
@@ -382,9 +389,31 @@ class RemoteTier:
         try:
             if not self._usable():
                 raise RemoteStoreError(f"the remote store {self.store.url} is unavailable")
-            ok = await self._round_trip("put", lease, lambda: self.store.put(chunk_names, objs))
+            fix = [j for j, name in enumerate(chunk_names) if name in self._corrupt]
+            ok: list[bool] = [False] * len(chunk_names)
+            if len(fix) < len(chunk_names):
+                keep = [j for j in range(len(chunk_names)) if j not in set(fix)]
+                put = await self._round_trip(
+                    "put", lease, lambda: self.store.put([chunk_names[j] for j in keep], [objs[j] for j in keep])
+                )
+                for j, good in zip(keep, put, strict=True):
+                    ok[j] = good
+            if fix:
+                fix_names = [chunk_names[j] for j in fix]
+                outcomes = await self._round_trip(
+                    "put",
+                    lease,
+                    lambda: self.store.replace(
+                        fix_names, [objs[j] for j in fix], [self._corrupt.expected(n) for n in fix_names]
+                    ),
+                )
+                for j, outcome in zip(fix, outcomes, strict=True):
+                    ok[j] = outcome is not None
+                    self._counts.blocks["replaced_corrupt"] += outcome == REPLACED
             for j, good in enumerate(ok):
                 found[start + j] = good
+                if good:
+                    self._corrupt.forget(chunk_names[j])
             stored = sum(ok)
             self._counts.blocks["put"] += stored
             self._counts.blocks["put_dropped"] += len(ok) - stored
@@ -460,6 +489,8 @@ class RemoteTier:
             if codes:  # a store that answers with error codes is failing: a miss now, and back off
                 self._failed(RemoteStoreError(f"{self.store.url} answered error codes {codes} for a get"))
 
+            digests: dict[str, str | None] = {}  # the corrupted objects' SHA-1 (None: not of an object's size)
+
             def verify_all() -> list[str | None]:  # a worker thread: checksums off the event loop
                 out: list[str | None] = []
                 for name, size, i in zip(chunk_names, sizes, staging, strict=True):
@@ -474,6 +505,8 @@ class RemoteTier:
                         length,
                     )
                     out.append(v if isinstance(v, str) else "")
+                    if isinstance(v, str):
+                        digests[name] = digest(self._staging.array[i]) if size == self.object_size else None
                 return out
 
             verdicts = await asyncio.get_running_loop().run_in_executor(None, verify_all)
@@ -486,8 +519,9 @@ class RemoteTier:
                 if verdict:
                     self._counts.blocks["bad"] += 1
                     self._counts.bad[verdict] = self._counts.bad.get(verdict, 0) + 1
-                    log.warning("remote object %s failed verification (%s): treated as a miss", name, verdict)
+                    self._corrupt.found(name, digests[name], verdict)
                     continue
+                self._corrupt.forget(name)
                 good_staging.append(i)
                 good_slots.append(slots[start + j])
                 found[start + j] = True
