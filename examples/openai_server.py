@@ -7,7 +7,9 @@ same model with plain transformers instead (a full-prompt prefill per request): 
 client compares against.
 
 Run it (binds 127.0.0.1 by default; nothing is downloaded: the default model is a small Llama with random
-weights built from a config; ``--model DIR`` loads a local model directory and its tokenizer)::
+weights built from a config, with a byte-level tokenizer and a ChatML chat template built in code
+(:class:`~tiered_kv.integrations.byte_tokenizer.ByteTokenizer`); ``--model DIR`` loads a local model directory
+and its tokenizer)::
 
     python examples/openai_server.py --port 8000 &
     python examples/openai_server.py --port 8001 --no-cache &
@@ -16,17 +18,19 @@ weights built from a config; ``--model DIR`` loads a local model directory and i
 Endpoints:
 
 * ``POST /v1/completions`` -- ``{"prompt": [token ids] | "text", "max_tokens": 16, "temperature": 1.0,
-  "top_p": 1.0, "seed": null, "stream": false}``; text prompts need a tokenizer (``--model DIR``). The
-  answer is OpenAI's ``text_completion`` plus ``choices[0].token_ids`` and a ``tiered_kv`` object
-  (``tokens_reused``, ``blocks_from``, ``ttft_ms``). ``"stream": true`` sends server-sent events, one
-  ``text_completion`` chunk per token, then ``data: [DONE]``.
-* ``POST /v1/chat/completions`` -- when the local tokenizer has a chat template (``--model DIR``); 404 with
-  the reason otherwise.
+  "top_p": 1.0, "seed": null, "stream": false}`` (absent or ``null``: these defaults). The answer is
+  OpenAI's ``text_completion`` plus ``choices[0].token_ids`` and a ``tiered_kv`` object (``tokens_reused``,
+  ``blocks_from``, ``ttft_ms``); ``usage.prompt_tokens_details.cached_tokens`` is the number of prompt tokens
+  reused from the cache (OpenAI's and vLLM's field). ``"stream": true`` sends server-sent events, one
+  ``text_completion`` chunk per token, the last with ``usage``, then ``data: [DONE]``.
+* ``POST /v1/chat/completions`` -- ``messages`` through the tokenizer's chat template (a ``--model DIR``
+  whose tokenizer has none: 404 with the reason).
 * ``GET /v1/models``, ``GET /healthz``, ``GET /metrics`` (Prometheus text: requests by status, TTFT
   histogram, queue; the cache's metrics too when ``prometheus-client`` is installed).
 
-Bad requests get ``400`` with a one-line reason (OpenAI's error object); a full queue ``429`` and a full
-GPU tier ``503``, both with ``Retry-After`` (back-pressure: at most ``--max-concurrency`` generations run,
+Bad requests get ``400`` with a one-line reason (OpenAI's error object, :mod:`openai_protocol`); a ``model``
+other than the served one ``404`` (``code: "model_not_found"``); a full queue ``429`` and a full GPU tier
+``503``, both with ``Retry-After`` (back-pressure: at most ``--max-concurrency`` generations run,
 ``--max-queue`` wait).
 """
 
@@ -35,8 +39,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
-import dataclasses
-import json
 import logging
 import time
 import uuid
@@ -46,38 +48,30 @@ from typing import Any
 import numpy as np
 import torch
 from aiohttp import web
+from openai_protocol import (
+    ApiError,
+    Completion,
+    ServerConfig,
+    api_error_response,
+    chat_prompt,
+    check_model,
+    chunk,
+    error_response,
+    event,
+    json_body,
+    parse_completion,
+    usage,
+)
 
 from tiered_kv import CacheFullError, TieredKVCache, TieredKVError
+from tiered_kv.integrations.byte_tokenizer import ByteTokenizer
 from tiered_kv.integrations.hf_model import cache_kwargs
 from tiered_kv.integrations.models import random_causal_lm, tiny_llama_config
 from tiered_kv.integrations.transformers import CachedGenerator, layout_for
 
 log = logging.getLogger("tiered_kv.examples.openai_server")
 
-MAX_JSON_DEPTH = 32
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-
-
-class BadRequest(Exception):
-    """A request the server refuses with 400 and this one-line reason."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ServerConfig:
-    """Limits of the server.
-
-    Attributes:
-        model_name: the name answered in ``model`` fields (and accepted in requests).
-        max_tokens_limit: largest ``max_tokens`` accepted.
-        max_concurrency: generations running at once; ``max_queue``: requests waiting for one (then 429).
-        max_context: prompt plus ``max_tokens`` at most (the model's positions and a sequence's blocks).
-    """
-
-    model_name: str = "tiered-kv-random-llama"
-    max_tokens_limit: int = 1024
-    max_concurrency: int = 8
-    max_queue: int = 64
-    max_context: int = 4096
 
 
 # ------------------------------------------------------------------------------------------ generators
@@ -157,117 +151,6 @@ class CachedStream:
         self.generator.close()
 
 
-# ------------------------------------------------------------------------------------------ validation
-
-
-def _depth(value: Any, limit: int) -> int:
-    stack = [(value, 1)]
-    deepest = 0
-    while stack:
-        item, d = stack.pop()
-        deepest = max(deepest, d)
-        if deepest > limit:
-            return deepest
-        if isinstance(item, dict):
-            stack.extend((v, d + 1) for v in item.values())
-        elif isinstance(item, list):
-            stack.extend((v, d + 1) for v in item)
-    return deepest
-
-
-async def _json_body(request: web.Request) -> dict[str, Any]:
-    raw = await request.read()
-    if raw.count(b"[") + raw.count(b"{") > 100_000:
-        raise BadRequest("the JSON body has too many nested values")
-    try:
-        body = json.loads(raw)
-    except RecursionError:
-        raise BadRequest(f"the JSON body is nested too deeply (at most {MAX_JSON_DEPTH} levels)") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"the body is not valid JSON ({str(exc).splitlines()[0]})") from None
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
-    if _depth(body, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
-        raise BadRequest(f"the JSON body is nested too deeply (at most {MAX_JSON_DEPTH} levels)")
-    return body
-
-
-def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float, *, lo_open: bool = False) -> float:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise BadRequest(f"'{name}' must be a number")
-    if value < lo or value > hi or (lo_open and value == lo):
-        raise BadRequest(f"'{name}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}")
-    return float(value)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Completion:
-    prompt: np.ndarray
-    max_tokens: int
-    temperature: float
-    top_p: float
-    seed: int | None
-    stream: bool
-
-
-def parse_completion(body: dict[str, Any], prompt: Any, vocab: int, config: ServerConfig, tokenizer: Any) -> Completion:
-    """Validate a completion request; ``BadRequest`` with a one-line reason when it cannot be served."""
-    model = body.get("model")
-    if model is not None and model != config.model_name:
-        raise BadRequest(f"model '{str(model)[:80]}' is not served here (this server serves '{config.model_name}')")
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise BadRequest("this server has no tokenizer: send 'prompt' as a list of token ids")
-        ids = list(tokenizer.encode(prompt))
-    elif isinstance(prompt, list):
-        if prompt and isinstance(prompt[0], list):
-            raise BadRequest("one prompt per request: 'prompt' must be a list of token ids or a string")
-        ids = prompt
-    else:
-        raise BadRequest("'prompt' must be a list of token ids or a string")
-    if not ids:
-        raise BadRequest("'prompt' is empty")
-    for t in ids:
-        if isinstance(t, bool) or not isinstance(t, int):
-            raise BadRequest(f"'prompt' must hold integer token ids, got {type(t).__name__}")
-        if not 0 <= t < vocab:
-            raise BadRequest(
-                f"token id {t if abs(t) < 10**30 else str(t)[:30] + '...'} is outside the vocabulary [0, {vocab})"
-            )
-    max_tokens = body.get("max_tokens", 16)
-    if (
-        isinstance(max_tokens, bool)
-        or not isinstance(max_tokens, int)
-        or not 1 <= max_tokens <= config.max_tokens_limit
-    ):
-        raise BadRequest(f"'max_tokens' must be an integer in [1, {config.max_tokens_limit}]")
-    if len(ids) + max_tokens > config.max_context:
-        raise BadRequest(
-            f"the prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) exceeds the context of "
-            f"{config.max_context} tokens"
-        )
-    n = body.get("n", 1)
-    if n != 1:
-        raise BadRequest("'n' must be 1 (one completion per request)")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise BadRequest("'stream' must be true or false")
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
-        raise BadRequest("'seed' must be an integer in [0, 2**63)")
-    return Completion(
-        prompt=np.asarray(ids, dtype=np.int64),
-        max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-        seed=seed,
-        stream=stream,
-    )
-
-
 # ------------------------------------------------------------------------------------------ the app
 
 
@@ -307,47 +190,24 @@ class Server:
 SERVER: web.AppKey[Server] = web.AppKey("server", Server)
 
 
-def _error(
-    status: int, message: str, kind: str = "invalid_request_error", headers: dict[str, str] | None = None
-) -> web.Response:
-    return web.json_response(
-        {"error": {"message": message, "type": kind, "param": None, "code": None}}, status=status, headers=headers
-    )
-
-
-def _chunk(
-    cid: str, created: int, model: str, obj: str, token: int, text: str, finish: str | None, chat: bool
-) -> bytes:
-    if chat:
-        choice: dict[str, Any] = {
-            "index": 0,
-            "delta": {"content": text} if text else {},
-            "token_ids": [token] if token >= 0 else [],
-            "finish_reason": finish,
-        }
-    else:
-        choice = {"index": 0, "text": text, "token_ids": [token] if token >= 0 else [], "finish_reason": finish}
-    payload = {"id": cid, "object": obj, "created": created, "model": model, "choices": [choice]}
-    return f"data: {json.dumps(payload)}\n\n".encode()
-
-
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     server = request.app[SERVER]
     try:
-        body = await _json_body(request)
+        body = await json_body(request)
+        check_model(body, server.config)
         if chat:
-            prompt = _chat_prompt(server, body)
+            prompt = chat_prompt(server.tokenizer, body)
         else:
             if "prompt" not in body:
-                raise BadRequest("'prompt' is required")
+                raise ApiError("'prompt' is required", param="prompt")
             prompt = body["prompt"]
         completion = parse_completion(body, prompt, server.vocab, server.config, server.tokenizer)
-    except BadRequest as exc:
-        server.count(400)
-        return _error(400, str(exc))
+    except ApiError as exc:
+        server.count(exc.status)
+        return api_error_response(exc)
     if server.waiting >= server.config.max_queue:
         server.count(429)
-        return _error(
+        return error_response(
             429, f"server busy: {server.waiting} requests already waiting", "overloaded", {"Retry-After": "1"}
         )
     server.waiting += 1
@@ -386,7 +246,7 @@ async def _respond(request: web.Request, server: Server, c: Completion, chat: bo
                     )
                     await response.prepare(request)
                 text = tok.decode([token]) if tok is not None else f" {token}"
-                await response.write(_chunk(cid, created, model, obj, token, text, None, chat))
+                await response.write(event(chunk(cid, created, model, obj, token, text, None, chat, len(tokens) == 1)))
                 if request.transport is None or request.transport.is_closing():
                     server.count(499)  # the client went away: stop generating (the sequence is freed)
                     return response
@@ -399,21 +259,19 @@ async def _respond(request: web.Request, server: Server, c: Completion, chat: bo
     except CacheFullError as exc:
         server.count(503)
         if response is None:
-            return _error(503, f"no room in the GPU tier now ({exc}); retry", "overloaded", {"Retry-After": "1"})
+            return error_response(
+                503, f"no room in the GPU tier now ({exc}); retry", "overloaded", {"Retry-After": "1"}
+            )
         raise
     except TieredKVError as exc:
         server.count(500)
         if response is None:
-            return _error(500, f"{type(exc).__name__}: {exc}", "server_error")
+            return error_response(500, f"{type(exc).__name__}: {exc}", "server_error")
         raise
     server.tokens_out += len(tokens)
     server.count(200)
     finish = "length"
-    usage = {
-        "prompt_tokens": len(c.prompt),
-        "completion_tokens": len(tokens),
-        "total_tokens": len(c.prompt) + len(tokens),
-    }
+    counts = usage(len(c.prompt), len(tokens), int(info.get("tokens_reused", 0)))
     extra = {
         "tokens_reused": info.get("tokens_reused", 0),
         "blocks_from": info.get("blocks_from", {}),
@@ -421,10 +279,10 @@ async def _respond(request: web.Request, server: Server, c: Completion, chat: bo
     }
     if c.stream:
         assert response is not None
-        last = json.loads(_chunk(cid, created, model, obj, -1, "", finish, chat)[6:-2])
-        last["usage"] = usage
+        last = chunk(cid, created, model, obj, -1, "", finish, chat)
+        last["usage"] = counts
         last["tiered_kv"] = extra
-        await response.write(f"data: {json.dumps(last)}\n\ndata: [DONE]\n\n".encode())
+        await response.write(event(last) + b"data: [DONE]\n\n")
         await response.write_eof()
         return response
     text = tok.decode(tokens) if tok is not None else "".join(f" {t}" for t in tokens)
@@ -444,30 +302,10 @@ async def _respond(request: web.Request, server: Server, c: Completion, chat: bo
             "created": created,
             "model": model,
             "choices": [choice],
-            "usage": usage,
+            "usage": counts,
             "tiered_kv": extra,
         }
     )
-
-
-def _chat_prompt(server: Server, body: dict[str, Any]) -> list[int]:
-    tok = server.tokenizer
-    if tok is None or not getattr(tok, "chat_template", None):
-        raise BadRequest("this server has no tokenizer with a chat template; use /v1/completions with token ids")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("'messages' must be a non-empty list")
-    for m in messages:
-        if not (
-            isinstance(m, dict)
-            and m.get("role") in ("system", "user", "assistant")
-            and isinstance(m.get("content"), str)
-        ):
-            raise BadRequest("each message needs a 'role' (system, user, assistant) and a string 'content'")
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
-        ids = ids["input_ids"]
-    return [int(i) for i in ids]
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -481,7 +319,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     tok = server.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
         server.count(404)
-        return _error(
+        return error_response(
             404, "chat completions need a local tokenizer with a chat template (start with --model DIR)", "not_found"
         )
     return await _generate(request, chat=True)
@@ -490,7 +328,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def models(request: web.Request) -> web.Response:
     """``GET /v1/models``."""
     name = request.app[SERVER].config.model_name
-    return web.json_response({"object": "list", "data": [{"id": name, "object": "model", "owned_by": "tiered_kv"}]})
+    model = {"id": name, "object": "model", "created": 0, "owned_by": "tiered_kv"}
+    return web.json_response({"object": "list", "data": [model]})
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -551,13 +390,16 @@ def make_app(server: Server) -> web.Application:
 
 
 def load_model(path: str | None, device: torch.device, seed: int = 0) -> tuple[Any, Any]:
-    """``(model, tokenizer)``: a local model directory (no download), or the default random Llama (no tokenizer)."""
+    """``(model, tokenizer)``: a local model directory (no download), or the default random Llama.
+
+    The default model's tokenizer is a :class:`ByteTokenizer` (UTF-8 bytes and a ChatML chat template).
+    """
     if path is None:
         return random_causal_lm(
             tiny_llama_config(layers=4, hidden=256, heads=4, kv_heads=2, intermediate=512, vocab=4096),
             device=device,
             seed=seed,
-        ), None
+        ), ByteTokenizer()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True).to(device).eval()
