@@ -1,8 +1,9 @@
 """CachedGenerator on a real transformers Llama (random weights from a config): the tokens and logits of no cache.
 
 Bitwise: the generator's logits equal plain transformers holding the same earlier KV in a DynamicCache (so the
-tiers, blocks, partial copies and the file round trip change nothing). Against a full-prompt recompute: same
-greedy tokens, logits within rounding (see the module docstring of tiered_kv.integrations.transformers).
+tiers, blocks, partial copies and the file round trip change nothing). Against a full-prompt recompute: logits
+within rounding, greedy tokens equal except at near-ties in bf16 (see the module docstring of
+tiered_kv.integrations.transformers; tests/test_dtype_claims.py checks each dtype).
 """
 
 from __future__ import annotations
@@ -283,7 +284,7 @@ async def test_the_model_and_the_cache_must_fit(model32, tmp_path):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-async def test_bf16_equal_to_transformers_with_the_same_kv_and_argmax_equal_to_a_recompute(tmp_path, device):
+async def test_bf16_equal_to_transformers_with_the_same_kv_and_argmax_to_a_recompute_but_at_near_ties(tmp_path, device):
     model = random_causal_lm(tiny_llama_config(), dtype=torch.bfloat16, device=device, seed=2)
     first = _tokens(17, 90)
     second = first[:53] + _tokens(18, 30)
@@ -307,8 +308,10 @@ async def test_bf16_equal_to_transformers_with_the_same_kv_and_argmax_equal_to_a
     diff = (out.logits[:prompt_rows] - full[53:]).abs()
     # bf16 keeps 8 bits of mantissa: logits of magnitude ~4 round to steps of 1/32; a wrong block is O(1) off
     assert diff.max().item() <= 0.25, diff.max()
-    agree = (out.logits[:prompt_rows].argmax(-1) == full[53:].argmax(-1)).float().mean().item()
-    assert agree >= 0.9, agree
+    # the argmax may differ only at a near-tie: where the recompute's two best logits are within twice that bound
+    parted = out.logits[:prompt_rows].argmax(-1) != full[53:].argmax(-1)
+    top = full[53:][parted].float().topk(2, dim=-1).values
+    assert bool(((top[:, 0] - top[:, 1]) <= 0.5).all()), top
 
 
 async def _generate_after_a_block_swap(model: Any, tmp_path: Any, integrity: bool) -> tuple[list[int], Any, int]:
