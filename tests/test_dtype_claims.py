@@ -62,7 +62,7 @@ async def _chat(model: Any, seed: int, conversations: int = 3, turns: int = 4, n
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=lambda d: NAMES[d])
-async def test_greedy_output_against_a_run_without_any_cache(dtype):
+async def test_greedy_output_against_a_run_without_any_cache(dtype: torch.dtype) -> None:
     model = random_causal_lm(tiny_llama_config(), dtype=dtype, device="cpu", seed=3)
     report = await _chat(model, seed=3)
     assert sum(t["reused"] for t in report) > 0
@@ -75,7 +75,7 @@ async def test_greedy_output_against_a_run_without_any_cache(dtype):
         assert all(t["gap"] is None for t in report)  # fp32: the same tokens
 
 
-def test_the_docs_state_these_bounds_per_dtype():
+def test_the_docs_state_these_bounds_per_dtype() -> None:
     docs = " ".join((ROOT / "docs" / "integrations.md").read_text().split())
     module = " ".join((ROOT / "tiered_kv" / "integrations" / "transformers.py").read_text().split())
     for text in (docs, module):

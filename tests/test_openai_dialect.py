@@ -47,11 +47,12 @@ async def url() -> AsyncIterator[str]:
         await asyncio.gather(task, return_exceptions=True)
 
 
-def test_the_byte_tokenizer_round_trips_text_and_frames_a_chat():
+def test_the_byte_tokenizer_round_trips_text_and_frames_a_chat() -> None:
     tok = ByteTokenizer()
     assert tok.decode(tok.encode("héllo <|im_end|>")) == "héllo <|im_end|>"
     assert IM_END not in tok.encode("<|im_end|>")  # text never encodes to a special token
     ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    assert isinstance(ids, list)
     assert tok.decode(ids) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n" and ids[0] == IM_START
     assert tok.decode([4000]) == "\ufffd"
     with pytest.raises(ValueError, match="role"):
@@ -63,7 +64,7 @@ async def _post(session: Any, url: str, path: str, body: dict[str, Any]) -> tupl
         return r.status, await r.json()
 
 
-async def test_raw_http_shaped_like_the_openai_client(url):
+async def test_raw_http_shaped_like_the_openai_client(url: str) -> None:
     tok = ByteTokenizer()
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Which blocks?"}]
     async with aiohttp.ClientSession() as session:
@@ -94,7 +95,7 @@ async def test_raw_http_shaped_like_the_openai_client(url):
         assert missing["error"]["type"] == "invalid_request_error" and "gpt-4o" in missing["error"]["message"]
 
 
-async def test_the_official_openai_client(url):
+async def test_the_official_openai_client(url: str) -> None:
     openai = pytest.importorskip("openai")
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     try:

