@@ -124,6 +124,9 @@ class TieredKVCache:
             compute that wrote it) and check the checksums of every reused block on the GPU before
             ``add_sequences`` returns it; a block that changed is dropped (never served), counted in
             ``statistics().integrity_errors``, logged, and recomputed by the request. Default on.
+        spill_on_close: :meth:`close` first writes every cached block that lives only in the GPU or host tier to
+            an empty file slot (:mod:`tiered_kv.close_spill`), so that a restart on the same directory reuses
+            it. Default on (it needs a file tier; see docs/configuration.md for why).
 
     Example::
 
@@ -163,12 +166,18 @@ class TieredKVCache:
         remote_policy: str = "commit",
         remote_rank: int = 0,
         integrity: bool = True,
+        spill_on_close: bool = True,
     ) -> None:
         for name, value in (("gpu_blocks", gpu_blocks), ("host_blocks", host_blocks), ("file_blocks", file_blocks)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
         if gpu_blocks < 1:
             raise ValueError("gpu_blocks must be at least 1")
+        if not isinstance(spill_on_close, bool):
+            raise TypeError(f"spill_on_close must be a bool, got {spill_on_close!r}")
+        self._spill_on_close = spill_on_close and file_blocks > 0
+        self.spilled_on_close = 0
+        """Blocks :meth:`close` wrote to the file tier (``spill_on_close``)."""
         self.layout = layout
         self.hasher = KeyHasher(layout, model_id)
         # Every argument is checked before anything is built (the block manager validates its own).
@@ -268,12 +277,19 @@ class TieredKVCache:
         await self.close()
 
     async def close(self) -> None:
-        """Wait for every copy in flight; close the engine if this cache built it. Idempotent.
+        """Spill (``spill_on_close``), wait for every copy in flight; close the engine if this cache built it.
+
+        Idempotent. The caller's compute must have finished writing the committed blocks.
 
         Cancellation: the copies still complete; a later ``close()`` finishes the job.
         """
+        spill = self._spill_on_close and not self._closed and not self.engine.closing
         self._closed = True
         try:
+            if spill:
+                from .close_spill import spill_cached_blocks
+
+                self.spilled_on_close = await spill_cached_blocks(self.blocks, self.engine.file_tier, self._copy)
             if self.remote is not None:
                 await self.remote.close()  # flushes the pending puts first
             if self._owns_engine:
