@@ -3,11 +3,14 @@
 Primitives:
 
 * :class:`FaultyBackend` -- a :class:`~tiered_kv.backends.FileBackend` wrapper injecting ENOSPC, EIO, EINVAL,
-  short transfers and stalls on chosen calls.
+  short transfers, stalls and hangs (a call that does not return until :meth:`~FaultyBackend.release`) on
+  chosen calls.
 
 :class:`FaultyBackend` wraps a real :class:`~tiered_kv.backends.FileBackend` and, on chosen calls, fails
-with an ``OSError`` (ENOSPC, EIO, EINVAL as O_DIRECT gives it), transfers only part of the bytes, or
-stalls first. Calls are counted from 1 per direction, so a test can say *exactly* which block fails::
+with an ``OSError`` (ENOSPC, EIO, EINVAL as O_DIRECT gives it), transfers only part of the bytes, stalls
+first, or hangs like a stalled disk or a hung NFS mount (the call does its I/O only once released, so a
+late read still lands in its buffers). Calls are counted from 1 per direction, so a test can say *exactly*
+which block fails::
 
     from tiered_kv.testing import FaultyBackend
     from tiered_kv.backends.posix import PosixBackend
@@ -73,9 +76,11 @@ class FaultyBackend:
         short_read_on: read calls that read only the first half and report that count.
         stall_writes / stall_reads: seconds every write / read waits before it starts (on a worker thread;
             the caller never blocks).
+        hang_on_write / hang_on_read: write / read calls that block until :meth:`release` (or :meth:`close`),
+            then do their I/O.
 
     Attributes:
-        writes / reads: calls seen so far. ``faults``: faults injected so far.
+        writes / reads: calls seen so far. ``faults``: faults injected so far. ``hung``: calls hanging now.
     """
 
     def __init__(
@@ -90,6 +95,8 @@ class FaultyBackend:
         short_read_on: Calls = None,
         stall_writes: float = 0.0,
         stall_reads: float = 0.0,
+        hang_on_write: Calls = None,
+        hang_on_read: Calls = None,
     ) -> None:
         self.inner = inner
         self.name = f"faulty({inner.name})"
@@ -104,11 +111,19 @@ class FaultyBackend:
         self._short_read_on = short_read_on
         self._stall_writes = stall_writes
         self._stall_reads = stall_reads
+        self._hang_on_write = hang_on_write
+        self._hang_on_read = hang_on_read
+        self._released = threading.Event()
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="tiered_kv-faulty")
         self.writes = 0
         self.reads = 0
         self.faults = 0
+        self.hung = 0
+
+    def release(self) -> None:
+        """Let every hung call (and every later one that would hang) go on with its I/O."""
+        self._released.set()
 
     def _run(self, write: bool, buffers: Sequence[Buffer], offset: int, hook: Any) -> concurrent.futures.Future[int]:
         with self._lock:
@@ -122,7 +137,8 @@ class FaultyBackend:
         code = next((c for spec, c in errors if _hits(spec, n)), None)
         short = _hits(self._short_write_on if write else self._short_read_on, n)
         stall = self._stall_writes if write else self._stall_reads
-        if code is not None or short:
+        hang = _hits(self._hang_on_write if write else self._hang_on_read, n)
+        if code is not None or short or hang:
             with self._lock:
                 self.faults += 1
         keep = tuple(buffers)
@@ -130,6 +146,12 @@ class FaultyBackend:
         def work() -> int:
             if stall:
                 time.sleep(stall)
+            if hang and not self._released.is_set():
+                with self._lock:
+                    self.hung += 1
+                self._released.wait()
+                with self._lock:
+                    self.hung -= 1
             if code is not None:
                 raise OSError(code, f"{os.strerror(code)} (injected on {'write' if write else 'read'} #{n})")
             bufs = list(keep)
@@ -166,7 +188,8 @@ class FaultyBackend:
         return self.inner.sync(data_only)
 
     def close(self) -> None:
-        """Stop the fault threads and close the wrapped backend."""
+        """Release hung calls, stop the fault threads and close the wrapped backend."""
+        self.release()
         self._pool.shutdown(wait=True)
         self.inner.close()
 

@@ -16,7 +16,8 @@ Users write the same ordering tests we do::
 On CUDA a stall is ``torch.cuda._sleep`` on the stream (calibrated to seconds); on the emulated device it
 is a sleeping op on the stream's worker thread. Either way the CPU and the event loop are not blocked.
 
-File-tier faults (ENOSPC on the k-th write, EIO, short reads/writes, stalls): :class:`FaultyBackend`.
+File-tier faults (ENOSPC on the k-th write, EIO, short reads/writes, stalls, hangs until released):
+:class:`FaultyBackend`.
 Crash consistency of the file tier (SIGKILL a spilling child, reopen, verify) is a tool, not imported here:
 ``tiered_kv.tools.crash.run_crash_test``.
 

@@ -7,6 +7,7 @@ Modules, bottom up (each imports only those above it, and nothing outside import
   becomes valid or is dropped (what the block manager's warm restart looks keys up in).
 * :mod:`~tiered_kv.file.recovery` -- the writer lock, creating or reopening the slab, the scan that rebuilds
   the index; :class:`OpenReport`.
+* :mod:`~tiered_kv.file.deadline` -- :class:`FileTimeout` and the deadline on every backend call, bounce buffers.
 * :mod:`~tiered_kv.file.ring` -- :class:`StagingRing`, pinned staging blocks of the GPU<->file legs.
 * :mod:`~tiered_kv.file.pipeline` -- :class:`FileCopy`: one batch of writes or verified reads, through the
   narrow :class:`SlabIO` interface.
@@ -16,6 +17,7 @@ Modules, bottom up (each imports only those above it, and nothing outside import
 """
 
 from .config import Durability, FileTierConfig, SlabGeometry
+from .deadline import FileTimeout
 from .handler import FILE_ROUTES, FileHandler
 from .index import SlotIndex, SlotState
 from .pipeline import FileCopy, SlabIO
@@ -31,6 +33,7 @@ __all__ = [
     "FileTier",
     "FileTierConfig",
     "FileTierStatistics",
+    "FileTimeout",
     "OpenReport",
     "SlabGeometry",
     "SlabIO",

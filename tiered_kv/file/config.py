@@ -3,7 +3,8 @@
 Primitives:
 
 * :class:`Durability` -- when a copy into the file tier counts as complete (none / flush / fsync).
-* :class:`FileTierConfig` -- directory, slot count, GDS mode, durability, threads; ``from_env`` overrides.
+* :class:`FileTierConfig` -- directory, slot count, GDS mode, durability, threads, the I/O deadline; ``from_env``
+  overrides.
 * :class:`SlabGeometry` -- what a layout and a slot count make of the slab: fingerprint, slot and payload
   sizes, offsets.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -74,6 +76,12 @@ class FileTierConfig:
             which case the old slab is discarded. Env ``TIERED_KV_FILE_DISCARD=1``.
         backend_factory: ``path -> FileBackend`` replacing the GDS/posix choice (tests: a
             :class:`~tiered_kv.testing.FaultyBackend`).
+        timeout: seconds one file I/O call (a block's read or write, a sync) may take before it fails with
+            :class:`~tiered_kv.file.deadline.FileTimeout` (a ``TransferError``: the copy fails, the cache
+            recomputes), default 5 like the remote tier's ``?timeout=``. ``None``: no deadline, and reads land
+            straight in their pool blocks (with a deadline they land in a bounce buffer first, so that a read
+            that returns late can never write into a block handed out since). Env ``TIERED_KV_FILE_TIMEOUT``
+            (``off`` for ``None``).
     """
 
     directory: str | os.PathLike[str]
@@ -88,6 +96,7 @@ class FileTierConfig:
     verify_on_open: str = "header"
     discard_mismatch: bool = False
     backend_factory: Callable[[str], FileBackend] | None = None
+    timeout: float | None = 5.0
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "io_threads", "staging_blocks", "staging_bytes"):
@@ -104,6 +113,9 @@ class FileTierConfig:
         GdsMode.coerce(self.gds)
         if self.verify_on_open not in ("header", "full"):
             raise ValueError(f"verify_on_open must be 'header' or 'full', got {self.verify_on_open!r}")
+        t = self.timeout
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < math.inf):
+            raise ValueError(f"FileTierConfig.timeout must be a positive number of seconds or None, got {t!r}")
 
     @classmethod
     def from_env(cls, directory: str | os.PathLike[str], num_blocks: int, **overrides: Any) -> FileTierConfig:
@@ -119,8 +131,24 @@ class FileTierConfig:
             values["io_threads"] = env_int("TIERED_KV_FILE_THREADS")
         if os.environ.get("TIERED_KV_FILE_DISCARD", "").lower() in ("1", "true", "yes"):
             values["discard_mismatch"] = True
+        if "TIERED_KV_FILE_TIMEOUT" in os.environ:
+            values["timeout"] = env_timeout("TIERED_KV_FILE_TIMEOUT")
         values.update(overrides)
         return cls(directory, num_blocks, **values)
+
+
+def env_timeout(name: str) -> float | None:
+    """Seconds from the environment variable ``name``: a positive number, or ``off`` / ``none`` for no deadline."""
+    text = os.environ[name].strip().lower()
+    if text in ("off", "none"):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a positive number of seconds or 'off', got {os.environ[name]!r}")
+    return value
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -29,6 +29,12 @@ depth, bounds 1 MiB blocks). After a failure no further group starts.
   that fails verification is left out of the op and never reaches the GPU pool, and the group's good blocks
   still land. With GDS: ``pread`` into the GPU blocks, one staged copy back for the group, each verified.
 
+With a deadline (:mod:`~tiered_kv.file.deadline`) every backend call fails with ``FileTimeout`` once it has run
+``timeout`` seconds; a buffer such a call may still read or write (a staging block, a bounce buffer) is given
+back only when the call really returns. Reads into a host pool then land in a bounce buffer, verified there and
+copied to the pool block, and GDS reads go through staging: no pool block is ever the target of a read that
+may return after its copy failed.
+
 A batch that writes finishes through the index (:meth:`~tiered_kv.file.index.SlotIndex.finish_write`: its
 slots become valid only if every block landed and, per :class:`~tiered_kv.file.config.Durability`, was
 synced); a read that fails verification drops its slot (:meth:`~tiered_kv.file.index.SlotIndex.drop_if`).
@@ -61,6 +67,7 @@ from ..layer_major import LayerMajorPool
 from ..pools import BlockPool
 from ..slab import HEADER_SIZE, Key, pack_header, payload_checksum, unpack_header
 from .config import Durability, SlabGeometry
+from .deadline import BouncePool, FileTimeout, after_io
 from .index import SlotIndex
 from .ring import StagingRing
 
@@ -105,6 +112,7 @@ class SlabIO:
         zero_pad / trash_pad: padding written after a payload / read and discarded (``None``: no padding).
         reads_in_flight: host-pool reads a batch keeps started at once (a few per I/O thread, so a thread that
             finishes one always finds the next queued; not the whole batch, see ``FileCopy._pump``).
+        bounce: the buffers host-pool reads land in when calls have a deadline (``None``: straight into the pool).
     """
 
     geometry: SlabGeometry
@@ -118,6 +126,7 @@ class SlabIO:
     zero_pad: np.ndarray | None
     trash_pad: np.ndarray | None
     reads_in_flight: int = 16
+    bounce: BouncePool | None = None
 
 
 class FileCopy:
@@ -153,7 +162,10 @@ class FileCopy:
         self.gens = gens
         self.stream = stream
         # GDS straight from/to the GPU block: only for block-major pools (a layer-major block is not one region)
-        self.direct_device = stream is not None and io.backend.device_io and self.layer_major is None
+        # (and never a read that may outlive its deadline: it would write into the GPU block after the copy failed)
+        self.direct_device = (
+            stream is not None and io.backend.device_io and self.layer_major is None and (write or io.bounce is None)
+        )
         self._lock = threading.Lock()
         self._left = len(slots)
         self._error: BaseException | None = None
@@ -164,6 +176,7 @@ class FileCopy:
         self._next = 0
         self._credit = 0
         self._pumping = False
+        self._bounces: dict[int, np.ndarray] = {}  # host-pool read j -> its bounce buffer
 
     # entry point ------------------------------------------------------------------------------
 
@@ -263,6 +276,7 @@ class FileCopy:
                     after=functools.partial(self._read_check, j),
                 )
             except BaseException as exc:  # reported through done(); the rest then finish unread
+                self._give_bounce(j, None)
                 self._job_done(j, None, exc)
                 continue
             fut.add_done_callback(functools.partial(self._host_read_done, j))
@@ -270,6 +284,8 @@ class FileCopy:
     def _host_read_buffers(self, j: int) -> list[Buffer]:
         pad = self.io.trash_pad
         payload = self._pool_np[self.blocks[j]]
+        if self.io.bounce is not None:
+            payload = self._bounces[j] = self.io.bounce.take()
         return [self._hdrs[j], payload] if pad is None else [self._hdrs[j], payload, pad]
 
     def _read_check(self, j: int, n: int) -> None:
@@ -290,6 +306,7 @@ class FileCopy:
         try:
             fut.result()
         except BaseException as exc:  # reported through done()
+            self._give_bounce(j, exc)
             self._job_done(j, None, exc)
             self._pump(1)
             return
@@ -301,19 +318,39 @@ class FileCopy:
 
     def _host_verify(self, j: int) -> None:
         """On a tier worker: verify block ``j`` (header and xxh3-128 payload checksum); it is good only if so."""
+        bounce = self._bounces.get(j)
         try:
             if self._error is None:  # after a failure the block is not reported good anyway (see _job_done)
-                self._verify(j, self._hdrs[j], self._pool_np[self.blocks[j]])
+                block = self._pool_np[self.blocks[j]]
+                self._verify(j, self._hdrs[j], block if bounce is None else bounce)
+                if bounce is not None:  # verified, and read in time: only now does the pool block change
+                    np.copyto(block, bounce)
         except BaseException as exc:  # reported through done()
+            self._give_bounce(j, None)
             self._job_done(j, None, exc)
         else:
+            self._give_bounce(j, None)
             self._job_done(j, None, None)
         self._pump(1)
+
+    def _give_bounce(self, j: int, exc: BaseException | None) -> None:
+        """Give read ``j``'s bounce buffer back once no call may write into it any more."""
+        bounce = self._bounces.pop(j, None)
+        if bounce is not None:
+            pool = self.io.bounce
+            assert pool is not None
+            after_io(exc, lambda: pool.give(bounce))
 
     # GPU pools through staging, a group of blocks per stream op -------------------------------------
 
     def _run_group(self, js: list[int], bufs: list[int]) -> None:
         """Blocks ``js`` hold staging blocks ``bufs``: start their group (all of it, or none after a failure)."""
+        if not bufs:  # the ring cannot give this many: too many of its blocks are held by calls past their deadline
+            exc = FileTimeout("no staging block for this copy: the ring's blocks are held by file I/O calls that "
+                              "outlived their deadline (a stalled disk or a hung mount?)")
+            for j in js:
+                self._job_done(j, None, exc)
+            return
         if self._error is not None:  # fail fast: do not start more groups after a block failed
             for j, buf in zip(js, bufs, strict=True):
                 self._job_done(j, buf, None)
@@ -580,7 +617,7 @@ class FileCopy:
             nbytes = io.geometry.payload_bytes
             io.counters.add(**({"nw": 1, "bw": nbytes} if self.write else {"nr": 1, "br": nbytes}))
         if buf is not None:
-            io.ring().release(buf)
+            io.ring().release_after(buf, exc)
         with self._lock:
             if exc is not None and self._error is None:
                 self._error = exc

@@ -9,7 +9,9 @@ Primitives:
   a group of blocks between the GPU and staging in one stream op), so nobody blocks waiting for one; also
   viewed as a block-major host pool for the engine's copier (one copy of many block pairs) and as numpy rows
   (the file I/O buffers: no torch call per block). It counts the blocks in use and the peak
-  (:attr:`~StagingRing.peak_in_use`): the pipeline depth actually reached.
+  (:attr:`~StagingRing.peak_in_use`): the pipeline depth actually reached. A block that a file I/O call past its
+  deadline may still use is *held* (:meth:`~StagingRing.release_after`) until the call returns; a group the
+  blocks not held cannot make is answered at once with no blocks, never left waiting.
 * :func:`group_size` -- blocks per host<->device stream op: enough that the op's fixed host cost (a launch, a
   completion, a thread hop: tens to hundreds of microseconds on a slow host) is small per block.
 * :func:`ring_depth` -- the ring size from bandwidth x latency: enough blocks that the disk leg (``io_threads``
@@ -21,6 +23,7 @@ Primitives:
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import os
 import statistics
@@ -70,6 +73,8 @@ class StagingRing:
         self._free = list(range(count - 1, -1, -1))  # popped from the end: blocks 0, 1, 2, ... first
         self._waiters: list[tuple[int, Callable[[list[int]], None]]] = []
         self._lock = threading.Lock()
+        self.held = 0
+        """Blocks given back by copies but still used by a file I/O call past its deadline."""
         self.peak_in_use = 0
         """The most blocks handed out at once so far (``count`` when the pipeline filled the ring)."""
 
@@ -87,7 +92,9 @@ class StagingRing:
         """Call ``callback(blocks)`` with ``n`` free blocks at once, as soon as ``n`` are free (FIFO-fair).
 
         All or nothing: a waiter holds no block while it waits, so waiters of at most ``count`` blocks each
-        never deadlock (blocks in use are released by work that needs no further block).
+        never deadlock (blocks in use are released by work that needs no further block). While held blocks
+        leave fewer than ``n`` for everyone else, ``callback([])`` is called at once (also for a waiter, when
+        a block becomes held).
 
         Raises:
             ValueError: ``n`` is not in ``[1, count]``.
@@ -95,22 +102,56 @@ class StagingRing:
         if not 1 <= n <= self.count:
             raise ValueError(f"a staging group must hold 1..{self.count} blocks, got {n}")
         with self._lock:
-            if self._waiters or len(self._free) < n:
+            if n > self.count - self.held:
+                blocks = []
+            elif self._waiters or len(self._free) < n:
                 self._waiters.append((n, callback))
                 return
-            blocks = self._take(n)
+            else:
+                blocks = self._take(n)
         callback(blocks)
+
+    def release_after(self, i: int, exc: BaseException | None) -> None:
+        """Give block ``i`` back now, or once the file I/O call past its deadline that ``exc`` names returns.
+
+        The block is held meanwhile (see :meth:`acquire_group`).
+        """
+        pending = getattr(exc, "pending", None)
+        if not isinstance(pending, concurrent.futures.Future) or pending.done():
+            self.release(i)
+            return
+        with self._lock:
+            self.held += 1
+            room = self.count - self.held
+            starved = [cb for n, cb in self._waiters if n > room]
+            self._waiters = [(n, cb) for n, cb in self._waiters if n <= room]
+            ready = self._ready()
+        for callback in starved:
+            callback([])
+        for callback, blocks in ready:
+            callback(blocks)
+        pending.add_done_callback(lambda _: self._unhold(i))
+
+    def _unhold(self, i: int) -> None:
+        with self._lock:
+            self.held -= 1
+        self.release(i)
 
     def release(self, i: int) -> None:
         """Give block ``i`` back (to the longest waiter, once it has all the blocks it asked for)."""
-        ready: list[tuple[Callable[[list[int]], None], list[int]]] = []
         with self._lock:
             self._free.append(i)
-            while self._waiters and len(self._free) >= self._waiters[0][0]:
-                n, callback = self._waiters.pop(0)
-                ready.append((callback, self._take(n)))
+            ready = self._ready()
         for callback, blocks in ready:
             callback(blocks)
+
+    def _ready(self) -> list[tuple[Callable[[list[int]], None], list[int]]]:
+        """(Under the lock.) The waiters at the head that now have their blocks, with them."""
+        ready: list[tuple[Callable[[list[int]], None], list[int]]] = []
+        while self._waiters and len(self._free) >= self._waiters[0][0]:
+            n, callback = self._waiters.pop(0)
+            ready.append((callback, self._take(n)))
+        return ready
 
     def _take(self, n: int) -> list[int]:
         """(Under the lock.) ``n`` free blocks, lowest first when the ring is fresh."""

@@ -20,6 +20,9 @@ Guarantees:
   content key and generation against the index, payload length and xxh3-128 payload checksum -- before the
   transfer succeeds. A mismatch (or a short read: a truncated file) raises :class:`IntegrityError` and drops
   the slot from the index; the destination block is not reported valid.
+* Every backend call has a deadline (``FileTierConfig.timeout``, :mod:`~tiered_kv.file.deadline`): a call that
+  hangs fails its transfer with ``FileTimeout`` within that time, and :meth:`FileTier.close` waits at most one
+  more ``timeout`` for such calls before it leaves them behind (with the slab's descriptor, which they use).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from ..layout import KVLayout
 from ..pools import BlockPool, Tier, check_indices
 from ..slab import Key
 from .config import Durability, FileTierConfig, SlabGeometry
+from .deadline import BouncePool, DeadlineBackend
 from .index import SlotIndex, SlotState
 from .pipeline import FileCopy, IoCounters, SlabIO
 from .place import check_space, prepare_directory
@@ -54,6 +58,8 @@ from .ring import StagingRing, group_size, measure_legs, ring_depth
 __all__ = ["FileTier", "FileTierStatistics"]
 
 log = logging.getLogger(__name__)
+
+_ABANDONED: list[FileBackend] = []  # backends left open at close(): a call past its deadline still uses them
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -75,6 +81,8 @@ class FileTierStatistics:
     read_failures: int
     integrity_failures: int
     open_report: OpenReport
+    timeouts: int = 0
+    """Backend calls failed by the deadline (or refused while every I/O slot was held by such calls)."""
 
 
 def _remove_dir_if_empty(directory: str | os.PathLike[str], created: bool) -> None:
@@ -167,9 +175,12 @@ class FileTier:
         if zero_pad is not None:
             zero_pad[:] = 0
         trash_pad = aligned_empty(self.pad_bytes).numpy() if self.pad_bytes else None
+        self._deadline: DeadlineBackend | None = None
+        if config.timeout is not None:  # a few calls per I/O thread in the backend, each on the clock
+            self._deadline = DeadlineBackend(self.backend, config.timeout, limit=2 * config.io_threads)
         self._io = SlabIO(
             self.geometry,
-            self.backend,
+            self._deadline if self._deadline is not None else self.backend,
             self._workers,
             self._staging_ring,
             self.durability,
@@ -179,6 +190,7 @@ class FileTier:
             zero_pad,
             trash_pad,
             reads_in_flight=4 * config.io_threads,  # a few queued per I/O thread (see FileCopy._pump)
+            bounce=BouncePool(self.payload_bytes) if self._deadline is not None else None,
         )
         r = self.open_report
         log.info(
@@ -365,12 +377,30 @@ class FileTier:
     # ------------------------------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
-        """Release the backend and threads (the engine calls this after draining). Idempotent."""
+        """Release the backend and threads (the engine calls this after draining). Idempotent.
+
+        Bounded: calls past their deadline get one more ``timeout`` to return; after that the backend (its
+        threads and the slab's descriptor, which they still use) is left open and a warning logged.
+        """
         if self._closed:
             return
         self._closed = True
         self._workers.shutdown(wait=True)
-        self.backend.close()
+        deadline = self._deadline
+        if deadline is None:
+            self.backend.close()
+        elif deadline.settle(deadline.timeout):
+            deadline.close()
+        else:
+            deadline.stop()
+            _ABANDONED.append(self.backend)  # never closed under a call that may still return
+            log.warning(
+                "file tier %s: %d I/O calls still running %g s past their deadline; their threads and the slab's "
+                "descriptor are left open",
+                self.path,
+                deadline.late,
+                deadline.timeout,
+            )
         self.index.events.deliver()  # transitions still queued for a loop that will not run them
         os.close(self._lock_fd)
 
@@ -412,6 +442,7 @@ class FileTier:
             c["rf"],
             c["if"],
             self.open_report,
+            self._deadline.timeouts if self._deadline is not None else 0,
         )
 
     def __repr__(self) -> str:

@@ -14,7 +14,9 @@ Every page read is verified (layout fingerprint, content key, xxh3-128 checksum)
 miss (``False`` / ``None``), its slot is dropped, and it is never copied into SGLang's pool. Content keys are
 SGLang's page hashes salted with the model, the TP/PP rank and size, MLA and the host layout, so a rank never
 reads another rank's shard. Page bytes are fixed by the first page seen (``register_mem_pool_host``, or the
-first ``set``); extra-config keys: ``file_dir``, ``file_blocks`` (required), ``staging_blocks`` (64).
+first ``set``); extra-config keys: ``file_dir``, ``file_blocks`` (required), ``staging_blocks`` (64),
+``file_timeout`` (seconds one file I/O call may take, default the file tier's: a hung disk makes a page a miss
+within that time, and the page stays indexed for a later get).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 from .. import ops
 from ..engine import TransferEngine
+from ..file import FileTierConfig, FileTimeout
 from ..layout import KVLayout
 from ..pools import Tier
 from .loop import LoopThread
@@ -63,6 +66,11 @@ class TieredKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         staging = extra.get("staging_blocks", 64)
         if isinstance(staging, bool) or not isinstance(staging, int) or staging < 1:
             raise ValueError(f"extra_config 'staging_blocks' must be a positive int, got {staging!r}")
+        timeout = extra.get("file_timeout")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or
+                                    not 0 < timeout < float("inf")):
+            raise ValueError(f"extra_config 'file_timeout' must be a positive number of seconds, got {timeout!r}")
+        self.file_timeout = None if timeout is None else float(timeout)
         c = storage_config
         self.config = c
         self.file_blocks = int(extra["file_blocks"])
@@ -98,12 +106,12 @@ class TieredKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                     )
                 return self._engine
             self.directory.mkdir(parents=True, exist_ok=True)
+            timeout = {} if self.file_timeout is None else {"timeout": self.file_timeout}
             engine = TransferEngine(
                 _bytes_layout(page_bytes),
                 host_blocks=self.staging_blocks,
                 device="cpu",
-                file_dir=self.directory,
-                file_blocks=self.file_blocks,
+                file_config=FileTierConfig.from_env(self.directory, self.file_blocks, **timeout),
             )
             tier = engine.file_tier
             used: set[int] = set()
@@ -201,20 +209,23 @@ class TieredKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             batch = keys[start : start + self.staging_blocks]
             slots = [self._index.get(k) for k in batch]
 
-            async def go(slots: list[int | None], batch: list[str]) -> list[bool]:
+            async def go(slots: list[int | None], batch: list[str]) -> list[BaseException | bool]:
                 ts = [
                     engine.copy(Tier.FILE, [s], Tier.HOST, [r], keys=[self._content(k)])
                     for r, (s, k) in enumerate(zip(slots, batch, strict=True))
                     if s is not None
                 ]
                 res = await asyncio.gather(*ts, return_exceptions=True)
-                return [not isinstance(x, BaseException) for x in res]
+                return [x if isinstance(x, BaseException) else True for x in res]
 
             got = iter(self._loop.run(go(slots, batch)))
             ok_rows = []
             for i, (k, s) in enumerate(zip(batch, slots, strict=True)):
-                ok = s is not None and next(got)
-                if s is not None and not ok:  # failed verification: the slot was dropped; a miss from now on
+                result = next(got) if s is not None else False
+                ok = result is True
+                if isinstance(result, FileTimeout):  # a hung disk: a miss now; the slot still holds the page
+                    self._stats["timeouts"] += 1
+                elif s is not None and not ok:  # failed verification: the slot was dropped; a miss from now on
                     self._index.pop(k, None)
                     self._free.append(s)
                     self._stats["verify_failures"] += 1

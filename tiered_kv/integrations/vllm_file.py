@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ..engine import TransferEngine
+from ..file import FileTierConfig
 from ..pools import Tier
 from ._vllm_compat import base, config_fields, make_event
 from .loop import LoopThread
@@ -43,6 +44,8 @@ class TieredKVFileTier(tiering_base().SecondaryTierManager):  # type: ignore[mis
         tier_type: the registered type name.
         backpressure_detector: vLLM's optional detector (kept, unused).
         file_dir / file_blocks: the file tier's directory and slots.
+        file_timeout: seconds one file I/O call may take (``FileTierConfig.timeout``; default the tier's): a hung
+            disk makes a promotion fail (its chunks are not in ``successful_keys``) within that time.
     """
 
     medium = base.Medium.STORAGE if hasattr(base, "Medium") else None
@@ -56,6 +59,7 @@ class TieredKVFileTier(tiering_base().SecondaryTierManager):  # type: ignore[mis
         *,
         file_dir: str | None = None,
         file_blocks: int = 0,
+        file_timeout: float | None = None,
         **_ignored: Any,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
@@ -75,8 +79,10 @@ class TieredKVFileTier(tiering_base().SecondaryTierManager):  # type: ignore[mis
         directory = Path(file_dir) / f"{fields.engine_id}-tier"
         directory.mkdir(parents=True, exist_ok=True)
         self._loop = LoopThread("tiered_kv-vllm-tier")
+        timeout = {} if file_timeout is None else {"timeout": float(file_timeout)}
         self.engine = TransferEngine(
-            self.layout, host_pool=primary, device="cpu", file_dir=directory, file_blocks=file_blocks
+            self.layout, host_pool=primary, device="cpu",
+            file_config=FileTierConfig.from_env(directory, file_blocks, **timeout),
         )
         self._file: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self._free = list(range(file_blocks - 1, -1, -1))

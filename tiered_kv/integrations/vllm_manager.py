@@ -111,8 +111,7 @@ class TieredKVOffloadingManager(base.OffloadingManager):
                     self.layout,
                     host_pool=map_host(self._paths[r], settings.host_blocks, self.layout),
                     device="cpu",
-                    file_dir=file_dir,
-                    file_blocks=settings.file_blocks if file_dir is not None else 0,
+                    file_config=settings.file_config(file_dir) if file_dir is not None else None,
                 )
             )
         self._host: collections.OrderedDict[bytes, _Entry] = collections.OrderedDict()  # LRU: oldest first

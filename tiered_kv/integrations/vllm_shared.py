@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ..file import FileTierConfig
 from ..layout import KVLayout
 from ._vllm_compat import ConfigFields, base
 
@@ -68,6 +69,8 @@ class Settings:
     file_dir: str | None
     file_blocks: int
     shm_dir: str
+    file_timeout: float | None = None
+    """Seconds one file I/O call may take (``FileTierConfig.timeout``); ``None``: the file tier's default."""
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any]) -> Settings:
@@ -86,9 +89,19 @@ class Settings:
         file_blocks = integer("file_blocks", 0)
         if (file_dir is None) != (file_blocks == 0):
             raise ValueError("give both 'file_dir' and 'file_blocks' for a file tier (or neither)")
+        timeout = extra.get("file_timeout")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or
+                                    not 0 < timeout < float("inf")):
+            raise ValueError(f"kv_connector_extra_config['file_timeout'] must be a positive number, got {timeout!r}")
         return cls(
-            host, None if file_dir is None else str(file_dir), file_blocks, str(extra.get("shm_dir", "/dev/shm"))
+            host, None if file_dir is None else str(file_dir), file_blocks, str(extra.get("shm_dir", "/dev/shm")),
+            None if timeout is None else float(timeout),
         )
+
+    def file_config(self, directory: Path) -> FileTierConfig:
+        """The file tier of one rank: the environment's knobs, and ``file_timeout`` if given."""
+        extra = {} if self.file_timeout is None else {"timeout": self.file_timeout}
+        return FileTierConfig.from_env(directory, self.file_blocks, **extra)
 
 
 def block_layout(bytes_per_block: int) -> KVLayout:
