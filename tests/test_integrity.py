@@ -170,3 +170,43 @@ async def test_a_block_adopted_back_from_the_file_tier_is_checked_and_refused_fo
         assert verify_expected(cache, again.seq_id, 0, again.tokens_reused) == []
         cache.free(again.seq_id)
         assert cache.match(prompt)[0] == 8  # the refused key is not adopted again
+
+
+async def test_commit_and_free_order_later_copies_after_the_current_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA, ``commit`` (and ``free`` when it checksums a partial tail) makes the copies issued afterwards wait for
+    the current stream: the compute that wrote the tokens and their checksums come first. The wiring, on the CPU."""
+    import types
+
+    async with TieredKVCache(LAYOUT, gpu_blocks=8, host_blocks=8, device="cpu") as cache:
+        [adm] = await cache.add_sequences([list(range(1, 11))])
+        write_expected(cache, adm.seq_id, 0)
+        current = object()
+        calls: list[object] = []
+        monkeypatch.setattr(cache.engine, "device", types.SimpleNamespace(is_cuda=True, torch_device="cuda:0"))
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+        monkeypatch.setattr(cache.engine, "sync_with_compute", calls.append)
+        monkeypatch.setattr(cache._integrity, "record", lambda slots, valid: [None] * len(slots))
+        cache.commit(adm.seq_id)
+        assert calls == [current]
+        cache.free(adm.seq_id)  # its 2-token tail is checksummed: ordered too
+        assert calls == [current, current]
+
+
+@pytest.mark.gpu
+async def test_a_slow_compute_is_never_offloaded_before_it_lands() -> None:
+    """The compute stream is busy for 0.2 s when the model writes and commits a prompt, and the blocks are evicted at
+    once: the offload waits for the write (and its checksum), so the prompt comes back intact from the host tier."""
+    from tiered_kv.testing import stall
+
+    prompt = list(range(1, 9))
+    async with TieredKVCache(LAYOUT, gpu_blocks=4, host_blocks=8, device="cuda") as cache:
+        [adm] = await cache.add_sequences([prompt])
+        stall(torch.cuda.current_stream(), 0.2)
+        write_expected(cache, adm.seq_id, 0)  # queued behind the stall on the current stream
+        cache.commit(adm.seq_id)
+        cache.free(adm.seq_id)
+        assert await cache.evict("gpu", 2) == 2
+        [again] = await cache.add_sequences([[*prompt, 99]])
+        assert again.blocks_from["host"] == 2 and again.tokens_reused == 8
+        assert cache.statistics().integrity_errors == 0
+        assert verify_expected(cache, again.seq_id, 0, 8) == []

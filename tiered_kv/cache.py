@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
 from .blocks import (
     DEFAULT_PRIORITY,
@@ -140,8 +141,8 @@ class TieredKVCache:
         All calls must come from one event loop. Any number of tasks on it may call concurrently: each
         decision is made and its copies issued without an await in between.
         The caller's compute must not touch a block before ``add_sequences``/``append_tokens`` returned
-        it, and must order its writes before later copies of it (``engine.sync_with_compute``) when
-        running on CUDA streams of its own.
+        it. ``commit`` orders the cache's later copies after the work queued on the current CUDA stream; compute
+        on streams of its own must be ordered before the commit (``engine.sync_with_compute``).
     """
 
     def __init__(
@@ -398,7 +399,9 @@ class TieredKVCache:
 
         Call it once the compute that writes them has been issued (after prefill, after decode steps).
         Until then a sequence's new blocks are never matched by other requests, so nobody can read KV
-        that is not there yet. Returns the committed token count.
+        that is not there yet. On CUDA the copies the cache issues from then on wait, stream-side, for the work
+        queued so far on the current stream (that compute, and the blocks' checksums): a block is never offloaded
+        or overwritten before its KV and checksum are taken. Returns the committed token count.
 
         Raises:
             ValueError: unknown sequence, ``num_tokens`` beyond its tokens.
@@ -412,6 +415,7 @@ class TieredKVCache:
                 self._integrity.committed(full)
             if self.remote is not None:
                 self.remote.committed([b for b in full if b.cached])
+        self._after_compute()
         return committed
 
     async def flush(self) -> None:
@@ -436,6 +440,13 @@ class TieredKVCache:
         if tail is not None:
             assert self._integrity is not None
             self._integrity.freed(*tail)
+            self._after_compute()
+
+    def _after_compute(self) -> None:
+        """On CUDA: copies issued from now on wait (stream-side) for the work queued so far on the current stream."""
+        device = self.engine.device
+        if device.is_cuda:
+            self.engine.sync_with_compute(torch.cuda.current_stream(device.torch_device))
 
     def set_priority(self, seq_id: int, priority: int) -> None:
         """Retention priority (0..100) of a live sequence's blocks once released."""

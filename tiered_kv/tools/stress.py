@@ -36,12 +36,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from ..backends.posix import PosixBackend
-from ..blocks import CacheFullError, Move, Plan
+from ..blocks import Block, CacheFullError, Move, Plan
 from ..cache import TieredKVCache
 from ..engine import TransferEngine
 from ..errors import TransferError
@@ -51,7 +52,8 @@ from ..layout import KVLayout
 from ..plan_batches import batch_moves
 from ..pools import Tier
 from ..transfer import Transfer
-from .workload import expected_tokens
+from .shadow import Shadow
+from .workload import expected_tokens, token_pattern
 
 __all__ = ["StressConfig", "StressReport", "run_many", "stress"]
 
@@ -76,6 +78,8 @@ class StressConfig:
         integrity: the cache's integrity checks (``TieredKVCache(integrity=...)``); off shows what reaches the
             model without them.
         trace: on a wrong token, print where its bytes came from and the history of its block and slots.
+        shadow: check each copy's destination against the issue-order model when it completes
+            (:class:`~tiered_kv.tools.shadow.Shadow`); a mismatch is printed and counted.
         layout: block geometry (4 tokens per block, 3 layers x 2 KV heads x 8, fp32).
     """
 
@@ -97,6 +101,7 @@ class StressConfig:
     evict_every: float = 0.003
     integrity: bool = True
     trace: bool = False
+    shadow: bool = False
     layout: KVLayout = dataclasses.field(
         default_factory=lambda: KVLayout(
             num_layers=3, num_kv_heads=2, head_dim=8, tokens_per_block=4, dtype=torch.float32
@@ -128,6 +133,7 @@ class StressReport:
             surfacing; ``cache_full``: admissions or appends that did not fit; ``faults``: file I/O calls failed.
         evicted: blocks the evictor moved down; ``appended``: tokens appended and committed.
         integrity_errors: reuses the cache refused because a block's checksum did not match (recomputed instead).
+        shadow_mismatches: copies whose destination differed from the issue-order model (``shadow`` runs only).
         failures: the first few wrong reuses, each a sentence naming the sequence, positions and blocks.
     """
 
@@ -147,6 +153,7 @@ class StressReport:
     appended: int
     integrity_errors: int
     failures: list[str]
+    shadow_mismatches: int = 0
 
 
 def _faulty_file_config(directory: str, config: StressConfig, backends: list[FaultyBackend]) -> FileTierConfig:
@@ -217,6 +224,17 @@ class _Trace:
             print(f"TRACE   {ts:.4f} {line}", flush=True)
 
 
+def _truth(cache: TieredKVCache) -> Callable[[Block], np.ndarray]:
+    """The oracle of a block for :class:`~tiered_kv.tools.shadow.Shadow`: the bytes the stress writes per token."""
+
+    def truth(block: Block) -> np.ndarray:
+        rows = [token_pattern(cache.hasher.block_key(block.parent_key, block.tokens[: j + 1]), cache.layout)
+                for j in range(len(block.tokens))]
+        return np.stack(rows) if rows else np.zeros((0, cache.layout.bytes_per_block), np.uint8)
+
+    return truth
+
+
 def _token_bytes(block: torch.Tensor, k: int) -> bytes:
     """The bytes of token ``k`` of a ``[layers, kv, heads, tokens, dim]`` block (all its layers, K/V and heads)."""
     return bytes(block[:, :, :, k].contiguous().view(torch.uint8).numpy().tobytes())
@@ -259,6 +277,7 @@ async def stress(config: StressConfig) -> StressReport:
                               integrity=config.integrity)
         pool = engine.pool(Tier.GPU).tensor
         trace = _Trace(cache, t0) if config.trace else None
+        shadow = Shadow(cache, functools.partial(print, flush=True), _truth(cache)) if config.shadow else None
 
         def blocks_of(seq_id: int, start: int, stop: int) -> list[tuple[int, int, int]]:
             """``(slot, first, stop)`` per block of token positions ``[start, stop)``."""
@@ -273,12 +292,18 @@ async def stress(config: StressConfig) -> StressReport:
         def write(seq_id: int, start: int, stop: int) -> None:
             """Play the model: plain assignments on the current stream, then a device synchronize."""
             tokens = cache.blocks.sequence_tokens(seq_id)
+            written: list[tuple[int, int, torch.Tensor]] = []
             for slot, a, b in blocks_of(seq_id, start, stop):
                 content = expected_tokens(cache.hasher, tokens, a, b)
                 pool[slot, :, :, :, a % tpb : a % tpb + (b - a), :] = content.to(pool.device)
+                if shadow is not None:
+                    shadow.wrote(slot, a % tpb, content)
+                    written.append((slot, a % tpb, content))
                 if trace is not None:
                     trace.wrote_tokens(seq_id, cache.blocks.sequence_blocks(seq_id)[a // tpb].id, slot, a, content)
             sync()
+            if shadow is not None:
+                shadow.landed(written)
 
         def invariants(when: str) -> None:
             try:
@@ -396,6 +421,7 @@ async def stress(config: StressConfig) -> StressReport:
         config.seed, config.device, round(time.perf_counter() - t0, 2), counts["admissions"], counts["verified"],
         counts["wrong"], hits, stats.partial_hits, counts["timeouts"], counts["transfer_errors"], counts["cache_full"],
         sum(b.faults for b in backends), counts["evicted"], counts["appended"], stats.integrity_errors, failures,
+        0 if shadow is None else shadow.mismatches + shadow.plan_mismatches,
     )
 
 
@@ -407,15 +433,17 @@ def _one(argv: Sequence[str]) -> int:
     p.add_argument("--device", required=True)
     p.add_argument("--trace", action="store_true")
     p.add_argument("--no-integrity", action="store_true")
+    p.add_argument("--shadow", action="store_true")
     args = p.parse_args(argv)
     report = asyncio.run(stress(StressConfig(seed=args.seed, seconds=args.seconds, device=args.device,
-                                             trace=args.trace, integrity=not args.no_integrity)))
+                                             trace=args.trace, integrity=not args.no_integrity, shadow=args.shadow)))
     print(json.dumps(dataclasses.asdict(report)), flush=True)
     return 0
 
 
 def run_many(
-    seeds: Sequence[int], *, seconds: float, device: str, procs: int, trace: bool = False, integrity: bool = True
+    seeds: Sequence[int], *, seconds: float, device: str, procs: int, trace: bool = False, integrity: bool = True,
+    shadow: bool = False,
 ) -> list[dict[str, object]]:
     """Run each seed in a process of its own, ``procs`` at a time; one dict per run (``error`` if it crashed).
 
@@ -430,7 +458,7 @@ def run_many(
             seed = pending.pop(0)
             cmd = [sys.executable, "-m", "tiered_kv.tools.stress", "--one", "--seed", str(seed),
                    "--seconds", str(seconds), "--device", device, *(["--trace"] if trace else []),
-                   *([] if integrity else ["--no-integrity"])]
+                   *([] if integrity else ["--no-integrity"]), *(["--shadow"] if shadow else [])]
             p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
             running.append((seed, p, time.monotonic()))
         time.sleep(0.2)
@@ -445,7 +473,7 @@ def run_many(
             lines = [line for line in out.splitlines() if line.startswith("{")]
             if p.returncode == 0 and lines:
                 results.append(json.loads(lines[-1]))
-                traced = [line for line in out.splitlines() if line.startswith("TRACE")]
+                traced = [line for line in out.splitlines() if line.startswith(("TRACE", "SHADOW"))]
                 if traced:
                     results[-1]["trace"] = traced
             else:
@@ -467,10 +495,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", help="write every run's report here")
     p.add_argument("--trace", action="store_true", help="on a wrong token, print the history of its block and slots")
     p.add_argument("--no-integrity", action="store_true", help="run the cache without its integrity checks")
+    p.add_argument("--shadow", action="store_true", help="check each copy against the issue-order model as it ends")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     results = run_many(range(args.first_seed, args.first_seed + args.runs), seconds=args.seconds, device=args.device,
-                       procs=args.procs, trace=args.trace, integrity=not args.no_integrity)
+                       procs=args.procs, trace=args.trace, integrity=not args.no_integrity, shadow=args.shadow)
     print(f"{'seed':>6} {'admissions':>10} {'verified':>9} {'wrong':>6} {'timeouts':>8} {'faults':>6} "
           f"{'evicted':>7} {'integrity':>9}  hits")
     for r in results:
@@ -484,8 +513,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     bad = [r for r in results if "error" in r or r.get("wrong_tokens")]
     verified = sum(int(r.get("verified_tokens", 0)) for r in results)  # type: ignore[call-overload]
     wrong = sum(int(r.get("wrong_tokens", 0)) for r in results)  # type: ignore[call-overload]
+    mismatches = sum(int(r.get("shadow_mismatches", 0)) for r in results)  # type: ignore[call-overload]
     print(f"{len(results)} runs of {args.seconds:g} s on {args.device} in {time.perf_counter() - t0:.0f} s: "
-          f"{verified} reused tokens verified, {wrong} wrong, {len(bad)} runs failed")
+          f"{verified} reused tokens verified, {wrong} wrong, {len(bad)} runs failed"
+          + (f", {mismatches} copies off the issue-order model" if args.shadow else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"runs": results, "verified": verified, "wrong": wrong, "failed_runs": len(bad)}, f, indent=1)
