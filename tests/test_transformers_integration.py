@@ -137,6 +137,26 @@ async def test_a_fully_cached_prompt_computes_its_last_token_only(model32, tmp_p
     assert list(out2.tokens) == tokens and out2.logits is not None and torch.equal(out2.logits, logits)
 
 
+async def test_the_time_to_first_token_is_split_into_its_phases(model32, tmp_path):
+    """``Generation.phases``: admission, gathering the reused KV, the forward (the KV writes within it), commit and
+    sampling; together they are the time to first token (the KV writes counted once, inside the forward)."""
+    prompt = _tokens(8, 80)
+    async with _cache(model32, tmp_path) as cache:
+        gen = CachedGenerator(model32, cache)
+        try:
+            cold = await gen.generate(prompt, max_new_tokens=2)
+            hit = await gen.generate([*prompt, 5], max_new_tokens=2)
+        finally:
+            gen.close()
+    for out in (cold, hit):
+        assert set(out.phases) == {"admit", "preload", "forward", "kv_write", "commit", "sample"}
+        assert all(v >= 0 for v in out.phases.values())
+        assert 0 < out.phases["kv_write"] <= out.phases["forward"]
+        total = sum(v for k, v in out.phases.items() if k != "kv_write")
+        assert total == pytest.approx(out.ttft_s, rel=0.05, abs=2e-3)
+    assert hit.tokens_reused == 80
+
+
 async def test_a_batch_equals_each_prompt_alone(model32, tmp_path):
     system = _tokens(8, 40)
     prompts = [system + _tokens(9, 30), system + _tokens(10, 30), system + _tokens(11, 45)]

@@ -7,12 +7,14 @@ Primitives:
 * :func:`cache_classes` -- ``(WriteThroughLayer, WriteThroughCache)``: a transformers ``DynamicCache`` whose
   layers also write the KV the model computes into the sequences' blocks (built on the installed
   transformers, imported lazily).
+* :class:`PhaseTimer` -- named time spans of a forward (CUDA events, or the host clock on the CPU).
 * :func:`preload_past` -- fill every layer of such a cache with the reused KV of each row, read from the blocks
   of the rows' page tables (the past key/values the model attends to).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -21,7 +23,7 @@ import torch
 from ..layer_major import LayerMajorPool
 from ..pools import BlockPool
 
-__all__ = ["RowTargets", "cache_classes", "pool_views", "preload_past"]
+__all__ = ["PhaseTimer", "RowTargets", "cache_classes", "pool_views", "preload_past"]
 
 
 def pool_views(pool: BlockPool | LayerMajorPool, layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -37,10 +39,11 @@ def pool_views(pool: BlockPool | LayerMajorPool, layers: int) -> list[tuple[torc
 class RowTargets:
     """Where a forward's KV goes: per batch row, the sequence's page table (None: not stored)."""
 
-    __slots__ = ("_rows_kept", "block_index", "offsets", "page_tables", "start", "tokens_per_block")
+    __slots__ = ("_rows_kept", "block_index", "offsets", "page_tables", "start", "timer", "tokens_per_block")
 
     def __init__(self, tokens_per_block: int) -> None:
         self.tokens_per_block = tokens_per_block
+        self.timer: PhaseTimer | None = None  # times the writes (``kv_write``) while set
         self.page_tables: list[tuple[int, ...] | None] = []
         self.start = 0  # position of the forward's first token
         self.block_index: torch.Tensor | None = None  # [rows stored * q] block per written position
@@ -72,12 +75,47 @@ class RowTargets:
         if self.block_index is None:
             return
         assert self._rows_kept is not None and self.offsets is not None
+        timer = self.timer
+        mark = timer.start() if timer is not None else None
         if self._rows_kept.numel() != keys.shape[0]:
             keys, values = keys.index_select(0, self._rows_kept), values.index_select(0, self._rows_kept)
         for view, new in zip(views, (keys, values), strict=True):
             # [rows, heads, q, dim] -> [rows * q, heads, dim], one row per written position
             flat = new.permute(0, 2, 1, 3).reshape(-1, new.shape[1], new.shape[3])
             view[self.block_index, :, self.offsets, :] = flat.to(view.dtype)
+        if timer is not None:
+            timer.stop("kv_write", mark)
+
+
+class PhaseTimer:
+    """Time spans of a forward by name.
+
+    CUDA events on the current stream (nothing synchronizes until :meth:`totals`), or the host clock on the CPU.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self._spans: list[tuple[str, Any, Any]] = []
+
+    def start(self) -> Any:
+        """A mark to pass to :meth:`stop`."""
+        if self._cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def stop(self, name: str, mark: Any) -> None:
+        """Add the span from ``mark`` to now to ``name``."""
+        self._spans.append((name, mark, self.start()))
+
+    def totals(self) -> dict[str, float]:
+        """Seconds per name (synchronizes the events first on CUDA)."""
+        out: dict[str, float] = {}
+        for name, a, b in self._spans:
+            seconds = a.elapsed_time(b) / 1e3 if self._cuda else b - a
+            out[name] = out.get(name, 0.0) + seconds
+        return out
 
 
 def cache_classes() -> tuple[type[Any], type[Any]]:

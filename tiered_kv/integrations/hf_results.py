@@ -34,6 +34,11 @@ class Generation:
             all of them if the GPU tier had no room while decoding).
         logits: with ``output_logits=True``: one row per position the model ran (prompt positions
             ``tokens_reused .. prompt_tokens - 1``, then one per decode step), else ``None``.
+        phases: where the time to first token went, in seconds: ``admit`` (from the call to the prefill: admission
+            and the copies bringing reused blocks), ``preload`` (gathering the reused KV for the model), ``forward``
+            (the prompt forward, KV writes included), ``kv_write`` (of it, writing the new KV into the blocks),
+            ``commit`` (ordering later copies after the forward, committing), ``sample`` (the rest: choosing the
+            first token). Device time on CUDA (events), host time on the emulated device.
     """
 
     tokens: tuple[int, ...]
@@ -46,6 +51,7 @@ class Generation:
     finish_reason: str
     tokens_stored: int
     logits: torch.Tensor | None = None
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def tokens_computed(self) -> int:

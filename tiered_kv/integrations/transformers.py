@@ -54,7 +54,7 @@ from ..blocks import Admission, CacheFullError, Request
 from ..keys import as_token_array
 from ..layer_major import LayerMajorPool
 from ..pools import BlockPool, Tier
-from .hf_kv import RowTargets, cache_classes, pool_views, preload_past
+from .hf_kv import PhaseTimer, RowTargets, cache_classes, pool_views, preload_past
 from .hf_model import cache_kwargs, check_full_attention, layout_for, model_geometry, reference_generate
 from .hf_results import Generation, GenerationStream, GeneratorStatistics
 from .hf_sampling import GenerateOptions, Sampling, SamplingOptions, check_sampling, choose, make_sampler
@@ -366,29 +366,40 @@ class CachedGenerator:
         prompt = torch.from_numpy(np.stack([arrays[i] for i in rows]))
         logits_rows: list[list[torch.Tensor]] = [[] for _ in rows]
 
+        timer = PhaseTimer(self.device)
+        admitted = time.perf_counter()
+
         def prefill() -> tuple[torch.Tensor, float]:
             t = time.perf_counter()
             with torch.inference_mode():
+                mark = timer.start()
                 if reused:
                     preload_past(kv, self._views, [a.page_table for a in adms], reused, self._tpb, self.device)
                     if self.on_reuse is not None:
                         self.on_reuse([a.seq_id for a in adms], [(layer.keys, layer.values) for layer in kv.layers])
                 target.prepare(reused, n - reused, self.device)
+                timer.stop("preload", mark)
+                mark = timer.start()
+                target.timer = timer
                 out = self.model(
                     input_ids=prompt[:, reused:].to(self.device),
                     **cache_kwargs(self.model, kv),
                     use_cache=True,
                     logits_to_keep=0 if sampling.output_logits else 1,
                 )
+                target.timer = None
+                timer.stop("forward", mark)
                 logits = out.logits
                 if self.device.type == "cuda":
                     torch.cuda.current_stream(self.device).synchronize()
             return logits, time.perf_counter() - t
 
         logits, seconds = await self._compute(prefill)
+        committing = time.perf_counter()
         self._sync_writes()
         for a in adms:
             cache.commit(a.seq_id)
+        phases = {"admit": admitted - t0, **timer.totals(), "commit": time.perf_counter() - committing}
         self._prefill_s += seconds
         self._computed += (n - reused) * len(rows)
         self._reused += reused * len(rows)
@@ -413,6 +424,7 @@ class CachedGenerator:
             chosen = choose(step_logits, sampling, [generators[j] for j in live])
             if step == 0:
                 ttft = time.perf_counter() - t0
+                phases["sample"] = max(0.0, ttft - sum(v for k, v in phases.items() if k != "kv_write"))
             for j, tok in zip(live, chosen, strict=True):
                 tokens[j].append(tok)
                 if tok in sampling.stop:
@@ -480,4 +492,5 @@ class CachedGenerator:
                 finish_reason=finish[j],
                 tokens_stored=stored[j],
                 logits=torch.cat(logits_rows[j]) if sampling.output_logits else None,
+                phases=dict(phases),
             )

@@ -16,6 +16,10 @@ Rows are labelled ``tokens`` (the prefix length) and ``path``:
 * ``gpu`` / ``host`` / ``file``: the prefix cached in that tier (evicted there just before), so its KV is
   brought back (host: pinned DMA; file: read and verified) and only the 32 new tokens are run.
 
+Each cached row carries ``phases_ms``: the median split of its TTFT into admission (with the copies bringing the
+prefix), gathering the reused KV, the forward, the KV writes within it, committing and sampling
+(:attr:`~tiered_kv.integrations.transformers.Generation.phases`).
+
 TTFT is the median of ``repeats`` runs (each from the call to the first token on the host: admission,
 onboarding, prefill, sampling). Target: with the prefix in host, TTFT at least 10x faster than recomputing
 (each row shows its speed-up; the host row says met/missed). Rows of the emulated device are CPU figures,
@@ -83,6 +87,7 @@ async def _measure(model: Any, lengths: list[int], repeats: int, directory: str)
 
         warm = rng.integers(0, vocab, 64).tolist()
         times: dict[str, list[float]] = {k: [] for k in ("recompute", "cold", "gpu", "host", "file")}
+        phases: dict[str, list[dict[str, float]]] = {k: [] for k in times}
         reused: dict[str, int] = {}
         async with TieredKVCache(layout, gpu_blocks=blocks + 8, host_blocks=blocks + 8, file_blocks=blocks + 8,
                                  file_dir=directory, device=str(device) if device.type == "cuda" else "cpu",
@@ -100,11 +105,13 @@ async def _measure(model: Any, lengths: list[int], repeats: int, directory: str)
                     await _drop_everything(cache)
                     out = await gen.generate(fresh(), max_new_tokens=1)
                     times["cold"].append(out.ttft_s)
+                    phases["cold"].append(out.phases)
                 for tier in ("host", "file", "gpu"):
                     for _ in range(repeats):
                         await _place(cache, tier)
                         out = await gen.generate(fresh(), max_new_tokens=1)
                         times[tier].append(out.ttft_s)
+                        phases[tier].append(out.phases)
                         reused[tier] = out.tokens_reused
                         if out.blocks_from.get(tier, 0) * 16 < length - 16:
                             raise RuntimeError(f"the prefix was not found in the {tier} tier: {out.blocks_from}")
@@ -117,6 +124,11 @@ async def _measure(model: Any, lengths: list[int], repeats: int, directory: str)
                 "bench": "ttft", "tokens": length, "path": path, "ttft_ms": ttft * 1e3,
                 "vs_recompute": base / ttft, "tokens_reused": reused.get(path, 0),
             }
+            if phases[path]:  # where the time went: the median of each phase over the repeats
+                names = sorted({name for p in phases[path] for name in p})
+                row["phases_ms"] = {
+                    name: round(statistics.median(p.get(name, 0.0) for p in phases[path]) * 1e3, 3) for name in names
+                }
             if path == "host":
                 row["target"] = f">= {HOST_TARGET:g}x"
                 row["met"] = base / ttft >= HOST_TARGET
