@@ -2,13 +2,13 @@
 
 Every request is admitted to a :class:`~tiered_kv.TieredKVCache` (GPU, host and optionally file tiers): the
 longest cached prefix of its prompt is brought back from whichever tier holds it and only the rest is run
-through the model (:class:`~tiered_kv.integrations.transformers.CachedGenerator`). ``--no-cache`` serves the
+through the model (:class:`~tiered_kv.integrations.hf.CachedGenerator`). ``--no-cache`` serves the
 same model with plain transformers instead (a full-prompt prefill per request): the baseline the load
 client compares against.
 
 Run it (binds 127.0.0.1 by default; nothing is downloaded: the default model is a small Llama with random
 weights built from a config, with a byte-level tokenizer and a ChatML chat template built in code
-(:class:`~tiered_kv.integrations.byte_tokenizer.ByteTokenizer`); ``--model DIR`` loads a local model directory
+(:class:`~tiered_kv.integrations.hf.ByteTokenizer`); ``--model DIR`` loads a local model directory
 and its tokenizer)::
 
     python examples/openai_server.py --port 8000 &
@@ -64,10 +64,8 @@ from openai_protocol import (
 )
 
 from tiered_kv import CacheFullError, TieredKVCache, TieredKVError
-from tiered_kv.integrations.byte_tokenizer import ByteTokenizer
-from tiered_kv.integrations.hf_model import cache_kwargs
-from tiered_kv.integrations.models import random_causal_lm, tiny_llama_config
-from tiered_kv.integrations.transformers import CachedGenerator, layout_for
+from tiered_kv.integrations.hf import ByteTokenizer, CachedGenerator, layout_for, random_causal_lm, tiny_llama_config
+from tiered_kv.integrations.hf.model import cache_kwargs
 
 log = logging.getLogger("tiered_kv.examples.openai_server")
 

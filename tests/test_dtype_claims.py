@@ -5,7 +5,7 @@ transformers, no tiered_kv). The logits of every position both runs computed fro
 rounding only (:data:`ROUNDING`); so the greedy tokens are equal except at a near-tie: a step where the
 cache-free run's two best logits are within ``2 * ROUNDING`` of each other may pick the other one, and the
 two continuations differ from there. In fp32 that needs a gap under 2e-4: the tokens are equal.
-docs/integrations.md and the module docstring of tiered_kv.integrations.transformers state these bounds.
+docs/integrations.md and the docstring of tiered_kv.integrations.hf.generator state these bounds.
 """
 
 from __future__ import annotations
@@ -20,8 +20,13 @@ import torch
 pytest.importorskip("transformers")
 
 from tiered_kv import TieredKVCache
-from tiered_kv.integrations.models import random_causal_lm, tiny_llama_config
-from tiered_kv.integrations.transformers import CachedGenerator, layout_for, reference_generate
+from tiered_kv.integrations.hf import (
+    CachedGenerator,
+    layout_for,
+    random_causal_lm,
+    reference_generate,
+    tiny_llama_config,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 #: largest |logit difference| against a full-prompt recompute (logits of magnitude ~5), as the docs write it
@@ -77,7 +82,7 @@ async def test_greedy_output_against_a_run_without_any_cache(dtype: torch.dtype)
 
 def test_the_docs_state_these_bounds_per_dtype() -> None:
     docs = " ".join((ROOT / "docs" / "integrations.md").read_text().split())
-    module = " ".join((ROOT / "tiered_kv" / "integrations" / "transformers.py").read_text().split())
+    module = " ".join((ROOT / "tiered_kv" / "integrations" / "hf" / "generator.py").read_text().split())
     for text in (docs, module):
         for dtype, bound in ROUNDING_TEXT.items():
             assert f"≤ {bound} {NAMES[dtype]}" in text, (NAMES[dtype], bound)

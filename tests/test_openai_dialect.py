@@ -24,7 +24,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "example
 
 from openai_server import serve  # noqa: E402
 
-from tiered_kv.integrations.byte_tokenizer import IM_END, IM_START, ByteTokenizer  # noqa: E402
+from tiered_kv.integrations.hf.tokenizer import IM_END, IM_START, ByteTokenizer  # noqa: E402
 
 MODEL = "tiered-kv-random-llama"
 SYSTEM = "You are a cache that remembers every prefix it has seen, block by block."  # > 4 blocks of 16 tokens

@@ -20,8 +20,7 @@ from chat_load_client import ChatLoad, compare, run_load  # noqa: E402
 from openai_server import CachedStream, PlainGenerator, Server, ServerConfig, make_app  # noqa: E402
 
 from tiered_kv import TieredKVCache  # noqa: E402
-from tiered_kv.integrations.models import random_causal_lm, tiny_llama_config  # noqa: E402
-from tiered_kv.integrations.transformers import CachedGenerator, layout_for  # noqa: E402
+from tiered_kv.integrations.hf import CachedGenerator, layout_for, random_causal_lm, tiny_llama_config  # noqa: E402  # noqa: E402
 
 VOCAB = 512
 

@@ -3,7 +3,7 @@
 Bitwise: the generator's logits equal plain transformers holding the same earlier KV in a DynamicCache (so the
 tiers, blocks, partial copies and the file round trip change nothing). Against a full-prompt recompute: logits
 within rounding, greedy tokens equal except at near-ties in bf16 (see the module docstring of
-tiered_kv.integrations.transformers; tests/test_dtype_claims.py checks each dtype).
+tiered_kv.integrations.hf; tests/test_dtype_claims.py checks each dtype).
 """
 
 from __future__ import annotations
@@ -18,9 +18,14 @@ import torch
 pytest.importorskip("transformers")
 
 from tiered_kv import KVLayout, Tier, TieredKVCache
-from tiered_kv.integrations.hf_model import output_cache
-from tiered_kv.integrations.models import random_causal_lm, tiny_llama_config
-from tiered_kv.integrations.transformers import CachedGenerator, layout_for, reference_generate
+from tiered_kv.integrations.hf import (
+    CachedGenerator,
+    layout_for,
+    random_causal_lm,
+    reference_generate,
+    tiny_llama_config,
+)
+from tiered_kv.integrations.hf.model import output_cache
 
 TPB = 16
 VOCAB = 512

@@ -3,7 +3,7 @@
 * :mod:`tiered_kv.integrations.vllm` -- ``TieredKVOffloadingSpec`` for vLLM's ``OffloadingConnector``, and a
   ``SecondaryTierManager`` for vLLM's own CPU tier.
 * :mod:`tiered_kv.integrations.sglang` -- ``TieredKVHiCacheStorage``, a SGLang HiCache storage backend.
-* :mod:`tiered_kv.integrations.transformers` -- ``CachedGenerator``: a Hugging Face transformers causal LM
+* :mod:`tiered_kv.integrations.hf` -- ``CachedGenerator``: a Hugging Face transformers causal LM
   whose prompts reuse KV blocks from GPU, host and file tiers.
 * :mod:`tiered_kv.integrations.loop` -- the shared event-loop thread that lets an engine's synchronous hooks
   drive the asyncio :class:`~tiered_kv.TransferEngine`.

@@ -3,7 +3,7 @@
 Primitives:
 
 * :class:`DemoConfig` -- sizes of the run (model, workload, tiers, device).
-* :func:`run_demo` -- replay the chat through :class:`~tiered_kv.integrations.transformers.CachedGenerator`
+* :func:`run_demo` -- replay the chat through :class:`~tiered_kv.integrations.hf.CachedGenerator`
   on a randomly initialised Llama (nothing downloaded): every turn resends the conversation so far (the
   model's own earlier replies included) after one of a few shared system prompts; every reused token's KV is
   checked against a recompute of the whole prompt without the cache, which also gives the TTFT without it.
@@ -34,7 +34,7 @@ from .workload import ChatWorkload
 __all__ = ["DemoConfig", "DemoReport", "check_outputs", "plot_report", "print_report", "run_demo"]
 
 #: A reused token's KV differs from a recompute's by rounding only (~1e-6 on values of magnitude ~1; see
-#: tiered_kv.integrations.transformers); KV from a wrong block or position is off by O(1).
+#: tiered_kv.integrations.hf); KV from a wrong block or position is off by O(1).
 KV_TOLERANCE = 1e-3
 
 
@@ -123,7 +123,7 @@ class DemoReport:
 
 
 def _model_config(cfg: DemoConfig) -> Any:
-    from ..integrations.models import tiny_llama_config
+    from ..integrations.hf import tiny_llama_config
 
     heads = max(1, cfg.hidden // 64)
     return tiny_llama_config(
@@ -171,9 +171,8 @@ async def run_demo(cfg: DemoConfig, progress: Callable[[int, int], None] | None 
         temporary directory removed.
     """
     from ..device import resolve_device
-    from ..integrations.hf_model import output_cache
-    from ..integrations.models import random_causal_lm
-    from ..integrations.transformers import CachedGenerator, layout_for
+    from ..integrations.hf import CachedGenerator, layout_for, random_causal_lm
+    from ..integrations.hf.model import output_cache
 
     dev = resolve_device(cfg.device)
     torch_device = dev.torch_device

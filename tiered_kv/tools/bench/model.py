@@ -11,14 +11,14 @@ in ``--quick``) plus 32 new tokens. Rows, per prefix length:
 Rows are labelled ``tokens`` (the prefix length) and ``path``:
 
 * ``recompute``: the baseline -- plain transformers runs the whole prompt (no tiered_kv), first token.
-* ``cold``: the same through :class:`~tiered_kv.integrations.transformers.CachedGenerator` with nothing
+* ``cold``: the same through :class:`~tiered_kv.integrations.hf.CachedGenerator` with nothing
   cached (the cost of writing every computed token's KV into the cache's blocks).
 * ``gpu`` / ``host`` / ``file``: the prefix cached in that tier (evicted there just before), so its KV is
   brought back (host: pinned DMA; file: read and verified) and only the 32 new tokens are run.
 
 Each cached row carries ``phases_ms``: the median split of its TTFT into admission (with the copies bringing the
 prefix), gathering the reused KV, the forward, the KV writes within it, committing and sampling
-(:attr:`~tiered_kv.integrations.transformers.Generation.phases`).
+(:attr:`~tiered_kv.integrations.hf.Generation.phases`).
 
 TTFT is the median of ``repeats`` runs (each from the call to the first token on the host: admission,
 onboarding, prefill, sampling). Target: with the prefix in host, TTFT at least 10x faster than recomputing
@@ -54,7 +54,7 @@ SUFFIX = 32  # new tokens after the cached prefix
 
 def _setup(quick: bool, device: str) -> tuple[Any, list[int], int, bool]:
     """``(model, prefix lengths, repeats, emulated)``."""
-    from ...integrations.models import llama_8b_config, random_causal_lm, tiny_llama_config
+    from ...integrations.hf import llama_8b_config, random_causal_lm, tiny_llama_config
 
     dev = resolve_device(device)
     if dev.is_cuda and not quick:
@@ -71,7 +71,7 @@ def _sync(device: torch.device) -> None:
 
 
 async def _measure(model: Any, lengths: list[int], repeats: int, directory: str) -> list[dict[str, Any]]:
-    from ...integrations.transformers import CachedGenerator, layout_for, reference_generate
+    from ...integrations.hf import CachedGenerator, layout_for, reference_generate
 
     device = next(model.parameters()).device
     layout = layout_for(model, 16)

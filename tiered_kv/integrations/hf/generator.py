@@ -1,0 +1,496 @@
+"""Hugging Face transformers through a :class:`~tiered_kv.TieredKVCache`: prompts reuse KV from any tier.
+
+Primitives:
+
+* :class:`CachedGenerator` -- ``await generate(prompt_ids, max_new_tokens=...)`` (and ``generate_batch``,
+  ``stream``) on a transformers causal LM (transformers 5.x): admits the prompt to the cache, builds the
+  model's past key/values from the reused blocks (GPU, host or file tier; the partly matching last block
+  too), runs the model only on the tokens not reused, writes the KV it computes into the sequence's blocks
+  as the model produces it (a :class:`~transformers.DynamicCache` whose layers write through), commits,
+  frees. The same prompt without the cache gives the same tokens and logits (see *Equality* below).
+
+Re-exported from the modules of the integration (import them from here):
+
+* :class:`Generation`, :class:`GenerationStream`, :class:`GeneratorStatistics` (:mod:`.results`) -- one
+  prompt's outcome, its tokens as they come, the generator's counters.
+* :func:`layout_for` / :func:`model_geometry`, :func:`reference_generate` (:mod:`.model`) -- the
+  :class:`~tiered_kv.KVLayout` a model's KV needs; the same generation with plain transformers and no
+  tiered_kv (the baseline the tests and the demo compare against).
+* :class:`GenerateOptions`, :class:`SamplingOptions` (:mod:`.sampling`) -- the keyword options.
+
+The KV bridge (past KV read from the blocks, new KV written through into them) is :mod:`.kv`.
+
+Equality. The KV of reused tokens is byte for byte what the model computed earlier (a tier round trip is a
+byte copy; the tests check it), and the model runs the remaining tokens at the same positions. So the
+logits of every position are bitwise equal to plain transformers holding the same earlier KV in a
+``DynamicCache`` (fp32 and bf16, CPU and CUDA: same kernels, same inputs), and so are the tokens. Against a
+*full-prompt recompute* (a run without any cache) the logits differ by rounding: a BLAS blocks the rows of a
+product and the sum over the KV length by shape (MKL even treats a row by its place in a 4-row group), so the
+same position computed in another shape rounds differently -- two cache-free runs of prompts that share a
+prefix already disagree on that prefix's KV by the same ~1e-7. The tests bound the difference on logits of
+magnitude ~5: ≤ 1e-4 fp32, ≤ 0.25 bf16, ≤ 0.0625 fp16 (a wrong block is off by O(1)). Greedy tokens are
+therefore equal to the recompute's in fp32, and in bf16 and fp16 equal except at a near-tie: where the
+recompute's two best logits are within twice that bound, either may be picked, and the continuations differ
+from that step on.
+
+Concurrency. Model forwards run on one worker thread per generator (``offload_compute=True``) so the event
+loop keeps serving; cache calls stay on the loop. A forward only touches its own sequences' blocks (and
+reads reused blocks, which are claimed and never move while claimed). Cancelling a ``generate`` waits for
+the forward that is running to finish before the sequence is freed, so no block is freed while written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar, Unpack
+
+import numpy as np
+import torch
+
+from ...blocks import Admission, CacheFullError, Request
+from ...keys import as_token_array
+from ...layer_major import LayerMajorPool
+from ...pools import BlockPool, Tier
+from .kv import PhaseTimer, RowTargets, cache_classes, pool_views, preload_past
+from .model import cache_kwargs, check_full_attention, layout_for, model_geometry, reference_generate
+from .results import Generation, GenerationStream, GeneratorStatistics
+from .sampling import GenerateOptions, Sampling, SamplingOptions, check_sampling, choose, make_sampler
+
+if TYPE_CHECKING:
+    from ...cache import TieredKVCache
+    from ...cost_model import CostModel
+
+__all__ = [
+    "CachedGenerator",
+    "GenerateOptions",
+    "Generation",
+    "GenerationStream",
+    "GeneratorStatistics",
+    "SamplingOptions",
+    "layout_for",
+    "model_geometry",
+    "reference_generate",
+]
+
+_T = TypeVar("_T")
+
+
+class CachedGenerator:
+    """Generate with a transformers causal LM whose prompts reuse KV blocks from a :class:`~tiered_kv.TieredKVCache`.
+
+    Args:
+        model: a transformers causal LM (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ...) whose every layer is
+            full attention, on the cache's device (``cpu`` for the emulated device), in eval mode.
+        cache: the cache; its layout must be :func:`layout_for` the model (layers, KV heads, head_dim, dtype).
+        offload_compute: run model forwards on a worker thread (the event loop keeps serving meanwhile).
+        on_prefill: ``callback(tokens, seconds)`` after every prompt forward (e.g. a cost model's
+            ``observe_prefill``).
+        on_reuse: ``callback(seq_ids, kv)`` on the model thread, before a prompt forward that reuses tokens:
+            ``kv`` is, per layer, the ``(keys, values)`` ``[rows, kv_heads, tokens_reused, head_dim]`` the model
+            is about to attend to (read it, do not keep or change it; e.g. to verify it against a recompute).
+        cost_model: a :class:`~tiered_kv.cost_model.CostModel` to feed: every admission's time against the bytes
+            it brought per tier, every prefill's time against its tokens (attach it to the cache to use it).
+
+    Raises:
+        TypeError: not a transformers model, or the cache is not a ``TieredKVCache``.
+        ValueError: layout or device mismatch, an unsupported attention type, a GPU pool of another kind.
+
+    Example::
+
+        layout = layout_for(model)
+        async with TieredKVCache(layout, gpu_blocks=512, host_blocks=4096, device="cpu") as cache:
+            generator = CachedGenerator(model, cache)
+            out = await generator.generate(prompt_ids, max_new_tokens=32)
+            print(out.tokens, out.tokens_reused, out.ttft_s)
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        cache: TieredKVCache,
+        *,
+        offload_compute: bool = True,
+        on_prefill: Callable[[int, float], None] | None = None,
+        on_reuse: Callable[[list[int], list[tuple[torch.Tensor, torch.Tensor]]], None] | None = None,
+        cost_model: CostModel | None = None,
+    ) -> None:
+        from ...cache import TieredKVCache
+
+        if not isinstance(cache, TieredKVCache):
+            raise TypeError(f"cache must be a TieredKVCache, got {type(cache).__name__}")
+        layers, kv_heads, head_dim, dtype = model_geometry(model)
+        layout = cache.layout
+        want = (layers, kv_heads, head_dim, dtype, 2)
+        have = (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype, layout.kv_factor)
+        if want != have:
+            raise ValueError(
+                f"the cache's layout (layers={have[0]}, kv_heads={have[1]}, head_dim={have[2]}, dtype={have[3]}, "
+                f"kv_factor={have[4]}) does not fit the model (layers={layers}, kv_heads={kv_heads}, "
+                f"head_dim={head_dim}, dtype={dtype}); build it with "
+                "tiered_kv.integrations.hf.generator.layout_for(model)"
+            )
+        device = next(model.parameters()).device
+        engine_device = cache.engine.device.torch_device
+        if device != engine_device:
+            raise ValueError(
+                f"the model is on {device} but the cache's GPU tier is on {engine_device}; move one of them"
+            )
+        pool = cache.engine.pool(Tier.GPU)
+        if not isinstance(pool, (BlockPool, LayerMajorPool)):
+            raise ValueError(f"unsupported GPU pool {type(pool).__name__}")
+        check_full_attention(model)
+        self.model = model
+        self.cache = cache
+        self.device = device
+        self.on_prefill = on_prefill
+        self.on_reuse = on_reuse
+        self.cost_model = cost_model
+        self._views = pool_views(pool, layers)
+        self._tpb = layout.tokens_per_block
+        self._executor = (
+            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tiered_kv-model") if offload_compute else None
+        )
+        self._requests = self._prompt_tokens = self._reused = self._computed = self._generated = 0
+        self._prefill_s = self._decode_s = 0.0
+
+    # ------------------------------------------------------------------------------------ public
+
+    async def generate(
+        self,
+        prompt_ids: Sequence[int] | np.ndarray | torch.Tensor,
+        **options: Unpack[GenerateOptions],
+    ) -> Generation:
+        """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``, reusing cached KV of its prefix.
+
+        Args:
+            prompt_ids: the prompt's token ids (at least one).
+            **options: keyword options (:class:`~tiered_kv.integrations.hf.sampling.GenerateOptions`), all optional:
+                ``max_new_tokens`` tokens to generate (>= 1, default 16); ``temperature`` 0 for greedy decoding
+                (default), otherwise sampling at this temperature; ``top_k`` keep the ``top_k`` most likely tokens
+                when sampling (0: all); ``top_p`` nucleus sampling threshold in ``(0, 1]``; ``seed`` seed of the
+                sampling generator (reproducible samples); ``stop_token_ids`` generation ends after any of these
+                (it is the last token returned); ``priority`` retention priority of the prompt's blocks (0..100);
+                ``output_logits`` return the logits of every position the model ran (see :class:`Generation`).
+
+        Returns:
+            The :class:`Generation`.
+
+        Raises:
+            ValueError, TypeError: bad arguments (before anything is admitted), prompt plus reply longer than a
+                sequence may hold.
+            CacheFullError: the prompt does not fit in the GPU tier now (nothing changed; retry later).
+            TransferError: bringing a reused block back failed (the blocks were dropped; retry recomputes).
+
+        Notes:
+            Cancellation: the forward in progress (if any) finishes, then the sequence is freed and the
+            cancellation propagates; KV already committed stays reusable.
+        """
+        [result] = await self.generate_batch([prompt_ids], **options)
+        return result
+
+    async def generate_batch(
+        self,
+        prompts: Sequence[Sequence[int] | np.ndarray | torch.Tensor],
+        **options: Unpack[GenerateOptions],
+    ) -> list[Generation]:
+        """Generate for several prompts admitted as one batch (two-phase: each request's reuse is its own).
+
+        Prompts with the same length and the same number of reused tokens run as one batch in every
+        forward (no padding: each row's tokens are its run alone, its logits up to the rounding of other
+        kernel shapes); the others run group after group. Arguments
+        are those of :meth:`generate`, applied to every prompt (``seed`` seeds each prompt's sampler with
+        ``seed + index``).
+
+        Returns:
+            One :class:`Generation` per prompt, in order.
+
+        Notes:
+            Cancellation: as :meth:`generate`; every sequence of the batch is freed.
+        """
+        sampling = check_sampling(**options)
+        arrays = self._check_prompts(prompts, sampling.max_new_tokens)
+        results: list[Generation | None] = [None] * len(arrays)
+        t0 = time.perf_counter()
+        admissions = await self._admit([Request(a, priority=sampling.priority) for a in arrays], t0)
+        try:
+            groups: dict[tuple[int, int], list[int]] = {}
+            for i, (a, adm) in enumerate(zip(arrays, admissions, strict=True)):
+                groups.setdefault((len(a), adm.tokens_reused), []).append(i)
+            for rows in groups.values():
+                async for _ in self._run_group(rows, arrays, admissions, sampling, t0, results):
+                    pass
+        finally:
+            self._free_all(admissions)
+        return [r for r in results if r is not None]
+
+    def stream(
+        self,
+        prompt_ids: Sequence[int] | np.ndarray | torch.Tensor,
+        **options: Unpack[SamplingOptions],
+    ) -> GenerationStream:
+        """The tokens of one prompt as they are generated: ``async for token in generator.stream(ids)``.
+
+        Arguments are those of :meth:`generate` (validated here, before anything is admitted). After the
+        iteration ends, ``.result`` is the :class:`Generation`. Closing the iterator early (``aclose()``, or
+        leaving an ``async for`` with ``break``) frees the sequence.
+
+        Notes:
+            Cancellation: as :meth:`generate`.
+        """
+        sampling = check_sampling(output_logits=False, **options)  # output_logits among options: TypeError
+        [array] = self._check_prompts([prompt_ids], sampling.max_new_tokens)
+        return GenerationStream(self._stream_one(array, sampling))
+
+    def statistics(self) -> GeneratorStatistics:
+        """Counters since the generator was made."""
+        return GeneratorStatistics(
+            requests=self._requests,
+            prompt_tokens=self._prompt_tokens,
+            tokens_reused=self._reused,
+            tokens_computed=self._computed,
+            generated_tokens=self._generated,
+            prefill_seconds=self._prefill_s,
+            decode_seconds=self._decode_s,
+            prefill_tokens_per_s=self._computed / self._prefill_s if self._prefill_s > 0 else 0.0,
+        )
+
+    def close(self) -> None:
+        """Stop the model worker thread (after the forward in progress). Idempotent."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+            self._executor = None
+
+    def __repr__(self) -> str:
+        return f"<CachedGenerator {type(self.model).__name__} on {self.device} requests={self._requests}>"
+
+    # ------------------------------------------------------------------------------------ validation
+
+    def _check_prompts(self, prompts: Sequence[Any], max_new_tokens: int) -> list[np.ndarray]:
+        if isinstance(prompts, (str, bytes, np.ndarray, torch.Tensor)) or not isinstance(prompts, Sequence):
+            raise TypeError("prompts must be a list of token-id sequences")
+        if not prompts:
+            raise ValueError("prompts is empty")
+        vocab = getattr(self.model.config.get_text_config(decoder=True), "vocab_size", None)
+        limit = self.cache.blocks.max_blocks_per_seq * self._tpb
+        out = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, torch.Tensor):
+                if p.dim() == 2 and p.shape[0] == 1:
+                    p = p[0]
+                p = p.detach().cpu().numpy()
+            arr = as_token_array(p, f"prompt {i}")
+            if arr.size == 0:
+                raise ValueError(f"prompt {i} is empty; a prompt needs at least one token")
+            if arr.min() < 0 or (isinstance(vocab, int) and arr.max() >= vocab):
+                raise ValueError(f"prompt {i} has a token id outside the model's vocabulary [0, {vocab})")
+            if arr.size + max_new_tokens - 1 > limit:
+                raise ValueError(
+                    f"prompt {i} has {arr.size} tokens; with max_new_tokens={max_new_tokens} that is more than a "
+                    f"sequence may hold ({limit} tokens)"
+                )
+            out.append(arr)
+        return out
+
+    # ------------------------------------------------------------------------------------ core
+
+    async def _stream_one(self, array: np.ndarray, sampling: Sampling) -> AsyncIterator[int | Generation]:
+        results: list[Generation | None] = [None]
+        t0 = time.perf_counter()
+        admissions = await self._admit([Request(array, priority=sampling.priority)], t0)
+        try:
+            async for token in self._run_group([0], [array], admissions, sampling, t0, results):
+                yield token
+        finally:
+            self._free_all(admissions)
+        assert results[0] is not None
+        yield results[0]
+
+    async def _admit(self, requests: list[Request], t0: float) -> list[Admission]:
+        admissions = await self.cache.add_sequences(requests)
+        if self.cost_model is not None:
+            per_block = self.cache.layout.bytes_per_block
+            moved = {t: sum(a.blocks_from.get(t, 0) for a in admissions) * per_block for t in ("host", "file")}
+            self.cost_model.observe_admission(moved, time.perf_counter() - t0)
+        return admissions
+
+    def _free_all(self, admissions: list[Admission]) -> None:
+        live = self.cache.blocks.live_sequences
+        for adm in admissions:
+            if adm.seq_id in live:
+                self.cache.free(adm.seq_id)
+
+    async def _compute(self, fn: Callable[[], _T]) -> _T:
+        """Run ``fn`` on the model thread; a cancellation waits for it to finish (it writes our blocks)."""
+        if self._executor is None:
+            return fn()
+        future = asyncio.get_running_loop().run_in_executor(self._executor, fn)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            while not future.done():
+                try:
+                    await asyncio.shield(future)
+                except asyncio.CancelledError:
+                    continue
+                except BaseException:
+                    break
+            raise
+
+    def _sync_writes(self) -> None:
+        """Copies enqueued from now on wait for the compute stream's writes and reads of our blocks (CUDA)."""
+        if self.device.type == "cuda":
+            self.cache.engine.sync_with_compute(torch.cuda.current_stream(self.device))
+
+    async def _run_group(
+        self,
+        rows: list[int],
+        arrays: list[np.ndarray],
+        admissions: list[Admission],
+        sampling: Sampling,
+        t0: float,
+        results: list[Generation | None],
+    ) -> AsyncIterator[int]:
+        """Prefill then decode ``rows`` (same prompt length and reuse) in lockstep; yields row 0's tokens."""
+        layer_cls, cache_cls = cache_classes()
+        cache = self.cache
+        adms = [admissions[i] for i in rows]
+        n = len(arrays[rows[0]])
+        reused = adms[0].tokens_reused
+        target = RowTargets(self._tpb)
+        target.page_tables = [a.page_table for a in adms]
+        kv = cache_cls([layer_cls(views, target) for views in self._views])
+        generators = [make_sampler(sampling, i, self.device) for i in rows]
+        prompt = torch.from_numpy(np.stack([arrays[i] for i in rows]))
+        logits_rows: list[list[torch.Tensor]] = [[] for _ in rows]
+
+        timer = PhaseTimer(self.device)
+        admitted = time.perf_counter()
+
+        def prefill() -> tuple[torch.Tensor, float]:
+            t = time.perf_counter()
+            with torch.inference_mode():
+                mark = timer.start()
+                if reused:
+                    preload_past(kv, self._views, [a.page_table for a in adms], reused, self._tpb, self.device)
+                    if self.on_reuse is not None:
+                        self.on_reuse([a.seq_id for a in adms], [(layer.keys, layer.values) for layer in kv.layers])
+                target.prepare(reused, n - reused, self.device)
+                timer.stop("preload", mark)
+                mark = timer.start()
+                target.timer = timer
+                out = self.model(
+                    input_ids=prompt[:, reused:].to(self.device),
+                    **cache_kwargs(self.model, kv),
+                    use_cache=True,
+                    logits_to_keep=0 if sampling.output_logits else 1,
+                )
+                target.timer = None
+                timer.stop("forward", mark)
+                logits = out.logits
+                if self.device.type == "cuda":
+                    torch.cuda.current_stream(self.device).synchronize()
+            return logits, time.perf_counter() - t
+
+        logits, seconds = await self._compute(prefill)
+        committing = time.perf_counter()
+        self._sync_writes()
+        for a in adms:
+            cache.commit(a.seq_id)
+        phases = {"admit": admitted - t0, **timer.totals(), "commit": time.perf_counter() - committing}
+        self._prefill_s += seconds
+        self._computed += (n - reused) * len(rows)
+        self._reused += reused * len(rows)
+        self._prompt_tokens += n * len(rows)
+        self._requests += len(rows)
+        if self.on_prefill is not None:
+            self.on_prefill((n - reused) * len(rows), seconds)
+        if self.cost_model is not None:
+            self.cost_model.observe_prefill((n - reused) * len(rows), seconds)
+
+        live = list(range(len(rows)))  # positions (in this group) still generating
+        stored = [n] * len(rows)  # tokens whose KV is in each sequence's blocks
+        storing = [True] * len(rows)
+        tokens: list[list[int]] = [[] for _ in rows]
+        finish = ["length"] * len(rows)
+        ttft = 0.0
+        step_logits = logits[:, -1, :]
+        if sampling.output_logits:
+            for j in range(len(rows)):
+                logits_rows[j].append(logits[j].float().cpu())
+        for step in range(sampling.max_new_tokens):
+            chosen = choose(step_logits, sampling, [generators[j] for j in live])
+            if step == 0:
+                ttft = time.perf_counter() - t0
+                phases["sample"] = max(0.0, ttft - sum(v for k, v in phases.items() if k != "kv_write"))
+            for j, tok in zip(live, chosen, strict=True):
+                tokens[j].append(tok)
+                if tok in sampling.stop:
+                    finish[j] = "stop"
+                if j == 0:
+                    yield tok
+            self._generated += len(live)
+            if step == sampling.max_new_tokens - 1:
+                break
+            keep = [k for k, j in enumerate(live) if finish[j] != "stop"]
+            if not keep:
+                break
+            if len(keep) != len(live):
+                kv.batch_select_indices(torch.tensor(keep, device=self.device))
+                live = [live[k] for k in keep]
+                chosen = [chosen[k] for k in keep]
+            # store each fed token's KV: its block must exist before the forward writes it
+            page_tables: list[tuple[int, ...] | None] = []
+            for j, tok in zip(live, chosen, strict=True):
+                seq = adms[j].seq_id
+                if storing[j]:
+                    try:
+                        page_tables.append(await cache.append_tokens(seq, [tok]))
+                        stored[j] += 1
+                        continue
+                    except CacheFullError:
+                        storing[j] = False  # no GPU room: the rest of this reply is generated but not stored
+                page_tables.append(None)
+            target.page_tables = page_tables
+            position = n + step
+            feed = torch.tensor([[t] for t in chosen], dtype=torch.long)
+
+            def decode(feed: torch.Tensor = feed, position: int = position) -> tuple[torch.Tensor, float]:
+                t = time.perf_counter()
+                with torch.inference_mode():
+                    target.prepare(position, 1, self.device)
+                    out = self.model(
+                        input_ids=feed.to(self.device), **cache_kwargs(self.model, kv), use_cache=True, logits_to_keep=1
+                    )
+                    logits = out.logits[:, -1, :]
+                    if self.device.type == "cuda":
+                        torch.cuda.current_stream(self.device).synchronize()
+                return logits, time.perf_counter() - t
+
+            step_logits, seconds = await self._compute(decode)
+            self._decode_s += seconds
+            self._sync_writes()
+            for j in live:
+                if storing[j]:
+                    cache.commit(adms[j].seq_id)
+            if sampling.output_logits:
+                for k, j in enumerate(live):
+                    logits_rows[j].append(step_logits[k : k + 1].float().cpu())
+        elapsed = time.perf_counter() - t0
+        for j, i in enumerate(rows):
+            a = adms[j]
+            results[i] = Generation(
+                tokens=tuple(tokens[j]),
+                prompt_tokens=n,
+                tokens_reused=reused,
+                blocks_from=dict(a.blocks_from),
+                partial_tokens=a.partial_tokens,
+                ttft_s=ttft,
+                seconds=elapsed,
+                finish_reason=finish[j],
+                tokens_stored=stored[j],
+                logits=torch.cat(logits_rows[j]) if sampling.output_logits else None,
+                phases=dict(phases),
+            )
