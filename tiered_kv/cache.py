@@ -399,9 +399,9 @@ class TieredKVCache:
 
         Call it once the compute that writes them has been issued (after prefill, after decode steps).
         Until then a sequence's new blocks are never matched by other requests, so nobody can read KV
-        that is not there yet. On CUDA the copies the cache issues from then on wait, stream-side, for the work
-        queued so far on the current stream (that compute, and the blocks' checksums): a block is never offloaded
-        or overwritten before its KV and checksum are taken. Returns the committed token count.
+        that is not there yet. On CUDA, when blocks fill, the copies the cache issues from then on wait, stream-side,
+        for the work queued so far on the current stream (that compute, and the blocks' checksums): a block is never
+        offloaded or overwritten before its KV and checksum are taken. Returns the committed token count.
 
         Raises:
             ValueError: unknown sequence, ``num_tokens`` beyond its tokens.
@@ -415,7 +415,7 @@ class TieredKVCache:
                 self._integrity.committed(full)
             if self.remote is not None:
                 self.remote.committed([b for b in full if b.cached])
-        self._after_compute()
+            self._after_compute()  # new full blocks may be offloaded from now on
         return committed
 
     async def flush(self) -> None:
