@@ -164,11 +164,14 @@ class Move:
     Attributes:
         kind: ``"offload"`` (GPU->host eviction), ``"spill"`` (host->file eviction), ``"onboard"``
             (host/file -> GPU for a reused block), ``"partial"`` (first ``num_tokens`` of a cached block
-            into a new GPU block).
-        src_tier, src_slot, dst_tier, dst_slot: the copy.
+            into a new GPU block), ``"fetch"`` (a new block's object read from the remote tier, straight into its
+            GPU slot or through a host ring slot; see :attr:`BlockManager.fetch_tier`).
+        src_tier, src_slot, dst_tier, dst_slot: the copy. A read from ``Tier.REMOTE`` is named by ``key``; its
+            ``src_slot`` only tells the plan's remote reads apart.
         num_tokens: tokens to copy, ``None`` for whole blocks.
         block: the block whose data lands in ``dst_slot`` (for a partial copy: the new block).
         source: for a partial copy, the cached block read from.
+        key: for a read from ``Tier.REMOTE``, the content key of the object read.
     """
 
     kind: str
@@ -179,6 +182,7 @@ class Move:
     num_tokens: int | None
     block: Block
     source: Block | None = None
+    key: ContentKey | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -199,6 +203,7 @@ class Match:
         keys: the request's full-block keys (all of them, not only the matched ones).
         tokens_reused: ``len(blocks) * tokens_per_block + num_tokens``.
         by_tier: matched full blocks per tier (``Tier.value`` -> count) at lookup time.
+        cut: :attr:`BlockManager.reuse_limit` cut cached blocks off (they are recomputed, not fetched).
     """
 
     blocks: tuple[Block, ...]
@@ -206,6 +211,7 @@ class Match:
     keys: tuple[ContentKey, ...]
     tokens_reused: int
     by_tier: dict[str, int]
+    cut: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -217,7 +223,8 @@ class Admission:
         slot: its slot in ``[0, max_seqs)`` (reused after the sequence is freed): its row in page-table tensors.
         num_tokens: prompt tokens.
         tokens_reused: tokens whose KV came from the cache (full blocks + the partial copy).
-        blocks_from: full blocks reused, per tier they were found in (``"gpu"``, ``"host"``, ``"file"``).
+        blocks_from: full blocks reused, per tier they were found in (``"gpu"``, ``"host"``, ``"file"``; the cache
+            adds ``"remote"``: blocks whose fetch landed, see :meth:`BlockManager.fetched`).
         partial_tokens: tokens reused through the partial copy of one block (0 if none).
         blocks_allocated: GPU blocks newly allocated for it (including the partial-copy target).
         page_table: GPU block indices of the sequence, in order.
@@ -255,6 +262,8 @@ class BlockStatistics:
             ``"file->dropped"`` (victims dropped without a copy) -> blocks.
         unreachable_dropped: cached descendants dropped because their parent left the lookup.
         adopted: file-tier blocks of an earlier run adopted into the lookup (warm restart, ``file_index``).
+        fetched: new blocks reused because their remote-tier fetch landed (:meth:`BlockManager.fetched`); not in
+            ``hits``.
     """
 
     capacity: dict[str, int]
@@ -272,6 +281,7 @@ class BlockStatistics:
     evictions: dict[str, int]
     unreachable_dropped: int
     adopted: int = 0
+    fetched: int = 0
 
 
 class _Sequence:
@@ -361,6 +371,12 @@ class BlockManager:
         #: ``callback(block, plan)`` just before a cached block is evicted from its tier (it is still at its slot;
         #: ``plan`` holds the moves decided so far in this call, not yet issued)
         self.on_evict: Callable[[Block, Plan], None] | None = None
+        #: where a new block's object from the remote tier lands: ``Tier.GPU`` (straight into the block's slot),
+        #: ``Tier.HOST`` (through a ring of :attr:`fetch_ring` host slots, then an onboard copy), or ``None`` (no
+        #: remote tier). Admission plans a ``"fetch"`` move for every new full block after the reused prefix that
+        #: could be reused (see :meth:`fetched`); a prefix of any length, as long as the sequence fits the GPU tier.
+        self.fetch_tier: Tier | None = None
+        self.fetch_ring = 8
 
         # tier -> free slots (a stack, lowest index on top so fresh pools fill from 0)
         self._free: dict[Tier, list[int]] = {t: list(range(caps[t] - 1, -1, -1)) for t in TIER_ORDER}
@@ -382,6 +398,7 @@ class BlockManager:
         self._requests = self._tokens_requested = self._tokens_reused = 0
         self._hits = {t.value: 0 for t in TIER_ORDER}
         self._partial_hits = self._partial_tokens = self._allocated = self._unreachable = self._adopted = 0
+        self._fetched = 0
         self._evictions: dict[str, int] = {}
 
     # ------------------------------------------------------------------------------------ lookup
@@ -448,7 +465,7 @@ class BlockManager:
         by_tier = {t.value: 0 for t in TIER_ORDER}
         for b in blocks:
             by_tier[b.tier.value] += 1  # type: ignore[union-attr]
-        return Match(blocks, None, match.keys, keep * self.tokens_per_block, by_tier)
+        return Match(blocks, None, match.keys, keep * self.tokens_per_block, by_tier, cut=True)
 
     def _adopt(self, key: ContentKey, parent_key: ContentKey, tokens: np.ndarray) -> Block | None:
         """Warm restart: a block of an earlier run that the file tier's index holds under ``key``, now cached.
@@ -614,6 +631,8 @@ class BlockManager:
                 plan.moves.append(Move("partial", src.tier, src.slot, Tier.GPU, block.slot, n, block, src))  # type: ignore[arg-type]
                 self._unref(src)  # the claim only had to last until the copy was planned
             seq.blocks.append(block)
+        if self.fetch_tier is not None and not match.cut:
+            self._plan_fetches(seq, m, plan)
         # New blocks become matchable only once committed: their KV is not written yet.
         seq.registered = m
         seq.committed = match.tokens_reused
@@ -635,6 +654,64 @@ class BlockManager:
             seq.seq_id, seq_slot, len(tokens), match.tokens_reused, dict(match.by_tier), partial_n, total - m,
             page_table,
         )
+
+    def _plan_fetches(self, seq: _Sequence, m: int, plan: Plan) -> None:
+        """Plan the remote reads of a new sequence's full blocks ``m..`` that could be reused (see :attr:`fetch_tier`).
+
+        Through the host, each block's object lands in a ring slot and is onboarded from there; a ring slot is
+        written again only after the onboard copy before it read it (plan order, kept by the engine's fences). The
+        ring slots go back to the free list at once: later moves of the plan touching them are ordered after these.
+        """
+        tpb = self.tokens_per_block
+        usable = (len(seq.tokens) - 1 if self.compute_last_token else len(seq.tokens)) // tpb
+        if usable <= m:
+            return
+        ring: list[int] = []
+        if self.fetch_tier is Tier.HOST:
+            for _ in range(min(self.fetch_ring, usable - m)):
+                slot = self._take_slot(Tier.HOST, plan)
+                if slot is None:
+                    break
+                ring.append(slot)
+            if not ring:
+                return
+        for i in range(m, usable):
+            block, key = seq.blocks[i], seq.keys[i]
+            if not ring:
+                plan.moves.append(
+                    Move("fetch", Tier.REMOTE, len(plan.moves), Tier.GPU, block.slot, None, block, key=key)
+                )
+                continue
+            slot = ring[(i - m) % len(ring)]
+            plan.moves.append(Move("fetch", Tier.REMOTE, len(plan.moves), Tier.HOST, slot, None, block, key=key))
+            plan.moves.append(Move("fetch", Tier.HOST, slot, Tier.GPU, block.slot, None, block))
+        self._free[Tier.HOST].extend(ring)
+
+    def fetched(self, seq_id: int, count: int) -> int:
+        """Reuse the first ``count`` new blocks after a just-admitted sequence's reused prefix: their fetch landed.
+
+        The caller saw every ``"fetch"`` move of those blocks complete with a verified object. They are committed
+        (cached, matchable), a partial reuse of the first of them is superseded, and the reuse counters follow.
+        Returns the tokens the sequence now reuses.
+
+        Raises:
+            ValueError: unknown sequence, ``count`` negative or past the blocks that could be reused.
+        """
+        seq = self._live(seq_id)
+        tpb = self.tokens_per_block
+        before = seq.committed
+        m = before // tpb
+        usable = (len(seq.tokens) - 1 if self.compute_last_token else len(seq.tokens)) // tpb
+        if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= usable - m:
+            raise ValueError(f"count must be in 0..{max(0, usable - m)} (blocks that could be fetched), got {count!r}")
+        if count == 0:
+            return before
+        if before % tpb:
+            self._partial_hits -= 1
+            self._partial_tokens -= before % tpb
+        self._tokens_reused += (m + count) * tpb - before
+        self._fetched += count
+        return self.commit(seq_id, (m + count) * tpb)
 
     # ------------------------------------------------------------------------------------ lifecycle
 
@@ -822,6 +899,7 @@ class BlockManager:
             evictions=dict(self._evictions),
             unreachable_dropped=self._unreachable,
             adopted=self._adopted,
+            fetched=self._fetched,
         )
 
     def __repr__(self) -> str:
@@ -1035,11 +1113,11 @@ class BlockManager:
     # ------------------------------------------------------------------------------------ blocks from outside
 
     def reserve(self, tier: Tier | str, count: int) -> tuple[list[int], Plan]:
-        """Take up to ``count`` slots of ``tier`` for data arriving from outside (the remote tier).
+        """Take up to ``count`` slots of ``tier`` for data written from outside the admission path (a spill on close).
 
         Free slots first, then slots of evicted blocks (down the cascade, as for any allocation). Returns the
-        slots (possibly fewer) and the plan of copies the evictions need. Give each slot back with
-        :meth:`adopt` or :meth:`unreserve`.
+        slots (possibly fewer) and the plan of copies the evictions need. Give back the slots not used with
+        :meth:`unreserve`.
         """
         t_ = Tier.coerce(tier)
         plan = Plan()
@@ -1054,26 +1132,6 @@ class BlockManager:
     def unreserve(self, tier: Tier | str, slots: Iterable[int]) -> None:
         """Return reserved slots unused."""
         self._free[Tier.coerce(tier)].extend(slots)
-
-    def adopt(
-        self, tier: Tier | str, slot: int, key: ContentKey, parent_key: ContentKey, tokens: np.ndarray
-    ) -> Block | None:
-        """Make the verified data in a reserved ``(tier, slot)`` a cached block under ``key`` (child of ``parent_key``).
-
-        Returns ``None`` and frees the slot when the key is cached already or the parent is not (the block
-        could not be reached).
-        """
-        t_ = Tier.coerce(tier)
-        if key in self._lookup or (parent_key != self.hasher.root and parent_key not in self._lookup):
-            self._free[t_].append(slot)
-            return None
-        block = Block(
-            next(self._ids), t_, slot, parent_key, np.asarray(tokens, dtype=np.int64).copy(), DEFAULT_PRIORITY
-        )
-        block.refcount = 0
-        self._register(block, key)
-        self._adopted += 1
-        return block
 
     def invalidate(self, block: Block) -> None:
         """Take a block whose data is wrong (a failed copy) out of the lookup, with its subtree.

@@ -345,15 +345,13 @@ class TieredKVCache:
         requests = list(requests)
         for _attempt in range(_INTEGRITY_RETRIES + 1):
             self._sweep()
-            if self.remote is not None:
-                await self.remote.prefetch(requests)  # blocks only the store has become cached host blocks
-            admissions, plan = admit(requests)
-            if self.remote is not None:
-                admissions = self.remote.count_hits(admissions)
-            self._issue(plan)
+            admissions, plan = admit(requests)  # with remote fetches for what no local tier holds
+            transfers = self._issue(plan)
             seq_ids = [a.seq_id for a in admissions]
             try:
                 await self._settle(seq_ids, [a.page_table for a in admissions])
+                if self.remote is not None:  # the blocks whose fetch landed, in a row, are reused
+                    admissions, _ = await self.remote.landed(admissions, transfers)
                 checks = self._integrity
                 bad = [] if checks is None else await checks.check_reuse(self.blocks, admissions, plan)
             except BaseException:
@@ -495,8 +493,7 @@ class TieredKVCache:
         e = self.engine.statistics()
         hits = dict(b.hits)
         if self.remote is not None:
-            hits["host"] = hits.get("host", 0) - self.remote.hits
-            hits["remote"] = self.remote.hits
+            hits["remote"] = b.fetched
         return CacheStatistics(
             requests=b.requests,
             tokens_requested=b.tokens_requested,
@@ -582,6 +579,8 @@ class TieredKVCache:
 
     def _issue_group(self, group: list[Move]) -> Transfer:
         head = group[0]
+        if head.src_tier is Tier.REMOTE and self.remote is not None:
+            return self.remote.fetch(group)  # type: ignore[no-any-return]
         src = [m.src_slot for m in group]
         dst = [m.dst_slot for m in group]
         # Spills (HOST -> FILE) and read-backs (FILE -> GPU) carry the blocks' content keys: written into the

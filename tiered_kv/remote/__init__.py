@@ -7,6 +7,7 @@ Modules (one concept each):
 * :mod:`~tiered_kv.remote.objects` -- one immutable self-verifying object per block (the slab slot header).
 * :mod:`~tiered_kv.remote.stores` -- the store clients, batched (one round trip per batch).
 * :mod:`~tiered_kv.remote.tier` -- :class:`RemoteTier`: fenced, verified copies between engine pools and a store.
+* :mod:`~tiered_kv.remote.fetch` -- the remote reads a prefix cache's admission plans, and what they let it reuse.
 * :mod:`~tiered_kv.remote.servers` -- real servers on 127.0.0.1 for tests, demos and benchmarks.
 
 Needs ``pip install 'tiered-kv[remote]'`` (redis-py; the Mooncake wheel). Nothing here is imported by

@@ -1,12 +1,13 @@
-"""The prefix cache's side of the remote tier: look-ups after the local tiers, background puts, hit counting.
+"""The prefix cache's side of the remote tier: the reads admission plans, background puts.
 
 Primitives: :class:`RemoteLink` (what :class:`~tiered_kv.TieredKVCache` holds as ``cache.remote``) and
 :data:`POLICIES`.
 
-* **Look-up** (``prefetch``): before a batch is admitted, the full blocks of each prompt beyond its longest
-  local prefix (GPU, host, file) are read from the store in one batch into reserved host slots, verified,
-  and adopted as cached host blocks -- each only if its parent is cached, so a prefix stays a chain. The
-  admission then onboards them like any host hit; they count as ``hits["remote"]``.
+* **Reads** (:mod:`tiered_kv.remote.fetch`): admission plans a ``"fetch"`` move for every new full block of a
+  prompt beyond its longest local prefix (GPU, host, file); the cache issues them with the rest of the plan
+  (:meth:`RemoteLink.fetch`), straight into the sequence's GPU blocks through the tier's staging ring (or through
+  a ring of host slots for a GPU pool the tier cannot write). The blocks that landed verified, in a row, are
+  reused (:meth:`RemoteLink.landed`) and count as ``hits["remote"]``; a prefix of any length is reused.
 * **Puts** (``remote_policy``): ``"commit"`` -- every committed full block is put in the background, in
   batches, read from wherever it lives then (GPU or host) under the engine's fences; ``"evict"`` -- a block
   is put when it leaves the host tier (spilled or dropped), read before its slot is reused; ``"off"`` --
@@ -18,19 +19,17 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-import numpy as np
-
-from ..blocks import Admission, Block, BlockManager, Plan, Request
+from ..blocks import Admission, Block, BlockManager, Move, Plan
 from ..engine import TransferEngine
 from ..errors import TransferError
-from ..keys import ContentKey, as_token_array
-from ..pools import Tier
+from ..keys import ContentKey
+from ..pools import BlockPool, Tier
 from ..transfer import Transfer
+from .fetch import RemoteFetch, fetched_prefixes, issue_fetch
 from .tier import RemoteStatistics, RemoteTier
 from .url import StoreURL
 
@@ -40,8 +39,6 @@ class CacheSide(Protocol):
 
     blocks: BlockManager
     engine: TransferEngine
-
-    def _issue(self, plan: Plan) -> list[Transfer]: ...
 
 __all__ = ["POLICIES", "RemoteLink"]
 
@@ -84,11 +81,12 @@ class RemoteLink:
         self._evicted: list[tuple[int, bytes]] = []  # evict policy: (host slot, key) of the decision's victims
         self._known: collections.OrderedDict[ContentKey, None] = collections.OrderedDict()  # in the store
         self._putter: asyncio.Task[None] | None = None
-        self._fresh: set[int] = set()  # ids of blocks adopted by the prefetch of the batch being admitted
-        self.hits = 0
         self.put_skipped = 0
         if policy == "evict":
             cache.blocks.on_evict = self._on_evict
+        # the tier writes block-major GPU pools; any other GPU pool gets its blocks through host ring slots
+        gpu_pool = cache.engine.pool(Tier.GPU)
+        cache.blocks.fetch_tier = Tier.GPU if isinstance(gpu_pool, BlockPool) else Tier.HOST
 
     # ------------------------------------------------------------------------------------ lifecycle
 
@@ -111,78 +109,23 @@ class RemoteLink:
         await self.flush()
         await self.tier.close()
 
-    # ------------------------------------------------------------------------------------ look-up
+    # ------------------------------------------------------------------------------------ reads
 
-    async def prefetch(self, requests: Sequence[object]) -> None:
-        """Bring from the store the blocks of these prompts that no local tier has (see the module docstring).
+    def fetch(self, group: list[Move]) -> RemoteFetch:
+        """Issue one group of the plan's fetch moves (see :func:`~tiered_kv.remote.fetch.issue_fetch`)."""
+        return issue_fetch(self.tier, group)
 
-        Cancellation: the reserved slots go back (the read's fences keep any late write ordered).
+    async def landed(self, admissions: list[Admission], transfers: Sequence[Transfer]) -> tuple[list[Admission],
+                                                                                               list[Block]]:
+        """Reuse the blocks the batch's fetches brought (:func:`~tiered_kv.remote.fetch.fetched_prefixes`).
+
+        Their keys are known to be in the store: they are not put again. Cancellation: nothing is reused.
         """
-        tier = self.tier
-        if not tier._usable():
-            return
-        blocks = self.cache.blocks
-        tpb = blocks.tokens_per_block
-        wanted: dict[ContentKey, tuple[ContentKey, np.ndarray]] = {}  # key -> (parent key, tokens), chain order
-        try:
-            for raw in requests:
-                tokens = as_token_array(Request.coerce(raw).tokens)
-                m = blocks.match(tokens)
-                usable = (len(tokens) - 1 if blocks.compute_last_token else len(tokens)) // tpb
-                for i in range(len(m.blocks), usable):
-                    key = m.keys[i]
-                    if key not in wanted:
-                        wanted[key] = (m.keys[i - 1] if i else blocks.hasher.root, tokens[i * tpb : (i + 1) * tpb])
-        except (TypeError, ValueError):
-            return  # a bad request: the admission reports it
-        if not wanted:
-            return
-        cap = max(1, blocks.capacity[Tier.HOST] // 2)  # never flush the whole host tier for one batch
-        keys = list(wanted)[:cap]
-        slots, plan = blocks.reserve(Tier.HOST, len(keys))
-        self.cache._issue(plan)
-        keys = keys[: len(slots)]
-        if not keys:
-            return
-        transfer = tier.get(keys, Tier.HOST, slots)
-        found: list[bool]
-        try:
-            await transfer
-            found = transfer.found
-        except TransferError:
-            found = [False] * len(keys)
-        except BaseException:
-            blocks.unreserve(Tier.HOST, slots)
-            raise
-        for key, slot, ok in zip(keys, slots, found, strict=True):
-            block = blocks.adopt(Tier.HOST, slot, key, *wanted[key]) if ok else None
-            if block is None:
-                if not ok:
-                    blocks.unreserve(Tier.HOST, [slot])
-                continue
-            block.sources = [transfer]
-            self._fresh.add(block.id)
-            self._remember(key)
-
-    def count_hits(self, admissions: list[Admission]) -> list[Admission]:
-        """Move the host hits on blocks this batch's prefetch brought to ``blocks_from["remote"]``."""
-        fresh, self._fresh = self._fresh, set()
-        if not fresh:
-            return [
-                a if "remote" in a.blocks_from else dataclasses.replace(a, blocks_from={**a.blocks_from, "remote": 0})
-                for a in admissions
-            ]
-        out = []
-        for a in admissions:
-            n_full = sum(a.blocks_from.values())
-            used = self.cache.blocks.sequence_blocks(a.seq_id)[:n_full]
-            k = sum(1 for b in used if b.id in fresh)
-            self.hits += k
-            by = dict(a.blocks_from)
-            by["host"] = by.get("host", 0) - k
-            by["remote"] = k
-            out.append(dataclasses.replace(a, blocks_from=by))
-        return out
+        admissions, reused = await fetched_prefixes(self.cache.blocks, admissions, transfers)
+        for b in reused:
+            if b.key is not None:
+                self._remember(b.key)
+        return admissions, reused
 
     # ------------------------------------------------------------------------------------ puts
 
