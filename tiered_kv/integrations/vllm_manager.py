@@ -8,9 +8,19 @@ Primitives:
 * :class:`VLLMStatistics` -- what a manager did since it started.
 * :data:`MANAGERS` -- the managers alive in this process.
 
+Rules (with a host tier of any size the engine makes progress; the slot rules are :mod:`.vllm_host`'s):
+
+* A block that cannot be staged now is a ``MISS`` (vLLM recomputes it): ``RETRY`` and ``HIT_PENDING`` are
+  answered only while a file job of this manager is in flight, and each ends within the file tier's deadline.
+* A store takes the host blocks it can get now, waiting (at most the file tier's deadline per block) for a
+  write-through in flight to free one. vLLM's store job must fit in host memory at once, so the keys beyond
+  what the host tier can take are not offloaded (``store_drops``; with none taken, ``prepare_store`` answers
+  ``None`` and vLLM offers the keys again next step, ``store_deferrals``): size ``host_blocks`` to at least the
+  blocks one scheduler step offloads. Every block vLLM stores is written through to the file tier unless every
+  file slot is busy at that moment (``spill_skips``) or the write fails (``spill_failures``).
+
 This module is one concept: vLLM's ``OffloadingManager`` contract (lookup, prepare_load / prepare_store,
-completion, events, shutdown) over one host LRU and its file write-through; it stays whole because every
-method edits the same entry table under the same single-threaded rules.
+completion, events, shutdown) over one host LRU and its file write-through.
 """
 
 from __future__ import annotations
@@ -18,8 +28,9 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import logging
 import threading
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Hashable, Iterable
 from pathlib import Path
 from typing import Any, cast
 
@@ -27,6 +38,7 @@ from ..engine import TransferEngine
 from ..pools import Tier
 from ._vllm_compat import ConfigFields, base, make_event
 from .loop import LoopThread
+from .vllm_host import HostEntry, HostTable
 from .vllm_shared import (
     LookupResult,
     Settings,
@@ -44,6 +56,8 @@ __all__ = ["MANAGERS", "TieredKVOffloadingManager", "VLLMStatistics"]
 #: Managers alive in this process, newest last (tests and servers read their statistics).
 MANAGERS: list[TieredKVOffloadingManager] = []
 
+_log = logging.getLogger(__name__)
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class VLLMStatistics:
@@ -51,12 +65,17 @@ class VLLMStatistics:
 
     Attributes:
         stores / store_failures: blocks stored into host memory / stores vLLM reported failed.
+        store_drops: keys of a ``prepare_store`` the host tier had no block for (not offloaded).
+        store_deferrals: ``prepare_store`` calls answered ``None`` (no host block now; vLLM offers the keys
+            again next step while the request runs).
         host_hits: lookups answered HIT from blocks stored into host memory.
         file_hits: lookups answered HIT from blocks staged from the file tier and verified.
         loads: blocks handed to vLLM to load (``prepare_load``).
         staged / verify_failures: file blocks staged into host memory and verified / that failed
             verification (answered MISS; vLLM recomputes them).
+        stage_misses: lookups of a file block answered ``MISS`` because no host block was free to stage it.
         spills / spill_failures: blocks written through to the file tier / whose write failed.
+        spill_skips: stored blocks not written through because every file slot was busy (host memory only).
         host_evictions / file_evictions: blocks that left each tier to make room.
         host_blocks / file_blocks: blocks held now.
     """
@@ -74,15 +93,19 @@ class VLLMStatistics:
     file_evictions: int
     host_blocks: int
     file_blocks: int
+    store_drops: int = 0
+    store_deferrals: int = 0
+    stage_misses: int = 0
+    spill_skips: int = 0
 
 
-@dataclasses.dataclass(slots=True)
-class _Entry:
-    block: int
-    state: str  # "storing" | "staging" | "ready"
-    from_file: bool = False
-    pins: int = 0
-    spilling: bool = False
+#: How long a store waits for one write-through when the file tier has no deadline (``file_timeout=None``).
+SPILL_WAIT_WITHOUT_DEADLINE = 30.0
+
+
+def _holder(req_context: Any) -> Hashable:
+    """Who a lookup answered: the request (``None`` where vLLM passes no context)."""
+    return getattr(req_context, "req_id", None)
 
 
 class TieredKVOffloadingManager(base.OffloadingManager):
@@ -114,8 +137,7 @@ class TieredKVOffloadingManager(base.OffloadingManager):
                     file_config=settings.file_config(file_dir) if file_dir is not None else None,
                 )
             )
-        self._host: collections.OrderedDict[bytes, _Entry] = collections.OrderedDict()  # LRU: oldest first
-        self._free = list(range(settings.host_blocks - 1, -1, -1))
+        self._host = HostTable(settings.host_blocks)
         self._file: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # key -> slot, LRU
         self._file_free = list(range(settings.file_blocks - 1, -1, -1))
         self._file_busy: set[int] = set()  # slots being written or read
@@ -123,6 +145,12 @@ class TieredKVOffloadingManager(base.OffloadingManager):
         self._events: list[Any] = []
         self._counts: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
+        self._spill_wait = SPILL_WAIT_WITHOUT_DEADLINE
+        if settings.file_dir is not None and self._engines:
+            timeout = self._engines[0].file_tier.config.timeout
+            if timeout is not None:
+                self._spill_wait = float(timeout) + 1.0
+        self._warned_drop = False
         MANAGERS.append(self)
 
     # ---------------------------------------------------------------------------------- vLLM API
@@ -130,43 +158,54 @@ class TieredKVOffloadingManager(base.OffloadingManager):
     def lookup(self, key: bytes, req_context: Any = None) -> Any:
         """Whether ``key`` can be loaded.
 
-        ``HIT`` (verified in host memory), ``HIT_PENDING`` (being stored or staged), ``RETRY`` (no host slot
-        free to stage into yet) or ``MISS``.
+        ``HIT`` (verified in host memory), ``HIT_PENDING`` (being staged from the file tier), ``RETRY`` (its file
+        slot is being written) or ``MISS`` (absent, being stored, or no host block to stage it into now). A
+        ``HIT`` or ``HIT_PENDING`` holds the block for the request until its ``prepare_load`` or its end.
         """
         self._poll()
         key = bytes(key)
+        holder = _holder(req_context)
         e = self._host.get(key)
         if e is not None:
-            if e.state == "ready":
-                self._counts["file_hits" if e.from_file else "host_hits"] += 1
-                return LookupResult.HIT
-            return LookupResult.HIT_PENDING if e.state == "staging" else LookupResult.MISS
+            if e.state == "storing":
+                return LookupResult.MISS
+            self._host.hold(key, holder)
+            if e.state == "staging":
+                return LookupResult.HIT_PENDING
+            self._counts["file_hits" if e.from_file else "host_hits"] += 1
+            return LookupResult.HIT
         slot = self._file.get(key)
-        if slot is None or slot in self._file_busy:
-            return LookupResult.MISS if slot is None else LookupResult.RETRY
-        block = self._alloc()
-        if block is None:
+        if slot is None:
+            return LookupResult.MISS
+        if slot in self._file_busy:
             return LookupResult.RETRY
-        self._host[key] = _Entry(block, "staging", from_file=True)
+        evicted: list[bytes] = []
+        block = self._host.block_for_read(evicted)
+        self._evicted(evicted)
+        if block is None:
+            self._counts["stage_misses"] += 1
+            return LookupResult.MISS
+        self._host.add(key, block, "staging", from_file=True)
+        self._host.hold(key, holder)
         self._file_busy.add(slot)
         self._jobs.append(("stage", key, slot, self._loop.submit(self._stage(key, slot, block))))
         return LookupResult.HIT_PENDING
 
     def prepare_load(self, keys: Collection[bytes], req_context: Any = None) -> TieredKVLoadStoreSpec:
         blocks = []
-        for k in keys:
-            e = self._host[bytes(k)]
-            assert e.state == "ready", "prepare_load of a block lookup did not answer HIT for"
+        for k in map(bytes, keys):
+            e = self._host.get(k)
+            assert e is not None and e.state == "ready", "prepare_load of a block lookup did not answer HIT for"
             e.pins += 1
-            self._host.move_to_end(bytes(k))
+            self._host.touch(k)
             blocks.append(e.block)
+        self._host.release(_holder(req_context))
         self._counts["loads"] += len(blocks)
         return TieredKVLoadStoreSpec(blocks)
 
     def touch(self, keys: Collection[bytes], req_context: Any = None) -> None:
         for k in keys:
-            if bytes(k) in self._host:
-                self._host.move_to_end(bytes(k))
+            self._host.touch(bytes(k))
 
     def complete_load(self, keys: Collection[bytes], req_context: Any = None) -> None:
         for k in keys:
@@ -175,20 +214,36 @@ class TieredKVOffloadingManager(base.OffloadingManager):
                 e.pins -= 1
 
     def prepare_store(self, keys: Collection[bytes], req_context: Any = None) -> Any:
+        """Host blocks for vLLM's worker to store ``keys`` into: as many as the host tier can give now.
+
+        Keys beyond that are not offloaded (``store_drops``); with no block at all the answer is ``None``, and
+        vLLM offers the keys again next step while the request runs (``store_deferrals``).
+        """
         self._poll()
-        todo = [bytes(k) for k in keys if bytes(k) not in self._host]
+        todo = [k for k in map(bytes, keys) if k not in self._host]
         evicted: list[bytes] = []
         blocks: list[int] = []
         for _k in todo:
-            block = self._alloc(evicted)
+            block = self._block_for_store(evicted)
             if block is None:
                 break
             blocks.append(block)
+        self._evicted(evicted)
         if todo and not blocks:
+            self._counts["store_deferrals"] += 1
             return None
+        if len(blocks) < len(todo):
+            self._counts["store_drops"] += len(todo) - len(blocks)
+            if not self._warned_drop:
+                self._warned_drop = True
+                _log.warning(
+                    "tiered_kv: a vLLM store of %d blocks found %d host blocks to take; the rest are not offloaded "
+                    "(counted in store_drops): give host_blocks at least the blocks one scheduler step offloads",
+                    len(todo), len(blocks),
+                )
         todo = todo[: len(blocks)]
         for k, b in zip(todo, blocks, strict=True):
-            self._host[k] = _Entry(b, "storing")
+            self._host.add(k, b, "storing")
         out: Any = base.PrepareStoreOutput(
             keys_to_store=cast(Any, todo), store_spec=TieredKVLoadStoreSpec(blocks), evicted_keys=cast(Any, evicted)
         )
@@ -209,8 +264,7 @@ class TieredKVOffloadingManager(base.OffloadingManager):
                 stored.append(k)
                 self._spill(k, e)
             else:
-                del self._host[k]
-                self._free.append(e.block)
+                self._host.remove(k)
                 self._counts["store_failures"] += 1
         self._counts["stores"] += len(stored)
         if stored:
@@ -218,6 +272,10 @@ class TieredKVOffloadingManager(base.OffloadingManager):
 
     def on_new_request(self, req_context: Any) -> Any:
         return base.RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: Any) -> None:
+        """The request's holds end (see :meth:`lookup`)."""
+        self._host.release(_holder(req_context))
 
     def take_events(self) -> Iterable[Any]:
         self._poll()
@@ -232,11 +290,13 @@ class TieredKVOffloadingManager(base.OffloadingManager):
         self._poll()
 
     def reset_cache(self) -> None:
-        """Forget the host tier's blocks (not pinned, not in flight); the file tier keeps its verified blocks."""
+        """Forget the host blocks but those this manager's own file jobs use; the file tier keeps its blocks.
+
+        vLLM drops its in-flight jobs at a reset without completing them: their blocks are reused only as store
+        destinations until then (:meth:`.vllm_host.HostTable.reset`).
+        """
         self._poll()
-        gone = [k for k, e in self._host.items() if e.state == "ready" and not e.pins and not e.spilling]
-        for k in gone:
-            self._free.append(self._host.pop(k).block)
+        gone = self._host.reset()
         if gone:
             self._events.append(make_event(gone, "CPU", True))
 
@@ -257,21 +317,9 @@ class TieredKVOffloadingManager(base.OffloadingManager):
         """Counters since start-up (see :class:`VLLMStatistics`)."""
         self._poll()
         c = self._counts
-        return VLLMStatistics(
-            c["stores"],
-            c["store_failures"],
-            c["host_hits"],
-            c["file_hits"],
-            c["loads"],
-            c["staged"],
-            c["verify_failures"],
-            c["spills"],
-            c["spill_failures"],
-            c["host_evictions"],
-            c["file_evictions"],
-            len(self._host),
-            len(self._file),
-        )
+        names = [f.name for f in dataclasses.fields(VLLMStatistics)]
+        values = {n: c[n] for n in names if n not in ("host_blocks", "file_blocks")}
+        return VLLMStatistics(**values, host_blocks=len(self._host), file_blocks=len(self._file))
 
     def file_slots(self) -> dict[bytes, int]:
         """Offload key -> file slot of every block in the file tier (every rank uses the same slot)."""
@@ -282,24 +330,32 @@ class TieredKVOffloadingManager(base.OffloadingManager):
         """One engine per rank: the rank's shared host region and file tier."""
         return list(self._engines)
 
-    def _alloc(self, evicted: list[bytes] | None = None) -> int | None:
-        if self._free:
-            return self._free.pop()
-        for k, e in self._host.items():  # least recently used first
-            if e.state == "ready" and not e.pins and not e.spilling:
-                del self._host[k]
-                self._counts["host_evictions"] += 1
-                self._events.append(make_event([k], "CPU", True))
-                if evicted is not None:
-                    evicted.append(k)
-                return e.block
-        return None
+    def _evicted(self, keys: list[bytes]) -> None:
+        if keys:
+            self._counts["host_evictions"] += len(keys)
+            self._events.append(make_event(list(keys), "CPU", True))
 
-    def _spill(self, key: bytes, e: _Entry) -> None:
+    def _block_for_store(self, evicted: list[bytes]) -> int | None:
+        """A host block to store into; when only write-throughs hold them, wait for the oldest (bounded)."""
+        while True:
+            block = self._host.block_for_store(evicted)
+            if block is not None:
+                return block
+            key = self._host.oldest_spilling()
+            fut = next((j[3] for j in self._jobs if j[0] == "spill" and j[1] == key), None)
+            if key is None or fut is None:
+                return None
+            concurrent.futures.wait([fut], timeout=self._spill_wait)
+            if not fut.done():
+                return None
+            self._poll()
+
+    def _spill(self, key: bytes, e: HostEntry) -> None:
         if not self._engines or self.settings.file_blocks == 0 or key in self._file:
             return
         slot = self._file_slot()
         if slot is None:
+            self._counts["spill_skips"] += 1
             return
         e.spilling = True
         self._file_busy.add(slot)
@@ -359,8 +415,7 @@ class TieredKVOffloadingManager(base.OffloadingManager):
                     self._counts["staged"] += 1
                     self._events.append(make_event([key], "CPU", False))
                 elif e is not None:  # verification failed: never served; vLLM recomputes the block
-                    del self._host[key]
-                    self._free.append(e.block)
+                    self._host.remove(key)
                     self._counts["verify_failures"] += 1
                     if self._file.pop(key, None) is not None:
                         self._file_free.append(slot)
