@@ -402,3 +402,28 @@ def test_opcheck_cuda() -> None:
             -1,
         ),
     )
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_an_empty_gather_is_checked_by_one_rule_on_every_device(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An empty index array in pageable memory reads nothing: the CPU and CUDA validations both accept it and
+    return before anything is enqueued (the CUDA case runs the CUDA rule on CPU tensors; no GPU is needed)."""
+    src = torch.arange(2 * 4 * 2 * 8, dtype=torch.int32).view(2, 4, 2, 8)  # pageable
+    idx = torch.tensor([1, 2, 3], dtype=torch.int64)[1:1]  # pageable, empty, a view into a live storage
+    assert not src.is_pinned() and not idx.is_pinned()
+    dev = torch.device(device)
+    assert ops._check_gather_inputs(src, idx, None, None, dev, empty=True)
+    assert not ops._check_gather_inputs(src, idx, None, None, torch.device("cpu"), empty=False)
+    if device == "cuda":  # a gather that reads them still needs pinned host memory there
+        with pytest.raises(ValueError, match="pageable"):
+            ops._check_gather_inputs(src, torch.tensor([1]), None, None, dev, empty=False)
+    enqueued: list[object] = []
+    monkeypatch.setattr(ops, "gather_block_offsets_ref", lambda *a: enqueued.append(a))
+    monkeypatch.setattr(ops, "_use_reference", lambda d: True)
+    dst = torch.zeros(2, 0, 2, 8, dtype=torch.int32)
+    assert ops.gather_block_offsets(dst, src, idx) is dst
+    assert ops.gather_block_offsets(torch.zeros(2, 1, 2, 8, dtype=torch.int32), src, idx[:0].new_tensor([1]),
+                                    max_blocks=0).sum() == 0
+    assert not enqueued
+    with pytest.raises(ValueError, match="out of range"):  # range is checked for an empty gather too
+        ops.gather_block_offsets(torch.zeros(2, 1, 2, 8, dtype=torch.int32), src, torch.tensor([9]), max_blocks=0)

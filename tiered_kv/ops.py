@@ -63,8 +63,11 @@ _COPY_DTYPES = (
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-def _check_host_readable(t: torch.Tensor, device: torch.device, what: str) -> None:
-    """A CUDA launch on ``device`` can read ``t``: it lives there or in pinned host memory."""
+def _check_host_readable(t: torch.Tensor, device: torch.device, what: str, *, reads: bool = True) -> None:
+    """A CUDA launch on ``device`` can read ``t``: it lives there or in pinned host memory.
+
+    With ``reads=False`` (the op reads nothing of ``t``) host memory of any kind is accepted, as on the CPU.
+    """
     if device.type != "cuda":
         if t.device.type != "cpu":
             raise ValueError(f"{what} is on {t.device}, but the operation runs on the CPU")
@@ -72,7 +75,7 @@ def _check_host_readable(t: torch.Tensor, device: torch.device, what: str) -> No
     if t.device.type == "cuda":
         if t.device != device:
             raise ValueError(f"{what} is on {t.device}, but the operation runs on {device}")
-    elif t.device.type != "cpu" or (t.numel() and not t.is_pinned()):
+    elif t.device.type != "cpu" or (reads and t.numel() and not t.is_pinned()):
         where = "pageable host memory" if t.device.type == "cpu" else str(t.device)
         raise ValueError(f"{what} must be on {device} or in pinned host memory, got {where}")
 
@@ -140,9 +143,11 @@ def gather_block_offsets(
     Raises:
         TypeError: a table is not int32 or ``idx`` is not int32/int64.
         ValueError: shapes disagree, ``max_blocks`` out of range, an index out of range (checked when
-            ``idx`` is on the CPU), or a tensor the CUDA kernel cannot read (pageable host memory).
+            ``idx`` is on the CPU), or a tensor the CUDA kernel would read in pageable host memory.
 
     Notes:
+        An empty gather (no sequence, pool, K/V row or column) reads nothing: on every device it is checked by
+        the same rules (host tensors in any memory, pageable too) and returns ``dst`` with nothing enqueued.
         On CUDA the kernel reads ``src``, ``idx``, ``scale`` and ``v_offset`` where they are (device or
         pinned host memory) when it *executes*; keep them unchanged until then (fresh snapshot per call).
         The arithmetic is int32 and wraps on overflow.
@@ -180,20 +185,35 @@ def gather_block_offsets(
     if not dst.is_contiguous() or not src.is_contiguous():
         raise ValueError("gather_block_offsets: src and dst must be contiguous")
     device = dst.device
+    if _check_gather_inputs(src, idx, scale, v_offset, device, empty=0 in (pools, seqs, kv, cols)):
+        return dst
+    if _use_reference(device):
+        gather_block_offsets_ref(dst, src, idx, scale, v_offset, cols, sentinel)
+    else:
+        torch.ops.tiered_kv.gather_block_offsets(dst, src, idx, scale, v_offset, cols, sentinel)
+    return dst
+
+
+def _check_gather_inputs(
+    src: torch.Tensor,
+    idx: torch.Tensor,
+    scale: torch.Tensor | None,
+    v_offset: torch.Tensor | None,
+    device: torch.device,
+    *,
+    empty: bool,
+) -> bool:
+    """Where the gather's inputs live and ``idx``'s range, one rule per device; ``True``: nothing to gather."""
     for name, opt in (("src", src), ("idx", idx), ("scale", scale), ("v_offset", v_offset)):
         if opt is not None:
-            _check_host_readable(opt, device, name)
+            _check_host_readable(opt, device, name, reads=not empty)
     if idx.device.type == "cpu" and idx.numel():
         lo, hi = int(idx.min()), int(idx.max())
         if lo < 0 or hi >= src.shape[1]:
             raise ValueError(
                 f"gather_block_offsets: idx holds {lo if lo < 0 else hi}, out of range for {src.shape[1]} source rows"
             )
-    if _use_reference(device):
-        gather_block_offsets_ref(dst, src, idx, scale, v_offset, cols, sentinel)
-    else:
-        torch.ops.tiered_kv.gather_block_offsets(dst, src, idx, scale, v_offset, cols, sentinel)
-    return dst
+    return empty
 
 
 GatherFn = Callable[
