@@ -81,3 +81,21 @@ async def test_a_write_that_did_not_land_is_named() -> None:
         cache.free(adm.seq_id)
     assert shadow.mismatches == 1
     assert reports[0].startswith(f"SHADOW WRITE gpu[{slot}] tokens [0] are not in the pool")
+
+
+async def test_guard_blocks_around_the_gpu_pool() -> None:
+    """With guard blocks the run uses a pool inside a larger allocation; a byte written outside it fails the run."""
+    from tiered_kv.tools.stress import _Guards
+
+    report = await stress(StressConfig(seed=12, seconds=1.0, guard_blocks=3))
+    assert report.wrong_tokens == 0, report.failures
+    config = StressConfig(guard_blocks=2)
+    guards = _Guards(config.layout, config)
+    counts: dict[str, int] = {"wrong": 0}
+    failures: list[str] = []
+    guards.check("nothing", counts, failures)
+    assert counts["wrong"] == 0 and guards.pool.shape[0] == config.gpu_blocks
+    guards.whole[config.gpu_blocks + 3, 1, 0, 0, 2, 5] = 1.0  # the second guard block after the pool
+    guards.check("a stray write", counts, failures)
+    assert counts["wrong"] == 1
+    assert failures == ["after a stray write: guard blocks [1] after the GPU pool were written"]

@@ -80,6 +80,10 @@ class StressConfig:
         trace: on a wrong token, print where its bytes came from and the history of its block and slots.
         shadow: check each copy's destination against the issue-order model when it completes
             (:class:`~tiered_kv.tools.shadow.Shadow`); a mismatch is printed and counted.
+        guard_blocks: allocate the GPU pool with this many guard blocks of a fixed pattern on each side (0: the
+            engine allocates it); the guards are checked after every model write and at the end, and a changed
+            guard byte fails the run. Large guards also move the pool out of the small-allocation pool of the CUDA
+            caching allocator (a 20-block pool otherwise shares a segment with small temporaries).
         layout: block geometry (4 tokens per block, 3 layers x 2 KV heads x 8, fp32).
     """
 
@@ -102,6 +106,7 @@ class StressConfig:
     integrity: bool = True
     trace: bool = False
     shadow: bool = False
+    guard_blocks: int = 0
     layout: KVLayout = dataclasses.field(
         default_factory=lambda: KVLayout(
             num_layers=3, num_kv_heads=2, head_dim=8, tokens_per_block=4, dtype=torch.float32
@@ -113,6 +118,8 @@ class StressConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"StressConfig.{name} must be a positive int, got {value!r}")
+        if isinstance(self.guard_blocks, bool) or not isinstance(self.guard_blocks, int) or self.guard_blocks < 0:
+            raise ValueError(f"StressConfig.guard_blocks must be an int >= 0, got {self.guard_blocks!r}")
         for name in ("write_faults", "read_faults", "timeout_prob", "append_prob", "block_prob"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"StressConfig.{name} must be in [0, 1], got {getattr(self, name)!r}")
@@ -224,6 +231,31 @@ class _Trace:
             print(f"TRACE   {ts:.4f} {line}", flush=True)
 
 
+class _Guards:
+    """A GPU pool with ``guard_blocks`` blocks of a fixed pattern on each side (``StressConfig.guard_blocks``)."""
+
+    def __init__(self, layout: KVLayout, config: StressConfig) -> None:
+        g = config.guard_blocks
+        self.whole = torch.empty((config.gpu_blocks + 2 * g, *layout.block_shape), dtype=layout.dtype,
+                                 device=config.device)
+        self.whole.view(torch.uint8).fill_(0x5A)
+        self.pool = self.whole[g : g + config.gpu_blocks]
+        self.guards = (self.whole[:g], self.whole[g + config.gpu_blocks :])
+        self.broken = False
+
+    def check(self, when: str, counts: dict[str, int], failures: list[str]) -> None:
+        """Every guard byte must still hold the pattern (a write outside the pool's blocks fails the run)."""
+        if self.broken:
+            return
+        for side, guard in zip(("before", "after"), self.guards, strict=True):
+            raw = guard.reshape(guard.shape[0], -1).view(torch.uint8)
+            changed = torch.nonzero((raw != 0x5A).any(dim=1)).flatten().tolist()
+            if changed:
+                self.broken = True
+                counts["wrong"] += 1
+                failures.append(f"after {when}: guard blocks {changed} {side} the GPU pool were written")
+
+
 def _truth(cache: TieredKVCache) -> Callable[[Block], np.ndarray]:
     """The oracle of a block for :class:`~tiered_kv.tools.shadow.Shadow`: the bytes the stress writes per token."""
 
@@ -270,8 +302,10 @@ async def stress(config: StressConfig) -> StressReport:
     with contextlib.ExitStack() as stack:
         directory = stack.enter_context(tempfile.TemporaryDirectory(prefix="tiered-kv-stress-"))
         file_config = _faulty_file_config(directory, config, backends) if config.file_blocks else None
+        guards = _Guards(layout, config) if config.guard_blocks else None
         engine = TransferEngine(layout, gpu_blocks=config.gpu_blocks, host_blocks=config.host_blocks,
-                                device=config.device, file_config=file_config)
+                                device=config.device, file_config=file_config,
+                                gpu_pool=None if guards is None else guards.pool)
         cache = TieredKVCache(layout, gpu_blocks=config.gpu_blocks, host_blocks=config.host_blocks,
                               file_blocks=config.file_blocks, engine=engine, max_seqs=32,
                               integrity=config.integrity)
@@ -304,6 +338,8 @@ async def stress(config: StressConfig) -> StressReport:
             sync()
             if shadow is not None:
                 shadow.landed(written)
+            if guards is not None:
+                guards.check("a model write", counts, failures)
 
         def invariants(when: str) -> None:
             try:
@@ -414,6 +450,8 @@ async def stress(config: StressConfig) -> StressReport:
                 await asyncio.gather(*jobs)
                 await engine.drain()
                 invariants("the end")
+                if guards is not None:
+                    guards.check("the end", counts, failures)
                 stats = cache.statistics()
         finally:
             await engine.close()
@@ -434,9 +472,11 @@ def _one(argv: Sequence[str]) -> int:
     p.add_argument("--trace", action="store_true")
     p.add_argument("--no-integrity", action="store_true")
     p.add_argument("--shadow", action="store_true")
+    p.add_argument("--guard-blocks", type=int, default=0)
     args = p.parse_args(argv)
     report = asyncio.run(stress(StressConfig(seed=args.seed, seconds=args.seconds, device=args.device,
-                                             trace=args.trace, integrity=not args.no_integrity, shadow=args.shadow)))
+                                             trace=args.trace, integrity=not args.no_integrity, shadow=args.shadow,
+                                             guard_blocks=args.guard_blocks)))
     print(json.dumps(dataclasses.asdict(report)), flush=True)
     return 0
 
@@ -444,6 +484,7 @@ def _one(argv: Sequence[str]) -> int:
 def run_many(
     seeds: Sequence[int], *, seconds: float, device: str, procs: int, trace: bool = False, integrity: bool = True,
     shadow: bool = False,
+    guard_blocks: int = 0,
 ) -> list[dict[str, object]]:
     """Run each seed in a process of its own, ``procs`` at a time; one dict per run (``error`` if it crashed).
 
@@ -458,7 +499,8 @@ def run_many(
             seed = pending.pop(0)
             cmd = [sys.executable, "-m", "tiered_kv.tools.stress", "--one", "--seed", str(seed),
                    "--seconds", str(seconds), "--device", device, *(["--trace"] if trace else []),
-                   *([] if integrity else ["--no-integrity"]), *(["--shadow"] if shadow else [])]
+                   *([] if integrity else ["--no-integrity"]), *(["--shadow"] if shadow else []),
+                   "--guard-blocks", str(guard_blocks)]
             p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
             running.append((seed, p, time.monotonic()))
         time.sleep(0.2)
@@ -496,10 +538,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--trace", action="store_true", help="on a wrong token, print the history of its block and slots")
     p.add_argument("--no-integrity", action="store_true", help="run the cache without its integrity checks")
     p.add_argument("--shadow", action="store_true", help="check each copy against the issue-order model as it ends")
+    p.add_argument("--guard-blocks", type=int, default=0, help="guard blocks on each side of the GPU pool")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     results = run_many(range(args.first_seed, args.first_seed + args.runs), seconds=args.seconds, device=args.device,
-                       procs=args.procs, trace=args.trace, integrity=not args.no_integrity, shadow=args.shadow)
+                       procs=args.procs, trace=args.trace, integrity=not args.no_integrity, shadow=args.shadow,
+                       guard_blocks=args.guard_blocks)
     print(f"{'seed':>6} {'admissions':>10} {'verified':>9} {'wrong':>6} {'timeouts':>8} {'faults':>6} "
           f"{'evicted':>7} {'integrity':>9}  hits")
     for r in results:
