@@ -195,3 +195,66 @@ def test_under_sglang_failure_injector(tmp_path: Path, monkeypatch: pytest.Monke
         assert os.environ["SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE"] == "0.3"
     finally:
         backend._backend.close()
+
+
+class _Switch:
+    """A FaultyBackend call set that holds every call while ``on``."""
+
+    def __init__(self) -> None:
+        self.on = False
+
+    def __contains__(self, n: object) -> bool:
+        return self.on
+
+    def __iter__(self) -> Any:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+def test_a_hung_disk_makes_a_page_a_miss_within_the_deadline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through SGLang's factory with ``file_timeout``: reads that hang end as misses within the deadline, the pages stay
+    indexed, and once the disk answers again they are served, bit-exact."""
+    import dataclasses
+    import time
+
+    from tiered_kv.backends.posix import PosixBackend
+
+    from tiered_kv.faults import FaultyBackend
+    from tiered_kv.file import FileTierConfig
+
+    hang, faulty = _Switch(), []
+    from_env = FileTierConfig.from_env
+
+    def hanging(*args: Any, **kwargs: Any) -> FileTierConfig:
+        def factory(path: str) -> FaultyBackend:
+            faulty.append(FaultyBackend(PosixBackend(path, direct=False), hang_on_read=hang))  # type: ignore[arg-type]
+            return faulty[-1]
+
+        return dataclasses.replace(from_env(*args, **kwargs), backend_factory=factory)
+
+    monkeypatch.setattr(FileTierConfig, "from_env", staticmethod(hanging))
+    pool = HostPool("page_first")
+    backend = StorageBackendFactory.create_backend("dynamic", _config(tmp_path, file_timeout=0.5), pool)
+    backend.register_mem_pool_host(pool)
+    try:
+        pool.kv_buffer.copy_(torch.randn_like(pool.kv_buffer))
+        want = [pool.page(p) for p in range(2)]
+        assert backend.batch_set_v1(["h0", "h1"], _pages(0, 2)) == [True, True]
+        hang.on = True
+        t0 = time.monotonic()
+        assert backend.batch_get_v1(["h0", "h1"], _pages(2, 2)) == [False, False]
+        assert time.monotonic() - t0 < 5.0  # the deadline is 0.5 s a call; never a wait without end
+        assert backend.get_stats()["timeouts"] >= 1
+        assert backend.batch_exists(["h0", "h1"]) == 2  # a hung read is a miss, not a bad slot
+        hang.on = False
+        faulty[0].release()
+        deadline = time.monotonic() + 10
+        while backend.batch_get_v1(["h0", "h1"], _pages(4, 2)) != [True, True]:
+            assert time.monotonic() < deadline, "the pages never came back once the disk answered"
+            time.sleep(0.2)
+        assert torch.equal(pool.page(4), want[0]) and torch.equal(pool.page(5), want[1])
+    finally:
+        faulty[0].release()
+        backend.close()
