@@ -26,12 +26,12 @@ BYTES = 8192
 ROUNDS = 200  # scheduler steps a lookup may defer before the test calls it a stall
 
 
-def _spec(tmp_path: Path, host_blocks: int) -> TieredKVOffloadingSpec:
+def _spec(tmp_path: Path, host_blocks: int, **extra: Any) -> TieredKVOffloadingSpec:
     cfg = offload_config.OffloadingConfig(
         groups=(offload_config.OffloadingGroupConfig(tokens_per_block=32, layer_names=("l0",), group_id=0),),
         worker_kv_bytes_per_block=BYTES, enable_kv_cache_events=True,
         extra_config={"host_blocks": host_blocks, "file_dir": str(tmp_path / "kv"), "file_blocks": 64,
-                      "shm_dir": str(tmp_path)},
+                      "shm_dir": str(tmp_path), **extra},
         engine_id=f"progress-{tmp_path.name}", model=offload_config.OffloadingModelConfig(name="tiny", dtype="float32"),
         cache=offload_config.OffloadingCacheConfig(tokens_per_hash=32, blocks_per_chunk=1),
         parallel=offload_config.OffloadingParallelConfig(
@@ -161,3 +161,60 @@ def test_after_a_reset_with_jobs_in_flight_lookups_answer_and_stores_proceed(mgr
     assert _store(mgr, _keys(3, 2), ctx) == _keys(3, 2)  # the dropped job's blocks take the next store
     _settle(mgr)
     assert _lookup_until_answered(mgr, prefix, r) == 2  # and serve the file tier again
+
+
+class _Switch:
+    """A FaultyBackend call set that holds every call while ``on``."""
+
+    def __init__(self) -> None:
+        self.on = False
+
+    def __contains__(self, n: object) -> bool:
+        return self.on
+
+    def __iter__(self) -> Any:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+def test_a_hung_file_read_is_a_miss_within_the_deadline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``file_timeout``, a stalled disk ends a staging read within the deadline: the lookup is answered (a miss,
+    the block recomputed), never deferred without end."""
+    import dataclasses
+
+    from tiered_kv.backends.posix import PosixBackend
+
+    from tiered_kv.faults import FaultyBackend
+    from tiered_kv.file import FileTierConfig
+
+    hang, faulty = _Switch(), []
+    from_env = FileTierConfig.from_env
+
+    def hanging(*args: Any, **kwargs: Any) -> FileTierConfig:
+        def factory(path: str) -> FaultyBackend:
+            faulty.append(FaultyBackend(PosixBackend(path, direct=False), hang_on_read=hang))  # type: ignore[arg-type]
+            return faulty[-1]
+
+        return dataclasses.replace(from_env(*args, **kwargs), backend_factory=factory)
+
+    monkeypatch.setattr(FileTierConfig, "from_env", staticmethod(hanging))
+    m = _spec(tmp_path, host_blocks=2, file_timeout=0.5).get_manager()
+    try:
+        prefix = _keys(1, 2)
+        _through_file(m, prefix)
+        _through_file(m, _keys(2, 2))  # the host tier holds none of the prefix: a lookup stages it from file
+        hang.on = True
+        ctx, t0 = ReqContext(req_id="r"), time.monotonic()
+        while (hits := _scan(m, prefix, ctx)) is None:
+            assert time.monotonic() - t0 < 10, "a hung read kept the lookup deferred"
+            m.on_schedule_end(None)
+            time.sleep(0.01)
+        assert hits == 0 and time.monotonic() - t0 < 5
+        assert m.statistics().verify_failures >= 1  # the failed staging: never served
+    finally:
+        hang.on = False
+        for f in faulty:
+            f.release()
+        m.shutdown()
