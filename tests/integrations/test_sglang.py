@@ -229,7 +229,7 @@ def test_a_hung_disk_makes_a_page_a_miss_within_the_deadline(tmp_path: Path, mon
 
     def hanging(*args: Any, **kwargs: Any) -> FileTierConfig:
         def factory(path: str) -> FaultyBackend:
-            faulty.append(FaultyBackend(PosixBackend(path, direct=False), hang_on_read=hang))  # type: ignore[arg-type]
+            faulty.append(FaultyBackend(PosixBackend(path, direct=False), hang_on_read=hang))
             return faulty[-1]
 
         return dataclasses.replace(from_env(*args, **kwargs), backend_factory=factory)

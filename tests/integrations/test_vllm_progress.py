@@ -194,7 +194,7 @@ def test_a_hung_file_read_is_a_miss_within_the_deadline(tmp_path: Path, monkeypa
 
     def hanging(*args: Any, **kwargs: Any) -> FileTierConfig:
         def factory(path: str) -> FaultyBackend:
-            faulty.append(FaultyBackend(PosixBackend(path, direct=False), hang_on_read=hang))  # type: ignore[arg-type]
+            faulty.append(FaultyBackend(PosixBackend(path, direct=False), hang_on_read=hang))
             return faulty[-1]
 
         return dataclasses.replace(from_env(*args, **kwargs), backend_factory=factory)
