@@ -541,7 +541,7 @@ class NativeCopy:
     without a completion.
     """
 
-    __slots__ = ("_issue", "failed", "nbytes", "stream")
+    __slots__ = ("_issue", "error", "failed", "nbytes", "stream")
     explicit_stream = True
 
     def __init__(
@@ -550,6 +550,7 @@ class NativeCopy:
         self.stream = stream
         self.nbytes = nbytes  # what the copy moves (the stream expects its end from it)
         self.failed = False  # the call into C++ raised: the error reaches done() at the event
+        self.error: BaseException | None = None  # that error
         self._issue: Callable[[int, int, int], Event] = functools.partial(submit, plan, s, d)
 
     @property
@@ -574,6 +575,7 @@ class NativeCopy:
                 raise
             error = exc  # `exc` is unbound after the except block; the callback runs later
             self.failed = True
+            self.error = error
             return self.stream.notify(lambda: done(error))
 
     def ok_at_event(self) -> bool:

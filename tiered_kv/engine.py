@@ -48,7 +48,7 @@ from .completions import CompletionInbox, EventPoller
 from .config import EngineConfig
 from .copyops import Copier, NativeRoute
 from .device import CudaStream, Device, Event, Stream, expected_end, resolve_device
-from .errors import EngineClosedError, OwnedEngineError
+from .errors import EngineClosedError, OwnedEngineError, TransferError
 from .fences import FenceTable, Marker
 from .file import FileHandler, FileTier, FileTierConfig
 from .handlers import Batch, Job, Medium, Routes, TransferHandler
@@ -115,6 +115,13 @@ def _ok_at_event(marker: Marker) -> bool:
     """Whether reaching ``marker``'s event is its whole completion (its job's ``ok_at_event``; no job: no)."""
     ok_at_event = getattr(marker.job, "ok_at_event", None)
     return ok_at_event is not None and bool(ok_at_event())
+
+
+def _error_at_event(marker: Marker) -> BaseException:
+    """The error of a stream op whose event was reached but whose completion is more than that (its job's word)."""
+    error_at_event = getattr(marker.job, "error_at_event", None)
+    error = error_at_event() if error_at_event is not None else None
+    return error if error is not None else TransferError("a copy this one waited for failed")
 
 
 def _allocate(
@@ -1007,6 +1014,9 @@ class TransferEngine:
                 if not dep.completed:
                     if dep.done_at is None:
                         dep.done_at = marker.done_at
+                    if dep.error is None and not _ok_at_event(dep):
+                        # its copy failed at launch: its own done() would bring the error, and finds it completed
+                        dep.error = _error_at_event(dep)
                     self._complete(dep)
             marker.after = []
         # queued before complete(): a done-callback that reads the statistics or the fences settles them first

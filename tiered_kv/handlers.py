@@ -36,7 +36,10 @@ The protocol, step by step, for ``engine.copy(src_tier, s, dst_tier, d, num_toke
    the transfer. A job with a lane may also have ``ok_at_event() -> bool`` (asked on the loop once its event
    is reached): True when ``done(None)`` is all that its completion will do, so the engine may complete it
    from the event (an awaited copy about to end is polled by the loop, :class:`~tiered_kv.completions.EventPoller`)
-   and ``done`` then only confirms it. Without it, only ``done`` completes the job.
+   and ``done`` then only confirms it. Without it, only ``done`` completes the job. A job whose ``ok_at_event`` is
+   False may have ``error_at_event() -> BaseException | None``: the error its ``done`` will report. A later copy that
+   waited for the job's event stream-side completes the job with it when it completes first (else a generic
+   :class:`~tiered_kv.errors.TransferError`): a failed copy never reads as a success.
 5. ``handler.close()`` is called by ``engine.close()`` after every copy has completed.
 
 A new tier is one more handler and one more route: give the engine a handler (``TransferEngine(...,

@@ -60,6 +60,13 @@ class _StreamJob:
             return op.ok_at_event()
         return not self.errors
 
+    def error_at_event(self) -> BaseException | None:
+        """The error ``done`` will report, known once the event is reached (``Job.error_at_event``)."""
+        op = self.op
+        if type(op) is NativeCopy:
+            return op.error
+        return self.errors[0] if self.errors else None
+
     def start(self, done: Done) -> Event:
         op = self.op
         if type(op) is NativeCopy:  # one call into C++ issues the copy, its event and its completion signal
