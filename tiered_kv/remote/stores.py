@@ -57,7 +57,8 @@ MISSING = -1
 #: ``replace`` outcomes: the corrupted object was overwritten; the name held nothing and the object was stored;
 #: the name holds another object than the corrupted one (a replacement by another node), which stays.
 REPLACED, STORED, KEPT = "replaced", "stored", "kept"
-_MOONCAKE_MISSES = (-704, -707)  # OBJECT_NOT_FOUND, LEASE_EXPIRED
+#: REPLICA_IS_NOT_READY (its put is still being written), OBJECT_NOT_FOUND, LEASE_EXPIRED: a miss, not a store error
+_MOONCAKE_MISSES = (-703, -704, -707)
 _CLOSE_WAIT = 60  # seconds close() waits for Mooncake calls that outlived their timeout
 _ABANDONED: list[Any] = []  # Mooncake clients left open because a call still ran at close()
 
@@ -469,7 +470,7 @@ class MooncakeStore:
             [int(o.ctypes.data) for o in out],
             [int(o.nbytes) for o in out],
         )
-        # -704 not found and -707 lease expired mid-read are misses; other negative codes are store errors
+        # an object not written yet, not there, or whose lease expired mid-read is a miss; other codes are store errors
         return [MISSING if c in _MOONCAKE_MISSES else int(c) for c in codes]
 
     async def ping(self) -> float:
