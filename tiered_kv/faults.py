@@ -39,7 +39,7 @@ import torch
 from tiered_kv.backends import Completion, FileBackend
 from tiered_kv.backends.posix import DIRECT_ALIGN, Buffer
 
-__all__ = ["FaultyBackend", "RandomFaults", "random_faults"]
+__all__ = ["FaultSwitch", "FaultyBackend", "RandomFaults", "random_faults"]
 
 Calls = int | Collection[int] | None
 
@@ -211,6 +211,22 @@ class RandomFaults:
 
     def __contains__(self, n: object) -> bool:
         return isinstance(n, int) and random.Random(f"{self._seed}:{self._salt}:{n}").random() < self._rate
+
+    def __iter__(self) -> Iterator[int]:  # a Collection for FaultyBackend's type; never iterated
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+class FaultSwitch:
+    """A call set that holds every call while :attr:`on` is set (``hang_on_read=switch``: the disk stalls on demand)."""
+
+    def __init__(self) -> None:
+        self.on = False
+
+    def __contains__(self, n: object) -> bool:
+        return self.on
 
     def __iter__(self) -> Iterator[int]:  # a Collection for FaultyBackend's type; never iterated
         return iter(())

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from engine_import import require
+from hung_disk import hang_file_reads
 
 require("sglang.srt.mem_cache.storage.backend_factory")
 
@@ -197,44 +198,12 @@ def test_under_sglang_failure_injector(tmp_path: Path, monkeypatch: pytest.Monke
         backend._backend.close()
 
 
-class _Switch:
-    """A FaultyBackend call set that holds every call while ``on``."""
-
-    def __init__(self) -> None:
-        self.on = False
-
-    def __contains__(self, n: object) -> bool:
-        return self.on
-
-    def __iter__(self) -> Any:
-        return iter(())
-
-    def __len__(self) -> int:
-        return 0
-
-
 def test_a_hung_disk_makes_a_page_a_miss_within_the_deadline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Through SGLang's factory with ``file_timeout``: reads that hang end as misses within the deadline, the pages stay
     indexed, and once the disk answers again they are served, bit-exact."""
-    import dataclasses
     import time
 
-    from tiered_kv.backends.posix import PosixBackend
-
-    from tiered_kv.faults import FaultyBackend
-    from tiered_kv.file import FileTierConfig
-
-    hang, faulty = _Switch(), []
-    from_env = FileTierConfig.from_env
-
-    def hanging(*args: Any, **kwargs: Any) -> FileTierConfig:
-        def factory(path: str) -> FaultyBackend:
-            faulty.append(FaultyBackend(PosixBackend(path, direct=False), hang_on_read=hang))
-            return faulty[-1]
-
-        return dataclasses.replace(from_env(*args, **kwargs), backend_factory=factory)
-
-    monkeypatch.setattr(FileTierConfig, "from_env", staticmethod(hanging))
+    hang, faulty = hang_file_reads(monkeypatch)
     pool = HostPool("page_first")
     backend = StorageBackendFactory.create_backend("dynamic", _config(tmp_path, file_timeout=0.5), pool)
     backend.register_mem_pool_host(pool)

@@ -7,10 +7,7 @@ separate process running the same model without any connector (``vllm_baseline.p
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +15,7 @@ from typing import Any
 import pytest
 from engine_import import require
 from tiny_llama import BLOCK, probes, prompt, write_model
+from vllm_engine import baseline_outputs, key, tiered_llm
 
 vllm = require("vllm")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # scheduler and worker in this process
@@ -34,10 +32,6 @@ FILLERS = [prompt(10 + i, 4) for i in range(6)]  # push earlier blocks out of th
 ALL = [A, A_SUFFIX, *A_PROBES, *FILLERS]
 
 
-def _key(p: list[int]) -> str:
-    return json.dumps(p)
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_model(tmp_path_factory.mktemp("tiny-llama"))
@@ -45,23 +39,12 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def baseline(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]:
-    d = tmp_path_factory.mktemp("baseline")
-    (d / "prompts.json").write_text(json.dumps(ALL))
-    script = Path(__file__).with_name("vllm_baseline.py")
-    subprocess.run([sys.executable, str(script), str(model_dir), str(d / "prompts.json"), str(d / "out.json")],
-                   check=True, timeout=600)
-    outs = json.loads((d / "out.json").read_text())
-    return {_key(p): o for p, o in zip(ALL, outs, strict=True)}
+    return baseline_outputs(model_dir, ALL, tmp_path_factory.mktemp("baseline"))
 
 
 @pytest.fixture(scope="module")
 def llm(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    file_dir = tmp_path_factory.mktemp("kv")
-    config = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-              "kv_connector_extra_config": {"spec_name": "TieredKV", "host_blocks": HOST_BLOCKS,
-                                            "file_dir": str(file_dir), "file_blocks": 64}}
-    engine = vllm.LLM(model=str(model_dir), skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-                      block_size=BLOCK, max_model_len=512, seed=0, kv_transfer_config=config)
+    engine = tiered_llm(vllm, model_dir, tmp_path_factory.mktemp("kv"), HOST_BLOCKS, 64)
     yield engine
     del engine
 
@@ -104,7 +87,7 @@ def test_spec_loaded_by_short_name_and_module_path(llm: Any) -> None:
 
 
 def test_reuse_from_host(llm: Any, baseline: dict[str, list[int]]) -> None:
-    assert _run(llm, A) == baseline[_key(A)]
+    assert _run(llm, A) == baseline[key(A)]
     mgr = _manager()
     _settle(mgr)
     assert mgr.statistics().stores >= 4
@@ -112,7 +95,7 @@ def test_reuse_from_host(llm: Any, baseline: dict[str, list[int]]) -> None:
     before = mgr.statistics()
     for p in (A, A_SUFFIX, *A_PROBES):
         llm.reset_prefix_cache()
-        assert _run(llm, p) == baseline[_key(p)], f"output differs for a prompt sharing {len(p)} tokens"
+        assert _run(llm, p) == baseline[key(p)], f"output differs for a prompt sharing {len(p)} tokens"
     after = mgr.statistics()
     assert after.host_hits > before.host_hits and after.loads >= before.loads + 4 + 4 + 1 + 2 + 3
 
@@ -120,13 +103,13 @@ def test_reuse_from_host(llm: Any, baseline: dict[str, list[int]]) -> None:
 def test_reuse_from_file(llm: Any, baseline: dict[str, list[int]]) -> None:
     mgr = _manager()
     for f in FILLERS[:3]:  # 12 new blocks through an 8-block host tier: A's blocks leave host, stay in file
-        assert _run(llm, f) == baseline[_key(f)]
+        assert _run(llm, f) == baseline[key(f)]
         _settle(mgr)
     before = mgr.statistics()
     assert before.host_evictions > 0 and before.spills >= 4
     for p in (A, *A_PROBES):
         llm.reset_prefix_cache()
-        assert _run(llm, p) == baseline[_key(p)]
+        assert _run(llm, p) == baseline[key(p)]
     after = mgr.statistics()
     assert after.staged > before.staged and after.file_hits > before.file_hits
     assert after.verify_failures == 0
@@ -135,7 +118,7 @@ def test_reuse_from_file(llm: Any, baseline: dict[str, list[int]]) -> None:
 def test_every_file_slot_corrupted_is_recomputed(llm: Any, baseline: dict[str, list[int]]) -> None:
     mgr = _manager()
     for f in FILLERS[3:]:  # push A out of host again
-        assert _run(llm, f) == baseline[_key(f)]
+        assert _run(llm, f) == baseline[key(f)]
         _settle(mgr)
     slots = mgr.file_slots()
     assert len(slots) >= 4
@@ -151,7 +134,7 @@ def test_every_file_slot_corrupted_is_recomputed(llm: Any, baseline: dict[str, l
     before = mgr.statistics()
     for p in (A, *A_PROBES):
         llm.reset_prefix_cache()
-        assert _run(llm, p) == baseline[_key(p)]
+        assert _run(llm, p) == baseline[key(p)]
     after = mgr.statistics()
     assert after.verify_failures >= before.verify_failures + 4  # each of A's corrupted blocks was caught
-    assert _run(llm, A_SUFFIX) == baseline[_key(A_SUFFIX)]  # the engine is alive and serving
+    assert _run(llm, A_SUFFIX) == baseline[key(A_SUFFIX)]  # the engine is alive and serving

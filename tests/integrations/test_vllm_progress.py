@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from engine_import import require
+from hung_disk import hang_file_reads
 
 require("vllm")
 
@@ -163,43 +164,10 @@ def test_after_a_reset_with_jobs_in_flight_lookups_answer_and_stores_proceed(mgr
     assert _lookup_until_answered(mgr, prefix, r) == 2  # and serve the file tier again
 
 
-class _Switch:
-    """A FaultyBackend call set that holds every call while ``on``."""
-
-    def __init__(self) -> None:
-        self.on = False
-
-    def __contains__(self, n: object) -> bool:
-        return self.on
-
-    def __iter__(self) -> Any:
-        return iter(())
-
-    def __len__(self) -> int:
-        return 0
-
-
 def test_a_hung_file_read_is_a_miss_within_the_deadline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With ``file_timeout``, a stalled disk ends a staging read within the deadline: the lookup is answered (a miss,
     the block recomputed), never deferred without end."""
-    import dataclasses
-
-    from tiered_kv.backends.posix import PosixBackend
-
-    from tiered_kv.faults import FaultyBackend
-    from tiered_kv.file import FileTierConfig
-
-    hang, faulty = _Switch(), []
-    from_env = FileTierConfig.from_env
-
-    def hanging(*args: Any, **kwargs: Any) -> FileTierConfig:
-        def factory(path: str) -> FaultyBackend:
-            faulty.append(FaultyBackend(PosixBackend(path, direct=False), hang_on_read=hang))
-            return faulty[-1]
-
-        return dataclasses.replace(from_env(*args, **kwargs), backend_factory=factory)
-
-    monkeypatch.setattr(FileTierConfig, "from_env", staticmethod(hanging))
+    hang, faulty = hang_file_reads(monkeypatch)
     m = _spec(tmp_path, host_blocks=2, file_timeout=0.5).get_manager()
     try:
         prefix = _keys(1, 2)

@@ -8,10 +8,7 @@ block is caught by verification and recomputed. Outputs equal a run without any 
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +16,7 @@ from typing import Any
 import pytest
 from engine_import import require
 from tiny_llama import BLOCK, probes, prompt, write_model
+from vllm_engine import baseline_outputs, key, tiered_llm
 
 vllm = require("vllm")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # scheduler and worker in this process
@@ -34,10 +32,6 @@ ALL = [A, *A_PROBES, *FILLERS]
 STEP_SECONDS = 60  # far above what a request takes here; a stall fails the test instead of hanging CI
 
 
-def _key(p: list[int]) -> str:
-    return json.dumps(p)
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_model(tmp_path_factory.mktemp("tiny-llama"))
@@ -45,23 +39,12 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def baseline(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]:
-    d = tmp_path_factory.mktemp("baseline")
-    (d / "prompts.json").write_text(json.dumps(ALL))
-    script = Path(__file__).with_name("vllm_baseline.py")
-    subprocess.run([sys.executable, str(script), str(model_dir), str(d / "prompts.json"), str(d / "out.json")],
-                   check=True, timeout=600)
-    outs = json.loads((d / "out.json").read_text())
-    return {_key(p): o for p, o in zip(ALL, outs, strict=True)}
+    return baseline_outputs(model_dir, ALL, tmp_path_factory.mktemp("baseline"))
 
 
 @pytest.fixture(scope="module")
 def llm(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    file_dir = tmp_path_factory.mktemp("kv")
-    config = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-              "kv_connector_extra_config": {"spec_name": "TieredKV", "host_blocks": HOST_BLOCKS,
-                                            "file_dir": str(file_dir), "file_blocks": FILE_BLOCKS}}
-    engine = vllm.LLM(model=str(model_dir), skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-                      block_size=BLOCK, max_model_len=512, seed=0, kv_transfer_config=config)
+    engine = tiered_llm(vllm, model_dir, tmp_path_factory.mktemp("kv"), HOST_BLOCKS, FILE_BLOCKS)
     yield engine
     del engine
 
@@ -94,12 +77,12 @@ def _settle(mgr: tkv_vllm.TieredKVOffloadingManager) -> None:
 
 def _push_out_of_host(llm: Any, mgr: tkv_vllm.TieredKVOffloadingManager, baseline: dict[str, list[int]]) -> None:
     for f in FILLERS:
-        assert _run(llm, f) == baseline[_key(f)]
+        assert _run(llm, f) == baseline[key(f)]
         _settle(mgr)
 
 
 def test_an_evicted_prefix_is_served_from_the_file_tier(llm: Any, baseline: dict[str, list[int]]) -> None:
-    assert _run(llm, A) == baseline[_key(A)]
+    assert _run(llm, A) == baseline[key(A)]
     mgr = _manager()
     _settle(mgr)
     _push_out_of_host(llm, mgr, baseline)
@@ -108,7 +91,7 @@ def test_an_evicted_prefix_is_served_from_the_file_tier(llm: Any, baseline: dict
     assert len(mgr.file_slots()) == before.stores  # every block stored into host reached the file tier
     for p in (A, *A_PROBES):
         llm.reset_prefix_cache()  # vLLM's GPU prefix cache forgets A: only the file tier has it
-        assert _run(llm, p) == baseline[_key(p)]
+        assert _run(llm, p) == baseline[key(p)]
     assert before.stores + before.store_drops >= 5 * 4  # every block vLLM offered was stored or counted
     after = mgr.statistics()
     assert after.staged > before.staged and after.file_hits > before.file_hits and after.loads > before.loads
@@ -132,8 +115,8 @@ def test_every_file_slot_corrupted_is_recomputed(llm: Any, baseline: dict[str, l
     before = mgr.statistics()
     for p in (A, *A_PROBES):
         llm.reset_prefix_cache()
-        assert _run(llm, p) == baseline[_key(p)]
+        assert _run(llm, p) == baseline[key(p)]
     after = mgr.statistics()
     assert after.verify_failures > before.verify_failures  # caught, never loaded; vLLM recomputed
     llm.reset_prefix_cache()
-    assert _run(llm, A) == baseline[_key(A)]  # the engine is alive and serving
+    assert _run(llm, A) == baseline[key(A)]  # the engine is alive and serving
