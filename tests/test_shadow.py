@@ -99,3 +99,23 @@ async def test_guard_blocks_around_the_gpu_pool() -> None:
     guards.check("a stray write", counts, failures)
     assert counts["wrong"] == 1
     assert failures == ["after a stray write: guard blocks [1] after the GPU pool were written"]
+
+
+async def test_bytes_changed_outside_any_copy_are_named_with_their_window() -> None:
+    """The scan after a model write compares every slot no copy is writing: a block changed by nothing the cache
+    issued (here: a stray store) is reported once, with the window since the last clean scan."""
+    reports: list[str] = []
+    async with TieredKVCache(LAYOUT, gpu_blocks=4, host_blocks=4, device="cpu", integrity=False) as cache:
+        shadow = Shadow(cache, reports.append)
+        [a, b] = await cache.add_sequences([list(range(1, 9)), list(range(20, 25))])
+        [first, _] = _write(cache, shadow, a.seq_id)
+        shadow.scan()
+        assert shadow.scan_mismatches == 0 and not reports
+        cache.engine.pool(Tier.GPU).tensor[first, :, :, :, 1:3] = 0.0  # a stray store, no copy, no model write
+        written = _write(cache, shadow, b.seq_id)
+        shadow.landed([(written[0], 0, expected_tokens(cache.hasher, cache.blocks.sequence_tokens(b.seq_id), 0, 4))])
+        shadow.scan()  # reported once: the model took the device's bytes
+        cache.free(a.seq_id)
+        cache.free(b.seq_id)
+    assert shadow.scan_mismatches == 1 and shadow.mismatches == 0, reports
+    assert reports[0].startswith(f"SHADOW SCAN gpu[{first}] tokens [1, 2] changed outside any copy between ")

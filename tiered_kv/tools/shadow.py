@@ -8,7 +8,8 @@ and each model write when it is made. It then checks four things:
 * **a copy** -- when it completes, every destination slot that nothing has written since is read back and compared
   token by token (copies that failed, and whatever was derived from them, are skipped: their products are poisoned);
 * **a model write** -- after the device synchronize that ends it, the written tokens must be in the pool
-  (:meth:`Shadow.landed`);
+  (:meth:`Shadow.landed`), and every other slot of both pools that no copy in flight writes must still hold what
+  the model says (:meth:`Shadow.scan`: bytes that changed outside any copy are named with the window they changed in);
 * **a plan** -- given the workload's oracle (``truth``), every move must read a slot that holds its block's tokens;
 * **an integrity refusal** -- the device, the model and the oracle are compared for the refused block.
 
@@ -94,6 +95,7 @@ class Shadow:
         self._truth = truth
         self._slots: dict[tuple[str, int], _Slot] = {}
         self._ops = itertools.count(1)
+        self._last_op = 0
         self._failed: set[int] = set()
         self._ok: set[int] = set()
         self._t0 = time.perf_counter()
@@ -101,6 +103,10 @@ class Shadow:
         self._op_of: dict[int, int] = {}  # id(marker) -> op
         self._story: dict[int, list[str]] = {}  # op -> the engine's decisions and completion, timed
         self._markers: list[object] = []  # every marker seen, kept alive so that its id() names it alone
+        self._writing: collections.Counter[tuple[str, int]] = collections.Counter()  # slots copies in flight write
+        self._scanned_at = 0.0  # when the last scan found the pools as the model says
+        self._scanned_op = 0  # the last op issued before it
+        self.scan_mismatches = 0
         self.mismatches = 0
         self.plan_mismatches = 0
         self.checked = 0
@@ -135,6 +141,7 @@ class Shadow:
     def wrote(self, slot: int, first: int, content: torch.Tensor) -> None:
         """The model wrote ``content`` (``[layers, kv, heads, n, dim]``) into tokens ``first..`` of GPU ``slot``."""
         op = next(self._ops)
+        self._last_op = op
         n = content.shape[3]
         what = f"model write gpu[{slot}] tokens {first}..{first + n - 1} at {self._now()}"
         s = self._slot(Tier.GPU.value, slot)
@@ -161,6 +168,37 @@ class Shadow:
                     f"their write (found {real[lost[0] - first][:8].tobytes().hex()})",
                     *self._context(),
                 ]))
+        self.scan()
+
+    def scan(self) -> None:
+        """Every slot that no copy in flight writes holds the model's known, unpoisoned tokens (after a synchronize).
+
+        A slot found changed is reported once with the window since the last clean scan (the ops issued in it), and
+        the model takes the device's bytes so that the next scan reports only new changes.
+        """
+        self._synchronize()
+        now, last_op = time.perf_counter() - self._t0, self._last_op
+        pools = {tier: _all_tokens(pool) for tier, pool in self._pools.items()}
+        clean = True
+        for (tier, index), slot in self._slots.items():
+            real = pools.get(tier)
+            if real is None or self._writing[tier, index]:
+                continue
+            bad = [j for j in range(self._tpb) if slot.known[j] and not (slot.lineage[j] & self._failed)
+                   and not np.array_equal(real[index][j], slot.tokens[j])]
+            if not bad:
+                continue
+            clean = False
+            self.scan_mismatches += 1
+            lines = [f"SHADOW SCAN {tier}[{index}] tokens {bad} changed outside any copy between "
+                     f"{self._scanned_at:.6f} (after op {self._scanned_op}) and {now:.6f} (after op {last_op}); "
+                     f"found {real[index][bad[0]][:8].tobytes().hex()}, model {slot.tokens[bad[0]][:8].tobytes().hex()}"]
+            lines.extend(self._history(f"{tier}[{index}]", slot, (last_op + 1, real[index], bad), None))
+            lines.extend(self._context())
+            self._report("\n".join(lines))
+            slot.tokens[bad] = real[index][bad]
+        if clean:
+            self._scanned_at, self._scanned_op = now, last_op
 
     # ------------------------------------------------------------------------------------ copies
 
@@ -170,6 +208,7 @@ class Shadow:
         if transfer.done() and transfer.exception() is not None:
             return  # refused whole, nothing enqueued: it changed nothing
         op = next(self._ops)
+        self._last_op = op
         n = self._tpb if num_tokens is None else int(num_tokens)
         what = f"op {op}: {src_t}{src}->{dst_t}{dst} n={n}"
         marker = transfer._marker
@@ -190,12 +229,15 @@ class Shadow:
             slot.writes += 1
             slot.history.append(_Version(op, what, slot.tokens.copy(), slot.known.copy()))
             expected.append((d, slot.writes, slot.tokens.copy(), slot.known.copy(), set().union(*slot.lineage)))
+            self._writing[dst_t, d] += 1
         transfer.add_done_callback(functools.partial(self._completed, op, what, src_t, src, dst_t, expected))
 
     def _completed(self, op: int, what: str, src_t: str, src: list[int], dst_t: str, expected: list[_Expected],
                    transfer: Transfer) -> None:
         done_at = (transfer.completed_at or self._t0) - self._t0
         self._story.setdefault(op, []).append(f"{self._now()} completed on the loop (device done at {done_at:.6f})")
+        for d, *_ in expected:
+            self._writing[dst_t, d] -= 1
         if transfer.exception() is not None:
             self._failed.add(op)
             return
@@ -348,6 +390,11 @@ class Shadow:
 
     def _now(self) -> str:
         return f"{time.perf_counter() - self._t0:.6f}"
+
+
+def _all_tokens(pool: torch.Tensor) -> np.ndarray:
+    """``[blocks, layers, kv, heads, tokens, dim]`` -> ``[blocks, tokens, bytes]`` uint8 (a CPU copy)."""
+    return pool.detach().cpu().movedim(4, 1).contiguous().view(torch.uint8).reshape(*pool.shape[:1], pool.shape[4], -1).numpy()
 
 
 def _per_token(block: torch.Tensor) -> np.ndarray:

@@ -459,7 +459,7 @@ async def stress(config: StressConfig) -> StressReport:
         config.seed, config.device, round(time.perf_counter() - t0, 2), counts["admissions"], counts["verified"],
         counts["wrong"], hits, stats.partial_hits, counts["timeouts"], counts["transfer_errors"], counts["cache_full"],
         sum(b.faults for b in backends), counts["evicted"], counts["appended"], stats.integrity_errors, failures,
-        0 if shadow is None else shadow.mismatches + shadow.plan_mismatches,
+        0 if shadow is None else shadow.mismatches + shadow.plan_mismatches + shadow.scan_mismatches,
     )
 
 
