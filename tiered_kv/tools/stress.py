@@ -327,9 +327,15 @@ async def stress(config: StressConfig) -> StressReport:
             """Play the model: plain assignments on the current stream, then a device synchronize."""
             tokens = cache.blocks.sequence_tokens(seq_id)
             written: list[tuple[int, int, torch.Tensor]] = []
+            staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+            if shadow is not None and cuda and torch.cuda.current_stream() != torch.cuda.default_stream():
+                print(f"SHADOW STREAM the model writes on {torch.cuda.current_stream()}, not the default stream",
+                      flush=True)
             for slot, a, b in blocks_of(seq_id, start, stop):
                 content = expected_tokens(cache.hasher, tokens, a, b)
-                pool[slot, :, :, :, a % tpb : a % tpb + (b - a), :] = content.to(pool.device)
+                on_device = content.to(pool.device)
+                pool[slot, :, :, :, a % tpb : a % tpb + (b - a), :] = on_device
+                staged.append((content, on_device))
                 if shadow is not None:
                     shadow.wrote(slot, a % tpb, content)
                     written.append((slot, a % tpb, content))
@@ -337,6 +343,11 @@ async def stress(config: StressConfig) -> StressReport:
                     trace.wrote_tokens(seq_id, cache.blocks.sequence_blocks(seq_id)[a // tpb].id, slot, a, content)
             sync()
             if shadow is not None:
+                for content, on_device in staged:
+                    if not torch.equal(content, on_device.cpu()):
+                        print(f"SHADOW TEMP the model's staged KV on the device changed before the synchronize "
+                              f"(found {on_device.cpu().flatten()[:4].tolist()}, {on_device.data_ptr():#x})",
+                              flush=True)
                 shadow.landed(written)
             if guards is not None:
                 guards.check("a model write", counts, failures)
