@@ -344,10 +344,11 @@ async def stress(config: StressConfig) -> StressReport:
             sync()
             if shadow is not None:
                 for content, on_device in staged:
-                    if not torch.equal(content, on_device.cpu()):
-                        print(f"SHADOW TEMP the model's staged KV on the device changed before the synchronize "
-                              f"(found {on_device.cpu().flatten()[:4].tolist()}, {on_device.data_ptr():#x})",
-                              flush=True)
+                    back = on_device.cpu()
+                    if not torch.equal(content.contiguous().view(torch.uint8), back.view(torch.uint8)):
+                        print(f"SHADOW TEMP the model's staged KV at {on_device.data_ptr():#x} changed before the "
+                              f"synchronize (found {back.contiguous().view(torch.uint8).flatten()[:8].tolist()}; the "
+                              f"pool is at {pool.data_ptr():#x})", flush=True)
                 shadow.landed(written)
             if guards is not None:
                 guards.check("a model write", counts, failures)
