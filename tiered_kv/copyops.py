@@ -858,8 +858,8 @@ def _strided_samples(index: int, turns: int = _CALIBRATION_TURNS) -> dict[int, l
     """
     with torch.cuda.device(index):
         host = torch.empty(_STRIDED_BYTES, dtype=torch.uint8, pin_memory=True)
-        gpu = torch.empty(_STRIDED_BYTES, dtype=torch.uint8, device=f"cuda:{index}")
         stream = torch.cuda.Stream()
+        gpu = _scratch_on(stream, _STRIDED_BYTES, index)
         op = torch.ops.tiered_kv.copy_blocks
         cases = []
         for width in _STRIDED_WIDTHS:
@@ -887,6 +887,18 @@ def _strided_samples(index: int, turns: int = _CALIBRATION_TURNS) -> dict[int, l
                     out[width].append(t[ops.METHOD_DMA] / t[ops.METHOD_KERNEL])
         del host, gpu, cases
     return out
+
+
+def _scratch_on(stream: torch.cuda.Stream, nbytes: int, index: int) -> torch.Tensor:
+    """Device scratch for work on ``stream`` only, allocated with ``stream`` current.
+
+    The caching allocator hands a block freed on a stream to the next allocation on that same stream, even while
+    kernels queued there before the free still read or write it (stream order makes that safe for that stream).
+    Scratch allocated on the caller's stream and written on ``stream`` could take such a block and race with the
+    caller's queued work: the model's activations, or KV it has yet to write into a pool.
+    """
+    with torch.cuda.stream(stream):
+        return torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{index}")
 
 
 def _calibration(device: torch.device) -> tuple[int, int]:
@@ -964,8 +976,8 @@ def _dma_samples(index: int, sizes: tuple[int, ...], turns: int = _CALIBRATION_T
 
     with torch.cuda.device(index):
         host = torch.empty(_CALIBRATION_BYTES, dtype=torch.uint8, pin_memory=True)
-        gpu = torch.empty(_CALIBRATION_BYTES, dtype=torch.uint8, device=f"cuda:{index}")
         stream = torch.cuda.Stream()
+        gpu = _scratch_on(stream, _CALIBRATION_BYTES, index)
         op = torch.ops.tiered_kv.copy_blocks
 
         def seconds(method: int, host_side: list[torch.Tensor], gpu_side: list[torch.Tensor], s: torch.Tensor) -> float:
