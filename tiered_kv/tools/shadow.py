@@ -41,6 +41,7 @@ __all__ = ["Shadow"]
 
 _HISTORY = 12  # versions kept per slot for a report
 _RECENT = 60  # ops kept for a report's context
+_SERVED = 4096  # moves that succeeded, kept for a copy that fails after them
 
 
 @dataclasses.dataclass
@@ -107,6 +108,7 @@ class Shadow:
         self._scanned_at = 0.0  # when the last scan found the pools as the model says
         self._scanned_op = 0  # the last op issued before it
         self.scan_mismatches = 0
+        self._served_reads: collections.deque[tuple[Move, set[int]]] = collections.deque(maxlen=_SERVED)
         self.mismatches = 0
         self.plan_mismatches = 0
         self.checked = 0
@@ -120,9 +122,12 @@ class Shadow:
             return transfer
 
         def checked_group(group: list[Move]) -> Transfer:
-            for move in group:
-                self._check_move(move)
-            return issue_group(group)
+            reads = [(m, self._check_move(m)) for m in group]
+            transfer = issue_group(group)
+            for m, read in reads:
+                if read:
+                    transfer.add_done_callback(functools.partial(self._served, m, read))
+            return transfer
 
         cache._copy = watched_copy
         cache._issue_group = checked_group  # type: ignore[method-assign]
@@ -240,14 +245,19 @@ class Shadow:
             self._writing[dst_t, d] -= 1
         if transfer.exception() is not None:
             self._failed.add(op)
+            for move, read in self._served_reads:  # moves that already succeeded reading its bytes
+                if op in read:
+                    self._poisoned(move, {op})
             return
         self._ok.add(op)
         pool = self._pools.get(dst_t)
         if pool is None:  # the file tier: checked when a copy reads it back
             return
         for k, (d, writes, tokens, known, lineage) in enumerate(expected):
-            if self._slots[dst_t, d].writes != writes or lineage & self._failed:
-                continue  # written again since (its bytes may be a later op's by now), or derived from a failed copy
+            if lineage & self._failed:
+                continue  # derived from a failed copy: poisoned (its moves are checked by _check_move)
+            if self._slots[dst_t, d].writes != writes:
+                continue  # written again since: its bytes may be a later op's by now
             real = _per_token(pool[d])
             bad = [j for j in range(self._tpb) if known[j] and not np.array_equal(real[j], tokens[j])]
             self.checked += 1
@@ -257,14 +267,18 @@ class Shadow:
 
     # ------------------------------------------------------------------------------------ plans and refusals
 
-    def _check_move(self, move: Move) -> None:
-        """A move must read a slot whose tokens are its block's (in the model, with the workload's oracle)."""
+    def _check_move(self, move: Move) -> set[int]:
+        """A move must read a slot whose tokens are its block's (in the model, with the workload's oracle).
+
+        Returns the copies not known to have succeeded whose bytes the move reads (checked by :meth:`_served`).
+        """
         slot = self._slots.get((move.src_tier.value, move.src_slot))
         if self._truth is None or slot is None:
-            return
+            return set()
         block = move.source if move.source is not None else move.block
         truth = self._truth(block)
         n = min(len(truth), self._tpb if move.num_tokens is None else move.num_tokens)
+        read = set().union(*slot.lineage[:n]) - self._ok
         bad = [j for j in range(n) if slot.known[j] and not np.array_equal(slot.tokens[j], truth[j])]
         if bad:
             self.plan_mismatches += 1
@@ -274,6 +288,30 @@ class Shadow:
                 f"({len(block.tokens)} tokens) but the slot's tokens {bad} hold other bytes",
                 *self._history(f"{move.src_tier.value}[{move.src_slot}]", slot, None, truth),
             ]))
+        return read
+
+    def _served(self, move: Move, read: set[int], transfer: Transfer) -> None:
+        """Moves that succeeded must not have read a failed copy's bytes (its failure must have reached them)."""
+        if transfer.exception() is not None:
+            return
+        self._served_reads.append((move, read))
+        self._poisoned(move, read & self._failed)
+
+    def _poisoned(self, move: Move, failed: set[int]) -> None:
+        if not failed:
+            return
+        self.plan_mismatches += 1
+        name = f"{move.src_tier.value}[{move.src_slot}]"
+        slot = self._slots.get((move.src_tier.value, move.src_slot))
+        block = move.source if move.source is not None else move.block
+        self._report("\n".join([
+            f"SHADOW POISON {move.kind} #{move.block.id} {name}->{move.dst_tier.value}[{move.dst_slot}] "
+            f"n={move.num_tokens} succeeded, but read bytes of block #{block.id} that failed ops {sorted(failed)} "
+            f"produced",
+            *(self._history(name, slot, None, None if self._truth is None else self._truth(block))
+              if slot is not None else []),
+            *self._context(),
+        ]))
 
     def _explain_refusal(self, block: Block) -> None:
         """Why the integrity check refused ``block``: the device, the model and the oracle, compared per token."""
@@ -289,6 +327,28 @@ class Shadow:
                          f"model==oracle {[bool(np.array_equal(slot.tokens[j], truth[j])) for j in range(n)]} "
                          f"model==device {[bool(np.array_equal(slot.tokens[j], real[j])) for j in range(n)]}")
             lines.extend(self._history(f"{block.tier.value}[{block.slot}]", slot, None, truth))  # type: ignore[union-attr]
+        self._report("\n".join(lines))
+
+    def explain_served(self, slot: int, block: Block, what: str) -> None:
+        """The workload found ``block`` wrong in GPU ``slot``: the device, the model and the oracle, per token."""
+        model = self._slots.get((Tier.GPU.value, slot))
+        lines = [f"SHADOW SERVED {what}: block #{block.id} ({len(block.tokens)} tokens) in gpu[{slot}]"]
+        if model is not None and self._truth is not None:
+            self._synchronize()
+            real, truth = _per_token(self._pools["gpu"][slot]), self._truth(block)
+            n = len(truth)
+            lines.append(f"SHADOW   device==oracle {[bool(np.array_equal(real[j], truth[j])) for j in range(n)]} "
+                         f"model==oracle {[bool(np.array_equal(model.tokens[j], truth[j])) for j in range(n)]} "
+                         f"model==device {[bool(np.array_equal(model.tokens[j], real[j])) for j in range(n)]} "
+                         f"poisoned {[bool(model.lineage[j] & self._failed) for j in range(n)]}; found "
+                         f"{real[0][:8].tobytes().hex()}")
+            lines.extend(self._history(f"gpu[{slot}]", model, None, truth))
+            for v in model.history:  # where the block came from: the slots its copies read, one level up
+                for name, tier, index in _sources(v.what):
+                    src = self._slots.get((tier, index))
+                    if src is not None:
+                        lines.extend(self._history(f"{name} (read by op {v.op})", src, None, truth))
+        lines.extend(self._context())
         self._report("\n".join(lines))
 
     # ------------------------------------------------------------------------------------ reports
@@ -329,10 +389,11 @@ class Shadow:
                 match = [j for j in bad if any(v.known[i] and np.array_equal(v.tokens[i], real[j])
                                                for i in range(self._tpb))]
                 note = f"{' (issued AFTER the copy)' if v.op > op else ''}; holds the bytes found in tokens {match}"
-            else:
-                assert truth is not None
+            elif truth is not None:
                 right = [j for j in range(len(truth)) if v.known[j] and np.array_equal(v.tokens[j], truth[j])]
                 note = f"; right tokens {right}"
+            else:
+                note = ""
             lines.append(f"SHADOW     {v.what}{note}")
             lines.extend(f"SHADOW         {e}" for e in self._story.get(v.op, []))
         return lines
@@ -390,6 +451,15 @@ class Shadow:
 
     def _now(self) -> str:
         return f"{time.perf_counter() - self._t0:.6f}"
+
+
+def _sources(what: str) -> list[tuple[str, str, int]]:
+    """The source slots named in an op's description ``op N: tier[a, b]->tier[c, d] n=K`` (none for a model write)."""
+    if not what.startswith("op ") or "->" not in what:
+        return []
+    src = what.split(": ", 1)[1].split("->", 1)[0]
+    tier, indices = src.split("[", 1)
+    return [(f"source {tier}[{i.strip()}]", tier, int(i)) for i in indices.rstrip("]").split(",")]
 
 
 def _all_tokens(pool: torch.Tensor) -> np.ndarray:

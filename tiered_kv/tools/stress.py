@@ -368,6 +368,8 @@ async def stress(config: StressConfig) -> StressReport:
                     bad_slots.append(slot)
                     if trace is not None and len(failures) < 3:
                         trace.dump(what, cache.blocks.sequence_blocks(seq_id)[a // tpb].id, slot, actual, wrong, a)
+                    if shadow is not None and len(failures) < 3:
+                        shadow.explain_served(slot, cache.blocks.sequence_blocks(seq_id)[a // tpb], what)
             counts["verified"] += reused
             if bad:
                 counts["wrong"] += len(bad)
