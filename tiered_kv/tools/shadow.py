@@ -77,7 +77,9 @@ class Shadow:
 
     Attributes:
         mismatches: copies and model writes whose result differed from the model; ``plan_mismatches``: moves that
-            read a slot not holding their block; ``checked``: destination slots compared so far.
+            read a slot not holding their block; ``scan_mismatches``: slots found changed outside any copy;
+            ``poisoned``: moves that succeeded although a copy that wrote what they read had failed (the engine does
+            not fail such a copy; the cache must not use what it made); ``checked``: destination slots compared.
     """
 
     def __init__(
@@ -108,6 +110,7 @@ class Shadow:
         self._scanned_at = 0.0  # when the last scan found the pools as the model says
         self._scanned_op = 0  # the last op issued before it
         self.scan_mismatches = 0
+        self.poisoned = 0  # moves that succeeded reading a failed copy's bytes (reported, not counted as mismatches)
         self._served_reads: collections.deque[tuple[Move, set[int]]] = collections.deque(maxlen=_SERVED)
         self.mismatches = 0
         self.plan_mismatches = 0
@@ -300,7 +303,7 @@ class Shadow:
     def _poisoned(self, move: Move, failed: set[int]) -> None:
         if not failed:
             return
-        self.plan_mismatches += 1
+        self.poisoned += 1
         name = f"{move.src_tier.value}[{move.src_slot}]"
         slot = self._slots.get((move.src_tier.value, move.src_slot))
         block = move.source if move.source is not None else move.block
