@@ -41,6 +41,7 @@ __all__ = ["Shadow"]
 
 _HISTORY = 12  # versions kept per slot for a report
 _RECENT = 60  # ops kept for a report's context
+_POISON_REPORTS = 3  # POISON reports printed in full per run (the rest are counted)
 _SERVED = 4096  # moves that succeeded, kept for a copy that fails after them
 
 
@@ -304,6 +305,8 @@ class Shadow:
         if not failed:
             return
         self.poisoned += 1
+        if self.poisoned > _POISON_REPORTS:
+            return
         name = f"{move.src_tier.value}[{move.src_slot}]"
         slot = self._slots.get((move.src_tier.value, move.src_slot))
         block = move.source if move.source is not None else move.block

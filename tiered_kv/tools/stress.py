@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -499,6 +500,7 @@ def run_many(
     results: list[dict[str, object]] = []
     pending = list(seeds)
     running: list[tuple[int, subprocess.Popen[str], float]] = []
+    files: dict[int, tuple[Any, Any]] = {}
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     while pending or running:
         while pending and len(running) < procs:
@@ -507,7 +509,10 @@ def run_many(
                    "--seconds", str(seconds), "--device", device, *(["--trace"] if trace else []),
                    *([] if integrity else ["--no-integrity"]), *(["--shadow"] if shadow else []),
                    "--guard-blocks", str(guard_blocks)]
-            p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            # output to files, not pipes: a run that reports much would block on a full pipe nobody reads yet
+            out_f, err_f = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+            p = subprocess.Popen(cmd, stdout=out_f, stderr=err_f, text=True, env=env)
+            files[seed] = (out_f, err_f)
             running.append((seed, p, time.monotonic()))
         time.sleep(0.2)
         for item in list(running):
@@ -516,7 +521,12 @@ def run_many(
                 continue
             if p.poll() is None:
                 p.kill()
-            out, err = p.communicate()
+            p.wait()
+            out_f, err_f = files.pop(seed)
+            with out_f, err_f:
+                out_f.seek(0)
+                err_f.seek(0)
+                out, err = out_f.read(), err_f.read()
             running.remove(item)
             lines = [line for line in out.splitlines() if line.startswith("{")]
             if p.returncode == 0 and lines:
