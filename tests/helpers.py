@@ -44,7 +44,7 @@ def disable_fences(monkeypatch: Any) -> None:
         FenceTable.register(self, marker, [(src_pool, s)], [(dst_pool, d)])
         return []
 
-    monkeypatch.setattr(FenceTable, "dependencies", lambda self, reads, writes: set())
+    monkeypatch.setattr(FenceTable, "dependencies", lambda self, reads, writes, sources=None: set())
     monkeypatch.setattr(FenceTable, "fence", fence)
 
 

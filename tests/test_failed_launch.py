@@ -45,7 +45,8 @@ async def test_a_failed_copy_is_not_completed_as_a_success_by_one_that_waited_fo
         monkeypatch.setattr(offload, "notify", late_notify)
         failed = engine.copy(Tier.GPU, [0], Tier.HOST, [1])
         reader = engine.copy(Tier.HOST, [1], Tier.GPU, [2])  # reads what `failed` writes: waits for it stream-side
-        await reader
+        with pytest.raises(TransferError, match="a copy this one reads from failed: injected"):
+            await reader  # the bytes it read never arrived: it fails too
         assert failed.done()  # completed with the reader, which the device ran after it
         error = failed.exception()
         assert isinstance(error, RuntimeError) and "injected" in str(error), error

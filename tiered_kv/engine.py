@@ -124,6 +124,21 @@ def _error_at_event(marker: Marker) -> BaseException:
     return error if error is not None else TransferError("a copy this one waited for failed")
 
 
+def _failed_source(marker: Marker) -> BaseException | None:
+    """The error for ``marker`` if an op that was writing a block it reads, when it was issued, failed.
+
+    Such a copy reads bytes that never arrived: it fails too, and so does every copy that reads what it wrote. An op
+    it waited for only because it writes what that op read or wrote is not its source: that one's failure is not its.
+    """
+    for source in marker.sources:
+        error = source.error
+        if error is not None and source.completed:
+            failed = TransferError(f"a copy this one reads from failed: {error}")
+            failed.__cause__ = error
+            return failed
+    return None
+
+
 def _allocate(
     empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor], what: str, blocks: int, layout: KVLayout
 ) -> torch.Tensor:
@@ -673,10 +688,14 @@ class TransferEngine:
         src_name, dst_name = src_pool.name, dst_pool.name
         reads: list[tuple[str, list[int]]] = [(src_name, s if isinstance(s, list) else s.tolist())]
         writes: list[tuple[str, list[int]]] = [(dst_name, d if isinstance(d, list) else d.tolist())]
-        deps = list(fences.dependencies(reads, writes)) if fences.live(src_name) or fences.live(dst_name) else []
+        sources: set[Marker] = set()
+        live = fences.live(src_name) or fences.live(dst_name)
+        deps = list(fences.dependencies(reads, writes, sources)) if live else []
         transfers = []
         for (start, stop), job in zip(spans, jobs, strict=True):
             marker = Marker(lane)
+            if sources:
+                marker.sources = list(sources)
             transfer = Transfer(marker, src_t, dst_t, count, count * per_layer * (stop - start))
             self._submitted += 1
             self._start(loop, marker, job, deps)  # the same dependencies for each: on one lane they cost nothing
@@ -823,7 +842,11 @@ class TransferEngine:
             assert isinstance(s, np.ndarray) and isinstance(d, np.ndarray)
             if fences.live(src_name) or fences.live(dst_name):
                 reads, writes = [(src_name, s.tolist())], [(dst_name, d.tolist())]
-                self._start(loop, marker, job, fences.dependencies(reads, writes))
+                sources: set[Marker] = set()
+                deps = fences.dependencies(reads, writes, sources)
+                if sources:
+                    marker.sources = list(sources)
+                self._start(loop, marker, job, deps)
             else:  # nothing pending in either pool: launch first, make the lists while the device copies
                 self._start(loop, marker, job, ())
                 reads, writes = [(src_name, s.tolist())], [(dst_name, d.tolist())]
@@ -987,7 +1010,15 @@ class TransferEngine:
             for dep in loop_deps:
                 await dep.wait()
             self._fences.loop_waits += len(loop_deps)
-            self._enqueue(marker, job, stream_deps)
+            failed = _failed_source(marker)
+            abort = getattr(job, "abort", None)
+            if failed is not None and abort is not None:  # not started: it would copy bytes that never arrived
+                abort(failed)
+                marker.error = failed
+                self._complete(marker)
+                self._settle()
+                return
+            self._enqueue(marker, job, stream_deps)  # a failed source without abort(): failed at its completion
         except BaseException as exc:
             marker.error = exc
             self._complete(marker)
@@ -1019,6 +1050,18 @@ class TransferEngine:
                         dep.error = _error_at_event(dep)
                     self._complete(dep)
             marker.after = []
+        sources = marker.sources
+        if sources:
+            for source in sources:  # on this op's stream, done before it: a launch that failed is known by now
+                if not source.completed and source.error is None and source.event is not None:
+                    error_at_event = getattr(source.job, "error_at_event", None)
+                    error = None if error_at_event is None or _ok_at_event(source) else error_at_event()
+                    if error is not None:
+                        source.error = error
+                        self._complete(source)
+            if marker.error is None:
+                marker.error = _failed_source(marker)
+            marker.sources = ()
         # queued before complete(): a done-callback that reads the statistics or the fences settles them first
         self._fences.release_later(marker)
         self._settling.append(marker)

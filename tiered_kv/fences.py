@@ -80,6 +80,7 @@ class Marker:
         "job",
         "lane",
         "reads",
+        "sources",
         "writes",
     )
 
@@ -94,6 +95,7 @@ class Marker:
         self.writes: list[tuple[str, list[int]]] = []  # (pool, block indices) this op writes
         self.entries = False  # its per-block entries are in a fence table (not only recorded there)
         self.after: list[Marker] = []  # ops this one waited for stream-side: done on the device before it
+        self.sources: list[Marker] | tuple[()] = ()  # the pending writers of what it reads, when it was issued
         self._waiters: list[asyncio.Future[None]] = []
         self._callbacks: list[Callable[[], None]] = []
 
@@ -279,9 +281,15 @@ class FenceTable:
             held[marker] = None
 
     def dependencies(
-        self, reads: Iterable[tuple[str, list[int]]], writes: Iterable[tuple[str, list[int]]]
+        self,
+        reads: Iterable[tuple[str, list[int]]],
+        writes: Iterable[tuple[str, list[int]]],
+        sources: set[Marker] | None = None,
     ) -> set[Marker]:
-        """Markers an op must wait for before it reads ``reads`` and writes ``writes``."""
+        """Markers an op must wait for before it reads ``reads`` and writes ``writes``.
+
+        ``sources``, if given, also receives the pending writers of ``reads``: the ops whose bytes the op reads.
+        """
         if self.recorded:
             self.flush()
         deps: set[Marker] = set()
@@ -289,6 +297,8 @@ class FenceTable:
             wt = self._writes.get(pool)
             if wt:
                 deps.update(wt[i] for i in wt.keys() & indices)
+        if sources is not None:
+            sources.update(m for m in deps if not m.completed)
         for pool, indices in writes:
             wt = self._writes.get(pool)
             if wt:
@@ -382,6 +392,8 @@ class FenceTable:
     def fence(self, marker: Marker, src_pool: str, s: list[int], dst_pool: str, d: list[int]) -> list[Marker]:
         """:meth:`dependencies` then :meth:`register`: a copy of blocks ``s`` of ``src_pool`` to ``d`` of ``dst_pool``.
 
+        Sets ``marker.sources`` (the pending writers of ``s``).
+
         The per-call path of small copies: one pair is handled with plain dict operations (no sets, no
         generator). ``d`` holds no duplicates and, within one pool, no block of ``s`` (the engine checked).
         Returns the pending markers to wait for, each once.
@@ -390,7 +402,10 @@ class FenceTable:
             self.flush()
         if len(s) != 1:
             reads, writes = [(src_pool, s)], [(dst_pool, d)]
-            deps = self.dependencies(reads, writes)
+            sources: set[Marker] = set()
+            deps = self.dependencies(reads, writes, sources)
+            if sources:
+                marker.sources = list(sources)
             self.register(marker, reads, writes)
             return list(deps)
         x, y = s[0], d[0]
@@ -400,6 +415,7 @@ class FenceTable:
             dep = wt.get(x)
             if dep is not None and not dep.completed:
                 out.append(dep)
+                marker.sources = [dep]
         wt = self._writes.get(dst_pool)
         if wt is None:
             wt = self._writes[dst_pool] = {}

@@ -39,7 +39,10 @@ The protocol, step by step, for ``engine.copy(src_tier, s, dst_tier, d, num_toke
    and ``done`` then only confirms it. Without it, only ``done`` completes the job. A job whose ``ok_at_event`` is
    False may have ``error_at_event() -> BaseException | None``: the error its ``done`` will report. A later copy that
    waited for the job's event stream-side completes the job with it when it completes first (else a generic
-   :class:`~tiered_kv.errors.TransferError`): a failed copy never reads as a success.
+   :class:`~tiered_kv.errors.TransferError`): a failed copy never reads as a success. A copy that reads a block
+   whose pending write failed fails too (so does every copy that reads what it wrote): a job may have
+   ``abort(error)``, called instead of ``start`` when that is known before it starts, which undoes what
+   ``prepare`` committed (the file tier's pending slots); a job without it is started, and reported failed.
 5. ``handler.close()`` is called by ``engine.close()`` after every copy has completed.
 
 A new tier is one more handler and one more route: give the engine a handler (``TransferEngine(...,

@@ -192,6 +192,12 @@ class FileCopy:
             return
         self.io.workers.submit(self._launch).add_done_callback(self._launch_failed)
 
+    def abort(self, error: BaseException) -> None:
+        """Called instead of :meth:`start` (``Job.abort``): a write's claimed slots are given up, nothing was read."""
+        if self.write:
+            self.io.index.finish_write(self.slots, self.gens, False)
+        self.io.counters.add(**({"wf": len(self.slots)} if self.write else {"rf": len(self.slots)}))
+
     def _launch_failed(self, fut: concurrent.futures.Future[None]) -> None:
         exc = fut.exception()
         if exc is not None:  # only a bug or an allocation failure (staging) gets here
