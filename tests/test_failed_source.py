@@ -1,4 +1,4 @@
-"""A copy that reads what a failed copy was writing fails too: no transfer reports success with bytes that never arrived.
+"""A copy that reads what a failed copy was writing fails too: no transfer succeeds with bytes that never arrived.
 
 The rule the engine keeps (``Marker.sources``: the pending writers of what a copy reads, when it is issued): when one
 of them fails, the copy fails, whatever route it takes (on a stream, through the file tier, on the emulated device),
@@ -56,7 +56,9 @@ async def test_a_chain_behind_a_failed_read_fails_and_an_overwrite_does_not(
         assert_blocks_equal(engine.block(Tier.HOST, 6), engine.block(Tier.HOST, 0))
 
 
-async def test_a_copy_queued_on_a_stream_behind_a_failed_one_fails(layout: KVLayout, tmp_path: Path, device: str) -> None:
+async def test_a_copy_queued_on_a_stream_behind_a_failed_one_fails(
+    layout: KVLayout, tmp_path: Path, device: str
+) -> None:
     """A failed spill (ENOSPC) of a host block's new content: a read of that file slot queued behind it fails before
     it reads anything, and a GPU -> GPU copy chained on the stream behind a failed file read fails at completion."""
     async with _engine(layout, tmp_path, device, enospc_on_write={1}) as engine:

@@ -842,11 +842,11 @@ class TransferEngine:
             assert isinstance(s, np.ndarray) and isinstance(d, np.ndarray)
             if fences.live(src_name) or fences.live(dst_name):
                 reads, writes = [(src_name, s.tolist())], [(dst_name, d.tolist())]
-                sources: set[Marker] = set()
-                deps = fences.dependencies(reads, writes, sources)
-                if sources:
-                    marker.sources = list(sources)
-                self._start(loop, marker, job, deps)
+                read_from: set[Marker] = set()
+                waits = fences.dependencies(reads, writes, read_from)
+                if read_from:
+                    marker.sources = list(read_from)
+                self._start(loop, marker, job, waits)
             else:  # nothing pending in either pool: launch first, make the lists while the device copies
                 self._start(loop, marker, job, ())
                 reads, writes = [(src_name, s.tolist())], [(dst_name, d.tolist())]

@@ -201,7 +201,8 @@ class Shadow:
             self.scan_mismatches += 1
             lines = [f"SHADOW SCAN {tier}[{index}] tokens {bad} changed outside any copy between "
                      f"{self._scanned_at:.6f} (after op {self._scanned_op}) and {now:.6f} (after op {last_op}); "
-                     f"found {real[index][bad[0]][:8].tobytes().hex()}, model {slot.tokens[bad[0]][:8].tobytes().hex()}"]
+                     f"found {real[index][bad[0]][:8].tobytes().hex()}, "
+                     f"model {slot.tokens[bad[0]][:8].tobytes().hex()}"]
             lines.extend(self._history(f"{tier}[{index}]", slot, (last_op + 1, real[index], bad), None))
             lines.extend(self._context())
             self._report("\n".join(lines))
@@ -470,7 +471,8 @@ def _sources(what: str) -> list[tuple[str, str, int]]:
 
 def _all_tokens(pool: torch.Tensor) -> np.ndarray:
     """``[blocks, layers, kv, heads, tokens, dim]`` -> ``[blocks, tokens, bytes]`` uint8 (a CPU copy)."""
-    return pool.detach().cpu().movedim(4, 1).contiguous().view(torch.uint8).reshape(*pool.shape[:1], pool.shape[4], -1).numpy()
+    per_token = pool.detach().cpu().movedim(4, 1).contiguous().view(torch.uint8)
+    return per_token.reshape(pool.shape[0], pool.shape[4], -1).numpy()
 
 
 def _per_token(block: torch.Tensor) -> np.ndarray:
