@@ -27,11 +27,13 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import faulthandler
 import functools
 import json
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -481,6 +483,7 @@ def _one(argv: Sequence[str]) -> int:
     p.add_argument("--shadow", action="store_true")
     p.add_argument("--guard-blocks", type=int, default=0)
     args = p.parse_args(argv)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # run_many asks for the stacks of a run it gives up on
     report = asyncio.run(stress(StressConfig(seed=args.seed, seconds=args.seconds, device=args.device,
                                              trace=args.trace, integrity=not args.no_integrity, shadow=args.shadow,
                                              guard_blocks=args.guard_blocks)))
@@ -495,7 +498,8 @@ def run_many(
 ) -> list[dict[str, object]]:
     """Run each seed in a process of its own, ``procs`` at a time; one dict per run (``error`` if it crashed).
 
-    Each run is given its seconds plus 120 s to close; a run that takes longer is killed and reported as hung.
+    Each run is given its seconds plus 60 s to close; a run that takes longer is reported as hung, with the stacks
+    of its threads (it is asked for them, then killed).
     """
     results: list[dict[str, object]] = []
     pending = list(seeds)
@@ -517,9 +521,11 @@ def run_many(
         time.sleep(0.2)
         for item in list(running):
             seed, p, started = item
-            if p.poll() is None and time.monotonic() - started < seconds + 120:
+            if p.poll() is None and time.monotonic() - started < seconds + 60:
                 continue
-            if p.poll() is None:
+            if p.poll() is None:  # hung: its threads' stacks to stderr, then stop it
+                p.send_signal(signal.SIGUSR1)
+                time.sleep(1.0)
                 p.kill()
             p.wait()
             out_f, err_f = files.pop(seed)
@@ -535,7 +541,7 @@ def run_many(
                 if traced:
                     results[-1]["trace"] = traced
             else:
-                results.append({"seed": seed, "error": f"rc={p.returncode}: {err.strip()[-2000:]}"})
+                results.append({"seed": seed, "error": f"rc={p.returncode}: {err.strip()[-12000:]}"})
     return sorted(results, key=lambda r: int(r["seed"]))  # type: ignore[call-overload]
 
 
