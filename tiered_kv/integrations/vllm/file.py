@@ -19,12 +19,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..engine import TransferEngine
-from ..file import FileTierConfig
-from ..pools import Tier
-from ._vllm_compat import base, config_fields, make_event
-from .loop import LoopThread
-from .vllm_shared import LookupResult, block_layout, content_key, rank_salt, tiering_base
+from ...engine import TransferEngine
+from ...file import FileTierConfig
+from ...pools import Tier
+from ..loop import LoopThread
+from ._compat import base, config_fields, make_event
+from .shared import LookupResult, block_layout, content_key, rank_salt, tiering_base
 
 __all__ = ["TieredKVFileTier"]
 

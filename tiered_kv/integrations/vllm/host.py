@@ -6,7 +6,7 @@ Primitives:
   ``"staging"``: read from the file tier and verified, ``"ready"``: loadable), who holds or pins it, whether a
   write-through to the file tier reads it.
 * :class:`HostTable` -- the entries in LRU order, the free blocks, and the rules below. No vLLM import: the
-  manager (:mod:`.vllm_manager`) calls it from vLLM's single scheduler thread.
+  manager (:mod:`.manager`) calls it from vLLM's single scheduler thread.
 
 Rules (they are what keeps the engine moving with a host tier of any size):
 

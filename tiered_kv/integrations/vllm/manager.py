@@ -8,7 +8,7 @@ Primitives:
 * :class:`VLLMStatistics` -- what a manager did since it started.
 * :data:`MANAGERS` -- the managers alive in this process.
 
-Rules (with a host tier of any size the engine makes progress; the slot rules are :mod:`.vllm_host`'s):
+Rules (with a host tier of any size the engine makes progress; the slot rules are :mod:`.host`'s):
 
 * A block that cannot be staged now is a ``MISS`` (vLLM recomputes it): ``RETRY`` and ``HIT_PENDING`` are
   answered only while a file job of this manager is in flight, and each ends within the file tier's deadline.
@@ -34,12 +34,12 @@ from collections.abc import Collection, Hashable, Iterable
 from pathlib import Path
 from typing import Any, cast
 
-from ..engine import TransferEngine
-from ..pools import Tier
-from ._vllm_compat import ConfigFields, base, make_event
-from .loop import LoopThread
-from .vllm_host import HostEntry, HostTable
-from .vllm_shared import (
+from ...engine import TransferEngine
+from ...pools import Tier
+from ..loop import LoopThread
+from ._compat import ConfigFields, base, make_event
+from .host import HostEntry, HostTable
+from .shared import (
     LookupResult,
     Settings,
     TieredKVLoadStoreSpec,
@@ -293,7 +293,7 @@ class TieredKVOffloadingManager(base.OffloadingManager):
         """Forget the host blocks but those this manager's own file jobs use; the file tier keeps its blocks.
 
         vLLM drops its in-flight jobs at a reset without completing them: their blocks are reused only as store
-        destinations until then (:meth:`.vllm_host.HostTable.reset`).
+        destinations until then (:meth:`.host.HostTable.reset`).
         """
         self._poll()
         gone = self._host.reset()

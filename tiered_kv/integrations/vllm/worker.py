@@ -16,12 +16,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import pool_kinds
-from ..engine import TransferEngine
-from ..pools import Tier
-from ._vllm_compat import ConfigFields, base
-from .loop import LoopThread
-from .vllm_shared import Settings, block_layout, host_path, map_host
+from ... import pool_kinds
+from ...engine import TransferEngine
+from ...pools import Tier
+from ..loop import LoopThread
+from ._compat import ConfigFields, base
+from .shared import Settings, block_layout, host_path, map_host
 
 __all__ = ["TieredKVOffloadingWorker"]
 
