@@ -1,0 +1,5 @@
+"""Moved to :mod:`tiered_kv.integrations.vllm.versions` (this path works for one more release, with a warning)."""
+
+from ._moved import moved
+
+moved(__name__, "tiered_kv.integrations.vllm.versions", globals())
