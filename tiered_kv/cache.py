@@ -462,6 +462,7 @@ class TieredKVCache:
         """
         self._check_open()
         t_ = Tier.coerce(tier)
+        self._sweep()  # a block whose producing copy has failed is dropped, not moved down the cascade
         before = self.blocks.free_blocks(t_)
         plan = self.blocks.evict(t_, count)
         transfers = self._issue(plan)
