@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tiered_kv import resolve_device
-from tiered_kv.copyops import _scratch_on
+from tiered_kv.device import scratch_on
 from tiered_kv.file.ring import measure_legs
 
 pytestmark = pytest.mark.gpu
@@ -56,7 +56,7 @@ def test_calibration_scratch_is_never_a_block_the_caller_has_queued_work_on() ->
     torch.cuda.synchronize()
     want, address = _queue_a_read_of_a_freed_input(pool, 0, 1 << 20)
     stream = torch.cuda.Stream()
-    scratch = _scratch_on(stream, 1 << 20, torch.cuda.current_device())
+    scratch = scratch_on(stream, 1 << 20, "cuda")
     with torch.cuda.stream(stream):
         scratch.fill_(0)
     stream.synchronize()

@@ -69,7 +69,7 @@ import torch
 
 from . import opdefs, ops, pool_kinds
 from .config import EngineConfig
-from .device import CudaStream, Device, Event, Stream
+from .device import CudaStream, Device, Event, Stream, scratch_on
 from .layer_major import LayerMajorPool, LayerSlice
 from .pools import SMALL_CALL_BLOCKS, BlockPool, merge_runs, small_pairs
 
@@ -859,7 +859,7 @@ def _strided_samples(index: int, turns: int = _CALIBRATION_TURNS) -> dict[int, l
     with torch.cuda.device(index):
         host = torch.empty(_STRIDED_BYTES, dtype=torch.uint8, pin_memory=True)
         stream = torch.cuda.Stream()
-        gpu = _scratch_on(stream, _STRIDED_BYTES, index)
+        gpu = scratch_on(stream, _STRIDED_BYTES, f"cuda:{index}")
         op = torch.ops.tiered_kv.copy_blocks
         cases = []
         for width in _STRIDED_WIDTHS:
@@ -887,18 +887,6 @@ def _strided_samples(index: int, turns: int = _CALIBRATION_TURNS) -> dict[int, l
                     out[width].append(t[ops.METHOD_DMA] / t[ops.METHOD_KERNEL])
         del host, gpu, cases
     return out
-
-
-def _scratch_on(stream: torch.cuda.Stream, nbytes: int, index: int) -> torch.Tensor:
-    """Device scratch for work on ``stream`` only, allocated with ``stream`` current.
-
-    The caching allocator hands a block freed on a stream to the next allocation on that same stream, even while
-    kernels queued there before the free still read or write it (stream order makes that safe for that stream).
-    Scratch allocated on the caller's stream and written on ``stream`` could take such a block and race with the
-    caller's queued work: the model's activations, or KV it has yet to write into a pool.
-    """
-    with torch.cuda.stream(stream):
-        return torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{index}")
 
 
 def _calibration(device: torch.device) -> tuple[int, int]:
@@ -977,7 +965,7 @@ def _dma_samples(index: int, sizes: tuple[int, ...], turns: int = _CALIBRATION_T
     with torch.cuda.device(index):
         host = torch.empty(_CALIBRATION_BYTES, dtype=torch.uint8, pin_memory=True)
         stream = torch.cuda.Stream()
-        gpu = _scratch_on(stream, _CALIBRATION_BYTES, index)
+        gpu = scratch_on(stream, _CALIBRATION_BYTES, f"cuda:{index}")
         op = torch.ops.tiered_kv.copy_blocks
 
         def seconds(method: int, host_side: list[torch.Tensor], gpu_side: list[torch.Tensor], s: torch.Tensor) -> float:

@@ -697,6 +697,20 @@ def resolve_device(device: str | torch.device | None = "auto") -> Device:
     raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
 
 
+def scratch_on(stream: torch.cuda.Stream | None, nbytes: int, device: torch.device | str) -> torch.Tensor:
+    """``nbytes`` of device scratch for work on ``stream`` only, allocated with ``stream`` current (``None``: plain).
+
+    The caching allocator hands a block freed on a stream to the next allocation on that same stream, even while
+    kernels queued there before the free still read or write it (stream order makes that safe for that stream).
+    Scratch allocated on the caller's stream and written on ``stream`` could take such a block and race with the
+    caller's queued work: the model's activations, or KV it has yet to write into a pool.
+    """
+    if stream is None:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    with torch.cuda.stream(stream):
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
 def stall_op(stream: Stream, seconds: float) -> Callback:
     """A callable that, submitted to ``stream``, keeps it busy for about ``seconds``."""
     if isinstance(stream, CudaStream):

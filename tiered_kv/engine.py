@@ -117,11 +117,12 @@ def _ok_at_event(marker: Marker) -> bool:
     return ok_at_event is not None and bool(ok_at_event())
 
 
-def _error_at_event(marker: Marker) -> BaseException:
-    """The error of a stream op whose event was reached but whose completion is more than that (its job's word)."""
+def _launch_error(marker: Marker) -> BaseException | None:
+    """The error a stream op whose event was reached will report, if its job says so (``Job.error_at_event``)."""
+    if _ok_at_event(marker):
+        return None
     error_at_event = getattr(marker.job, "error_at_event", None)
-    error = error_at_event() if error_at_event is not None else None
-    return error if error is not None else TransferError("a copy this one waited for failed")
+    return error_at_event() if error_at_event is not None else None
 
 
 def _failed_source(marker: Marker) -> BaseException | None:
@@ -1047,17 +1048,15 @@ class TransferEngine:
                         dep.done_at = marker.done_at
                     if dep.error is None and not _ok_at_event(dep):
                         # its copy failed at launch: its own done() would bring the error, and finds it completed
-                        dep.error = _error_at_event(dep)
+                        dep.error = _launch_error(dep) or TransferError("a copy this one waited for failed")
                     self._complete(dep)
             marker.after = []
         sources = marker.sources
         if sources:
             for source in sources:  # on this op's stream, done before it: a launch that failed is known by now
                 if not source.completed and source.error is None and source.event is not None:
-                    error_at_event = getattr(source.job, "error_at_event", None)
-                    error = None if error_at_event is None or _ok_at_event(source) else error_at_event()
-                    if error is not None:
-                        source.error = error
+                    source.error = _launch_error(source)
+                    if source.error is not None:
                         self._complete(source)
             if marker.error is None:
                 marker.error = _failed_source(marker)

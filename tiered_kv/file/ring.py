@@ -24,7 +24,6 @@ Primitives:
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import math
 import os
 import statistics
@@ -35,7 +34,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ..device import Device
+from ..device import Device, scratch_on
 from ..layout import KVLayout
 from ..pools import BlockPool, Tier
 
@@ -231,13 +230,9 @@ def measure_legs(device: Device, path: str, offset: int, nbytes: int, repeat: in
     finally:
         os.close(fd)
     host = device.empty_host((nbytes,), torch.uint8)
-    # A private stream: synchronizing it waits for this copy only, not for other work on the device. The target is
-    # allocated with that stream current: the caching allocator hands a block freed on a stream to the next
-    # allocation on that same stream while work queued before the free may still read it, so a buffer allocated on
-    # the caller's stream and written on another would overwrite what the caller's queued kernels have yet to read.
+    # a private stream: synchronizing it waits for this copy only, not for other work on the device
     stream = torch.cuda.Stream(device.torch_device) if device.is_cuda else None
-    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-        target = torch.empty(nbytes, dtype=torch.uint8, device=device.torch_device)
+    target = scratch_on(stream, nbytes, device.torch_device)
     link: list[float] = []
     for _ in range(repeat + 1):
         t0 = time.perf_counter()
