@@ -18,7 +18,10 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("foundations", {"errors", "layout", "config", "completions", "opdefs", "slotstate"}),
     ("keys, pools and formats", {"_ext", "keys", "pools", "slab"}),
     ("device and ops", {"device", "ops", "backends"}),
-    ("fences, handlers, block manager", {"faults", "layer_major", "fences", "handlers", "rowversions", "blocks"}),
+    (
+        "fences, handlers, block manager",
+        {"faults", "layer_major", "fences", "handlers", "rowversions", "staging_pool", "offset_checks", "blocks"},
+    ),
     ("pool kinds, transfers, checks", {"pool_kinds", "transfer", "staging", "integrity", "testing"}),
     ("copy machinery, plan issue", {"copyops", "plan_batches"}),
     ("streams and the file tier", {"stream_copier", "file"}),

@@ -5,10 +5,6 @@ An asynchronous copy, or a kernel that reads pinned host memory, reads its host 
 in place therefore ships the *next* batch's offsets, and attention reads another request's blocks. This
 module makes that impossible by construction:
 
-* :class:`StagingPool` -- pinned host snapshot buffers. A buffer handed out by :meth:`StagingPool.acquire`
-  is not read by any pending op; :meth:`StagingPool.retire` keeps it, FIFO, until an event recorded after
-  the consuming op has completed. At most ``depth`` buffers are in flight (back-pressure beyond that), so
-  memory is bounded by the overlap depth.
 * :class:`BlockOffsetTable` -- the persistent host table ``[pools, max_seqs, kv, max_blocks_per_seq]``
   (int32, :data:`NO_BLOCK` in unused entries) that the block manager fills per sequence slot
   (:meth:`~BlockOffsetTable.set_row`, :meth:`~BlockOffsetTable.append`, :meth:`~BlockOffsetTable.clear_row`).
@@ -20,30 +16,33 @@ module makes that impossible by construction:
   cached tensors never written after they are made; all in place, through unified addressing on CUDA, so
   nothing is copied per call). Gather mode copies only the batch's rows written since they were last
   shipped, not the whole batch; its per-call host path is a few numpy calls, the op and the event.
+* :func:`gather_block_offsets` -- the one adapter between the table and the gather op.
+
+The snapshot buffers come from a :class:`~tiered_kv.staging_pool.StagingPool` (:mod:`tiered_kv.staging_pool`;
+it and :class:`~tiered_kv.staging_pool.StagingStatistics` are importable from here too), which keeps each one
+until the event recorded after its consuming op has completed. The table's arguments are checked by
+:class:`~tiered_kv.offset_checks.TableChecks` before anything is written or enqueued.
 
 Everything runs on the :mod:`tiered_kv.device` stream abstraction, so the same code (and the same race
 tests) runs on the emulated device, where a stream op executes when the worker thread reaches it, and on
 CUDA.
-
-Size: about 890 lines, because the snapshot pool and the table it protects are one race-free protocol
-(snapshot, ship, retire after the consuming op's event); the two ship modes share it.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
-import threading
 from collections.abc import Iterable, Sequence
-from typing import Final, Literal, NamedTuple, TypeGuard
+from typing import Final, Literal, NamedTuple
 
 import numpy as np
 import torch
 
 from . import ops
 from .device import CudaStream, Device, EmulatedStream, Event, Stream, resolve_device
+from .offset_checks import TableChecks
 from .rowversions import RowVersions, RowVersionStatistics
+from .staging_pool import StagingPool, StagingStatistics
 
 __all__ = [
     "NO_BLOCK",
@@ -62,204 +61,6 @@ NO_BLOCK: Final[int] = -1
 
 Mode = Literal["copy", "gather"]
 _MODES: Final = ("copy", "gather")
-_MIN_CAPACITY: Final = 1024  # elements; smaller requests share one size class
-
-
-# --------------------------------------------------------------------------------------------- staging pool
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class StagingStatistics:
-    """A snapshot of a :class:`StagingPool`.
-
-    Attributes:
-        depth: the most buffers allowed in flight (the overlap depth).
-        live: buffers allocated now (in flight + free + held by a caller between acquire and retire).
-        in_flight: retired buffers whose guarding event has not been seen complete yet.
-        free: buffers ready for reuse.
-        peak_live: the most buffers ever allocated at once.
-        peak_in_flight: the most buffers ever in flight at once.
-        acquired: calls of ``acquire``.
-        allocated: fresh allocations (the rest were reuses).
-        waited: acquisitions that blocked on the oldest in-flight event (back-pressure at ``depth``).
-        live_bytes: bytes held by live buffers.
-    """
-
-    depth: int
-    live: int
-    in_flight: int
-    free: int
-    peak_live: int
-    peak_in_flight: int
-    acquired: int
-    allocated: int
-    waited: int
-    live_bytes: int
-
-
-class StagingPool:
-    """Host snapshot buffers that are never reused while an op may still read them.
-
-    Args:
-        device: decides the memory: pinned on CUDA (so copies and kernels read it asynchronously), plain
-            memory on the emulated device.
-        depth: the most buffers in flight at once. ``acquire`` blocks on the oldest op beyond that, which
-            bounds memory to ``depth`` buffers; use the scheduler's overlap depth plus a margin.
-        dtype: element type of the buffers.
-
-    Notes:
-        Ordering contract: ``retire(buf, event)`` must be given an event recorded *after* every op that
-        reads ``buf`` was enqueued. Events of one stream complete in order, so the in-flight FIFO is
-        reclaimed from its head and stops at the first pending event. Buffers retired on several streams
-        are still safe (a buffer is reused only once its own event and those before it completed), just
-        reclaimed later.
-
-        Thread safety: the pool is guarded by a lock, but it is meant for one scheduler thread.
-    """
-
-    def __init__(self, device: Device | str = "auto", *, depth: int = 4, dtype: torch.dtype = torch.int32) -> None:
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-            raise ValueError(f"depth must be a positive int, got {depth!r}")
-        self.device = device if isinstance(device, Device) else resolve_device(device)
-        self.depth = depth
-        self.dtype = dtype
-        self._lock = threading.Lock()
-        # FIFO of (buffer, guard event, objects kept alive with it)
-        self._in_flight: collections.deque[tuple[torch.Tensor, Event, object]] = collections.deque()
-        self._free: list[torch.Tensor] = []
-        self._views: dict[int, np.ndarray] = {}  # id(buffer) -> its numpy view (which keeps the buffer alive)
-        self._held = 0  # acquired, not yet retired or released
-        self._peak_live = self._peak_in_flight = 0
-        self._acquired = self._allocated = self._waited = 0
-
-    def acquire(self, numel: int) -> torch.Tensor:
-        """A 1-D buffer of at least ``numel`` elements that no pending op reads.
-
-        Blocks (on the oldest in-flight event) only when ``depth`` buffers are already in flight.
-        Give it back with :meth:`retire` (after enqueueing the op that reads it) or :meth:`release`.
-        """
-        if numel < 0:
-            raise ValueError(f"numel must be >= 0, got {numel}")
-        with self._lock:
-            self._acquired += 1
-            self._reclaim_locked()
-            while len(self._in_flight) >= self.depth:
-                # Back-pressure: the CPU is `depth` calls ahead of the device; wait for the oldest op.
-                self._waited += 1
-                self._in_flight[0][1].synchronize()
-                self._reclaim_locked()
-            buf = self._take_free_locked(numel)
-            if buf is None:
-                capacity = max(_MIN_CAPACITY, 1 << max(0, numel - 1).bit_length())
-                buf = self.device.empty_host((capacity,), self.dtype)
-                self._allocated += 1
-            self._held += 1
-            self._peak_live = max(self._peak_live, self._live_locked())
-            return buf
-
-    def host_view(self, buffer: torch.Tensor) -> np.ndarray:
-        """A numpy view of a buffer from :meth:`acquire`, made once per buffer (numpy writes cost no torch call)."""
-        view = self._views.get(id(buffer))
-        if view is None:
-            with self._lock:
-                view = self._views[id(buffer)] = buffer.numpy()
-        return view
-
-    def retire(self, buffer: torch.Tensor, event: Event, keep: object = None) -> None:
-        """Keep ``buffer`` (and ``keep``, e.g. the op's device output) until ``event`` has completed.
-
-        ``event`` must be recorded after the op that reads ``buffer``.
-        """
-        with self._lock:
-            self._held -= 1
-            self._in_flight.append((buffer, event, keep))
-            self._peak_in_flight = max(self._peak_in_flight, len(self._in_flight))
-
-    def release(self, buffer: torch.Tensor) -> None:
-        """Return a buffer that no op was enqueued to read (e.g. the call failed before enqueueing)."""
-        with self._lock:
-            self._held -= 1
-            self._free.append(buffer)
-
-    def reclaim(self) -> int:
-        """Move buffers whose events completed to the free list; returns how many are still in flight."""
-        with self._lock:
-            self._reclaim_locked()
-            return len(self._in_flight)
-
-    def drain(self) -> None:
-        """Wait for every in-flight op, then reclaim all buffers."""
-        with self._lock:
-            pending = [entry[1] for entry in self._in_flight]
-        for event in pending:
-            event.synchronize()
-        with self._lock:
-            self._reclaim_all_done_locked()
-
-    def clear(self) -> None:
-        """Drain, then drop every free buffer (memory goes back to the allocator)."""
-        self.drain()
-        with self._lock:
-            for buf in self._free:
-                self._views.pop(id(buf), None)
-            self._free.clear()
-
-    def statistics(self) -> StagingStatistics:
-        """A snapshot: buffers in flight and free, bytes held."""
-        with self._lock:
-            buffers = [entry[0] for entry in self._in_flight] + self._free
-            return StagingStatistics(
-                depth=self.depth,
-                live=self._live_locked(),
-                in_flight=len(self._in_flight),
-                free=len(self._free),
-                peak_live=self._peak_live,
-                peak_in_flight=self._peak_in_flight,
-                acquired=self._acquired,
-                allocated=self._allocated,
-                waited=self._waited,
-                live_bytes=sum(b.numel() * b.element_size() for b in buffers),
-            )
-
-    def __repr__(self) -> str:
-        with self._lock:
-            return (
-                f"<StagingPool {self.device.kind} [in_flight:{len(self._in_flight)}/{self.depth} "
-                f"free:{len(self._free)} "
-                f"held:{self._held}]>"
-            )
-
-    # ------------------------------------------------------------------ internals (lock held)
-
-    def _live_locked(self) -> int:
-        return len(self._in_flight) + len(self._free) + self._held
-
-    def _reclaim_locked(self) -> None:
-        while self._in_flight and self._in_flight[0][1].query():
-            self._free.append(self._in_flight.popleft()[0])
-
-    def _reclaim_all_done_locked(self) -> None:
-        kept: collections.deque[tuple[torch.Tensor, Event, object]] = collections.deque()
-        for entry in self._in_flight:
-            if entry[1].query():
-                self._free.append(entry[0])
-            else:
-                kept.append(entry)
-        self._in_flight = kept
-
-    def _take_free_locked(self, numel: int) -> torch.Tensor | None:
-        if not self._free:
-            return None
-        if len(self._free) == 1 and self._free[0].numel() >= numel:  # the steady state of one call in flight
-            return self._free.pop()
-        fitting = [i for i, b in enumerate(self._free) if b.numel() >= numel]
-        if fitting:
-            best = min(fitting, key=lambda i: self._free[i].numel())  # best fit keeps big buffers for big calls
-            return self._free.pop(best)
-        # Nothing big enough: drop the largest free buffer so the count (and memory bound) stays put.
-        dropped = self._free.pop(max(range(len(self._free)), key=lambda i: self._free[i].numel()))
-        self._views.pop(id(dropped), None)
-        return None
 
 
 # --------------------------------------------------------------------------------------------- gather op
@@ -397,6 +198,7 @@ class BlockOffsetTable:
         self.kv_factor = kv_factor
         self.max_blocks_per_seq = max_blocks_per_seq
         self.sentinel = sentinel
+        self._checks = TableChecks(self.device, num_pools, max_seqs, kv_factor, max_blocks_per_seq, sentinel)
         self.host = self.device.empty_host((num_pools, max_seqs, kv_factor, max_blocks_per_seq), torch.int32)
         self.host.fill_(sentinel)
         self._counts = np.zeros((num_pools, max_seqs), dtype=np.int64)  # (pool, slot) -> allocated blocks
@@ -443,13 +245,13 @@ class BlockOffsetTable:
             ValueError: slot or pool out of range, too many blocks, a value equal to the sentinel or
                 outside int32, or ``v_block_ids`` of another length.
         """
-        self._check_slot_pool(slot, pool)
-        ids = self._ids(block_ids, "block_ids")
+        self._checks.check_slot_pool(slot, pool)
+        ids = self._checks.block_ids(block_ids, "block_ids")
         v_ids = None
         if v_block_ids is not None:
             if self.kv_factor == 1:
                 raise ValueError("v_block_ids needs kv_factor=2; this table has no V rows")
-            v_ids = self._ids(v_block_ids, "v_block_ids")
+            v_ids = self._checks.block_ids(v_block_ids, "v_block_ids")
             if v_ids.numel() != ids.numel():
                 raise ValueError(f"v_block_ids has {v_ids.numel()} entries but block_ids has {ids.numel()}")
         n = ids.numel()
@@ -467,8 +269,8 @@ class BlockOffsetTable:
         Raises:
             ValueError: as :meth:`set_row`, or the row would exceed ``max_blocks_per_seq``.
         """
-        self._check_slot_pool(slot, pool)
-        ids = self._ids(block_ids, "block_ids", start=int(self._counts[pool, slot]))
+        self._checks.check_slot_pool(slot, pool)
+        ids = self._checks.block_ids(block_ids, "block_ids", start=int(self._counts[pool, slot]))
         start = int(self._counts[pool, slot])
         self.host[pool, slot, :, start : start + ids.numel()] = ids
         self._counts[pool, slot] = start + ids.numel()
@@ -479,7 +281,7 @@ class BlockOffsetTable:
 
         Call it when a sequence is freed; the slot may then be given to a new request.
         """
-        self._check_slot_pool(slot, 0 if pool is None else pool)
+        self._checks.check_slot_pool(slot, 0 if pool is None else pool)
         if pool is None:
             self.host[:, slot] = self.sentinel
             self._counts[:, slot] = 0
@@ -505,12 +307,12 @@ class BlockOffsetTable:
 
     def num_blocks(self, slot: int, pool: int = 0) -> int:
         """Blocks allocated to ``slot`` in ``pool``."""
-        self._check_slot_pool(slot, pool)
+        self._checks.check_slot_pool(slot, pool)
         return int(self._counts[pool, slot])
 
     def row(self, slot: int, pool: int = 0) -> torch.Tensor:
         """A copy of ``slot``'s allocated entries in ``pool``: ``[kv, num_blocks]``."""
-        self._check_slot_pool(slot, pool)
+        self._checks.check_slot_pool(slot, pool)
         return self.host[pool, slot, :, : int(self._counts[pool, slot])].clone()
 
     # ------------------------------------------------------------------------------------ shipping
@@ -614,10 +416,10 @@ class BlockOffsetTable:
         (plus ``dst[:, :n]`` when ``dst`` has more rows than the batch).
         """
         target = self._stream(stream)
-        rows = self._slot_array(slots)
+        rows = self._checks.slot_array(slots)
         n = rows.size
         width = self._width(rows, max_blocks)
-        self._check_dst(dst, n, width)
+        self._checks.check_dst(dst, n, width)
         coeffs = self._coefficients(scale, v_offset)
         self._calls["gather"] += 1
         if n == 0 or width == 0:
@@ -670,13 +472,13 @@ class BlockOffsetTable:
     ) -> tuple[Stream, torch.Tensor, int, torch.Tensor | None]:
         """Validate one ship call: (stream, slot index, width, gather coefficients or ``None``)."""
         target = self._stream(stream)
-        index = self._slots(slots)
+        index = self._checks.slots(slots)
         if mode not in _MODES:
             raise ValueError(f"mode must be 'copy' or 'gather', got {mode!r}")
         if mode == "copy" and (scale is not None or v_offset is not None):
             raise ValueError("scale and v_offset apply only in gather mode; copy mode ships the stored values")
         width = self._width(index, max_blocks)
-        self._check_dst(dst, index.numel(), width)
+        self._checks.check_dst(dst, index.numel(), width)
         # [scale..., v_offset...] int32 (gather mode)
         coeffs = self._coefficients(scale, v_offset).packed if mode == "gather" else None
         return target, index, width, coeffs
@@ -706,60 +508,6 @@ class BlockOffsetTable:
 
     # ------------------------------------------------------------------------------------ checks
 
-    def _check_slot_pool(self, slot: int, pool: int) -> None:
-        for name, value, limit in (("slot", slot, self.max_seqs), ("pool", pool, self.num_pools)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-            if not 0 <= value < limit:
-                raise ValueError(f"{name} {value} is out of range [0, {limit})")
-
-    def _ids(self, values: Iterable[int] | np.ndarray | torch.Tensor, what: str, start: int = 0) -> torch.Tensor:
-        ids = _as_int_tensor(values, what)
-        if ids.dim() != 1:
-            raise ValueError(f"{what} must be 1-D, got shape {list(ids.shape)}")
-        if start + ids.numel() > self.max_blocks_per_seq:
-            raise ValueError(f"{start + ids.numel()} blocks exceed max_blocks_per_seq={self.max_blocks_per_seq}")
-        if ids.numel():
-            lo, hi = int(ids.min()), int(ids.max())
-            if lo < -(2**31) or hi >= 2**31:
-                raise ValueError(f"{what} must fit in int32, got values in [{lo}, {hi}]")
-            if bool((ids == self.sentinel).any()):
-                raise ValueError(f"{what} contains the 'no block' sentinel {self.sentinel}")
-        return ids.to(torch.int32)
-
-    def _slots(self, slots: Sequence[int] | np.ndarray | torch.Tensor) -> torch.Tensor:
-        if _is_int_array(slots):
-            # Fast path for the usual scheduler input; numpy reductions are cheaper than torch ones.
-            self._check_slot_array(slots)
-            return torch.from_numpy(slots.astype(np.int64, copy=True))  # private copy: the caller may mutate its own
-        index = _as_int_tensor(slots, "slots")
-        if index.dim() != 1:
-            raise ValueError(f"slots must be 1-D, got shape {list(index.shape)}")
-        if index.numel() > self.max_seqs:
-            raise ValueError(f"{index.numel()} slots exceed max_seqs={self.max_seqs}")
-        if index.numel():
-            lo, hi = int(index.min()), int(index.max())
-            if lo < 0 or hi >= self.max_seqs:
-                raise ValueError(f"slots must be in [0, {self.max_seqs}), got values in [{lo}, {hi}]")
-        # A private copy: the caller may mutate its index buffer once we return.
-        return index.to(torch.int64, copy=True)
-
-    def _slot_array(self, slots: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:
-        """The slots as a validated 1-D numpy int array, read before the call returns (a caller's array as is)."""
-        if _is_int_array(slots):
-            self._check_slot_array(slots)
-            return slots
-        rows: np.ndarray = self._slots(slots).numpy()
-        return rows
-
-    def _check_slot_array(self, slots: np.ndarray) -> None:
-        if slots.size and (int(slots.min()) < 0 or int(slots.max()) >= self.max_seqs):
-            raise ValueError(
-                f"slots must be in [0, {self.max_seqs}), got values in [{int(slots.min())}, {int(slots.max())}]"
-            )
-        if slots.size > self.max_seqs:
-            raise ValueError(f"{slots.size} slots exceed max_seqs={self.max_seqs}")
-
     def _width(self, index: torch.Tensor | np.ndarray, max_blocks: int | None) -> int:
         if max_blocks is None:
             if len(index) == 0:
@@ -772,20 +520,6 @@ class BlockOffsetTable:
             raise ValueError(f"max_blocks must be in [0, {self.max_blocks_per_seq}], got {max_blocks}")
         return int(max_blocks)
 
-    def _check_dst(self, dst: torch.Tensor, n: int, width: int) -> None:
-        if not isinstance(dst, torch.Tensor):
-            raise TypeError(f"dst must be a torch.Tensor, got {type(dst).__name__}")
-        if dst.dtype != torch.int32:
-            raise TypeError(f"dst must be int32, got {dst.dtype}")
-        if dst.device != self.device.torch_device:
-            raise ValueError(f"dst is on {dst.device}, but this table ships to {self.device.torch_device}")
-        if dst.dim() != 4 or dst.shape[0] != self.num_pools or dst.shape[2] != self.kv_factor:
-            raise ValueError(
-                f"dst must have shape [{self.num_pools}, seqs, {self.kv_factor}, blocks], got {list(dst.shape)}"
-            )
-        if dst.shape[1] < n or dst.shape[3] < width:
-            raise ValueError(f"dst {list(dst.shape)} is too small for {n} sequences x {width} blocks")
-
     def _coefficients(
         self, scale: Sequence[int] | torch.Tensor | None, v_offset: Sequence[int] | torch.Tensor | None
     ) -> _Coefficients:
@@ -794,7 +528,7 @@ class BlockOffsetTable:
         A scheduler passes the same ones every step. Never written once made, so an op may read them where
         they are (pinned on CUDA).
         """
-        key = (self._per_pool(scale, "scale", 1), self._per_pool(v_offset, "v_offset", 0))
+        key = (self._checks.per_pool(scale, "scale", 1), self._checks.per_pool(v_offset, "v_offset", 0))
         cached = self._coeff_cache.get(key)
         if cached is None:
             if len(self._coeff_cache) >= 64:
@@ -804,27 +538,6 @@ class BlockOffsetTable:
             packed.copy_(torch.tensor(key[0] + key[1], dtype=torch.int32))
             cached = self._coeff_cache[key] = _Coefficients(packed, packed[:pools], packed[pools:])
         return cached
-
-    def _per_pool(self, values: Sequence[int] | torch.Tensor | None, what: str, default: int) -> tuple[int, ...]:
-        if values is None:
-            return (default,) * self.num_pools
-        if isinstance(values, torch.Tensor):
-            t = _as_int_tensor(values, what)
-            if t.dim() != 1:
-                raise ValueError(f"{what} must be 1-D with one value per pool, got shape {list(t.shape)}")
-            items: list[object] = t.tolist()
-        elif isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
-            raise TypeError(f"{what} must be a sequence of ints or a tensor, got {type(values).__name__}")
-        else:
-            items = list(values)
-        if len(items) != self.num_pools:
-            raise ValueError(f"{what} must have one value per pool ({self.num_pools}), got {len(items)}")
-        for v in items:
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-                raise TypeError(f"{what} must hold ints, got {type(v).__name__}")
-            if not -(2**31) <= v < 2**31:
-                raise ValueError(f"{what} must fit in int32, got {v}")
-        return tuple(int(v) for v in items)  # type: ignore[call-overload]
 
     def _stream(self, stream: object) -> Stream:
         if isinstance(stream, (EmulatedStream, CudaStream)):
@@ -867,25 +580,3 @@ class _Coefficients(NamedTuple):
     packed: torch.Tensor
     scale: torch.Tensor
     v_offset: torch.Tensor
-
-
-def _is_int_array(values: object) -> TypeGuard[np.ndarray]:
-    return isinstance(values, np.ndarray) and values.ndim == 1 and values.dtype.kind in "iu"
-
-
-def _as_int_tensor(values: object, what: str) -> torch.Tensor:
-    if isinstance(values, torch.Tensor):
-        t = values.detach()
-        if t.device.type != "cpu":
-            raise ValueError(f"{what} must be on the host, got a tensor on {t.device}")
-    elif isinstance(values, np.ndarray):
-        t = torch.from_numpy(values)
-    else:
-        try:
-            items = values if isinstance(values, (list, tuple)) else list(values)  # type: ignore[call-overload]
-            t = torch.as_tensor(items) if len(items) else torch.empty(0, dtype=torch.int64)
-        except (TypeError, ValueError, RuntimeError) as exc:
-            raise TypeError(f"{what} must be a sequence of ints, got {type(values).__name__}") from exc
-    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
-        raise TypeError(f"{what} must hold integers, got {t.dtype}")
-    return t

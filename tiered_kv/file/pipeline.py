@@ -1,12 +1,11 @@
 """The file tier's I/O pipeline: one engine batch into or out of the slab, block by block, never parking a thread.
 
-Primitives:
-
-* :class:`SlabIO` -- the narrow interface the pipeline works through: the slab's geometry and backend, the
-  worker threads, the staging ring, padding buffers, durability, the slot index and the I/O counters.
-* :class:`FileCopy` -- one batch (a :class:`~tiered_kv.handlers.Job` without a lane): ``start(done)`` hands
-  the launch to a worker and returns; ``done(error)`` is called once, from whichever thread finishes last.
-* :class:`IoCounters` -- blocks and bytes moved, failures (thread-safe).
+:class:`FileCopy` is one batch (a :class:`~tiered_kv.handlers.Job` without a lane): ``start(done)`` hands the
+launch to a worker and returns; ``done(error)`` is called once, from whichever thread finishes last. It works
+through the narrow :class:`~tiered_kv.file.slabio.SlabIO` interface (:mod:`~tiered_kv.file.slabio`; it and
+:class:`~tiered_kv.file.slabio.IoCounters` are importable from here too), judges each slot with
+:mod:`~tiered_kv.file.slot_checks` (read length, verification, the error a failed call is reported as) and moves
+a group of GPU blocks across the host<->device link with the op :mod:`~tiered_kv.file.link` builds.
 
 Per block, each step is a named method run when the previous one's completion fires (``_step`` guards it:
 after a failure no further block starts, and an exception in a step fails that block):
@@ -38,18 +37,13 @@ may return after its copy failed.
 A batch that writes finishes through the index (:meth:`~tiered_kv.file.index.SlotIndex.finish_write`: its
 slots become valid only if every block landed and, per :class:`~tiered_kv.file.config.Durability`, was
 synced); a read that fails verification drops its slot (:meth:`~tiered_kv.file.index.SlotIndex.drop_if`).
-
-Size: about 600 lines: the per-block steps of the four directions and the grouped GPU legs share one set of
-rules (a block that fails never lands, a batch's slots become valid only when every block landed).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import dataclasses
 import functools
-import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -57,76 +51,25 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..backends import Completion, FileBackend
+from ..backends import Completion
 from ..backends.posix import aligned_empty
 from ..copyops import Copier
-from ..device import Device, Stream
+from ..device import Stream
 from ..errors import IntegrityError, TransferError
 from ..handlers import Done
 from ..layer_major import LayerMajorPool
 from ..pools import BlockPool
-from ..slab import HEADER_SIZE, Key, pack_header, payload_checksum, unpack_header
-from .config import Durability, SlabGeometry
-from .deadline import BouncePool, FileTimeout, after_io
-from .index import SlotIndex
-from .ring import StagingRing
+from ..slab import HEADER_SIZE, Key, pack_header, payload_checksum
+from .config import Durability
+from .deadline import FileTimeout, after_io
+from .link import group_copy_op
+from .slabio import IoCounters, SlabIO
+from .slot_checks import check_read_length, slot_error, verify_slot
 
 __all__ = ["FileCopy", "IoCounters", "SlabIO"]
 
 Buffer = torch.Tensor | np.ndarray
 Step = Callable[[int, int | None], None]  # (block j of the batch, its staging block or None)
-
-
-class IoCounters:
-    """Blocks and bytes moved and failures, per direction (thread-safe)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._counts = {"bw": 0, "br": 0, "nw": 0, "nr": 0, "wf": 0, "rf": 0, "if": 0}
-
-    def add(self, **inc: int) -> None:
-        """Add to counters: ``nw``/``nr`` blocks, ``bw``/``br`` bytes, ``wf``/``rf``/``if`` failures."""
-        with self._lock:
-            for k, v in inc.items():
-                self._counts[k] += v
-
-    def snapshot(self) -> dict[str, int]:
-        """A copy of the counters."""
-        with self._lock:
-            return dict(self._counts)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class SlabIO:
-    """What the pipeline may use of the tier (and nothing else).
-
-    Attributes:
-        geometry: slot size, payload size, fingerprint, offsets.
-        backend: positional I/O on the slab.
-        workers: checksum / launch threads.
-        ring: the staging ring, made on first use.
-        durability: when a write counts as complete.
-        device: the engine's device (CUDA legs run under it).
-        index: the slot index (writes finish through it, failed verification drops through it).
-        counters: I/O statistics.
-        zero_pad / trash_pad: padding written after a payload / read and discarded (``None``: no padding).
-        reads_in_flight: host-pool reads a batch keeps started at once (a few per I/O thread, so a thread that
-            finishes one always finds the next queued; not the whole batch, see ``FileCopy._pump``).
-        bounce: the buffers host-pool reads land in when calls have a deadline (``None``: straight into the pool).
-    """
-
-    geometry: SlabGeometry
-    backend: FileBackend
-    workers: concurrent.futures.ThreadPoolExecutor
-    ring: Callable[[], StagingRing]
-    durability: Durability
-    device: Device
-    index: SlotIndex
-    counters: IoCounters
-    zero_pad: np.ndarray | None
-    trash_pad: np.ndarray | None
-    reads_in_flight: int = 16
-    bounce: BouncePool | None = None
 
 
 class FileCopy:
@@ -301,11 +244,7 @@ class FileCopy:
         takes ~120 us and the header checks ~50 us more, during which this thread would start no read (the gap
         between one thread's reads grows from ~50 to ~210 us).
         """
-        geo = self.io.geometry
-        if n < HEADER_SIZE + geo.payload_bytes:
-            raise IntegrityError(
-                f"file slot {self.slots[j]}: short read ({n} of {geo.slot_size} bytes; the file is truncated)"
-            )
+        check_read_length(self.io.geometry, self.slots[j], n)
 
     def _host_read_done(self, j: int, fut: Completion) -> None:
         """Block ``j`` was read (or failed): verify it on a worker; the verification starts the next read."""
@@ -403,10 +342,7 @@ class FileCopy:
             self._member_in(group, k, ok=False)
 
         def check(n: int) -> None:
-            if n < HEADER_SIZE + geo.payload_bytes:
-                raise IntegrityError(
-                    f"file slot {self.slots[j]}: short read ({n} of {geo.slot_size} bytes; the file is truncated)"
-                )
+            check_read_length(geo, self.slots[j], n)
 
         def read(_: object) -> None:
             if self.direct_device:  # GDS: the GPU block was read; it is verified after the group's staged copy
@@ -496,40 +432,17 @@ class FileCopy:
 
     def _group_op(self, blocks: list[int], bufs: list[int], to_staging: bool) -> tuple[Callable[[], None], bool]:
         """The op copying ``blocks`` of the GPU pool to/from staging ``bufs``, and whether it names its stream."""
-        ring = self.io.ring()
-        side = self.layer_major if self.layer_major is not None else self._side
-        if self.io.device.is_cuda or (side is not None and not isinstance(side, BlockPool)):
-            if self.copier is not None and side is not None:  # the engine's copier: one kernel / DMA batch call
-                if to_staging:
-                    op = self.copier.build(side, blocks, ring.pool, bufs, None, stream=self.stream)
-                else:
-                    op = self.copier.build(ring.pool, bufs, side, blocks, None, stream=self.stream)
-                return op, bool(getattr(op, "explicit_stream", False))
-            gpu_t = self.pool.reshape(self.pool.shape[0], -1).view(torch.uint8)
-            staging_t = ring.tensor
-
-            def copy_each() -> None:  # no copier (a FileCopy made by hand): one copy_ per pair, one stream op
-                for b, s in zip(blocks, bufs, strict=True):
-                    if to_staging:
-                        staging_t[s].copy_(gpu_t[b], non_blocking=True)
-                    else:
-                        gpu_t[b].copy_(staging_t[s], non_blocking=True)
-
-            return copy_each, False
-        # The emulated device (block-major pool in host memory): a memcpy per pair through numpy rows. The
-        # copier's CPU reference gathers into a fresh temporary first (two copies and an allocation per op),
-        # which would make the emulated link leg, not the pipeline, what a CPU run measures.
-        gpu_np = self.pool.reshape(self.pool.shape[0], -1).view(torch.uint8).numpy()
-        staging_np = ring.array
-
-        def copy_rows() -> None:
-            for b, s in zip(blocks, bufs, strict=True):
-                if to_staging:
-                    np.copyto(staging_np[s], gpu_np[b])
-                else:
-                    np.copyto(gpu_np[b], staging_np[s])
-
-        return copy_rows, False
+        return group_copy_op(
+            device=self.io.device,
+            ring=self.io.ring(),
+            pool=self.pool,
+            side=self.layer_major if self.layer_major is not None else self._side,
+            copier=self.copier,
+            stream=self.stream,
+            blocks=blocks,
+            bufs=bufs,
+            to_staging=to_staging,
+        )
 
     def _gpu_block(self, j: int) -> torch.Tensor:
         """Block ``j`` of a block-major GPU pool as bytes (the I/O buffer of GDS)."""
@@ -564,32 +477,7 @@ class FileCopy:
         self._then(fut, j, buf, written)
 
     def _verify(self, j: int, hdr: np.ndarray, payload: Buffer) -> None:
-        geo = self.io.geometry
-        slot = self.slots[j]
-        h = unpack_header(hdr.data)
-        why = None
-        if h is None:
-            why = "the slot header is empty"
-        elif isinstance(h, str):
-            why = h
-        elif h.fingerprint != geo.fingerprint:
-            why = "layout fingerprint mismatch"
-        elif h.slot != slot:
-            why = f"header names slot {h.slot}"
-        elif h.payload_length != geo.payload_bytes:
-            why = f"payload length {h.payload_length} != {geo.payload_bytes}"
-        elif h.key != self.keys[j]:
-            why = f"content key {h.key!r} != expected {self.keys[j]!r}"
-        elif h.generation != self.gens[j]:
-            why = f"generation {h.generation} != expected {self.gens[j]}"
-        elif self.io.index.failed_generation(slot) == h.generation:
-            why = "the copy that wrote it failed"
-        elif payload_checksum(payload) != h.checksum:
-            why = "payload checksum mismatch"
-        if why is not None:
-            raise IntegrityError(
-                f"file slot {slot} failed verification: {why}; the slot was dropped and its data not served"
-            )
+        verify_slot(self.io.geometry, self.io.index, self.slots[j], self.keys[j], self.gens[j], hdr, payload)
 
     def _then(
         self, fut: Completion | concurrent.futures.Future[Any], j: int, buf: int | None, fn: Callable[[Any], None]
@@ -633,35 +521,7 @@ class FileCopy:
             self._finish()
 
     def _wrap(self, slot: int, exc: BaseException) -> BaseException:
-        if isinstance(exc, TransferError):
-            return exc
-        if not self.write:
-            truncated = self._truncation(slot)
-            if truncated is not None:
-                # Backends disagree on a read past the end of the file (POSIX returns a short count, kvikio raises):
-                # a truncated slab is damage, the same IntegrityError on every backend.
-                err: BaseException = IntegrityError(
-                    f"file slot {slot}: short read ({truncated}); the slot was dropped and its data not served"
-                )
-                err.__cause__ = exc
-                return err
-        what = "writing" if self.write else "reading"
-        err = TransferError(f"{what} file slot {slot} failed: {exc!r}")
-        err.__cause__ = exc
-        return err
-
-    def _truncation(self, slot: int) -> str | None:
-        """How the slab ends before ``slot`` does, or ``None`` (not truncated, or the size is unknown)."""
-        backend = self.io.backend
-        path = getattr(getattr(backend, "inner", backend), "path", None)
-        if path is None:
-            return None
-        try:
-            size = os.stat(path).st_size
-        except OSError:
-            return None
-        end = self.io.geometry.offset(slot) + self.io.geometry.slot_size
-        return f"the file is truncated: {size} bytes, the slot ends at byte {end}" if size < end else None
+        return slot_error(self.write, slot, exc, self.io.backend, self.io.geometry)
 
     def _finish(self) -> None:
         io = self.io
