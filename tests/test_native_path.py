@@ -20,7 +20,6 @@ import torch
 from tiered_kv import KVLayout, Tier, TransferEngine, _ext
 from tiered_kv.config import EngineConfig
 from tiered_kv.copyops import NativeCopy
-from tiered_kv.fences import Marker
 from tiered_kv.pools import BlockPool
 from tiered_kv.testing import fill_random
 
@@ -301,33 +300,13 @@ def _pair_cases(rng: random.Random) -> list[tuple[object, object, int, int, bool
     return cases
 
 
-def test_check_pairs_decides_as_small_pairs(native: Any) -> None:
-    """The C++ index check of the native path accepts and declines exactly what the Python rules do.
-
-    Same lists (the same objects for list input), and the runs of consecutive pairs the path choice needs.
-    """
-    from tiered_kv.copyops import _pairs_in_python
-
-    for src, dst, src_n, dst_n, same in _pair_cases(random.Random(5)):
-        want = _pairs_in_python(src_n, dst_n, same, src, dst)
-        got = native.check_pairs(src_n, dst_n, same, src, dst)
-        if want is None or got is None:
-            big_endian = getattr(getattr(src, "dtype", None), "byteorder", "") == ">"
-            assert got is None and (want is None or big_endian), (src, dst, src_n, dst_n, same, got, want)
-            continue
-        assert got == want, (src, dst, src_n, dst_n, same)
-        assert all(type(x) is int for x in got[0] + got[1])
-        if isinstance(src, list):
-            assert got[0] is src and got[1] is dst
-
-
 @pytest.mark.parametrize("num_tokens", [None, 3])
 @pytest.mark.parametrize("path", ["kernel", "dma"])
-def test_decided_shapes_launch_in_one_call(native: Any, num_tokens: int | None, path: str) -> None:
-    """A call shape the per-step path decided is then copied by ``launch`` (one call into C++), byte for byte.
+def test_repeated_shapes_copy_byte_for_byte_and_in_fence_order(native: Any, num_tokens: int | None, path: str) -> None:
+    """Small copies through the native submission path, byte for byte, repeated shapes included.
 
-    Offload, onboard and GPU->GPU; lists and arrays; 1..200 pairs. A copy whose pools have an op in flight takes
-    the per-step path and still lands after the op it depends on.
+    Offload, onboard and GPU->GPU; lists and arrays. Copies issued while an op of their pools is in flight land
+    after the op they depend on (a reader of its destination, a writer of a block two copies read).
     """
 
     async def main() -> None:
@@ -337,40 +316,29 @@ def test_decided_shapes_launch_in_one_call(native: Any, num_tokens: int | None, 
             fill_random(host)
             torch.cuda.synchronize()
             n = LAYOUT.tokens_per_block if num_tokens is None else num_tokens
-            launched = 0
             for pair in [(Tier.GPU, Tier.HOST), (Tier.HOST, Tier.GPU), (Tier.GPU, Tier.GPU)]:
-                route = engine._resolve_route(*pair)[7]
-                assert route is not None
                 for k in (1, 4, 12):
                     src = list(range(k))
                     dst = list(range(30 - k, 30))  # 3 rounds, one block further each: up to block 31
                     for use_array in (False, True, False):
                         s = np.array(src) if use_array else list(src)
                         d = np.array(dst) if use_array else list(dst)
-                        before = route.launched
                         a = (gpu if pair[0] is Tier.GPU else host).cpu()
                         expected = (gpu if pair[1] is Tier.GPU else host).cpu()
                         await engine.copy(pair[0], s, pair[1], d, num_tokens=num_tokens)
                         for x, y in zip(src, dst, strict=True):
                             expected[y, :, :, :, :n] = a[x, :, :, :, :n]
                         assert _bits((gpu if pair[1] is Tier.GPU else host).cpu(), expected), (pair, k)
-                        launched += route.launched - before
                         src = [b + 1 for b in src]  # the same shape (one run), other blocks
                         dst = [b + 1 for b in dst]
-                assert route.launched >= 6, f"{pair}: decided shapes did not take the one-call launch"
-            assert launched >= 18
             # an op in flight on the GPU pool (not completed on the loop until it runs again): a copy reading its
-            # destination takes the per-step path and waits; one of other blocks is launched beside it
-            route = engine._resolved[Tier.GPU, Tier.GPU][7]  # the route whose shapes the loop above decided
-            assert route is not None
+            # destination waits for it; one of other blocks goes beside it
             fill_random(gpu)
             torch.cuda.synchronize()
-            before = route.launched
             g0 = gpu.cpu()
             first = engine.copy(Tier.GPU, [0, 1, 2, 3], Tier.GPU, [16, 17, 18, 19], num_tokens=num_tokens)
             second = engine.copy(Tier.GPU, [16, 17, 18, 19], Tier.GPU, [24, 25, 26, 27], num_tokens=num_tokens)
             third = engine.copy(Tier.GPU, [4, 5, 6, 7], Tier.GPU, [20, 21, 22, 23], num_tokens=num_tokens)
-            assert route.launched == before + 2, "the first and third copies take the launch, the second waits"
             await asyncio.gather(first, second, third)
             g = gpu.cpu()
             for x, y in zip(range(8), range(16, 24), strict=True):
@@ -379,79 +347,12 @@ def test_decided_shapes_launch_in_one_call(native: Any, num_tokens: int | None, 
                 assert _bits(g[y, :, :, :, :n], g0[x, :, :, :, :n]), f"the dependent copy did not see the first: {y}"
             # two readers of one block (a reader set in the fence table), then a copy overwriting it: it waits
             await engine.copy(Tier.GPU, [1], Tier.GPU, [9], num_tokens=num_tokens)  # the 1-pair shape, decided
-            before = route.launched
             g0 = gpu.cpu()
             readers = [engine.copy(Tier.GPU, [0], Tier.GPU, [b], num_tokens=num_tokens) for b in (28, 29)]
             overwrite = engine.copy(Tier.GPU, [30], Tier.GPU, [0], num_tokens=num_tokens)
-            assert route.launched == before + 2, "two readers of one block launch side by side; its writer waits"
             await asyncio.gather(*readers, overwrite)
             g = gpu.cpu()
             assert _bits(g[28, :, :, :, :n], g0[0, :, :, :, :n]) and _bits(g[29, :, :, :, :n], g0[0, :, :, :, :n])
             assert _bits(g[0, :, :, :, :n], g0[30, :, :, :, :n])
-
-    asyncio.run(main())
-
-
-def test_launch_returns_none_for_what_it_cannot_take(native: Any) -> None:
-    """``launch``: invalid indices or an undecided shape -> None and nothing enqueued; a decided one -> the copy."""
-
-    async def main() -> None:
-        async with _engine("kernel") as engine:
-            gpu, host = engine.pool(Tier.GPU), engine.pool(Tier.HOST)
-            host_t = _tensor(engine, Tier.HOST)
-            fill_random(_tensor(engine, Tier.GPU))
-            fill_random(host_t)
-            torch.cuda.synchronize()
-            before = host_t.clone()
-            copier = engine.route(Tier.GPU, Tier.HOST).copier  # type: ignore[attr-defined]
-            plan = copier._native_plan(copier._pair(gpu, host, 8), 8, 0)
-            stream = engine.stream("offload")
-            handle = stream.torch_stream.cuda_stream  # type: ignore[attr-defined]
-            choices = {(1, 1): (plan, [0, 0], LAYOUT.bytes_per_block)}
-            none: tuple[Any, ...] = (None, {}, None, None, {})  # no table, or an empty one: nothing pending anywhere
-            for src, dst in (([0], [32]), ([-1], [0]), ([0, 1], [2, 2]), ([0], [True]), ([0, 1], [2]), ((0,), (1,))):
-                assert native.launch(32, 32, False, *none, src, dst, choices, handle, 0) is None, (src, dst)
-            assert native.launch(32, 32, False, *none, [0, 1], [2, 3], choices, handle, 0) is None  # shape not decided
-            with pytest.raises(TypeError, match="choices must be a dict"):
-                native.launch(32, 32, False, *none, [0], [1], [], handle, 0)
-            torch.cuda.synchronize()
-            assert _bits(host_t, before)
-            src_list, dst_list = [5], [7]
-            event, s, d, choice = native.launch(32, 32, False, *none, src_list, dst_list, choices, handle, 0)
-            assert isinstance(event, native.DeviceEvent) and choice is choices[1, 1]
-            assert s is src_list and d is dst_list  # lists are the caller's own
-            event.synchronize()
-            arrays = np.array([6]), np.array([8], dtype=np.int32)
-            event, s, d, _ = native.launch(32, 32, False, *none, *arrays, choices, handle, 0)
-            assert s == [6] and d == [8]  # arrays: new lists (the fences keep them)
-            event.synchronize()
-            g = _tensor(engine, Tier.GPU).cpu()
-            assert _bits(host_t[7].cpu(), g[5]) and _bits(host_t[8].cpu(), g[6])
-            # the fence check reads a marker's state once per call: a block behind the one whose (completed) marker
-            # it read must still be checked against its own marker (writes, then a reader set)
-            two = {(2, 1): (plan, [0, 0], LAYOUT.bytes_per_block)}  # two pairs, one run
-            done, busy, done2 = Marker(None), Marker(None), Marker(None)
-            done.completed = done2.completed = True
-            h = host_t.clone()
-            declined: list[tuple[Any, Any]] = [
-                ({10: done, 11: busy}, None),
-                ({10: done}, {11: {done: None, busy: None}}),
-                (None, {10: {done: None}, 11: {done: None, done2: None, busy: None}}),
-            ]
-            for writes, reads in declined:
-                got = native.launch(32, 32, False, None, writes, reads, None, None, [0, 1], [10, 11], two, handle, 0)
-                assert got is None, (writes, reads)
-            torch.cuda.synchronize()
-            assert _bits(host_t, h)  # nothing enqueued by the declined calls
-            taken: list[tuple[Any, Any]] = [
-                ({10: done, 11: done2}, {11: {done: None, done2: None}}),
-                ({10: done}, {11: done}),
-            ]
-            for writes, reads in taken:
-                args = (None, writes, reads, None, None, [0, 1], [10, 11], two, handle, 0)
-                event, *_ = native.launch(32, 32, False, *args)
-                event.synchronize()
-            g = _tensor(engine, Tier.GPU).cpu()
-            assert _bits(host_t[10].cpu(), g[0]) and _bits(host_t[11].cpu(), g[1])
 
     asyncio.run(main())

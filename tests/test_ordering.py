@@ -208,15 +208,15 @@ def _large_pairs(seed: int, n: int = LARGE) -> tuple[np.ndarray, np.ndarray, np.
 
 async def _decide_shapes(engine: TransferEngine, src: np.ndarray, host: np.ndarray, back: np.ndarray) -> None:
     """The offload ``src`` -> ``host`` (as lists) and the onboard ``host`` -> ``back`` (as arrays), each made once and
-    awaited: on CUDA the engine then has decided their shapes, and the same calls take the one-call launch."""
+    awaited: the path of each call shape decided before the scenario runs."""
     await engine.copy(Tier.GPU, src.tolist(), Tier.HOST, host.tolist())
     await engine.copy(Tier.HOST, host, Tier.GPU, back)
 
 
 async def large_raw_scenario(engine: TransferEngine, n: int, warm: bool = False) -> bool:
     """An offload of ``n`` blocks behind a stall, then an onboard of the same host blocks. True when the onboard
-    read what the offload wrote. ``warm``: both calls made once before (awaited), so that on CUDA the engine has
-    decided their shapes and the scenario's calls take the one-call launch."""
+    read what the offload wrote. ``warm``: both calls made once before (awaited), so that the copier has decided
+    their shapes (its memo) before the scenario's calls."""
     src, host, _ = _large_pairs(1, n)
     back = np.setdiff1d(np.arange(2 * LARGE), src)[:n]
     if warm:
@@ -234,8 +234,8 @@ async def large_raw_scenario(engine: TransferEngine, n: int, warm: bool = False)
 @pytest.mark.parametrize("n", [64, LARGE])  # the small-call path (native on CUDA) and the general path
 async def test_large_calls_read_after_write(device, layout, n, warm):
     """Regression: a many-block call with nothing pending records its fence entries after the launch; the
-    next call still sees them, by every path (a lookup, or the one-call launch of a decided shape, which reads the
-    tables itself), and a pool whose every op was released has nothing live."""
+    next call still sees them, whether its shape was decided before or not, and a pool whose every op was released
+    has nothing live."""
     async with TransferEngine(layout, gpu_blocks=2 * LARGE, host_blocks=2 * LARGE, device=device) as engine:
         assert await large_raw_scenario(engine, n, warm)
         assert engine.fences.stream_waits >= 1

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import threading
 import time
 from typing import Any
@@ -26,17 +25,6 @@ def test_small_pairs_accepts_valid_lists_and_small_arrays() -> None:
     assert small_pairs([3, 1], [0, 2], 4, 4, False) == ([3, 1], [0, 2])
     got = small_pairs(np.array([1, 2], dtype=np.int32), np.array([3, 0], dtype=np.uint8), 4, 4, True)
     assert got == ([1, 2], [3, 0]) and all(type(x) is int for x in got[0] + got[1])
-
-
-def test_pairs_without_the_extension_count_the_runs_the_path_choice_needs() -> None:
-    """The native route's index check without the C++ one: small_pairs' lists and the runs of consecutive pairs."""
-    from tiered_kv.copyops import _pairs_in_python
-
-    assert _pairs_in_python(8, 8, False, [0, 1, 2], [5, 6, 7]) == ([0, 1, 2], [5, 6, 7], 1)
-    assert _pairs_in_python(8, 8, False, [0, 1, 3], [5, 6, 7]) == ([0, 1, 3], [5, 6, 7], 2)
-    assert _pairs_in_python(8, 8, False, np.array([4, 2]), np.array([0, 1])) == ([4, 2], [0, 1], 2)
-    assert _pairs_in_python(8, 8, True, [0, 1], [1, 2]) is None
-    assert _pairs_in_python(8, 8, False, [3], [3]) == ([3], [3], 1)
 
 
 @pytest.mark.parametrize(
@@ -93,6 +81,25 @@ async def test_small_and_general_paths_copy_the_same(device: str, layout: KVLayo
         for h, src in ((0, 5), (7, 1), (3, 2), (4, 6), (1, 0)):
             assert same(snapshot(engine, "host", h), g[src]), (h, src)
         assert same(snapshot(engine, "gpu", 6), g[3]) and same(snapshot(engine, "gpu", 7), g[4])
+
+
+async def test_a_caller_may_reuse_its_index_lists_once_copy_returns(device: str, layout: KVLayout) -> None:
+    """Regression: the engine kept the caller's lists, so a list reused before a deferred copy was enqueued (one
+    waiting on the loop for a host-thread copy) changed which blocks it copied (on CUDA, where the native
+    submission reads the lists when it is enqueued)."""
+    async with TransferEngine(layout, gpu_blocks=8, host_blocks=8, device=device) as engine:
+        g = fill_pool(engine, "gpu", 4)
+        h = fill_pool(engine, "host", 5)
+        for s, d in (([0], [1]), ([2, 3], [2, 3])):
+            first = engine.copy(Tier.HOST, list(d), Tier.HOST, [0, 7][: len(d)])  # a host thread: awaited on the loop
+            transfer = engine.copy(Tier.GPU, s, Tier.HOST, d)  # overwrites what `first` reads: deferred
+            s[:] = [7] * len(s)  # the caller's lists, reused before the copy was enqueued
+            d[:] = [6] * len(d)
+            await asyncio.gather(first, transfer)
+        for dst, src in ((1, 0), (2, 2), (3, 3)):
+            assert same(snapshot(engine, "host", dst), g[src]), (dst, src)
+        assert same(snapshot(engine, "host", 6), h[6])
+        assert len(engine.fences) == 0
 
 
 # --------------------------------------------------------------------------------------------- completions
@@ -318,7 +325,7 @@ async def test_engine_small_calls_use_the_list_op_on_their_stream(
     layout: KVLayout, native: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A small call is one native submission (or, with TIERED_KV_NATIVE=0, the list op); a big one the tensor op."""
-    from tiered_kv.copyops import NativeRoute
+    from tiered_kv.copyops import NativeCopy
 
     monkeypatch.setenv("TIERED_KV_NATIVE", "1" if native else "0")
     big = SMALL_CALL_BLOCKS + 8
@@ -327,19 +334,15 @@ async def test_engine_small_calls_use_the_list_op_on_their_stream(
         g = fill_pool(engine, "gpu", 9)
         torch.cuda.synchronize()
         calls: list[str] = []
-        real_build, real_job = engine.copier.build, NativeRoute.job
+        real_build = engine.copier.build
 
         def build(*args, **kwargs):
             op = real_build(*args, **kwargs)
-            calls.append("list" if getattr(op, "explicit_stream", False) else "tensor")
+            kind = "list" if getattr(op, "explicit_stream", False) else "tensor"
+            calls.append("native" if isinstance(op, NativeCopy) else kind)
             return op
 
-        def job(self, s, d, num_tokens=None, runs=None):
-            calls.append("native")
-            return real_job(self, s, d, num_tokens, runs)
-
         engine.copier.build = build  # type: ignore[method-assign]
-        monkeypatch.setattr(NativeRoute, "job", job)
         engine.stream("offload").submit(lambda: torch.cuda._sleep(50_000_000))  # later work must queue behind it
         await engine.copy(Tier.GPU, [1, 2], Tier.HOST, [3, 4])
         everything = np.arange(big)
@@ -406,364 +409,8 @@ async def test_host_work_of_one_small_copy_stays_within_budget() -> None:
 
 @pytest.mark.gpu
 async def test_host_work_of_one_native_copy_stays_within_budget() -> None:
-    """The same count on CUDA, where a small whole-block copy takes the native submission path.
-
-    1,030 bytecodes and 31 Python calls through the torch ops; 533 / 13.7 through the native path (H100 and
-    H200, CPython 3.12, measured by ``python -m tiered_kv.tools.bench.percall_probe``). The budget then was 650 /
-    18; lowered by what the CPU count of the same code before the native branch lost since (the inlined
-    open-and-loop check, one in-flight dict: 25 bytecodes and 2 calls, counted on the emulated device through a
-    stand-in native route), with the same room above the expected ~508 / 11.7. With the one-call launch (a decided
-    shape whose blocks have no op to wait for is enqueued by one call into C++): 573 / 11.7 on an H100, where 68 of
-    the 100 copies find their blocks busy (the probe cycles through 32 blocks with all copies in flight) and go the
-    per-step way after the launch declined them.
-    """
+    """The same count on CUDA, where a small copy's job is one native submission: the engine's work is the one
+    the CPU count measures (one path on every device), less the emulated stream's and plus the native job's."""
     work = await _host_work_of_one_copy("cuda")
-    assert work["python_calls_per_copy"] <= 16, work["by_function"]
-    assert work["bytecodes_per_copy"] <= 625, work["by_function"]
-
-
-# ------------------------------------------------------------------------------- the one-call launch, on the CPU
-
-
-class _DoneEvent:
-    """An event already reached (the fake native calls below copy synchronously)."""
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
-
-
-class _FakeNativeStream:
-    """What the engine and :class:`~tiered_kv.copyops.NativeRoute` use of a CUDA stream, completing from a thread.
-
-    Completions are held until :meth:`release` (so a copy stays in flight, with its fences live, as long as a test
-    needs it), then delivered in order from a thread, as the stream's waiter does.
-    """
-
-    rate = 0.0
-    closed = False
-
-    def __init__(self) -> None:
-        self.native_args: tuple[int, int] | None = (0, 0)
-        self.held: list[Any] = []
-        self.notified = 0  # completions through notify_native (the per-step path)
-        self.watched = 0  # completions through watch_native (the one-call launch)
-
-    def notify_native(self, issue: Any, callback: Any, *, beside: bool = False, nbytes: int = 0) -> Any:
-        event = issue(0, 0, 0)
-        self.notified += 1
-        self.held.append(callback)
-        return event
-
-    def watch_native(self, event: Any, callback: Any, nbytes: int) -> None:
-        self.watched += 1
-        self.held.append(callback)
-
-    def wait(self, event: Any) -> None:  # a stream-side wait: the fake copies are done at once
-        pass
-
-    def release(self) -> None:
-        held, self.held = self.held, []
-        thread = threading.Thread(target=lambda: [cb() for cb in held])
-        thread.start()
-        thread.join()
-
-
-def _gpu_pool(engine: TransferEngine) -> torch.Tensor:
-    return engine.pool(Tier.GPU).tensor.clone()
-
-
-def _fake_native(engine: TransferEngine, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, _FakeNativeStream, list[str]]:
-    """A NativeRoute for GPU->GPU copies of ``engine`` (emulated device) whose C++ calls are Python doubles.
-
-    ``submit`` / ``launch`` copy tokens [0, n) of the named blocks at once (torch on the CPU) and log which entry
-    ran. Returns the route, its stream and the log.
-    """
-    from tiered_kv import copyops
-    from tiered_kv.copyops import NativeRoute, _pairs_in_python
-
-    monkeypatch.setattr(copyops, "choose_path", lambda *a, **k: "kernel")  # the emulated device's path is "reference"
-    route = engine._resolve_route(Tier.GPU, Tier.GPU)
-    copier = engine.route(Tier.GPU, Tier.GPU).copier  # type: ignore[attr-defined]
-    pool = engine.pool(Tier.GPU)
-    tensor = pool.tensor
-    tokens: dict[int, int] = {}
-    log: list[str] = []
-
-    def plan(info: Any, n: int, method: int) -> int:
-        tokens[len(tokens) + 1] = n
-        return len(tokens)
-
-    monkeypatch.setattr(copier, "_native_plan", plan)
-
-    def copy(plan_id: int, s: list[int], d: list[int]) -> None:
-        n = tokens[plan_id]
-        for x, y in zip(s, d, strict=True):
-            tensor[y, ..., :n, :] = tensor[x, ..., :n, :]
-
-    def submit(plan_id: int, s: list[int], d: list[int], stream: int, sem: int, side: int = 0) -> _DoneEvent:
-        log.append("submit")
-        copy(plan_id, s, d)
-        return _DoneEvent()
-
-    def pending(table: dict[int, Any] | None, block: int) -> bool:  # fast_path.cpp's rule
-        entry = table.get(block) if table else None
-        if entry is None:
-            return False
-        return any(not m.completed for m in entry) if isinstance(entry, dict) else not entry.completed
-
-    def live(holders: dict[Any, None] | None) -> bool:  # fast_path.cpp's rule
-        return holders is None or any(not m.completed for m in holders)
-
-    def launch(sn: int, dn: int, same: bool, *args: Any) -> Any:
-        src_writes, dst_writes, dst_reads, src_holders, dst_holders, src, dst, choices = args[:8]
-        checked = _pairs_in_python(sn, dn, same, src, dst)
-        if checked is None:
-            return None
-        s, d, runs = checked
-        choice = choices.get((len(s), runs))
-        if choice is None:
-            return None
-        if live(src_holders) or live(dst_holders):
-            for x, y in zip(s, d, strict=True):
-                if pending(src_writes, x) or pending(dst_writes, y) or pending(dst_reads, y):
-                    return None
-        log.append("launch")
-        copy(choice[0], s, d)
-        return _DoneEvent(), s, d, choice
-
-    stream = _FakeNativeStream()
-    info = copier._pair(pool, pool, engine.layout.tokens_per_block)
-    native = NativeRoute(copier, info, stream, submit, None, launch)  # type: ignore[arg-type]
-    native.bind_fences(engine._fences.tables(pool.name, pool.name))
-    copier._native_routes.append(native)  # as Copier.native_route keeps it (statistics, forget_plans)
-    engine._resolved[Tier.GPU, Tier.GPU] = (*route[:7], native)
-    return native, stream, log
-
-
-async def test_one_call_launch_takes_decided_shapes_with_fences_and_completion(
-    layout: KVLayout, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The engine's one-call launch (NativeRoute.launch), wired as on CUDA, with the C++ calls replaced:
-
-    - a call shape (token count, pairs, runs) goes the per-step way once, then in one call;
-    - the launched copy holds its fence entries until it completes: a copy that reads what it writes, or overwrites
-      what it reads or writes, takes the per-step path and waits for it; a copy of other blocks of the same pool
-      is launched beside it;
-    - completion, statistics and the route's per-path totals count launched copies like the others;
-    - bytes land as named, whole and partial, lists and arrays.
-    """
-    async with TransferEngine(layout, gpu_blocks=16, host_blocks=2, device="cpu") as engine:
-        native, stream, log = _fake_native(engine, monkeypatch)
-        expected = fill_pool(engine, Tier.GPU, seed=3)
-        try:
-            name = engine.pool(Tier.GPU).name
-
-            async def copy(src: Any, dst: Any, n: int | None = None) -> Any:
-                transfer = engine.copy(Tier.GPU, src, Tier.GPU, dst, num_tokens=n)
-                stream.release()
-                await transfer
-                t = layout.tokens_per_block if n is None else n
-                for x, y in zip(list(src), list(dst), strict=True):
-                    expected[int(y), ..., :t, :] = expected[int(x), ..., :t, :]
-                assert same(_gpu_pool(engine), expected)
-                return transfer
-
-            await copy([0, 1], [8, 9])  # first of its shape (2 pairs, 1 run): decided on the per-step path
-            assert log == ["submit"] and native.launched == 0
-            await copy([2, 3], [10, 11])  # same shape: one call
-            await copy(np.array([4, 5]), np.array([12, 13]))  # arrays too
-            assert log == ["submit", "launch", "launch"] and native.launched == 2
-            await copy([0, 2], [14, 15])  # 2 runs: a new shape
-            await copy([1, 4], [13, 8])
-            assert log[-2:] == ["submit", "launch"]
-            await copy([5], [6], 3)  # partial: a shape of its own token count
-            await copy([7], [4], 3)
-            await copy([6], [3], layout.tokens_per_block)  # whole blocks named by their token count ...
-            await copy([3], [2])  # ... are the shape of whole blocks
-            assert log[-4:] == ["submit", "launch", "submit", "launch"]
-            assert sum(calls for calls, _ in native.totals.values()) == len(log)
-
-            # in flight (completion held): its entries are live, so a copy that touches its blocks waits for it ...
-            def apply(src: list[int], dst: list[int]) -> None:  # each copy's effect, in call order (the fences' order)
-                for x, y in zip(src, dst, strict=True):
-                    expected[y] = expected[x]
-
-            first = engine.copy(Tier.GPU, [2, 3], Tier.GPU, [10, 11])
-            apply([2, 3], [10, 11])
-            assert log[-1] == "launch" and not first.done()
-            assert engine.fences.dependencies([(name, [10])], []) == {first._marker}, "its writes were not fenced"
-            assert engine.fences.dependencies([], [(name, [3])]) == {first._marker}, "its reads were not fenced"
-            # reads what it writes / overwrites what it reads / overwrites what it writes
-            for src, dst in (([10, 11], [0, 1]), ([0, 1], [12, 3]), ([5, 6], [11, 13])):
-                busy = engine.copy(Tier.GPU, src, Tier.GPU, dst)
-                assert log[-1] == "submit", f"{src}->{dst} has an op to wait for: the per-step path must take it"
-                stream.release()
-                await busy
-                assert first.done(), "a copy completed before the launched copy it depended on"
-                apply(src, dst)
-                first = engine.copy(Tier.GPU, [2, 3], Tier.GPU, [10, 11])  # in flight again (the shape is decided)
-                apply([2, 3], [10, 11])
-                assert log[-1] == "launch"
-            # ... and one of other blocks of the same pool does not
-            other = engine.copy(Tier.GPU, [4, 5], Tier.GPU, [14, 15])
-            apply([4, 5], [14, 15])
-            assert log[-1] == "launch" and not other.done() and not first.done()
-            stream.release()
-            await asyncio.gather(first, other)
-            assert same(_gpu_pool(engine), expected)
-
-            # nothing in flight again: launched; the engine's statistics count every copy
-            await copy([2, 3], [10, 11])
-            assert log[-1] == "launch"
-            stats = engine.statistics()
-            assert stats.submitted == stats.completed == len(log) and stats.in_flight == 0
-            assert stats.bytes_by_direction["gpu->gpu"] == sum(nbytes for _, nbytes in native.totals.values())
-            assert stream.watched == log.count("launch") and stream.notified == log.count("submit")
-        finally:  # a failed assertion must not leave completions held (the engine's exit would wait)
-            stream.release()
-
-
-class _SpinEvent:
-    """A native event the test reaches by hand: ``state`` 0 running, 1 done, -1 a CUDA error (``DeviceEvent.spin``)."""
-
-    def __init__(self) -> None:
-        self.state = 0
-        self.spins = 0
-
-    def spin(self, budget_ns: int) -> int:
-        self.spins += 1
-        return self.state
-
-    def query(self) -> bool:
-        if self.state < 0:
-            raise RuntimeError("cudaEventQuery failed: an illegal memory access was encountered")
-        return self.state == 1
-
-    def synchronize(self) -> None:
-        pass
-
-
-async def test_in_place_await_of_a_native_event_completes_in_order(
-    layout: KVLayout, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The in-place await of a launched copy's native event (``DeviceEvent.spin``), as on CUDA.
-
-    - the oldest copy in flight is completed right where its end is seen, without ``_poll``; its fences and
-      statistics settle as any completion's;
-    - a copy with an older one still in flight on its stream takes ``_poll``, which completes the older one first:
-      no transfer is done before one enqueued before it on its stream;
-    - a CUDA error seen by the look completes nothing: the await raises it, and the copy completes (failed or not)
-      only from its stream's thread.
-    """
-    async with TransferEngine(layout, gpu_blocks=16, host_blocks=2, device="cpu") as engine:
-        native, stream, log = _fake_native(engine, monkeypatch)
-        fill_pool(engine, Tier.GPU, seed=9)
-        events: list[_SpinEvent] = []
-        launch = native.launch
-
-        def spin_launch(*args: Any) -> Any:
-            got = launch(*args)
-            if got is None:
-                return None
-            events.append(_SpinEvent())
-            return (events[-1], *got[1:])
-
-        native.launch = spin_launch
-        monkeypatch.setattr(engine, "_native_event", _SpinEvent)
-        monkeypatch.setattr(engine, "_await_spin", 1e-3)
-        stream.watch = engine._watch  # type: ignore[attr-defined]  # as the engine binds its own streams
-        polls: list[Any] = []
-        poll = engine._poll
-        def counted_poll(marker: Any) -> bool:
-            polls.append(marker)
-            return poll(marker)
-
-        monkeypatch.setattr(engine, "_poll", counted_poll)
-        try:
-            first = engine.copy(Tier.GPU, [0, 1], Tier.GPU, [8, 9])  # decides the shape (per-step path)
-            stream.release()
-            await first
-            engine.statistics()  # settled: nothing older in flight
-            one = engine.copy(Tier.GPU, [2, 3], Tier.GPU, [10, 11])
-            assert log[-1] == "launch" and len(events) == 1
-            events[0].state = 1
-            polls.clear()
-            await one
-            assert one.done() and events[0].spins == 1 and polls == [], "the oldest copy is completed in place"
-            stats = engine.statistics()
-            assert stats.in_flight == 0 and stats.completed == 2 and not engine.fences
-            # an older copy in flight on the same stream: _poll completes it first
-            older = engine.copy(Tier.GPU, [4, 5], Tier.GPU, [12, 13])
-            newer = engine.copy(Tier.GPU, [6, 7], Tier.GPU, [14, 15])
-            assert log[-2:] == ["launch", "launch"] and len(events) == 3
-            events[1].state = events[2].state = 1
-            await newer
-            assert polls == [newer._marker] and older.done() and newer.done()
-            done_at = (older._marker.done_at, newer._marker.done_at)
-            assert done_at[0] is not None and done_at[1] is not None and done_at[0] <= done_at[1]
-            await older
-            # a CUDA error seen by the look: the await raises it, the copy is not taken for done
-            engine.statistics()
-            failed = engine.copy(Tier.GPU, [0, 1], Tier.GPU, [10, 11])
-            events[-1].state = -1
-            with pytest.raises(RuntimeError, match="illegal memory access"):
-                await failed
-            assert not failed.done()
-            stream.release()  # its thread's completion
-            await asyncio.wait_for(failed._marker.wait(), 5)
-            assert failed.done()
-        finally:
-            stream.release()
-
-
-async def test_one_call_launch_declines_to_the_per_step_path(layout: KVLayout, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Whatever the one-call launch cannot take goes the per-step way, with the same results and errors.
-
-    Invalid indices (the descriptive errors, nothing copied), a closed waiter (``native_args`` None), a changed
-    copier config (the decided shapes are forgotten), and a launch that raises (the CUDA runtime failing).
-    """
-    async with TransferEngine(layout, gpu_blocks=16, host_blocks=2, device="cpu") as engine:
-        native, stream, log = _fake_native(engine, monkeypatch)
-        fill_pool(engine, Tier.GPU, seed=5)
-        try:
-
-            async def copy(src: Any, dst: Any) -> None:
-                transfer = engine.copy(Tier.GPU, src, Tier.GPU, dst)
-                stream.release()
-                await transfer
-
-            await copy([0], [1])
-            await copy([2], [3])
-            assert log == ["submit", "launch"]
-            before = _gpu_pool(engine)
-            for src, dst, message in (([0], [16], "out of range"), ([0, 1], [2, 2], "duplicates"), ([4], [4], "both")):
-                with pytest.raises(ValueError, match=message):
-                    engine.copy(Tier.GPU, src, Tier.GPU, dst)
-            assert same(_gpu_pool(engine), before) and log == ["submit", "launch"]
-
-            stream.native_args = None
-            await copy([4], [5])
-            assert log[-1] == "submit"
-            stream.native_args = (0, 0)
-            await copy([4], [5])
-            assert log[-1] == "launch"
-
-            copier = engine.route(Tier.GPU, Tier.GPU).copier  # type: ignore[attr-defined]
-            copier.config = dataclasses.replace(copier.config)  # a new config object
-            await copy([6], [7])
-            assert log[-1] == "submit", "a shape decided under another config must be decided again"
-            await copy([6], [7])
-            assert log[-1] == "launch"
-
-            def failing(*a: Any) -> Any:
-                raise RuntimeError("cudaErrorLaunchFailure")
-
-            monkeypatch.setattr(native, "launch", failing)
-            await copy([8], [9])
-            assert log[-1] == "submit"
-            assert engine.statistics().failed == 0
-        finally:  # a failed assertion must not leave completions held (the engine's exit would wait)
-            stream.release()
+    assert work["python_calls_per_copy"] <= 30, work["by_function"]
+    assert work["bytecodes_per_copy"] <= 1250, work["by_function"]

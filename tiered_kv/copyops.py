@@ -45,9 +45,6 @@ Layer-by-layer copies (``copy(..., layers=)``, :mod:`tiered_kv.layerwise`) count
 as one piece too: DMA moves it in one ``cudaMemcpy2DAsync`` (a row per block), and a load that is meant to
 overlap compute must not take the SMs (measured on an H100: with the kernel, per-layer loads of a 32-layer
 prefill did not overlap the compute at all, 1.02-1.05x the serial time).
-
-Size: about 560 lines: the path choice and the builders of one copy call's op (DMA / kernel, native, torch
-fallback) read the same per-pair geometry and plan memo.
 """
 
 from __future__ import annotations
@@ -71,14 +68,13 @@ from . import opdefs, ops, pool_kinds
 from .config import EngineConfig
 from .device import CudaStream, Device, Event, Stream, scratch_on
 from .layer_major import LayerMajorPool, LayerSlice
-from .pools import SMALL_CALL_BLOCKS, BlockPool, merge_runs, small_pairs
+from .pools import SMALL_CALL_BLOCKS, BlockPool, merge_runs
 
 __all__ = [
     "Copier",
     "CopierStatistics",
     "CopyPlan",
     "NativeCopy",
-    "NativeRoute",
     "Side",
     "calibrated_dma_row_threshold",
     "calibrated_dma_threshold",
@@ -205,7 +201,6 @@ class Copier:
         self._native_plans: dict[tuple[int, int], tuple[_PairInfo, int]] = {}
         # (id(src pool), id(dst pool)) -> the pools, their fixed chunk table (CPU, device copy), its piece size
         self._chunk_tables: dict[tuple[int, int], _ChunkPair] = {}
-        self._native_routes: list[NativeRoute] = []  # their per-path totals are part of statistics()
         self._finalizer = weakref.finalize(self, _free_native_plans, self._native_plans)
 
     @property
@@ -229,12 +224,8 @@ class Copier:
         self.forget_plans()
 
     def forget_plans(self) -> None:
-        """Forget the native routes' decided call shapes: their next calls decide again (the path choice changed).
-
-        The small-call memo of :meth:`_plan` keys its entries by config and kernels flag already.
-        """
-        for route in self._native_routes:
-            route.choices.clear()
+        """Forget the decided small-call shapes: their next calls decide again (the path choice changed)."""
+        self._plans.clear()
 
     def _pair(self, src_pool: Side, dst_pool: Side, n: int) -> _PairInfo:
         """What does not change between calls for one (source pool, destination pool, num_tokens)."""
@@ -277,26 +268,6 @@ class Copier:
             entry = self._native_plans[key] = (info, plan)
         return entry[1]
 
-    def native_route(self, src_pool: Side, dst_pool: Side, stream: Stream | None) -> NativeRoute | None:
-        """The native path of whole-block small copies between two pools on ``stream``, or ``None``.
-
-        ``None`` without the native module, for a host-to-host pair (no stream), a chunked pool, or a forced path
-        other than the kernel or DMA.
-        """
-        if self._native is None or not isinstance(stream, CudaStream):
-            return None
-        if isinstance(src_pool, pool_kinds.ChunkedPool) or isinstance(dst_pool, pool_kinds.ChunkedPool):
-            return None
-        info = self._pair(src_pool, dst_pool, src_pool.layout.tokens_per_block)
-        if self._plan(info, [0], [0]).path not in ("kernel", "dma"):
-            return None
-        native = self._native
-        route = NativeRoute(
-            self, info, stream, native.submit, getattr(native, "check_pairs", None), getattr(native, "launch", None)
-        )
-        self._native_routes.append(route)
-        return route
-
     def _account(self, path: str, nbytes: int) -> None:
         with self._lock:
             self._calls[path] = self._calls.get(path, 0) + 1
@@ -306,10 +277,6 @@ class Copier:
     def native(self) -> bool:
         """Whether small calls take the native submission path (CUDA, extension built with it)."""
         return self._native is not None
-
-    def native_entry(self, name: str) -> Any:
-        """The extension's function ``name`` when small calls take the native path (:attr:`native`), else ``None``."""
-        return getattr(self._native, name, None) if self._native is not None else None
 
     def close(self) -> None:
         """Free the native copy plans (the engine is closing). Idempotent."""
@@ -515,21 +482,12 @@ class Copier:
         """Calls and bytes per path so far."""
         with self._lock:
             calls, nbytes = dict(self._calls), dict(self._bytes)
-        for route in self._native_routes:
-            for path, (n, b) in route.totals.items():
-                if n:
-                    calls[path] = calls.get(path, 0) + n
-                    nbytes[path] = nbytes.get(path, 0) + b
         return CopierStatistics(calls, nbytes)
 
     def __repr__(self) -> str:
         kernels = "kernels" if self.kernels else ("no kernels" if self.device.is_cuda else "emulated")
         cfg = self.config
         return f"<Copier {kernels} dma>={self.dma_min_chunk_bytes}B path={cfg.copy_path} calls={self._calls}>"
-
-
-#: a call shape's decision on the one-call path: (native plan, the path's [calls, bytes] totals, bytes per block)
-_Choice = tuple[int, list[int], int]
 
 
 class NativeCopy:
@@ -581,141 +539,6 @@ class NativeCopy:
     def ok_at_event(self) -> bool:
         """True when the copy was issued: reaching its event is its whole completion (``Job.ok_at_event``)."""
         return not self.failed
-
-
-class NativeRoute:
-    """The native path of one pair of pools on one stream: small copies as :class:`NativeCopy` jobs.
-
-    Made once per (source tier, destination tier) by :meth:`Copier.native_route`; :meth:`job` is the whole
-    per-call work above the C++ entry: the path choice (memoized per call shape, as :meth:`Copier.build` does),
-    the copier's per-path totals, and the job. Whole blocks and partial blocks (``num_tokens``) alike: the plans
-    of a token count are made at its first call.
-
-    :attr:`launch` is the one-call path of a shape already decided (by :meth:`job`): the index check, the plan of
-    the shape, the fences of its blocks, the copy, its event and completion signal in one call into C++, before any
-    Python object of the call is made (``kernels/fast_path.cpp``, ``launch``). It returns ``(event, src list, dst
-    list, choice)``, or ``None`` -- nothing enqueued -- for invalid indices, an undecided shape or a block with an op
-    to wait for; the per-step path then does the copy (and raises the errors, or waits). The caller records the
-    fence entries, hands the completion to the stream (:meth:`~tiered_kv.device.CudaStream.watch_native`) and
-    counts the choice's path totals.
-    """
-
-    __slots__ = (
-        "_copier",
-        "_info",
-        "_launch_entry",
-        "_partial",
-        "_plans",
-        "_single",
-        "_sizes",
-        "_stream",
-        "_submit",
-        "choices",
-        "launch",
-        "launched",
-        "pairs",
-        "stream",
-        "totals",
-    )
-
-    def __init__(
-        self,
-        copier: Copier,
-        info: _PairInfo,
-        stream: CudaStream,
-        submit: Callable[..., Event],
-        check_pairs: Callable[..., tuple[list[int], list[int], int] | None] | None = None,
-        launch: Callable[..., tuple[Event, list[int], list[int], _Choice] | None] | None = None,
-    ) -> None:
-        self._copier = copier
-        src_n, dst_n = info.src_pool.num_blocks, info.dst_pool.num_blocks
-        same = info.src_pool is info.dst_pool
-        self._launch_entry = launch
-        self._sizes = (src_n, dst_n, same)
-        #: ``launch(src, dst, choices, stream handle, semaphore, signal stream)``: the one-call path (see the class
-        #: docstring), bound to the pools and their fence tables by :meth:`bind_fences`; ``None`` until then or
-        #: without the extension's entry
-        self.launch: Callable[..., tuple[Event, list[int], list[int], _Choice] | None] | None = None
-        #: num_tokens (``None``: whole blocks) -> {(pairs, runs): (plan, path totals, bytes per block)}: the call
-        #: shapes :meth:`job` decided, which :attr:`launch` takes in one call (cleared when the copier's path choice
-        #: changes: :meth:`Copier.forget_plans`)
-        self.choices: dict[int | None, dict[tuple[int, int], _Choice]] = {}
-        #: calls that took :meth:`launch` (tests, probes)
-        self.launched = 0
-        #: the stream the copies run on
-        self.stream = stream
-        #: ``pairs(src_indices, dst_indices)``: ``(src list, dst list, runs)`` when the indices are valid for a small
-        #: call (:func:`~tiered_kv.pools.small_pairs`' rules, checked in C++), else ``None`` (the general checks)
-        self.pairs: Callable[[object, object], tuple[list[int], list[int], int] | None] = (
-            functools.partial(check_pairs, src_n, dst_n, same)
-            if check_pairs is not None
-            else functools.partial(_pairs_in_python, src_n, dst_n, same)
-        )
-        self._info = info
-        self._stream = stream
-        self._submit = submit
-        self._plans = self._plans_of(info, info.src_pool.layout.tokens_per_block)
-        #: path -> [calls, bytes] of this route, summed into the copier's statistics (updated on the loop only)
-        self.totals: dict[str, list[int]] = {"kernel": [0, 0], "dma": [0, 0]}
-        single = copier._plan(info, [0], [0]).path  # one pair is one run: its path never changes
-        self._single = (self._plans[single], self.totals[single])
-        # num_tokens -> (its pair info, its plan per path): partial copies, made at first use
-        self._partial: dict[int, tuple[_PairInfo, dict[str, int]]] = {}
-
-    def _plans_of(self, info: _PairInfo, num_tokens: int) -> dict[str, int]:
-        """The native plan per path (kernel, DMA) of a pair of pools and a token count."""
-        copier = self._copier
-        return {
-            "kernel": copier._native_plan(info, num_tokens, ops.METHOD_KERNEL),
-            "dma": copier._native_plan(info, num_tokens, ops.METHOD_DMA),
-        }
-
-    def job(self, s: list[int], d: list[int], num_tokens: int | None = None, runs: int | None = None) -> NativeCopy:
-        """The job of copying blocks ``s`` to blocks ``d`` (valid small int lists: the engine checked them).
-
-        ``num_tokens``: tokens ``[0, num_tokens)`` of every row, ``None`` for whole blocks (the engine checked
-        it is in ``1..tokens_per_block - 1``). ``runs``: the runs of pairs consecutive on both sides, when
-        :attr:`pairs` counted them.
-        """
-        if num_tokens is not None:
-            entry = self._partial.get(num_tokens)
-            if entry is None:
-                info = self._copier._pair(self._info.src_pool, self._info.dst_pool, num_tokens)
-                entry = self._partial[num_tokens] = (info, self._plans_of(info, num_tokens))
-            info, plans = entry
-            path = self._copier._plan(info, s, d, runs).path
-            plan, totals, block_bytes = plans[path], self.totals[path], info.block_bytes
-        elif len(s) == 1:
-            (plan, totals), block_bytes = self._single, self._info.block_bytes
-        else:
-            path = self._copier._plan(self._info, s, d, runs).path
-            plan, totals, block_bytes = self._plans[path], self.totals[path], self._info.block_bytes
-        nbytes = len(s) * block_bytes
-        totals[0] += 1
-        totals[1] += nbytes
-        if runs is not None and self.launch is not None:  # this shape is decided: launch takes it from now on
-            self.choices.setdefault(num_tokens, {})[len(s), runs] = (plan, totals, block_bytes)
-        return NativeCopy(self._stream, self._submit, plan, s, d, nbytes)
-
-    def bind_fences(self, tables: tuple[object, ...]) -> None:
-        """Bind :attr:`launch` to the fence tables of its pools (:meth:`~tiered_kv.fences.FenceTable.tables`).
-
-        The one-call path then reads, at each call, whether a block has an op to wait for; it enqueues only when
-        none has (else the per-step path waits as the fences say). A no-op without the extension's entry.
-        """
-        if self._launch_entry is not None:
-            self.launch = functools.partial(self._launch_entry, *self._sizes, *tables)
-
-
-def _pairs_in_python(
-    src_blocks: int, dst_blocks: int, same_pool: bool, src: object, dst: object
-) -> tuple[list[int], list[int], int] | None:
-    """:attr:`NativeRoute.pairs` without the extension's ``check_pairs`` (same result)."""
-    small = small_pairs(src, dst, src_blocks, dst_blocks, same_pool)
-    if small is None:
-        return None
-    s, d = small
-    return s, d, 1 + sum(1 for i in range(1, len(s)) if s[i] != s[i - 1] + 1 or d[i] != d[i - 1] + 1)
 
 
 def _free_native_plans(plans: dict[tuple[int, int], tuple[_PairInfo, int]]) -> None:

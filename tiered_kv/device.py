@@ -110,6 +110,13 @@ class EmulatedEvent:
         """Block until the work before the event has finished."""
         self._flag.wait()
 
+    def spin(self, budget_ns: int) -> int:
+        """Wait at most ``budget_ns`` for the event: 1 once reached, else 0 (the native ``DeviceEvent.spin``).
+
+        The GIL is released while it waits: the emulated stream's work runs on a Python thread.
+        """
+        return 1 if self._flag.wait(budget_ns / 1e9) else 0
+
     def __repr__(self) -> str:
         return f"<EmulatedEvent {'done' if self._flag.is_set() else 'pending'}>"
 
@@ -363,10 +370,6 @@ class CudaStream:
         self._device = self.torch_stream.device.index or 0
         #: the extension's completion wait, if any
         self._wait_done: Callable[..., tuple[int, bool, int, int]] | None = None
-        #: ``(stream handle, semaphore address)`` for native work that names its bytes and whose completion is handed
-        #: to :meth:`watch_native` (the semaphore as :meth:`notify_native` picks it); ``None`` until the waiter runs
-        #: (the first notify starts it) and once the stream is closed
-        self.native_args: tuple[int, int] | None = None
         #: bytes per nanosecond this stream's copies have reached (the fastest seen; 0: none measured yet)
         self.rate = 0.0
         #: whether a copy was seen ending between two of the waiter's looks since the rate was last found too low
@@ -479,17 +482,6 @@ class CudaStream:
         self._waits.put((event, callback, nbytes, _now_ns(), sem))
         return event
 
-    def watch_native(self, event: Event, callback: Callback, nbytes: int) -> None:
-        """Call ``callback()`` once native work already enqueued with :attr:`native_args` has run (its ``event``).
-
-        The second half of :meth:`notify_native`, for a caller that enqueued the work itself before it made the
-        callback (the engine's one-call launch of small copies): the same waiter, order and expected end.
-        """
-        args = self.native_args
-        if args is None:
-            raise RuntimeError(f"stream {self.name} has no running waiter (closed, or native work never notified)")
-        self._waits.put((event, callback, nbytes, _now_ns(), args[1]))
-
     def _side_stream(self) -> torch.cuda.Stream:
         """The stream that carries this stream's ``beside`` completion signals (made at first use)."""
         side = self._side
@@ -512,7 +504,6 @@ class CudaStream:
                 self._wait_done = _native_wait()
                 self._waiter = threading.Thread(target=self._wait_loop, name=f"tiered_kv-cuda-{self.name}", daemon=True)
                 self._waiter.start()
-                self.native_args = (self._handle, 0 if self._wait_done is not None else self._sem_address)
 
     def _wait_loop(self) -> None:
         wait_done = self._wait_done
@@ -590,7 +581,6 @@ class CudaStream:
         if self._closed:
             return
         self._closed = True
-        self.native_args = None
         self._waits.put(_STOP)
         if self._waiter is not None:
             if self._signal is not None:

@@ -46,8 +46,8 @@ import torch
 
 from .completions import CompletionInbox, EventPoller
 from .config import EngineConfig
-from .copyops import Copier, NativeRoute
-from .device import CudaStream, Device, Event, Stream, expected_end, resolve_device
+from .copyops import Copier
+from .device import CudaStream, Device, Stream, expected_end, resolve_device
 from .errors import EngineClosedError, OwnedEngineError, TransferError
 from .fences import FenceTable, Marker
 from .file import FileHandler, FileTier, FileTierConfig
@@ -63,9 +63,8 @@ __all__ = ["LATENCY_BUCKETS", "EngineStatistics", "Transfer", "TransferEngine", 
 
 log = logging.getLogger(__name__)
 
-# a resolved pair: source and destination tier and medium, its handler, whether it is a memory pair, "src->dst",
-# and the native path of its whole-block small copies (CUDA with the extension; else None)
-_Route = tuple[Tier, Tier, Medium, Medium, TransferHandler, bool, str, NativeRoute | None]
+# a resolved pair: source and destination tier and medium, its handler, whether it is a memory pair, "src->dst"
+_Route = tuple[Tier, Tier, Medium, Medium, TransferHandler, bool, str]
 
 
 class _DirectionTotals:
@@ -96,19 +95,6 @@ _DEFAULT_AWAIT_SPIN_US = 150
 _SETTLE_AHEAD = 20e-6
 
 Indices = Iterable[int] | np.ndarray | torch.Tensor
-
-
-class _Launched:
-    """The job of a copy enqueued whole by the one-call launch: reaching its event is its whole completion."""
-
-    __slots__ = ()
-
-    @staticmethod
-    def ok_at_event() -> bool:
-        return True
-
-
-_LAUNCHED = _Launched()
 
 
 def _ok_at_event(marker: Marker) -> bool:
@@ -277,7 +263,7 @@ class TransferEngine:
         self._resolved: dict[tuple[Tier | str, Tier | str], _Route] = {}  # see _resolve_route
         self._block_bytes = layout.bytes_per_block
         self._tokens_per_block = layout.tokens_per_block
-        self._fences = FenceTable(self.copier.native_entry("register_pair"))
+        self._fences = FenceTable()
         # in-flight marker -> ("src->dst" direction, its transfer): one dict for the in-flight set and the statistics
         self._inflight: dict[Marker, tuple[str, Transfer]] = {}
         # The engine owns its deferred enqueues (copies waiting on the loop for an off-lane dependency): each
@@ -288,9 +274,6 @@ class TransferEngine:
         self._poller: EventPoller[Marker] | None = None  # the loop-side poll of awaited copies about to end
         self._await_spin = 0.0  # seconds an awaiting coroutine polls in place (EngineConfig.await_spin_us)
         self._in_place = 0  # awaits that found their copy done before yielding (one look, or the in-place poll)
-        self._spin_yields_gil = True  # the in-place poll gives up the GIL between looks (set per device at bind)
-        # the extension's event type: the in-place poll of one looks in C++ (DeviceEvent.spin), else None
-        self._native_event: type | None = self.copier.native_entry("DeviceEvent")
         self._settle_queued = False  # a _settle is queued on the loop (the in-place poll queues one per round)
         self._closing = False
         self._closed = False
@@ -424,10 +407,6 @@ class TransferEngine:
             if in_place is None:
                 in_place = _DEFAULT_AWAIT_SPIN_US if self.device.is_cuda else 0
             self._await_spin = in_place / 1e6
-            # A CUDA device needs no GIL to finish a copy (its host functions are libc's sem_post): the poll keeps the
-            # GIL between looks there, so no thread that takes it can delay the resume. The emulated device's ops
-            # are Python threads: the poll gives the GIL up between looks there, or they could not run.
-            self._spin_yields_gil = not self.device.is_cuda
             for stream in self._streams.values():
                 if self._poller is not None or self._await_spin > 0:
                     stream.watch = self._watch  # type: ignore[attr-defined]  # our streams have it
@@ -515,10 +494,7 @@ class TransferEngine:
         src_pool, dst_pool = self.medium(src_t), self.medium(dst_t)
         handler = self.route(src_t, dst_t)
         memory = isinstance(handler, StreamCopier)
-        native = handler.native_route(src_t, dst_t) if isinstance(handler, StreamCopier) else None
-        if native is not None:
-            native.bind_fences(self._fences.tables(src_pool.name, dst_pool.name))
-        route = (src_t, dst_t, src_pool, dst_pool, handler, memory, f"{src_t.value}->{dst_t.value}", native)
+        route = (src_t, dst_t, src_pool, dst_pool, handler, memory, f"{src_t.value}->{dst_t.value}")
         if type(src_tier) in (Tier, str) and type(dst_tier) in (Tier, str):
             self._resolved[src_tier, dst_tier] = route
         return route
@@ -659,7 +635,7 @@ class TransferEngine:
             route = self._resolved[src_tier, dst_tier]
         except (KeyError, TypeError):
             route = self._resolve_route(src_tier, dst_tier)
-        src_t, dst_t, src_pool, dst_pool, handler, memory, direction, _ = route
+        src_t, dst_t, src_pool, dst_pool, handler, memory, direction = route
         if not groups:
             raise ValueError("groups must name at least one (start, stop) layer range")
         spans: list[tuple[int, int]] = []
@@ -755,58 +731,12 @@ class TransferEngine:
             route = self._resolved[src_tier, dst_tier]
         except (KeyError, TypeError):
             route = self._resolve_route(src_tier, dst_tier)
-        src_t, dst_t, src_pool, dst_pool, handler, memory, direction, native = route
-        small: tuple[list[int], list[int]] | None = None
-        checked = None
-        if native is not None and memory and layers is None and keys is None:
-            if num_tokens is None or (type(num_tokens) is int and 0 < num_tokens <= self._tokens_per_block):
-                # a call shape decided before, with nothing to wait for, is enqueued in one call into C++ (indices,
-                # plan, fences, launch), before any object of the call is made; its bookkeeping follows while the
-                # device copies. None: the per-step path below does it (and raises the errors, or waits)
-                choices = native.choices.get(None if num_tokens == self._tokens_per_block else num_tokens)
-                args = native.stream.native_args
-                if choices is not None and args is not None:
-                    launch = native.launch
-                    assert launch is not None  # shapes are decided only with it
-                    if self._fences.recorded:  # the launch reads the fence tables: the recorded entries first
-                        self._fences.flush()
-                    try:
-                        got = launch(src_indices, dst_indices, choices, args[0], args[1], 0)
-                    except (RuntimeError, ValueError, IndexError, TypeError):
-                        got = None  # the CUDA runtime failed: the per-step path issues it again and reports the error
-                    if got is not None:
-                        return self._launched(route, *got)
-            # indices checked in C++ (small_pairs' rules), with the runs the path choice needs
-            checked = native.pairs(src_indices, dst_indices)
-        elif memory:
-            small = small_pairs(
-                src_indices, dst_indices, src_pool.num_blocks, dst_pool.num_blocks, src_pool is dst_pool
-            )
-        if checked is not None:
-            # the per-call path of small copies on CUDA (whole or partial blocks): no Batch, handler or op objects
-            # in between
-            assert native is not None
-            n = None if num_tokens is None else self._check_tokens(num_tokens)
-            s_list, d_list, runs = checked
-            native_job = native.job(s_list, d_list, n, runs)
-            marker = Marker(native_job.stream)
-            count = len(s_list)
-            nbytes = count * (self._block_bytes if n is None else self.layout.partial_bytes(n))
-            transfer = Transfer(marker, src_t, dst_t, count, nbytes)
-            self._submitted += 1
-            fences = self._fences
-            if count > 1 and not fences.live(src_pool.name) and not fences.live(dst_pool.name):
-                # nothing to wait for: launch, then the entries (a many-block call's bookkeeping overlaps its copy)
-                self._enqueue(marker, native_job, [])
-                fences.register(marker, [(src_pool.name, s_list)], [(dst_pool.name, d_list)])
-            else:
-                deps = fences.fence(marker, src_pool.name, s_list, dst_pool.name, d_list)
-                if deps:
-                    self._start(loop, marker, native_job, deps)
-                else:
-                    self._enqueue(marker, native_job, deps)
-            self._inflight[marker] = (direction, transfer)
-            return transfer
+        src_t, dst_t, src_pool, dst_pool, handler, memory, direction = route
+        small = (
+            small_pairs(src_indices, dst_indices, src_pool.num_blocks, dst_pool.num_blocks, src_pool is dst_pool)
+            if memory
+            else None
+        )
         s: np.ndarray | list[int]
         d: np.ndarray | list[int]
         if small is not None:  # the per-call fast path: valid small int lists, no numpy
@@ -938,37 +868,6 @@ class TransferEngine:
         else:
             self._enqueue(marker, job, stream_deps)
 
-    def _launched(
-        self, route: _Route, event: Event, s_list: list[int], d_list: list[int], choice: tuple[int, list[int], int]
-    ) -> Transfer:
-        """The bookkeeping of a copy :attr:`NativeRoute.launch <tiered_kv.copyops.NativeRoute.launch>` enqueued.
-
-        None of its blocks had an op to wait for; its fence entries, transfer and completion are made now, while the
-        device copies.
-        """
-        src_t, dst_t, src_pool, dst_pool, _handler, _memory, direction, native = route
-        assert native is not None
-        count = len(s_list)
-        nbytes = count * choice[2]
-        native.launched += 1
-        totals = choice[1]  # the route's per-path totals (the copier's statistics)
-        totals[0] += 1
-        totals[1] += nbytes
-        marker = Marker(native.stream)
-        marker.event = event
-        marker.job = _LAUNCHED
-        transfer = Transfer(marker, src_t, dst_t, count, nbytes)
-        self._submitted += 1
-        fences = self._fences
-        if count == 1:  # plain dict operations; nothing to wait for (the launch found no pending op)
-            fences.fence(marker, src_pool.name, s_list, dst_pool.name, d_list)
-        else:
-            fences.register(marker, [(src_pool.name, s_list)], [(dst_pool.name, d_list)])
-        assert self._inbox is not None
-        native.stream.watch_native(event, functools.partial(self._finished, self._inbox, marker, None), nbytes)
-        self._inflight[marker] = (direction, transfer)
-        return transfer
-
     @staticmethod
     def _finished(inbox: CompletionInbox[Marker], marker: Marker, error: BaseException | None) -> None:
         """The end of ``marker``'s op, from whichever thread saw it; completes it on the loop.
@@ -1094,27 +993,18 @@ class TransferEngine:
                 self._settle_queued = True
                 loop.call_soon(self._settle)
             event = marker.event
-            if type(event) is self._native_event:  # looked at in C++, the GIL kept; its end completes it here
+            look = getattr(event, "spin", None)
+            if look is not None:  # the native and the emulated events: look until done or the budget is spent
                 if self._settling and due > now + _SETTLE_AHEAD:  # the earlier copies' bookkeeping, while this one runs
                     self._settle()
-                seen = event.spin(int(spin * 1e9))  # type: ignore[union-attr]  # 1 done, 0 not yet, -1 CUDA error
-                oldest = seen == 1 and not marker.completed and next(iter(self._inflight)) is marker
-                if oldest and marker.job is _LAUNCHED:
-                    # _poll, in short: the oldest copy in flight (none before it to complete first), enqueued whole by
-                    # the one-call launch (nothing it waited for; reaching its event is its whole completion)
-                    marker.done_at = time.perf_counter()
-                    self._complete(marker)
-                    done = True
-                else:
-                    done = seen != 0 and self._poll(marker)
-            else:
+                seen = look(int(spin * 1e9))  # 1 done, 0 not yet, -1 CUDA error (raised by _poll's query)
+                done = seen != 0 and self._poll(marker)
+            else:  # a torch event (CUDA without the extension)
                 until = now + spin
-                yield_gil = self._spin_yields_gil
                 while not (done := self._poll(marker)):
                     if time.perf_counter() >= until:
                         break
-                    if yield_gil:  # the emulated device's ops run on threads that need the GIL
-                        time.sleep(0)
+                    time.sleep(0)
             if done:
                 self._in_place += 1  # seen before the coroutine yielded (tests, probes)
                 if self._poller is not None:

@@ -2,8 +2,8 @@
 
 Primitives:
 
-* :class:`FenceTable` -- ``dependencies(reads, writes)``, ``register``, ``release`` (or ``release_later``),
-  ``pending``, ``flush``.
+* :class:`FenceTable` -- ``dependencies(reads, writes)``, ``register``, ``fence`` (both at once), ``release`` (or
+  ``release_later``), ``pending``.
 * :class:`Marker` -- the completion of one enqueued op (awaitable, callbacks, lane and event).
 * :class:`FenceStatistics` -- a snapshot.
 
@@ -24,12 +24,8 @@ entries of a completed marker already order nothing (``dependencies`` and ``fenc
 ``release`` of an entry that a later op overwrote is a no-op), and every query (``pending``, ``statistics``,
 ``len``, ``bool``) drops them first, so no reader sees them.
 
-The entries of a copy between two pools are written when first needed, not when it is registered (``register``
-records the copy, ``flush`` writes what is recorded, in registration order): every lookup (``dependencies``,
-``fence``, ``pending``, ``statistics``) flushes first, and a copy that completes before anything looked never has
-its entries written or dropped. A copy of many blocks, awaited before the next one is issued (the common case), so
-costs two dict operations instead of two per block, and the caller resumes sooner. A recorded copy that has completed
-by the flush is skipped: its entries would order nothing.
+The table is the only owner of fence state: entries are written when an op is registered and dropped when it is
+released, by this module's code alone, on every device.
 """
 
 from __future__ import annotations
@@ -60,8 +56,8 @@ class Marker:
         done_at: ``time.perf_counter()`` when the device (or worker) finished the op.
         job: the job that runs the op once it is enqueued (``None`` before): whether its completion may be taken
             from its event (the engine's loop-side poll asks it, see ``Job.ok_at_event``).
-        entries: whether a :class:`FenceTable` has written this op's per-block entries (``False`` while they are
-            only recorded, see ``FenceTable.flush``).
+        entries: whether this op's per-block entries are in a :class:`FenceTable` (from its registration to its
+            release).
 
     Notes:
         Each awaiter gets a future of its own, so cancelling one awaiting task cancels only that task's
@@ -93,7 +89,7 @@ class Marker:
         self.job: Any = None
         self.reads: list[tuple[str, list[int]]] = []  # (pool, block indices) this op reads
         self.writes: list[tuple[str, list[int]]] = []  # (pool, block indices) this op writes
-        self.entries = False  # its per-block entries are in a fence table (not only recorded there)
+        self.entries = False  # its per-block entries are in a fence table
         self.after: list[Marker] = []  # ops this one waited for stream-side: done on the device before it
         self.sources: list[Marker] | tuple[()] = ()  # the pending writers of what it reads, when it was issued
         self._waiters: list[asyncio.Future[None]] = []
@@ -208,9 +204,6 @@ class FenceTable:
     Attributes:
         release_later: ``release_later(marker)`` drops a completed marker's entries at the next
             :meth:`release_done` or query (see the module docstring).
-        recorded: the copies registered whose entries are not written yet, in registration order, as dict keys
-            (read-only: :meth:`flush` writes them; a caller reading :meth:`tables` itself flushes first while it is
-            not empty).
 
     Notes:
         Per pool, two dicts: block -> pending write marker, and block -> pending reader(s) (a marker, or an
@@ -220,10 +213,7 @@ class FenceTable:
         are actually fenced, not to the blocks of the call.
     """
 
-    def __init__(self, register_pair: Callable[..., None] | None = None) -> None:
-        # the per-block part of register() for one pair of pools in native code (the extension's register_pair,
-        # which does what _register_blocks does), or None
-        self._register_pair = register_pair
+    def __init__(self) -> None:
         self._writes: dict[str, dict[int, Marker]] = {}  # pool -> block index -> pending write
         # pool -> block index -> pending read(s): one marker, or several as an ordered set (dict keys)
         self._reads: dict[str, dict[int, Marker | dict[Marker, None]]] = {}
@@ -236,8 +226,6 @@ class FenceTable:
         # holders is still running has nothing to wait for, whatever its size (live(); the engine then skips the
         # lookups, and the index lists, before a launch)
         self._holders: dict[str, dict[Marker, None]] = {}
-        # copies registered whose entries are not written yet, in registration order (flush writes them)
-        self.recorded: dict[Marker, None] = {}
 
     def live(self, pool: str) -> bool:
         """True while an op that has not completed holds entries in ``pool`` (False: nothing to wait for there).
@@ -251,26 +239,6 @@ class FenceTable:
                 if not marker.completed:
                     return True
         return False
-
-    def tables(self, src_pool: str, dst_pool: str) -> tuple[dict[Any, Any], ...]:
-        """What a copy from ``src_pool`` to ``dst_pool`` waits for, as the pools' tables.
-
-        ``(src writes, dst writes, dst reads, src holders, dst holders)``: block -> pending write; block -> pending
-        reader or readers; the markers holding entries in the pool (see :meth:`live`). Made here if missing, each
-        stays the same dict object for the table's life (entries are dropped in place), so the one-call launch of
-        small copies binds them once and reads them as they are at each call. A copy must wait for every op not
-        completed yet in the first three for its blocks (:meth:`dependencies`' rules); none is pending when no
-        holder of either pool is still running. Whoever reads them must :meth:`flush` first while
-        :attr:`recorded` is not empty.
-        """
-        writes, holders = self._writes, self._holders
-        return (
-            writes.setdefault(src_pool, {}),
-            writes.setdefault(dst_pool, {}),
-            self._reads.setdefault(dst_pool, {}),
-            holders.setdefault(src_pool, {}),
-            holders.setdefault(dst_pool, {}),
-        )
 
     def _hold(self, marker: Marker, pools: Iterable[str]) -> None:
         holders = self._holders
@@ -290,8 +258,6 @@ class FenceTable:
 
         ``sources``, if given, also receives the pending writers of ``reads``: the ops whose bytes the op reads.
         """
-        if self.recorded:
-            self.flush()
         deps: set[Marker] = set()
         for pool, indices in reads:
             wt = self._writes.get(pool)
@@ -316,61 +282,22 @@ class FenceTable:
     def register(self, marker: Marker, reads: list[tuple[str, list[int]]], writes: list[tuple[str, list[int]]]) -> None:
         """Record ``marker`` as a pending read of ``reads`` and the pending write of ``writes``.
 
-        A copy between two pools given as int lists is recorded (its own copies of the lists: the caller's may
-        change), and its per-block entries are written by the next lookup (:meth:`flush`), or never if it
-        completes first; it holds its pools (:meth:`live`) from now. Other shapes are written now, after the
-        recorded ones (entries keep registration order).
-
         Completed ops whose entries are still to be dropped (``release_later``) are dropped first: a copy of the
         same blocks as the one just completed would otherwise turn every block's lone reader into a reader set
-        (per-block Python, here and in the release). The engine registers a many-block copy after its launch.
+        (per-block Python, here and in the release).
         """
         if self._done:
             self.release_done()
-        if len(reads) == 1 and len(writes) == 1:  # one copy between two pools (every engine copy but layer groups)
-            (src_pool, s), (dst_pool, d) = reads[0], writes[0]
-            if type(s) is list and type(d) is list:
-                marker.reads = [(src_pool, s.copy())]
-                marker.writes = [(dst_pool, d.copy())]
-                self._hold(marker, (src_pool,) if src_pool == dst_pool else (src_pool, dst_pool))
-                self.recorded[marker] = None
-                return
-        if self.recorded:
-            self.flush()
         marker.reads = reads
         marker.writes = writes
         self._hold(marker, {pool for pool, _ in (*reads, *writes)})
         self._register_blocks(marker, reads, writes)
         marker.entries = True
 
-    def flush(self) -> None:
-        """Write the entries of the copies :meth:`register` recorded, in registration order.
-
-        A copy completed by now is skipped (its entries would order nothing; its release then only leaves its
-        pools' holders).
-        """
-        recorded = self.recorded
-        if not recorded:
-            return
-        markers = list(recorded)
-        recorded.clear()
-        native = self._register_pair
-        rt, wt = self._reads, self._writes
-        for marker in markers:
-            if marker.completed:
-                continue
-            (src_pool, s), (dst_pool, d) = marker.reads[0], marker.writes[0]
-            if native is not None:
-                src_reads, dst_reads = rt.setdefault(src_pool, {}), rt.setdefault(dst_pool, {})
-                native(src_reads, dst_reads, wt.setdefault(dst_pool, {}), marker, s, d)
-            else:
-                self._register_blocks(marker, marker.reads, marker.writes)
-            marker.entries = True
-
     def _register_blocks(
         self, marker: Marker, reads: list[tuple[str, list[int]]], writes: list[tuple[str, list[int]]]
     ) -> None:
-        """:meth:`register`'s per-block entries (the reference of the extension's ``register_pair``)."""
+        """:meth:`register`'s per-block entries."""
         for pool, indices in reads:
             rt = self._reads.setdefault(pool, {})
             shared = rt.keys() & indices
@@ -398,8 +325,6 @@ class FenceTable:
         generator). ``d`` holds no duplicates and, within one pool, no block of ``s`` (the engine checked).
         Returns the pending markers to wait for, each once.
         """
-        if self.recorded:
-            self.flush()
         if len(s) != 1:
             reads, writes = [(src_pool, s)], [(dst_pool, d)]
             sources: set[Marker] = set()
@@ -451,8 +376,6 @@ class FenceTable:
     def release(self, marker: Marker) -> None:
         """Drop ``marker``'s entries (called once the op has completed)."""
         written = marker.entries
-        if not written:  # recorded only (or released already): it leaves its pools' holders, nothing else
-            self.recorded.pop(marker, None)
         marker.entries = False
         holders = self._holders
         cleared: list[str] = []
@@ -500,7 +423,6 @@ class FenceTable:
     def pending(self, pool: str, index: int) -> tuple[Marker | None, tuple[Marker, ...]]:
         """``(pending write, pending reads)`` of one block."""
         self.release_done()
-        self.flush()
         write = self._writes.get(pool, {}).get(index)
         readers = self._reads.get(pool, {}).get(index)
         if readers is None:
@@ -510,7 +432,6 @@ class FenceTable:
     def statistics(self) -> FenceStatistics:
         """A snapshot: fenced blocks, pending reads and writes, waits so far."""
         self.release_done()
-        self.flush()
         fenced: set[tuple[str, int]] = set()
         reads = writes = 0
         for pool, wt in self._writes.items():
@@ -527,7 +448,6 @@ class FenceTable:
 
     def __bool__(self) -> bool:
         self.release_done()
-        self.flush()
         return any(self._writes.values()) or any(self._reads.values())
 
     def __repr__(self) -> str:

@@ -172,15 +172,16 @@ def small_pairs(
     Valid means: lists of plain ints (or 1-D integer numpy arrays) of the same length, 1..``SMALL_CALL_BLOCKS``
     pairs, every index in range, no duplicate destination and, when ``same_pool``, no block on both sides.
     ``None`` also for anything it does not handle: the caller then runs the general checks (:func:`as_indices`,
-    :func:`check_indices`), which raise the descriptive errors. No numpy or torch call for lists.
+    :func:`check_indices`), which raise the descriptive errors. No numpy or torch call for lists. The lists
+    returned are new ones: a caller may reuse its own as soon as the call returns.
     """
     if type(src) is list and type(dst) is list:
-        s, d = src, dst
-        if len(s) == 1 and len(d) == 1:  # one pair: the most frequent call, checked without loops or a set
-            x, y = s[0], d[0]
+        if len(src) == 1 and len(dst) == 1:  # one pair: the most frequent call, checked without loops or a set
+            x, y = src[0], dst[0]
             if type(x) is int and type(y) is int and 0 <= x < src_blocks and 0 <= y < dst_blocks:
-                return (s, d) if not same_pool or x != y else None
+                return ([x], [y]) if not same_pool or x != y else None
             return None
+        s, d = src.copy(), dst.copy()
         if not s or len(s) != len(d) or len(s) > SMALL_CALL_BLOCKS:
             return None
         for x in s:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from .copyops import Copier, NativeCopy, NativeRoute, Pool, Side
+from .copyops import Copier, NativeCopy, Pool, Side
 from .device import Event, Stream
 from .handlers import Batch, Done, Medium
 from .layer_major import LayerMajorPool, LayerSlice
@@ -137,12 +137,6 @@ class StreamCopier:
     def media(self) -> Mapping[Tier, Medium]:
         """None: the pools belong to the engine."""
         return {}
-
-    def native_route(self, src_tier: Tier, dst_tier: Tier) -> NativeRoute | None:
-        """The native path of whole-block small copies of one pair (:meth:`Copier.native_route`), or ``None``."""
-        lane = STREAM_ROUTES[(src_tier, dst_tier)]
-        stream = self._streams[lane] if lane is not None else None
-        return self.copier.native_route(self._pools[src_tier], self._pools[dst_tier], stream)
 
     def validate(self, batch: Batch) -> Batch:
         """Memory copies take no keys; ``layers`` needs block-major or layer-major pools on both sides.
