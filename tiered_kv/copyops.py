@@ -493,41 +493,38 @@ class Copier:
 class NativeCopy:
     """A small copy on a CUDA stream through the native submission path: one call into C++ per copy.
 
-    ``start(done)`` checks the indices, issues the DMA or the kernel, records a pooled event and enqueues the
-    completion signal in that one call (:meth:`~tiered_kv.device.CudaStream.notify_native`); calling the op
-    (``op()``, as other ops are called under :meth:`~tiered_kv.device.Stream.submit`) issues the copy on its stream
-    without a completion.
+    A :class:`~tiered_kv.handlers.Job` of its own: ``start(done)`` issues the DMA or the kernel, records a pooled
+    event and enqueues the completion signal in that one call (:meth:`~tiered_kv.device.CudaStream.notify_native`).
+    Calling it (``op()``, as other ops are called under :meth:`~tiered_kv.device.Stream.submit`) issues the copy on
+    its stream without a completion. ``beside``: signal the completion from the stream's side stream (the batch's
+    ``more_follows``, see :meth:`~tiered_kv.device.CudaStream.notify`).
     """
 
-    __slots__ = ("_issue", "error", "failed", "nbytes", "stream")
+    __slots__ = ("_issue", "beside", "error", "failed", "lane", "nbytes", "stream")
     explicit_stream = True
 
     def __init__(
         self, stream: CudaStream, submit: Callable[..., Event], plan: int, s: list[int], d: list[int], nbytes: int = 0
     ):
         self.stream = stream
+        self.lane: CudaStream = stream  # the stream it runs on (Job.lane)
         self.nbytes = nbytes  # what the copy moves (the stream expects its end from it)
+        self.beside = False
         self.failed = False  # the call into C++ raised: the error reaches done() at the event
         self.error: BaseException | None = None  # that error
         self._issue: Callable[[int, int, int], Event] = functools.partial(submit, plan, s, d)
-
-    @property
-    def lane(self) -> CudaStream:
-        """The stream the copy runs on (a :class:`~tiered_kv.handlers.Job` of its own)."""
-        return self.stream
 
     def __call__(self) -> None:
         """Issue the copy on its stream, without a completion (an op under ``Stream.submit``)."""
         self._issue(self.stream.torch_stream.cuda_stream, 0, 0)
 
-    def start(self, done: Callable[[BaseException | None], None], beside: bool = False) -> Event:
+    def start(self, done: Callable[[BaseException | None], None]) -> Event:
         """Issue the copy and its completion: ``done(None)`` from the stream's waiter once it has run.
 
-        ``beside``: signal the completion from the stream's side stream (:meth:`~tiered_kv.device.CudaStream.notify`).
         An error of the call itself (nothing enqueued) reaches ``done`` in stream order, like an op's error.
         """
         try:
-            return self.stream.notify_native(self._issue, lambda: done(None), beside=beside, nbytes=self.nbytes)
+            return self.stream.notify_native(self._issue, lambda: done(None), beside=self.beside, nbytes=self.nbytes)
         except (RuntimeError, ValueError, IndexError, TypeError) as exc:
             if self.stream.closed:
                 raise
@@ -539,6 +536,10 @@ class NativeCopy:
     def ok_at_event(self) -> bool:
         """True when the copy was issued: reaching its event is its whole completion (``Job.ok_at_event``)."""
         return not self.failed
+
+    def error_at_event(self) -> BaseException | None:
+        """The error ``done`` will report, known once the event is reached (``Job.error_at_event``)."""
+        return self.error
 
 
 def _free_native_plans(plans: dict[tuple[int, int], tuple[_PairInfo, int]]) -> None:

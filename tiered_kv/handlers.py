@@ -85,7 +85,7 @@ class Medium(Protocol):
         ...
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class Batch:
     """One copy call, its public arguments validated by the engine.
 

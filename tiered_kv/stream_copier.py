@@ -55,22 +55,14 @@ class _StreamJob:
 
         On a CUDA stream the op runs at ``start``; on the emulated device before the event is set (FIFO).
         """
-        op = self.op
-        if type(op) is NativeCopy:
-            return op.ok_at_event()
         return not self.errors
 
     def error_at_event(self) -> BaseException | None:
         """The error ``done`` will report, known once the event is reached (``Job.error_at_event``)."""
-        op = self.op
-        if type(op) is NativeCopy:
-            return op.error
         return self.errors[0] if self.errors else None
 
     def start(self, done: Done) -> Event:
         op = self.op
-        if type(op) is NativeCopy:  # one call into C++ issues the copy, its event and its completion signal
-            return op.start(done, self.beside)
         lane = self.lane
         assert lane is not None
         error = self.errors
@@ -154,7 +146,7 @@ class StreamCopier:
                     )
         return batch
 
-    def prepare(self, batch: Batch) -> _StreamJob | _HostJob:
+    def prepare(self, batch: Batch) -> _StreamJob | _HostJob | NativeCopy:
         """The batch's op, on its stream (or for a host thread)."""
         src: Side = self._pools[batch.src_tier]
         dst: Side = self._pools[batch.dst_tier]
@@ -164,6 +156,9 @@ class StreamCopier:
             src = self.copier.layer_slice(src, *batch.layers)
             dst = self.copier.layer_slice(dst, *batch.layers)
         op = self.build_op(src, batch.src, dst, batch.dst, n)
+        if type(op) is NativeCopy:  # a job of its own: one call into C++ issues the copy, its event and completion
+            op.beside = batch.more_follows
+            return op
         lane = STREAM_ROUTES[(batch.src_tier, batch.dst_tier)]
         if lane is None:
             return _HostJob(self._threads, op)
