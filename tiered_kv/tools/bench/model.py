@@ -11,8 +11,11 @@ in ``--quick``) plus 32 new tokens. Rows, per prefix length:
 Rows are labelled ``tokens`` (the prefix length) and ``path``:
 
 * ``recompute``: the baseline -- plain transformers runs the whole prompt (no tiered_kv), first token.
-* ``cold``: the same through :class:`~tiered_kv.integrations.hf.CachedGenerator` with nothing
-  cached (the cost of writing every computed token's KV into the cache's blocks).
+* ``resident``: plain transformers with the prefix's KV already in a contiguous ``DynamicCache`` in GPU memory:
+  only the new tokens run. The floor of any hit (no copy at all).
+* ``cold``: a prompt whose prefix was never seen, through :class:`~tiered_kv.integrations.hf.CachedGenerator`,
+  with room in the cache and nothing in flight (every earlier move awaited): the cost of a miss, i.e. of
+  writing every computed token's KV into the cache's blocks. Target: at most 1.05x the recompute time.
 * ``gpu`` / ``host`` / ``file``: the prefix cached in that tier (evicted there just before), so its KV is
   brought back (host: pinned DMA; file: read and verified) and only the 32 new tokens are run.
 
@@ -21,9 +24,10 @@ prefix), gathering the reused KV, the forward, the KV writes within it, committi
 (:attr:`~tiered_kv.integrations.hf.Generation.phases`).
 
 TTFT is the median of ``repeats`` runs (each from the call to the first token on the host: admission,
-onboarding, prefill, sampling). Target: with the prefix in host, TTFT at least 10x faster than recomputing
-(each row shows its speed-up; the host row says met/missed). Rows of the emulated device are CPU figures,
-not comparable to the target.
+onboarding, prefill, sampling). Targets: a miss at most 1.05x the recompute time; with the prefix in host, TTFT
+at least 10x faster than recomputing; the ``host`` row also shows its floor, max(prefix bytes at the pinned
+host->GPU rate measured in the same run, the ``resident`` TTFT), and its TTFT over that floor. Rows of the
+emulated device are CPU figures, not comparable to the targets.
 """
 
 from __future__ import annotations
@@ -45,10 +49,8 @@ from ...device import resolve_device
 from ...pools import Tier
 from .common import bench_main, machine_info
 
-__all__ = ["HOST_TARGET", "main", "run"]
+__all__ = ["main", "run"]
 
-#: TTFT with the prefix in host must be at least this many times faster than recomputing it.
-HOST_TARGET = 10.0
 SUFFIX = 32  # new tokens after the cached prefix
 
 
@@ -85,8 +87,11 @@ async def _measure(model: Any, lengths: list[int], repeats: int, directory: str)
         def fresh(prefix: list[int] = prefix) -> list[int]:  # new tokens after the prefix: only it can be reused
             return prefix + [int(t) for t in rng.integers(0, vocab, SUFFIX)]
 
+        def unseen(length: int = length) -> list[int]:  # a prompt of this length whose prefix nothing has seen
+            return [int(t) for t in rng.integers(0, vocab, length + SUFFIX)]
+
         warm = rng.integers(0, vocab, 64).tolist()
-        times: dict[str, list[float]] = {k: [] for k in ("recompute", "cold", "gpu", "host", "file")}
+        times: dict[str, list[float]] = {k: [] for k in ("recompute", "resident", "cold", "gpu", "host", "file")}
         phases: dict[str, list[dict[str, float]]] = {k: [] for k in times}
         reused: dict[str, int] = {}
         async with TieredKVCache(layout, gpu_blocks=blocks + 8, host_blocks=blocks + 8, file_blocks=blocks + 8,
@@ -100,12 +105,23 @@ async def _measure(model: Any, lengths: list[int], repeats: int, directory: str)
                     _sync(device)
                     _, _, ttft = reference_generate(model, fresh(), max_new_tokens=1)
                     times["recompute"].append(ttft)
-                # cold: nothing cached (a fresh model_id per repeat would grow the file tier; evict instead)
+                past = _prefix_kv(model, prefix)
+                for _ in range(repeats):
+                    _sync(device)
+                    _, _, ttft = reference_generate(model, fresh(), max_new_tokens=1, past=past)
+                    times["resident"].append(ttft)
+                del past
+                prefix_bytes = -(-length // 16) * layout.bytes_per_block
+                h2d_gbps = _pinned_h2d_gbps(prefix_bytes, device)
+                # cold: a prefix never seen, with room (the earlier prompts evicted and every move awaited first)
                 for _ in range(repeats):
                     await _drop_everything(cache)
-                    out = await gen.generate(fresh(), max_new_tokens=1)
+                    out = await gen.generate(unseen(), max_new_tokens=1)
+                    if out.tokens_reused:
+                        raise RuntimeError(f"a cold request reused {out.tokens_reused} tokens: {out.blocks_from}")
                     times["cold"].append(out.ttft_s)
                     phases["cold"].append(out.phases)
+                await gen.generate(fresh(), max_new_tokens=1)  # the prefix the tier rows reuse, computed once
                 for tier in ("host", "file", "gpu"):
                     for _ in range(repeats):
                         await _place(cache, tier)
@@ -130,10 +146,41 @@ async def _measure(model: Any, lengths: list[int], repeats: int, directory: str)
                     name: round(statistics.median(p.get(name, 0.0) for p in phases[path]) * 1e3, 3) for name in names
                 }
             if path == "host":
-                row["target"] = f">= {HOST_TARGET:g}x"
-                row["met"] = base / ttft >= HOST_TARGET
+                floor = max(prefix_bytes / (h2d_gbps * 1e9), statistics.median(times["resident"]))
+                row["floor_ms"] = floor * 1e3
+                row["vs_floor"] = ttft / floor
+                row["h2d_GBps"] = h2d_gbps
             rows.append(row)
     return rows
+
+
+def _prefix_kv(model: Any, prefix: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer ``(keys, values)`` of ``prefix``, from one plain forward (the ``resident`` row's past)."""
+    from transformers.cache_utils import DynamicCache
+
+    from ...integrations.hf.model import cache_kwargs
+
+    device = next(model.parameters()).device
+    kv = DynamicCache()
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([prefix], device=device), **cache_kwargs(model, kv), use_cache=True,
+              logits_to_keep=1)
+    return [(layer.keys, layer.values) for layer in kv.layers]
+
+
+def _pinned_h2d_gbps(nbytes: int, device: torch.device, turns: int = 3) -> float:
+    """The pinned host->device rate of one copy of ``nbytes`` (best of ``turns``); a memcpy rate on the CPU."""
+    cuda = device.type == "cuda"
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    best = float("inf")
+    for _ in range(turns):
+        _sync(device)
+        t = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        _sync(device)
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best / 1e9
 
 
 async def _drop_everything(cache: TieredKVCache) -> None:
@@ -177,10 +224,7 @@ def run(quick: bool = False, device: str = "auto") -> dict[str, Any]:
         f"built in {built:.1f} s; {SUFFIX} new tokens after each prefix; median of {repeats} runs",
     ]
     if emulated:
-        notes.append("emulated device: CPU figures, not comparable to the target")
-        for row in rows:
-            if "met" in row:
-                row["met"] = "n/a (emulated)"
+        notes.append("emulated device: CPU figures, not comparable to the targets")
     return {"name": "model", "machine": machine_info(device), "rows": rows, "notes": notes}
 
 
