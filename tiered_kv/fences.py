@@ -257,7 +257,11 @@ class FenceTable:
         """Markers an op must wait for before it reads ``reads`` and writes ``writes``.
 
         ``sources``, if given, also receives the pending writers of ``reads``: the ops whose bytes the op reads.
+        Completed ops whose entries are still to be dropped (``release_later``) are dropped first: a lookup then
+        looks only at ops that may still run (a pool whose last holder completed is cleared whole).
         """
+        if self._done:
+            self.release_done()
         deps: set[Marker] = set()
         for pool, indices in reads:
             wt = self._writes.get(pool)
@@ -325,6 +329,8 @@ class FenceTable:
         generator). ``d`` holds no duplicates and, within one pool, no block of ``s`` (the engine checked).
         Returns the pending markers to wait for, each once.
         """
+        if self._done:
+            self.release_done()
         if len(s) != 1:
             reads, writes = [(src_pool, s)], [(dst_pool, d)]
             sources: set[Marker] = set()
