@@ -395,3 +395,23 @@ def test_random_copies_get_the_dependencies_of_a_per_block_model() -> None:
     while live:
         complete(live[0])
     assert table.statistics().fenced_blocks == 0
+
+
+def test_a_lookup_drops_completed_entries_first() -> None:
+    """Regression (the 128-block partial copy bench on an H200): a copy repeated on the same blocks looked its
+    predecessor's completed, not yet released entries up block by block; the lookup drops them first."""
+    t = FenceTable()
+    blocks = list(range(128))
+    m1 = Marker(None)
+    assert t.fence(m1, "gpu", blocks, "gpu", [b + 128 for b in blocks]) == []
+    m1.completed = True
+    t.release_later(m1)
+    assert t.dependencies([("gpu", blocks)], [("gpu", [b + 128 for b in blocks])]) == set()
+    assert not t._writes["gpu"] and not t._reads["gpu"]  # dropped before the lookup, not skipped entry by entry
+    m2 = Marker(None)
+    assert t.fence(m2, "gpu", blocks, "gpu", [b + 128 for b in blocks]) == []
+    m2.completed = True
+    t.release_later(m2)
+    m3 = Marker(None)
+    assert t.fence(m3, "gpu", blocks, "gpu", [b + 128 for b in blocks]) == []
+    assert all(w is m3 for w in t._writes["gpu"].values()) and len(t._writes["gpu"]) == 128
