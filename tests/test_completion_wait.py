@@ -69,11 +69,11 @@ def test_callbacks_run_in_order_after_their_event_whatever_the_estimate(
 ) -> None:
     import torch
 
-    from tiered_kv import device as device_mod
+    from tiered_kv import cuda_stream
     from tiered_kv.device import CudaStream
 
     monkeypatch.setenv("TIERED_KV_COMPLETION", mode)
-    monkeypatch.setattr(device_mod, "_RATE_MIN_BYTES", 1 << 62)  # keep the given rate: no learning
+    monkeypatch.setattr(cuda_stream, "_RATE_MIN_BYTES", 1 << 62)  # keep the given rate: no learning
     stream = CudaStream("estimate-test", device=torch.device("cuda"))
     stream.rate = rate
     stream.rate_known = rate > 0  # taken as measured: the waiter sleeps to 4/5 of the span it gives
@@ -98,11 +98,11 @@ def test_posts_owed_by_polled_items_do_not_end_a_later_wait_early(ext: Any, monk
     of an earlier item must pay its debt, not release the item waiting behind a long stall."""
     import torch
 
-    from tiered_kv import device as device_mod
+    from tiered_kv import cuda_stream
     from tiered_kv.device import CudaStream
 
     monkeypatch.setenv("TIERED_KV_COMPLETION", "hostfunc")
-    monkeypatch.setattr(device_mod, "_RATE_MIN_BYTES", 1 << 62)
+    monkeypatch.setattr(cuda_stream, "_RATE_MIN_BYTES", 1 << 62)
     stream = CudaStream("owed-test", device=torch.device("cuda"))
     stream.rate = 1e9  # every estimated item polls from the start
     stream.rate_known = True
@@ -200,7 +200,7 @@ def test_a_late_waiters_sample_only_raises_the_rate_and_leaves_it_unmeasured() -
 
 
 def test_expected_end_polls_from_four_fifths_of_the_span() -> None:
-    from tiered_kv.device import _RATE_GUESS, expected_end
+    from tiered_kv.cuda_stream import _RATE_GUESS, expected_end
 
     assert expected_end(5_000, 0, 50.0) == (-1, -1)  # unknown bytes: the host-function post alone
     assert expected_end(5_000, 1_000_000, 50.0) == (5_000 + 16_000, 5_000 + 20_000)  # 50 bytes per ns
@@ -237,7 +237,7 @@ def test_wait_done_returns_only_once_its_event_is_done(ext: Any, owed: int) -> N
 
     import torch
 
-    from tiered_kv.device import _HostFuncSignal
+    from tiered_kv.cuda_stream import _HostFuncSignal
 
     native = ext.native()
     signal = _HostFuncSignal()
@@ -273,7 +273,7 @@ def test_wait_done_stops_at_its_stop_time_and_the_next_call_finishes(ext: Any) -
 
     import torch
 
-    from tiered_kv.device import _HostFuncSignal
+    from tiered_kv.cuda_stream import _HostFuncSignal
 
     native = ext.native()
     signal = _HostFuncSignal()

@@ -171,11 +171,11 @@ class _Sampler:
         self.script, self.turns, self.asked = list(script), turns, []  # type: ignore[var-annotated]
 
     def __call__(self, sizes: tuple[int, ...]) -> dict[str, dict[int, list[float]]]:
-        from tiered_kv import copyops
+        from tiered_kv.copy import calibration
 
         self.asked.append(sizes)
         ratios = self.script[min(len(self.asked), len(self.script)) - 1]
-        return {kind: {size: [ratios[kind][size]] * self.turns for size in sizes} for kind in copyops._KINDS}
+        return {kind: {size: [ratios[kind][size]] * self.turns for size in sizes} for kind in calibration._KINDS}
 
 
 def _curve(**overrides: float) -> dict[int, float]:
@@ -189,13 +189,13 @@ def test_calibration_samples_a_close_call_again_and_a_burst_of_noise_is_outvoted
     """Regression (an H100 host's bench chose the kernel for 64 KiB after one noisy calibration): a size that DMA
     loses by a few percent just below the threshold is measured again and the second look decides: it wins, the
     threshold moves down to it; the size below (32 KiB, close too) is looked at again and keeps the kernel."""
-    from tiered_kv import copyops
+    from tiered_kv.copy import calibration
 
     noisy = {"pieces": _curve(k64=1.03), "rows": _curve(k64=1.02)}
     quiet = {"pieces": _curve(), "rows": _curve()}
     sampler = _Sampler(noisy, quiet)
-    piece, row, (pieces, rows) = copyops._decide_dma_thresholds(sampler)
-    assert sampler.asked[0] == copyops._CALIBRATION_PIECES
+    piece, row, (pieces, rows) = calibration._decide_dma_thresholds(sampler)
+    assert sampler.asked[0] == calibration._CALIBRATION_PIECES
     assert sampler.asked[1] == (64 * KiB,)  # the close call, both kinds' threshold neighbour
     assert (32 * KiB,) in sampler.asked[2:]  # then the next one down, also close (1.05), keeps the kernel
     assert (piece, row) == (64 * KiB, 64 * KiB)
@@ -204,25 +204,25 @@ def test_calibration_samples_a_close_call_again_and_a_burst_of_noise_is_outvoted
 
 
 def test_calibration_keeps_a_confirmed_loss_and_never_looks_again_at_a_clear_one() -> None:
-    from tiered_kv import copyops
+    from tiered_kv.copy import calibration
 
     # the kernel really leads at 64 KiB: the second look confirms it, the threshold stays at 128 KiB
     lose = {"pieces": _curve(k64=1.03), "rows": _curve(k64=1.03)}
     sampler = _Sampler(lose)
-    piece, row, _ = copyops._decide_dma_thresholds(sampler)
+    piece, row, _ = calibration._decide_dma_thresholds(sampler)
     assert (piece, row) == (128 * KiB, 128 * KiB)
-    assert sampler.asked == [copyops._CALIBRATION_PIECES, (64 * KiB,)]
+    assert sampler.asked == [calibration._CALIBRATION_PIECES, (64 * KiB,)]
     # DMA loses 64 KiB by 10 %: no second look
     clear = {"pieces": _curve(k64=1.10), "rows": _curve()}
     sampler = _Sampler(clear)
-    piece, row, _ = copyops._decide_dma_thresholds(sampler)
+    piece, row, _ = calibration._decide_dma_thresholds(sampler)
     assert (piece, row) == (128 * KiB, 64 * KiB)
     assert sampler.asked[1:] == [(32 * KiB,)]  # only the rows' close neighbour (32 KiB at 1.05)
     # the kernel leads everywhere: 4 MiB, and the 2 MiB close call was looked at twice
-    never = {kind: {size: 1.02 for size in copyops._CALIBRATION_PIECES} for kind in copyops._KINDS}
+    never = {kind: {size: 1.02 for size in calibration._CALIBRATION_PIECES} for kind in calibration._KINDS}
     sampler = _Sampler(never)
-    assert copyops._decide_dma_thresholds(sampler)[:2] == (4 << 20, 4 << 20)
-    assert sampler.asked == [copyops._CALIBRATION_PIECES, (2 << 20,)]
+    assert calibration._decide_dma_thresholds(sampler)[:2] == (4 << 20, 4 << 20)
+    assert sampler.asked == [calibration._CALIBRATION_PIECES, (2 << 20,)]
 
 
 def test_config_env_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -294,7 +294,7 @@ async def test_cuda_engine_uses_kernel_for_small_chunks_and_dma_for_blocks() -> 
 
 @pytest.mark.parametrize("num_tokens", [None, 3])
 def test_torch_fallback_op_matches_reference_on_cpu(layout, num_tokens) -> None:
-    from tiered_kv.copyops import _torch_op
+    from tiered_kv.copy.torch_fallback import torch_op
     from tiered_kv.pools import BlockPool
 
     gpu = LayerMajorPool.allocate(layout, 4, "cpu", split_kv=True)
@@ -305,7 +305,7 @@ def test_torch_fallback_op_matches_reference_on_cpu(layout, num_tokens) -> None:
     n = layout.tokens_per_block if num_tokens is None else num_tokens
     for a, b in zip(s, d, strict=True):
         want[b, ..., :n, :] = gpu.block(int(a))[..., :n, :]
-    _torch_op(gpu.tensors, s, [host.tensor], d, n)()
+    torch_op(gpu.tensors, s, [host.tensor], d, n)()
     assert_blocks_equal(host.tensor, want)
 
 
@@ -399,21 +399,21 @@ def test_kernel_copy_from_a_fresh_thread_reaches_pinned_memory():
 
 @pytest.mark.gpu
 def test_the_dma_threshold_is_measured_once_per_device() -> None:
-    from tiered_kv import copyops
+    from tiered_kv.copy import calibration
     from tiered_kv.device import resolve_device
 
     assert _ext.load(), f"the CUDA extension must build on the GPU machine: {_ext.status()['error']}"
     copier = Copier(resolve_device("cuda"), EngineConfig())
     first = copier.dma_min_chunk_bytes
-    assert first in (*copyops._CALIBRATION_PIECES, 2 * copyops._CALIBRATION_PIECES[-1]), first
-    assert copier.dma_min_row_bytes in (*copyops._CALIBRATION_PIECES, 2 * copyops._CALIBRATION_PIECES[-1])
+    assert first in (*calibration._CALIBRATION_PIECES, 2 * calibration._CALIBRATION_PIECES[-1]), first
+    assert copier.dma_min_row_bytes in (*calibration._CALIBRATION_PIECES, 2 * calibration._CALIBRATION_PIECES[-1])
     assert Copier(resolve_device("cuda"), EngineConfig()).dma_min_chunk_bytes == first  # cached
     # the ratios it measured are kept, and the thresholds follow from them by the rule
-    ratios = copyops.measured_dma_ratios(torch.device("cuda"))
+    ratios = calibration.measured_dma_ratios(torch.device("cuda"))
     assert ratios is not None and {"pieces", "rows"} <= set(ratios)  # and "strided" once measured
     for kind, threshold in (("pieces", first), ("rows", copier.dma_min_row_bytes)):
         by_size = ratios[kind]
-        assert list(by_size) == list(copyops._CALIBRATION_PIECES)
+        assert list(by_size) == list(calibration._CALIBRATION_PIECES)
         assert all(math.isfinite(r) and r > 0 for r in by_size.values()), by_size
         assert all(r <= 0.98 for size, r in by_size.items() if size >= threshold), (kind, by_size, threshold)
         below = [r for size, r in by_size.items() if size < threshold]

@@ -17,14 +17,16 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 LAYERS: list[tuple[str, set[str]]] = [
     ("foundations", {"errors", "layout", "config", "completions", "opdefs", "slotstate"}),
     ("keys, pools and formats", {"_ext", "keys", "pools", "slab"}),
+    ("the two stream implementations", {"cuda_stream", "emulated_stream"}),
     ("device and ops", {"device", "ops", "backends"}),
     (
         "fences, handlers, block manager",
         {"faults", "layer_major", "fences", "handlers", "rowversions", "staging_pool", "offset_checks", "blocks"},
     ),
     ("pool kinds, transfers, checks", {"pool_kinds", "transfer", "staging", "integrity", "testing"}),
-    ("copy machinery, plan issue", {"copyops", "plan_batches"}),
-    ("streams and the file tier", {"stream_copier", "file"}),
+    ("copy machinery, plan issue", {"copy", "plan_batches"}),
+    ("the copy machinery's module paths", {"copyops", "stream_copier"}),
+    ("the file tier", {"file"}),
     ("the engine", {"engine", "close_spill"}),
     ("above the engine", {"layerwise", "remote"}),
     ("the prefix cache", {"cache"}),

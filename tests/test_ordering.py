@@ -350,7 +350,7 @@ def test_signals_beside_the_stream_keep_callback_order_and_never_run_early(monke
 
 
 def test_completion_mode_is_validated(monkeypatch):
-    from tiered_kv.device import _completion_mode
+    from tiered_kv.cuda_stream import _completion_mode
 
     monkeypatch.setenv("TIERED_KV_COMPLETION", "spin")
     with pytest.raises(ValueError, match="TIERED_KV_COMPLETION"):

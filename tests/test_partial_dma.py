@@ -21,6 +21,8 @@ import torch
 
 from tiered_kv import KVLayout, Tier, TransferEngine, _ext, copyops
 from tiered_kv.config import EngineConfig
+from tiered_kv.copy import calibration
+from tiered_kv.copy.copier import _PairInfo
 from tiered_kv.copyops import MIN_RUN_BLOCKS, NEVER, Copier
 from tiered_kv.device import resolve_device
 from tiered_kv.layer_major import LayerMajorPool
@@ -32,7 +34,7 @@ KiB = 1 << 10
 BIG = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, tokens_per_block=16, dtype=torch.bfloat16)
 
 
-def _cpu_copier_with(strided: int, row: int) -> tuple[Copier, copyops._PairInfo]:
+def _cpu_copier_with(strided: int, row: int) -> tuple[Copier, _PairInfo]:
     """A copier deciding as a CUDA one would (kernels loaded), and a host->GPU partial pair of 4 of 16 tokens."""
     copier = Copier(resolve_device("cpu"), EngineConfig())
     host = BlockPool(Tier.HOST, BIG, torch.empty(2, *BIG.block_shape, dtype=BIG.dtype))
@@ -72,14 +74,14 @@ def test_partial_host_gpu_copies_in_long_runs_take_2d_dma_by_call_size() -> None
 
 def test_the_strided_calibration_rule() -> None:
     """The smallest width from which DMA wins by 2 % at every larger width; NEVER when it wins at none."""
-    widths = copyops._STRIDED_WIDTHS
+    widths = calibration._STRIDED_WIDTHS
     assert widths == (256, 512, 1024, 2048)
-    assert copyops._strided_threshold_of([0.5] * 4) == 256
-    assert copyops._strided_threshold_of([1.12, 0.93, 0.93, 0.94]) == 512  # the H100 / H200 probe's shape
-    assert copyops._strided_threshold_of([0.9, 0.99, 0.93, 0.94]) == 1024  # a loss above a win decides
-    assert copyops._strided_threshold_of([0.9, 0.9, 0.9, 0.981]) == NEVER
-    assert copyops._strided_threshold_of([0.9, 0.9, math.nan, 0.9]) == 2048  # NaN is no win
-    assert copyops._strided_threshold_of([1.1] * 4) == NEVER
+    assert calibration._strided_threshold_of([0.5] * 4) == 256
+    assert calibration._strided_threshold_of([1.12, 0.93, 0.93, 0.94]) == 512  # the H100 / H200 probe's shape
+    assert calibration._strided_threshold_of([0.9, 0.99, 0.93, 0.94]) == 1024  # a loss above a win decides
+    assert calibration._strided_threshold_of([0.9, 0.9, 0.9, 0.981]) == NEVER
+    assert calibration._strided_threshold_of([0.9, 0.9, math.nan, 0.9]) == 2048  # NaN is no win
+    assert calibration._strided_threshold_of([1.1] * 4) == NEVER
 
 
 # ----------------------------------------------------------------------------------------------------- GPU
@@ -179,13 +181,13 @@ def test_the_strided_calibration_is_measured_once_and_follows_its_rule() -> None
     assert _ext.load(), f"the CUDA extension must build on the GPU machine: {_ext.status()['error']}"
     copier = Copier(resolve_device("cuda"), EngineConfig())
     found = copier.dma_min_strided_row_bytes
-    assert found in (*copyops._STRIDED_WIDTHS, NEVER), found
+    assert found in (*calibration._STRIDED_WIDTHS, NEVER), found
     assert copyops.calibrated_dma_strided_threshold(torch.device("cuda")) == found  # cached
     ratios = copyops.measured_dma_ratios(torch.device("cuda"))
     assert ratios is not None and "strided" in ratios
     medians = list(ratios["strided"].values())
     assert all(math.isfinite(r) and r > 0 for r in medians), medians
-    assert copyops._strided_threshold_of(medians) == found
+    assert calibration._strided_threshold_of(medians) == found
     # configured thresholds skip it: the configured piece size stands for rows too
     assert Copier(resolve_device("cuda"), EngineConfig(dma_min_chunk_bytes=123)).dma_min_strided_row_bytes == 123
     copier.close()
