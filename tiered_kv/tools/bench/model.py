@@ -165,7 +165,8 @@ def _prefix_kv(model: Any, prefix: list[int]) -> list[tuple[torch.Tensor, torch.
     with torch.inference_mode():
         model(input_ids=torch.tensor([prefix], device=device), **cache_kwargs(model, kv), use_cache=True,
               logits_to_keep=1)
-    return [(layer.keys, layer.values) for layer in kv.layers]
+    layers: list[Any] = list(kv.layers)
+    return [(layer.keys, layer.values) for layer in layers]
 
 
 def _pinned_h2d_gbps(nbytes: int, device: torch.device, turns: int = 3) -> float:
