@@ -13,135 +13,69 @@ What the engine does for every copy, whatever the media: validation of the publi
 the handler routed to ``(source tier, destination tier)`` (:mod:`tiered_kv.handlers`, which documents the
 protocol): :class:`~tiered_kv.stream_copier.StreamCopier` for the memory pairs (GPU->HOST on the *offload*
 stream, HOST->GPU on the *onboard* stream, GPU->GPU on the *local* stream, HOST->HOST on host threads) and
-:class:`~tiered_kv.file.FileHandler` for anything with FILE (its GPU legs on offload/onboard). Every op
-first waits for its fences: stream-side (``wait_event``, no CPU block, no GPU bubble) when the dependency
-is a stream op already enqueued, otherwise on the loop. Completion reaches the loop through a waiter
-thread per stream (or the handler's callback) and ``call_soon_threadsafe`` (the loop never polls), batched by
-:class:`~tiered_kv.completions.CompletionInbox`: completions that arrive together wake the loop once.
+:class:`~tiered_kv.file.FileHandler` for anything with FILE (its GPU legs on offload/onboard).
+
+This module is the facade and the copy path: construction, lifecycle (ownership by a cache, close from another
+loop, release on failed construction), inspection, and ``copy()``: route, validate, plan, fence, start. The parts
+it is built from, one concept each:
+
+* :mod:`tiered_kv.engine_pools` -- the GPU and host pools, adopted from the caller or allocated;
+* :mod:`tiered_kv.copy_checks` -- the argument checks of a copy (indices, ``num_tokens``, ``layers``);
+* :mod:`tiered_kv.inflight` -- a copy once planned: its start behind its dependencies (stream-side, or on the
+  loop), its completion on the loop (thread callbacks batched by :class:`~tiered_kv.completions.CompletionInbox`,
+  the loop-side poll, the in-place await), the bookkeeping after it (fence release, statistics), failure
+  propagation, and the copies an ended loop left behind.
+
+The constants and helpers of those parts are importable from this module too (the ``import X as X`` lines).
 
 The per-call fast path: a copy between memory pools of at most ``SMALL_CALL_BLOCKS`` pairs given as int
 lists or small integer arrays is validated on plain lists (:func:`~tiered_kv.pools.small_pairs`, no numpy)
 and becomes one ``copy_blocks_list`` call on its stream (:mod:`tiered_kv.copyops`).
-
-Size: about 800 lines (formatted at 120 columns), much of it the public API's documentation and the lifecycle
-rules (ownership by a cache, close from another loop, release on failed construction); the copy path itself
-(validate, route, fence, start, complete) is kept in one class so the fence and marker life cycle reads in one
-place.
 """
 
 from __future__ import annotations
 
 import asyncio
-import bisect
-import functools
-import logging
 import os
-import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 import torch
 
-from .completions import CompletionInbox, EventPoller
 from .config import EngineConfig
+from .copy_checks import CopyChecks, Indices
 from .copyops import Copier
-from .device import CudaStream, Device, Stream, expected_end, resolve_device
-from .errors import EngineClosedError, OwnedEngineError, TransferError
+from .device import Device, Stream, resolve_device
+from .engine_pools import _allocate as _allocate
+from .engine_pools import make_pools
+from .errors import EngineClosedError, OwnedEngineError
 from .fences import FenceTable, Marker
 from .file import FileHandler, FileTier, FileTierConfig
-from .handlers import Batch, Job, Medium, Routes, TransferHandler
+from .handlers import Batch, Medium, Routes, TransferHandler
+from .inflight import _DEFAULT_AWAIT_SPIN_US as _DEFAULT_AWAIT_SPIN_US
+from .inflight import _DEFAULT_SPIN_US as _DEFAULT_SPIN_US
+from .inflight import _SETTLE_AHEAD as _SETTLE_AHEAD
+from .inflight import ORPHAN_TIMEOUT as ORPHAN_TIMEOUT
+from .inflight import InFlightCopies
+from .inflight import _DirectionTotals as _DirectionTotals
+from .inflight import _failed_source as _failed_source
+from .inflight import _launch_error as _launch_error
+from .inflight import _ok_at_event as _ok_at_event
 from .layer_major import LayerMajorPool
 from .layout import KVLayout
-from .pool_kinds import as_gpu_pool
-from .pools import BlockPool, Tier, as_indices, small_pairs
+from .pools import BlockPool, Tier, small_pairs
 from .stream_copier import StreamCopier
 from .transfer import LATENCY_BUCKETS, EngineStatistics, Transfer, TransferResult
 
 __all__ = ["LATENCY_BUCKETS", "EngineStatistics", "Transfer", "TransferEngine", "TransferResult"]
 
-log = logging.getLogger(__name__)
-
 # a resolved pair: source and destination tier and medium, its handler, whether it is a memory pair, "src->dst"
 _Route = tuple[Tier, Tier, Medium, Medium, TransferHandler, bool, str]
 
 
-class _DirectionTotals:
-    """What the copies of one direction did so far (mutable: updated in place on every completion)."""
-
-    __slots__ = ("blocks", "counts", "nbytes", "seconds")
-
-    def __init__(self) -> None:
-        self.nbytes = 0
-        self.blocks = 0
-        self.seconds = 0.0
-        self.counts = [0] * (len(LATENCY_BUCKETS) + 1)
-
-
-#: Seconds ``close()`` from a new event loop waits for copies the engine's ended loop left in flight.
-ORPHAN_TIMEOUT = 30.0
-
-#: ``EngineConfig.completion_spin_us`` on CUDA when not set: the loop polls an awaited copy from 0.4 ms before its
-#: expected end to 0.2 ms after it.
-_DEFAULT_SPIN_US = 200
-
-#: ``EngineConfig.await_spin_us`` on CUDA when not set: an awaited copy expected to end within 150 us is waited for
-#: in place by the awaiting coroutine (a 12-of-16-token partial copy of 128 blocks runs ~150 us on an H100).
-_DEFAULT_AWAIT_SPIN_US = 150
-
-#: An awaited copy expected to end more than this many seconds from now lets the in-place poll first do the
-#: bookkeeping of the copies completed before it (``_settle``), so that it is the oldest copy in flight when it ends.
-_SETTLE_AHEAD = 20e-6
-
-Indices = Iterable[int] | np.ndarray | torch.Tensor
-
-
-def _ok_at_event(marker: Marker) -> bool:
-    """Whether reaching ``marker``'s event is its whole completion (its job's ``ok_at_event``; no job: no)."""
-    ok_at_event = getattr(marker.job, "ok_at_event", None)
-    return ok_at_event is not None and bool(ok_at_event())
-
-
-def _launch_error(marker: Marker) -> BaseException | None:
-    """The error a stream op whose event was reached will report, if its job says so (``Job.error_at_event``)."""
-    if _ok_at_event(marker):
-        return None
-    error_at_event = getattr(marker.job, "error_at_event", None)
-    return error_at_event() if error_at_event is not None else None
-
-
-def _failed_source(marker: Marker) -> BaseException | None:
-    """The error for ``marker`` if an op that was writing a block it reads, when it was issued, failed.
-
-    Such a copy reads bytes that never arrived: it fails too, and so does every copy that reads what it wrote. An op
-    it waited for only because it writes what that op read or wrote is not its source: that one's failure is not its.
-    """
-    for source in marker.sources:
-        error = source.error
-        if error is not None and source.completed:
-            failed = TransferError(f"a copy this one reads from failed: {error}")
-            failed.__cause__ = error
-            return failed
-    return None
-
-
-def _allocate(
-    empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor], what: str, blocks: int, layout: KVLayout
-) -> torch.Tensor:
-    nbytes = blocks * layout.bytes_per_block
-    if nbytes >= 2**62:
-        raise ValueError(f"{what} pool of {blocks} blocks ({nbytes} bytes) is larger than any machine's memory")
-    try:
-        return empty((blocks, *layout.block_shape), layout.dtype)
-    except (RuntimeError, MemoryError) as exc:  # torch reports allocation failures as RuntimeError
-        raise MemoryError(
-            f"cannot allocate the {what} pool: {blocks} blocks x {layout.bytes_per_block} bytes = "
-            f"{nbytes / 2**30:.1f} GiB ({exc})"
-        ) from exc
-
-
-class TransferEngine:
+class TransferEngine(CopyChecks, InFlightCopies):
     """Schedules fenced copies between GPU and host pools (and the file tier, where configured).
 
     Args:
@@ -197,33 +131,7 @@ class TransferEngine:
         self.device: Device = resolve_device(device if device is not None else self.config.device)
         self.layout = layout
 
-        self._pools: dict[Tier, BlockPool | LayerMajorPool] = {}
-        if gpu_pool is not None:
-            if isinstance(gpu_pool, (list, tuple)):
-                gpu_pool = as_gpu_pool(layout, gpu_pool)  # classic layer-major, or an engine's layout kind
-            if not isinstance(gpu_pool, (torch.Tensor, LayerMajorPool)):
-                raise TypeError(
-                    "gpu_pool must be a torch.Tensor, a LayerMajorPool or a list of tensors, "
-                    f"got {type(gpu_pool).__name__}"
-                )
-            if gpu_pool.device.type != self.device.torch_device.type:
-                raise ValueError(
-                    f"gpu_pool is on {gpu_pool.device}, but the engine's device is {self.device.torch_device}"
-                )
-            if isinstance(gpu_pool, LayerMajorPool):
-                if gpu_pool.layout != layout or gpu_pool.tier is not Tier.GPU:
-                    raise ValueError("the LayerMajorPool must be a GPU pool with the engine's layout")
-                self._pools[Tier.GPU] = gpu_pool
-            else:
-                self._pools[Tier.GPU] = BlockPool(Tier.GPU, layout, gpu_pool)
-        elif gpu_blocks:
-            self._pools[Tier.GPU] = BlockPool(Tier.GPU, layout, _allocate(self.device.empty, "GPU", gpu_blocks, layout))
-        if host_pool is not None:  # caller's memory (e.g. shared with another process); pinned on CUDA
-            self._pools[Tier.HOST] = BlockPool(Tier.HOST, layout, host_pool)
-        elif host_blocks:
-            self._pools[Tier.HOST] = BlockPool(
-                Tier.HOST, layout, _allocate(self.device.empty_host, "host", host_blocks, layout)
-            )
+        self._pools = make_pools(layout, self.device, gpu_blocks, host_blocks, gpu_pool, host_pool)
 
         if file_config is None and file_dir is not None and file_blocks:
             file_config = FileTierConfig.from_env(file_dir, file_blocks)
@@ -263,26 +171,15 @@ class TransferEngine:
         self._resolved: dict[tuple[Tier | str, Tier | str], _Route] = {}  # see _resolve_route
         self._block_bytes = layout.bytes_per_block
         self._tokens_per_block = layout.tokens_per_block
-        self._fences = FenceTable()
-        # in-flight marker -> ("src->dst" direction, its transfer): one dict for the in-flight set and the statistics
-        self._inflight: dict[Marker, tuple[str, Transfer]] = {}
-        # The engine owns its deferred enqueues (copies waiting on the loop for an off-lane dependency): each
-        # task leaves this set when it ends, and close() waits for the set to empty before stopping anything.
-        self._deferred: set[asyncio.Task[None]] = set()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._inbox: CompletionInbox[Marker] | None = None
-        self._poller: EventPoller[Marker] | None = None  # the loop-side poll of awaited copies about to end
-        self._await_spin = 0.0  # seconds an awaiting coroutine polls in place (EngineConfig.await_spin_us)
-        self._in_place = 0  # awaits that found their copy done before yielding (one look, or the in-place poll)
-        self._settle_queued = False  # a _settle is queued on the loop (the in-place poll queues one per round)
+        super().__init__()  # the fence table, the in-flight set, the completion machinery (InFlightCopies)
         self._closing = False
         self._closed = False
         self._owner: str | None = None  # who the blocks belong to (claim): copy() is theirs alone
-        self._submitted = self._completed = self._failed = 0
-        self._settling: list[Marker] = []  # completed, awaiters woken, bookkeeping still to do (_settle)
-        # direction -> [bytes, blocks, summed copy durations, counts per LATENCY_BUCKETS bucket (+ overflow)]:
-        # one lookup per completion
-        self._by_direction: dict[str, _DirectionTotals] = {}
+
+    if TYPE_CHECKING:  # InFlightCopies' completion steps, typed as this class's: a replacement on it takes an engine
+
+        def _complete(self, marker: Marker) -> None: ...
+        def _settle(self) -> None: ...
 
     # ------------------------------------------------------------------------------------ lifecycle
 
@@ -330,29 +227,6 @@ class TransferEngine:
         self._release_resources()
         assert not self._fences, "fences left after every op completed"
 
-    async def _take_over_completions(self) -> None:
-        """close() from a new loop after the engine's loop ended with copies in flight.
-
-        A copy that finished on its thread posted its completion to the dead loop, where it never ran: complete
-        it here (dependencies first, as always). A copy that never finished within ``ORPHAN_TIMEOUT`` seconds
-        (deferred on the dead loop, never enqueued) is completed with :class:`EngineClosedError`.
-        """
-        deadline = time.monotonic() + ORPHAN_TIMEOUT
-        while self._inflight:
-            for marker in [m for m in self._inflight if m.done_at is not None]:
-                self._complete(marker)
-            self._settle()  # here, not from the ended loop's callbacks
-            if not self._inflight:
-                break
-            if time.monotonic() > deadline:
-                for marker in list(self._inflight):
-                    if not marker.completed:
-                        marker.error = EngineClosedError("the copy's event loop ended before it could be enqueued")
-                        self._complete(marker)
-                self._settle()
-                break
-            await asyncio.sleep(0.005)
-
     def _release_resources(self) -> None:
         """Stop the streams' threads and close every handler (the file tier: its fds and slab lock). Idempotent.
 
@@ -396,22 +270,7 @@ class TransferEngine:
             raise RuntimeError("TransferEngine must be used from a coroutine running on an event loop") from None
         if self._loop is None:
             self._loop = loop
-            # completions arriving together: one wake-up; their bookkeeping runs after the awaiters resumed
-            self._inbox = CompletionInbox(loop, self._complete, self._settle)
-            spin = self.config.completion_spin_us
-            if spin is None:
-                spin = _DEFAULT_SPIN_US if self.device.is_cuda else 0
-            if spin > 0:  # awaited copies about to end: the loop polls their events (EngineConfig.completion_spin_us)
-                self._poller = EventPoller(loop, self._poll, self._settle, spin / 1e6)
-            in_place = self.config.await_spin_us
-            if in_place is None:
-                in_place = _DEFAULT_AWAIT_SPIN_US if self.device.is_cuda else 0
-            self._await_spin = in_place / 1e6
-            for stream in self._streams.values():
-                if self._poller is not None or self._await_spin > 0:
-                    stream.watch = self._watch  # type: ignore[attr-defined]  # our streams have it
-                if isinstance(stream, CudaStream):  # woken shortly before a long copy's expected end
-                    stream.near_end = self._poller.wake if self._poller is not None else self._inbox.poke
+            self._bind_completions(loop, self.config, self.device.is_cuda, self._streams.values())
             for handler in self._routes.handlers:  # SLOT STATE HOOK: handlers that apply state changes on the loop
                 bind = getattr(handler, "bind_loop", None)
                 if bind is not None:
@@ -784,292 +643,6 @@ class TransferEngine:
             fences.register(marker, reads, writes)
         self._inflight[marker] = (direction, transfer)
         return transfer
-
-    @staticmethod
-    def _check_indices(
-        src_pool: Medium, src_indices: Indices, dst_pool: Medium, dst_indices: Indices
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """The general index checks (any iterable, numpy or CPU tensor), with the descriptive errors.
-
-        Vectorized (a sort, no Python-level loop or set): a call of thousands of blocks is checked in tens of us.
-        """
-        s = as_indices(src_indices, "source indices")
-        d = as_indices(dst_indices, "destination indices")
-        if s.size != d.size:
-            raise ValueError(f"got {s.size} source indices and {d.size} destination indices; they must pair up")
-        src_pool.check(s, "source indices")
-        dst_pool.check(d, "destination indices")
-        if d.size > 1:
-            # a count per block where the pool is not much larger than the call, else a sort
-            n = dst_pool.num_blocks
-            if n <= 8 * d.size:
-                repeated = bool(np.bincount(d, minlength=n).max() > 1)
-            else:
-                ordered = np.sort(d)
-                repeated = bool((ordered[1:] == ordered[:-1]).any())
-            if repeated:
-                values, counts = np.unique(d, return_counts=True)
-                raise ValueError(f"destination indices contain duplicates: {values[counts > 1][:8].tolist()}")
-        if src_pool is dst_pool and s.size:
-            both = np.intersect1d(s, d)
-            if both.size:
-                raise ValueError(f"blocks {both[:8].tolist()} are both a source and a destination of one copy")
-        return s, d
-
-    def _check_layers(self, layers: object, memory: bool) -> tuple[int, int] | None:
-        if layers is None:
-            return None
-        if not memory:
-            raise ValueError("layers= is only supported between GPU and host pools (a file slot is one whole block)")
-        if (
-            not isinstance(layers, tuple)
-            or len(layers) != 2
-            or not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in layers)
-        ):
-            raise TypeError(f"layers must be a (start, stop) tuple of ints, got {layers!r}")
-        start, stop = int(layers[0]), int(layers[1])
-        if not 0 <= start < stop <= self.layout.num_layers:
-            raise ValueError(
-                f"layers must be a range (start, stop) with 0 <= start < stop <= {self.layout.num_layers}, got {layers}"
-            )
-        return start, stop
-
-    def _check_tokens(self, num_tokens: int | None) -> int | None:
-        if num_tokens is None:
-            return None
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)):
-            raise TypeError(f"num_tokens must be an int or None, got {type(num_tokens).__name__}")
-        tpb = self.layout.tokens_per_block
-        if not 1 <= num_tokens <= tpb:
-            raise ValueError(f"num_tokens must be in 1..{tpb} (tokens_per_block), got {num_tokens}")
-        return None if num_tokens == tpb else int(num_tokens)
-
-    # ------------------------------------------------------------------------------------ internals
-
-    def _start(self, loop: asyncio.AbstractEventLoop, marker: Marker, job: Job, deps: Iterable[Marker]) -> None:
-        """Enqueue ``job`` now behind its stream-side dependencies, or from a task once its loop-side ones are done.
-
-        A dependency on another stream is waited for stream-side; one on the same stream is ordered by the stream
-        itself; one without an event (off-stream work, or not enqueued yet) is awaited on the loop.
-        """
-        lane = marker.lane
-        stream_deps: list[Marker] = []
-        loop_deps: list[Marker] = []
-        for dep in deps:
-            if lane is not None and dep.lane is not None and dep.event is not None:
-                if dep.lane is not lane:  # same stream: FIFO already orders it
-                    stream_deps.append(dep)
-            else:
-                loop_deps.append(dep)
-        if loop_deps:
-            task = loop.create_task(self._enqueue_after(marker, job, stream_deps, loop_deps))
-            self._deferred.add(task)
-            task.add_done_callback(self._deferred.discard)
-        else:
-            self._enqueue(marker, job, stream_deps)
-
-    @staticmethod
-    def _finished(inbox: CompletionInbox[Marker], marker: Marker, error: BaseException | None) -> None:
-        """The end of ``marker``'s op, from whichever thread saw it; completes it on the loop.
-
-        Bound per copy by ``functools.partial``, which costs no Python call.
-        """
-        if marker.completed:  # the loop completed it from its event already (_poll): nothing left to do
-            return
-        if error is not None:
-            marker.error = error
-        marker.done_at = time.perf_counter()
-        inbox.post(marker)
-
-    def _enqueue(self, marker: Marker, job: Job, stream_deps: list[Marker]) -> None:
-        """Start ``job`` behind ``stream_deps`` (waited for on its lane); its completion calls :meth:`_complete`."""
-        assert self._inbox is not None
-        done = functools.partial(self._finished, self._inbox, marker)
-        lane = marker.lane
-        if lane is not None and stream_deps:
-            for dep in stream_deps:
-                assert dep.event is not None
-                lane.wait(dep.event)
-            marker.after = stream_deps
-            self._fences.stream_waits += len(stream_deps)
-        try:
-            marker.event = job.start(done)
-            marker.job = job
-        except BaseException as exc:  # reported to whoever awaits the transfer
-            done(exc)
-
-    async def _enqueue_after(
-        self, marker: Marker, job: Job, stream_deps: list[Marker], loop_deps: list[Marker]
-    ) -> None:
-        """Wait on the loop for off-stream dependencies, then enqueue.
-
-        Cancellation: only happens when the loop shuts down under a live engine; the marker is then
-        completed with the error so that nothing waits on it forever.
-        """
-        try:
-            for dep in loop_deps:
-                await dep.wait()
-            self._fences.loop_waits += len(loop_deps)
-            failed = _failed_source(marker)
-            abort = getattr(job, "abort", None)
-            if failed is not None and abort is not None:  # not started: it would copy bytes that never arrived
-                abort(failed)
-                marker.error = failed
-                self._complete(marker)
-                self._settle()
-                return
-            self._enqueue(marker, job, stream_deps)  # a failed source without abort(): failed at its completion
-        except BaseException as exc:
-            marker.error = exc
-            self._complete(marker)
-            self._settle()  # not a delivery of the inbox: no callback settles it
-            if isinstance(exc, asyncio.CancelledError):
-                raise
-
-    def _complete(self, marker: Marker) -> None:
-        """Complete ``marker`` on the loop: wake its awaiters now, do the bookkeeping later (:meth:`_settle`).
-
-        An awaiting coroutine resumes in the loop's next round of callbacks, behind whatever the current callback
-        still does; so only the wake-up runs here. The fence release and statistics run from the completion inbox's
-        callback queued behind the wake-ups, and every reader of that state settles it first (``statistics``,
-        ``fences``, ``drain``, ``close``): nobody sees it stale.
-        """
-        if marker.completed:
-            return
-        # Ops this one waited for stream-side finished on the device before it did; their own completion
-        # callbacks come from other waiter threads and may arrive later. Complete them first, so that
-        # done() respects the order the fences imposed (a transfer is never done before one it waited for).
-        after = marker.after
-        if after:
-            for dep in after:
-                if not dep.completed:
-                    if dep.done_at is None:
-                        dep.done_at = marker.done_at
-                    if dep.error is None and not _ok_at_event(dep):
-                        # its copy failed at launch: its own done() would bring the error, and finds it completed
-                        dep.error = _launch_error(dep) or TransferError("a copy this one waited for failed")
-                    self._complete(dep)
-            marker.after = []
-        sources = marker.sources
-        if sources:
-            for source in sources:  # on this op's stream, done before it: a launch that failed is known by now
-                if not source.completed and source.error is None and source.event is not None:
-                    source.error = _launch_error(source)
-                    if source.error is not None:
-                        self._complete(source)
-            if marker.error is None:
-                marker.error = _failed_source(marker)
-            marker.sources = ()
-        # queued before complete(): a done-callback that reads the statistics or the fences settles them first
-        self._fences.release_later(marker)
-        self._settling.append(marker)
-        marker.complete()
-
-    def _watch(self, marker: Marker, transfer: Transfer) -> None:
-        """A coroutine is about to await ``transfer`` (on a stream): wait in place, or have the loop poll it.
-
-        Expected end: submitted plus its bytes at the stream's measured rate (a first guess before any). Due within
-        ``EngineConfig.await_spin_us``: the awaiting coroutine polls the event here, without yielding to the loop,
-        for at most that long (done: it goes on as after a done future, no loop round to see the event nor one to
-        resume it). Otherwise, or not done by then: the loop polls it from near its expected end
-        (:class:`EventPoller`); a copy queued behind others ends later than expected and is polled until the poller
-        gives up on it, then completed by its thread as without the poller.
-        """
-        # the stream waiter's own estimate (device.expected_end), in perf_counter seconds; no bytes: due at once.
-        # A long copy is polled up to a quarter of its span late (a partial copy runs below the stream's best rate)
-        _wake, due_ns = expected_end(0, transfer.nbytes, getattr(marker.lane, "rate", 0.0))
-        span = max(due_ns, 0) / 1e9
-        due = transfer.submitted_at + span
-        now = time.perf_counter()
-        spin = self._await_spin
-        if due <= now + spin:
-            # due now or within the in-place budget: look until it is done or the budget is spent. Done (or left to
-            # its thread: a failed op): the awaiting coroutine then finds it completed and goes on without yielding;
-            # the bookkeeping runs behind it, as after the poller's rounds. Its _settle is queued first, while the
-            # device still copies (one per loop round; a queued _settle with nothing to do returns at once)
-            if not self._settle_queued:
-                loop = self._loop
-                assert loop is not None
-                self._settle_queued = True
-                loop.call_soon(self._settle)
-            event = marker.event
-            look = getattr(event, "spin", None)
-            if look is not None:  # the native and the emulated events: look until done or the budget is spent
-                if self._settling and due > now + _SETTLE_AHEAD:  # the earlier copies' bookkeeping, while this one runs
-                    self._settle()
-                seen = look(int(spin * 1e9))  # 1 done, 0 not yet, -1 CUDA error (raised by _poll's query)
-                done = seen != 0 and self._poll(marker)
-            else:  # a torch event (CUDA without the extension)
-                until = now + spin
-                while not (done := self._poll(marker)):
-                    if time.perf_counter() >= until:
-                        break
-                    time.sleep(0)
-            if done:
-                self._in_place += 1  # seen before the coroutine yielded (tests, probes)
-                if self._poller is not None:
-                    self._poller.finished += 1  # seen by the loop, as a poll would
-                return
-        poller = self._poller
-        if poller is not None:
-            poller.watch(marker, due, span / 4)
-
-    def _poll(self, marker: Marker) -> bool:
-        """One loop-side poll of ``marker`` (:class:`EventPoller`): True once it needs no more polls.
-
-        Its event reached and its job's completion nothing more than that (``ok_at_event``): complete it now, as
-        its thread's ``done`` would (which then finds it completed and does nothing). Copies enqueued before it on
-        its stream ended before it: they are completed first, as the stream's thread completes them in order; if
-        one of them failed (its error comes with its ``done``), all are left to the thread.
-        """
-        if marker.completed:
-            return True
-        event = marker.event
-        if event is None or not event.query():
-            return False
-        if not _ok_at_event(marker):
-            return True
-        lane = marker.lane
-        earlier = []
-        for other in self._inflight:  # copy() order; what was enqueued before it on its stream has ended too
-            if other is marker:
-                break
-            if other.lane is lane and not other.completed and other.event is not None and other.event.query():
-                if not _ok_at_event(other):
-                    return True
-                earlier.append(other)
-        now = time.perf_counter()
-        for other in earlier:
-            other.done_at = now
-            self._complete(other)
-        marker.done_at = now
-        self._complete(marker)
-        return True
-
-    def _settle(self) -> None:
-        """The bookkeeping of the copies completed so far: fence release, in-flight set, statistics."""
-        self._settle_queued = False
-        self._fences.release_done()
-        markers = self._settling
-        if not markers:
-            return
-        self._settling = []
-        for marker in markers:
-            direction, transfer = self._inflight.pop(marker)
-            self._completed += 1
-            if marker.error is not None:
-                self._failed += 1
-                # one message per failure: the error reaches whoever awaits the transfer (or its done-callback)
-                log.debug("%s transfer of %d blocks failed: %r", direction, transfer.num_blocks, marker.error)
-                continue
-            seconds = (marker.done_at or time.perf_counter()) - transfer.submitted_at
-            totals = self._by_direction.get(direction)
-            if totals is None:
-                totals = self._by_direction[direction] = _DirectionTotals()
-            totals.nbytes += transfer.nbytes
-            totals.blocks += transfer.num_blocks
-            totals.seconds += seconds
-            totals.counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
 
     # ------------------------------------------------------------------------------------ compute sync
 
