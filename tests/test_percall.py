@@ -22,9 +22,28 @@ from tiered_kv.testing import assert_blocks_equal
 
 
 def test_small_pairs_accepts_valid_lists_and_small_arrays() -> None:
-    assert small_pairs([3, 1], [0, 2], 4, 4, False) == ([3, 1], [0, 2])
+    assert small_pairs([3, 1], [0, 2], 4, 4, False) == ([3, 1], [0, 2], 2)
     got = small_pairs(np.array([1, 2], dtype=np.int32), np.array([3, 0], dtype=np.uint8), 4, 4, True)
-    assert got == ([1, 2], [3, 0]) and all(type(x) is int for x in got[0] + got[1])
+    assert got == ([1, 2], [3, 0], 2) and all(type(x) is int for x in got[0] + got[1])
+
+
+def test_small_pairs_counts_the_runs_of_pairs_consecutive_on_both_sides() -> None:
+    """The runs the copier's path choice needs, counted while checking (lists and arrays, short and long)."""
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        k = int(rng.integers(1, 60))
+        s = rng.choice(300, k, replace=False)
+        d = rng.choice(300, k, replace=False)
+        if rng.random() < 0.5:  # a run of consecutive blocks first, then scattered ones
+            h = k // 2
+            s = np.concatenate([np.arange(h) + 100, rng.choice(np.arange(200, 300), k - h, replace=False)])
+            d = np.concatenate([np.arange(h), rng.choice(np.arange(150, 300), k - h, replace=False)])
+        want = 1 + sum(1 for i in range(1, k) if s[i] != s[i - 1] + 1 or d[i] != d[i - 1] + 1)
+        for dtype in (np.int64, np.uint16):
+            got = small_pairs(s.astype(dtype), d.astype(dtype), 300, 300, False)
+            assert got is not None and got[2] == want, (s, d)
+        got = small_pairs(s.tolist(), d.tolist(), 300, 300, False)
+        assert got is not None and got[2] == want
 
 
 @pytest.mark.parametrize(

@@ -503,14 +503,18 @@ class TransferEngine(CopyChecks, InFlightCopies):
             assert span is not None
             spans.append(span)
         small = small_pairs(src_indices, dst_indices, src_pool.num_blocks, dst_pool.num_blocks, src_pool is dst_pool)
-        s, d = small if small is not None else self._check_indices(src_pool, src_indices, dst_pool, dst_indices)
+        runs = None
+        if small is not None:
+            s, d, runs = small
+        else:
+            s, d = self._check_indices(src_pool, src_indices, dst_pool, dst_indices)
         n = self._check_tokens(num_tokens)
         tokens = None if num_tokens is None else int(num_tokens)
         # every group but the last has more of the copy right behind it on the lane: its completion signal must
         # not hold that up (a CUDA host function on the copy stream would stall the next group until it has run)
         last = len(spans) - 1
         jobs = [
-            handler.prepare(handler.validate(Batch(src_t, s, dst_t, d, tokens, None, span, more_follows=i < last)))
+            handler.prepare(handler.validate(Batch(src_t, s, dst_t, d, tokens, None, span, i < last, runs)))
             for i, span in enumerate(spans)
         ]
         lane = jobs[0].lane
@@ -598,14 +602,16 @@ class TransferEngine(CopyChecks, InFlightCopies):
         )
         s: np.ndarray | list[int]
         d: np.ndarray | list[int]
+        runs = None
         if small is not None:  # the per-call fast path: valid small int lists, no numpy
-            s, d = small
+            s, d, runs = small
         else:
             s, d = self._check_indices(src_pool, src_indices, dst_pool, dst_indices)
         n = self._check_tokens(num_tokens)
         span = self._check_layers(layers, memory)
         # num_tokens goes to the handler as given (validated): the file tier refuses it even when it is whole
-        batch = handler.validate(Batch(src_t, s, dst_t, d, None if num_tokens is None else int(num_tokens), keys, span))
+        tokens = None if num_tokens is None else int(num_tokens)
+        batch = handler.validate(Batch(src_t, s, dst_t, d, tokens, keys, span, False, runs))
 
         per_block = self._block_bytes if n is None else self.layout.partial_bytes(n)
         if span is not None:

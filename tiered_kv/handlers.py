@@ -101,6 +101,8 @@ class Batch:
             range only to the memory handler).
         more_follows: more of the same copy is queued right behind this batch on its lane (the layer groups of
             one load): a handler signals its completion without holding up the lane (``Stream.notify(beside=True)``).
+        runs: the runs of pairs consecutive on both sides, when the engine counted them (its small calls between
+            memory pools); ``None``: not counted.
 
     Notes:
         ``src``/``dst`` are int64 arrays, or int lists on the engine's per-call fast path (memory pairs only).
@@ -114,6 +116,7 @@ class Batch:
     keys: Iterable[object] | None = None
     layers: tuple[int, int] | None = None
     more_follows: bool = False
+    runs: int | None = None
 
     @property
     def size(self) -> int:

@@ -166,36 +166,44 @@ def _object_indices(arr: np.ndarray, what: str) -> np.ndarray:
 
 def small_pairs(
     src: object, dst: object, src_blocks: int, dst_blocks: int, same_pool: bool
-) -> tuple[list[int], list[int]] | None:
-    """The per-call fast path of index validation: ``(src list, dst list)`` when both are valid, else ``None``.
+) -> tuple[list[int], list[int], int] | None:
+    """The per-call fast path of index validation: ``(src list, dst list, runs)`` when both are valid, else ``None``.
 
     Valid means: lists of plain ints (or 1-D integer numpy arrays) of the same length, 1..``SMALL_CALL_BLOCKS``
     pairs, every index in range, no duplicate destination and, when ``same_pool``, no block on both sides.
     ``None`` also for anything it does not handle: the caller then runs the general checks (:func:`as_indices`,
     :func:`check_indices`), which raise the descriptive errors. No numpy or torch call for lists. The lists
-    returned are new ones: a caller may reuse its own as soon as the call returns.
+    returned are new ones: a caller may reuse its own as soon as the call returns. ``runs``: how many runs of pairs
+    consecutive on both sides the call has (what the copier's path choice needs), counted in the same pass.
     """
     if type(src) is list and type(dst) is list:
         if len(src) == 1 and len(dst) == 1:  # one pair: the most frequent call, checked without loops or a set
             x, y = src[0], dst[0]
             if type(x) is int and type(y) is int and 0 <= x < src_blocks and 0 <= y < dst_blocks:
-                return ([x], [y]) if not same_pool or x != y else None
+                return ([x], [y], 1) if not same_pool or x != y else None
             return None
         s, d = src.copy(), dst.copy()
         if not s or len(s) != len(d) or len(s) > SMALL_CALL_BLOCKS:
             return None
-        for x in s:
-            if type(x) is not int:
+        runs = 0
+        px = py = -2
+        for x, y in zip(s, d, strict=True):  # the types and the runs in one pass
+            if type(x) is not int or type(y) is not int:
                 return None
-        for x in d:
-            if type(x) is not int:
-                return None
+            if x != px + 1 or y != py + 1:
+                runs += 1
+            px, py = x, y
     elif type(src) is np.ndarray and type(dst) is np.ndarray:
         if src.ndim != 1 or dst.ndim != 1 or not 0 < src.size <= SMALL_CALL_BLOCKS or src.size != dst.size:
             return None
         if src.dtype.kind not in "iu" or dst.dtype.kind not in "iu":
             return None
         s, d = src.tolist(), dst.tolist()
+        if len(s) > 16:  # vectorized from here on (a few calls cost less than the loop)
+            a, b = src.astype(np.int64, copy=False), dst.astype(np.int64, copy=False)
+            runs = 1 + int(np.count_nonzero((a[1:] - a[:-1] != 1) | (b[1:] - b[:-1] != 1)))
+        else:
+            runs = 1 + sum(1 for i in range(1, len(s)) if s[i] != s[i - 1] + 1 or d[i] != d[i - 1] + 1)
     else:
         return None
     if min(s) < 0 or max(s) >= src_blocks or min(d) < 0 or max(d) >= dst_blocks:
@@ -203,7 +211,7 @@ def small_pairs(
     dset = set(d)
     if len(dset) != len(d) or (same_pool and not dset.isdisjoint(s)):
         return None
-    return s, d
+    return s, d, runs
 
 
 def merge_runs(src: np.ndarray, dst: np.ndarray) -> list[tuple[int, int, int]]:

@@ -364,6 +364,7 @@ class Copier:
         num_tokens: int | None,
         *,
         stream: Stream | None = None,
+        runs: int | None = None,
     ) -> Op:
         """One op copying blocks ``s`` of ``src_pool`` to blocks ``d`` of ``dst_pool`` (validated by the caller).
 
@@ -380,6 +381,7 @@ class Copier:
                 :data:`~tiered_kv.pools.SMALL_CALL_BLOCKS` pairs is one ``copy_blocks_list`` call naming the
                 stream by its handle (no index tensors, no current-stream switch; the op carries
                 ``explicit_stream = True`` for :meth:`~tiered_kv.device.Stream.submit`).
+            runs: the runs of pairs consecutive on both sides, when the caller counted them (else counted here).
         """
         if isinstance(src_pool, pool_kinds.ChunkedPool) or isinstance(dst_pool, pool_kinds.ChunkedPool):
             assert not isinstance(src_pool, LayerSlice) and not isinstance(dst_pool, LayerSlice)  # refused by validate
@@ -389,7 +391,7 @@ class Copier:
         layout = src_pool.layout
         n = layout.tokens_per_block if num_tokens is None else num_tokens
         info = self._pair(src_pool, dst_pool, n)
-        plan = self._plan(info, s, d)
+        plan = self._plan(info, s, d, runs)
         size = len(s)
         nbytes = size * info.block_bytes
         self._account(plan.path, nbytes)

@@ -154,7 +154,7 @@ class StreamCopier:
             assert not isinstance(src, LayerSlice) and not isinstance(dst, LayerSlice)  # pools here
             src = self.copier.layer_slice(src, *batch.layers)
             dst = self.copier.layer_slice(dst, *batch.layers)
-        op = self.build_op(src, batch.src, dst, batch.dst, n)
+        op = self.build_op(src, batch.src, dst, batch.dst, n, batch.runs)
         if type(op) is NativeCopy:  # a job of its own: one call into C++ issues the copy, its event and completion
             op.beside = batch.more_follows
             return op
@@ -166,14 +166,22 @@ class StreamCopier:
         return job
 
     def build_op(
-        self, src_pool: Side, s: np.ndarray | list[int], dst_pool: Side, d: np.ndarray | list[int], n: int | None
+        self,
+        src_pool: Side,
+        s: np.ndarray | list[int],
+        dst_pool: Side,
+        d: np.ndarray | list[int],
+        n: int | None,
+        runs: int | None = None,
     ) -> Op:
         """The op of one copy call: DMA or the copy kernel, chosen per call by :mod:`tiered_kv.copy.copier`.
 
-        The op knows its stream (a small call names it by handle, see :meth:`Copier.build`).
+        The op knows its stream (a small call names it by handle, see :meth:`Copier.build`). ``runs``: the runs of
+        consecutive pairs, when the caller counted them.
         """
         lane = STREAM_ROUTES[(src_pool.tier, dst_pool.tier)]
-        return self.copier.build(src_pool, s, dst_pool, d, n, stream=self._streams[lane] if lane is not None else None)
+        stream = self._streams[lane] if lane is not None else None
+        return self.copier.build(src_pool, s, dst_pool, d, n, stream=stream, runs=runs)
 
     def close(self) -> None:
         """Stop the host threads and free the native copy plans (after the engine drained). Idempotent."""
