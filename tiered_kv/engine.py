@@ -503,6 +503,8 @@ class TransferEngine(CopyChecks, InFlightCopies):
             assert span is not None
             spans.append(span)
         small = small_pairs(src_indices, dst_indices, src_pool.num_blocks, dst_pool.num_blocks, src_pool is dst_pool)
+        s: np.ndarray | list[int]
+        d: np.ndarray | list[int]
         runs = None
         if small is not None:
             s, d, runs = small
