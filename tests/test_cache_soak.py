@@ -116,4 +116,6 @@ async def test_engine_soak_with_the_file_tier_cuda() -> None:
     from tiered_kv.tools.soak import SoakConfig, soak
 
     report = await soak(SoakConfig(ops=20_000, seed=8, device="cuda", file_blocks=24, stall_max=0.001))
-    assert report.completed + report.refused == 20_000 and report.checked_blocks > 10_000
+    # a copy that reads a failed copy's product fails too, so about a third of the copies fail with the soak's fault
+    # rates and fewer blocks are left to check (7,470 and 8,804 of 20,000 ops in two H200 runs)
+    assert report.completed + report.refused == 20_000 and report.checked_blocks > 5_000 and report.failed > 0
