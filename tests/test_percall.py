@@ -27,6 +27,25 @@ def test_small_pairs_accepts_valid_lists_and_small_arrays() -> None:
     assert got == ([1, 2], [3, 0], 2) and all(type(x) is int for x in got[0] + got[1])
 
 
+def test_small_pairs_judges_long_arrays_as_lists() -> None:
+    """Arrays of more than 16 pairs take vectorized checks: they accept and decline exactly what lists do."""
+    rng = np.random.default_rng(11)
+    cases = []
+    for _ in range(300):
+        k = int(rng.integers(17, 40))
+        s = np.sort(rng.choice(64, k, replace=False)) if rng.random() < 0.6 else rng.choice(64, k, replace=True)
+        d = np.sort(rng.choice(64, k, replace=False)) if rng.random() < 0.6 else rng.choice(64, k, replace=True)
+        if rng.random() < 0.2:
+            (s if rng.random() < 0.5 else d)[int(rng.integers(k))] = rng.choice([-1, 64, 70])
+        cases.append((s, d))
+    cases.append((np.arange(20), np.arange(20, 40)))  # disjoint runs in one pool
+    cases.append((np.arange(20), np.arange(19, 39)))  # one block on both sides
+    for s, d in cases:
+        for same_pool in (False, True):
+            want = small_pairs(s.tolist(), d.tolist(), 64, 64, same_pool)
+            assert small_pairs(s, d, 64, 64, same_pool) == want, (s, d, same_pool)
+
+
 def test_small_pairs_counts_the_runs_of_pairs_consecutive_on_both_sides() -> None:
     """The runs the copier's path choice needs, counted while checking (lists and arrays, short and long)."""
     rng = np.random.default_rng(5)

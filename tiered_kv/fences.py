@@ -304,6 +304,9 @@ class FenceTable:
         """:meth:`register`'s per-block entries."""
         for pool, indices in reads:
             rt = self._reads.setdefault(pool, {})
+            if not rt:  # no pending reader in the pool: the entries go in as they are
+                rt.update(dict.fromkeys(indices, marker))
+                continue
             shared = rt.keys() & indices
             old = {i: rt[i] for i in shared}
             rt.update(dict.fromkeys(indices, marker))

@@ -199,9 +199,20 @@ def small_pairs(
         if src.dtype.kind not in "iu" or dst.dtype.kind not in "iu":
             return None
         s, d = src.tolist(), dst.tolist()
-        if len(s) > 16:  # vectorized from here on (a few calls cost less than the loop)
+        if len(s) > 16:  # vectorized (a few numpy calls cost less than loops over the lists)
             a, b = src.astype(np.int64, copy=False), dst.astype(np.int64, copy=False)
-            runs = 1 + int(np.count_nonzero((a[1:] - a[:-1] != 1) | (b[1:] - b[:-1] != 1)))
+            da, db = a[1:] - a[:-1], b[1:] - b[:-1]
+            runs = 1 + int(np.count_nonzero((da != 1) | (db != 1)))
+            if (db > 0).all():  # rising destinations: no duplicate, the extremes at the ends
+                if s[0] < 0 or d[0] < 0 or d[-1] >= dst_blocks or int(a.min()) < 0 or int(a.max()) >= src_blocks:
+                    return None
+                if same_pool and (da > 0).all():
+                    disjoint = s[-1] < d[0] or d[-1] < s[0] or not np.isin(a, b, assume_unique=True).any()
+                elif same_pool:
+                    disjoint = not np.isin(a, b).any()
+                else:
+                    disjoint = True
+                return (s, d, runs) if disjoint else None
         else:
             runs = 1 + sum(1 for i in range(1, len(s)) if s[i] != s[i - 1] + 1 or d[i] != d[i - 1] + 1)
     else:
