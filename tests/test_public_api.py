@@ -1,10 +1,10 @@
 """The public API is a snapshot: a change to it is deliberate, reviewed, and written in CHANGELOG.md.
 
 The snapshot (``tests/public_api.txt``) lists every name ``tiered_kv`` exports with its signature (for classes, every
-public method and property), the names users put in configuration (the vLLM spec module and class, the vLLM plugin
-entry point, SGLang's backend class path, the integrations' public names), and the ``TIERED_KV_*`` environment
-variables the package reads. After a deliberate change, regenerate it with ``python tests/test_public_api.py`` and
-say what changed in CHANGELOG.md.
+public method and property, those inherited from a tiered_kv base class included), the names users put in
+configuration (the vLLM spec module and class, the vLLM plugin entry point, SGLang's backend class path, the
+integrations' public names), and the ``TIERED_KV_*`` environment variables the package reads. After a deliberate
+change, regenerate it with ``python tests/test_public_api.py`` and say what changed in CHANGELOG.md.
 """
 
 from __future__ import annotations
@@ -36,11 +36,25 @@ def _signature(obj: object) -> str:
         return "(...)"
 
 
+def _members(cls: type) -> dict[str, object]:
+    """The attributes of ``cls`` that users reach on it: its own, and those it inherits from classes of ``tiered_kv``.
+
+    A method a tiered_kv base class defines is the subclass's API as much as one defined on it, so moving a method
+    into such a base leaves the snapshot as it was. What comes from classes outside tiered_kv (``object``,
+    ``Exception``, ...) is not listed.
+    """
+    members: dict[str, object] = {}
+    for klass in reversed(inspect.getmro(cls)):  # nearest definition last: it wins
+        if klass is cls or klass.__module__.partition(".")[0] == "tiered_kv":
+            members.update(vars(klass))
+    return members
+
+
 def _describe(module_name: str, name: str, obj: object) -> list[str]:
     qual = f"{module_name}.{name}"
     if inspect.isclass(obj):
         lines = [f"class {qual}{_signature(obj)}"]
-        for attr, value in sorted(vars(obj).items()):
+        for attr, value in sorted(_members(obj).items()):
             if attr.startswith("_"):
                 continue
             if isinstance(value, property):

@@ -11,7 +11,8 @@ The block manager decides synchronously (a decision and its copies are issued in
 never interleave inside a decision); this layer issues the planned copies in plan order (the engine's per-block
 fences order them) and awaits, for every GPU slot it hands out, the pending copies of that slot. A failed copy
 poisons the blocks whose data it produced. Every reused block is checked against its checksum from commit before
-it is served (:mod:`tiered_kv.integrity`). Batching a plan's moves is :mod:`tiered_kv.plan_batches`.
+it is served (:mod:`tiered_kv.integrity`). Issuing a plan and following its copies (lineage, poisoning, the wait
+for a GPU slot's copies) is :mod:`tiered_kv.cache_copies`; batching a plan's moves is :mod:`tiered_kv.plan_batches`.
 """
 
 from __future__ import annotations
@@ -31,17 +32,16 @@ from .blocks import (
     BlockManager,
     BlockStatistics,
     CacheFullError,
-    Move,
     PageTableListener,
     Plan,
     Request,
 )
+from .cache_copies import CacheCopies
 from .engine import EngineStatistics, Transfer, TransferEngine
 from .errors import EngineClosedError, TransferError
 from .integrity import IntegrityChecks
 from .keys import KeyHasher
 from .layout import KVLayout
-from .plan_batches import batch_moves, unissued_transfer
 from .pools import BlockPool, Tier
 from .slotstate import SlotEvent, SlotEvents
 from .staging import BlockOffsetTable
@@ -87,7 +87,7 @@ class CacheStatistics:
     integrity_errors: int = 0
 
 
-class TieredKVCache:
+class TieredKVCache(CacheCopies):
     """A KV cache over GPU, pinned host and (optionally) file tiers, with prefix reuse.
 
     Args:
@@ -256,6 +256,11 @@ class TieredKVCache:
         if self._slot_events is not None:
             self._slot_events.unsubscribe(self._on_file_slot_dropped)
 
+    def _on_file_slot_dropped(self, event: SlotEvent) -> None:
+        # the cache writes content keys (bytes) only; a slot another writer keyed otherwise is none of its blocks
+        if isinstance(event.key, bytes) and self.blocks.file_slot_dropped(event.slot, event.key) is not None:
+            self._poisoned += 1
+
     @staticmethod
     def _make_engine(
         layout: KVLayout, gpu: int, host: int, file: int, file_dir: str | os.PathLike[str] | None, device: str | None
@@ -369,6 +374,17 @@ class TieredKVCache:
         raise TransferError(
             f"reused blocks failed their integrity check in {_INTEGRITY_RETRIES + 1} admissions of this batch in a row"
         )
+
+    async def _settle(self, seq_ids: list[int], page_tables: list[tuple[int, ...]]) -> None:
+        """Wait for the copies of the batch's GPU slots; a block whose data a failed copy produced fails the batch."""
+        slots = sorted({s for pt in page_tables for s in pt})
+        await self._settle_slots(slots)
+        bad = [b for sid in seq_ids for b in self.blocks.sequence_blocks(sid) if _failed(b.sources)]
+        if bad:
+            for b in bad:
+                self._poison(b)
+            raise TransferError(f"{len(bad)} blocks of this batch could not be brought to the GPU (a copy failed)")
+        self._sweep()
 
     async def append_tokens(self, seq_id: int, tokens: Sequence[int] | np.ndarray) -> tuple[int, ...]:
         """Append generated tokens; a new GPU block is allocated each time one fills.
@@ -516,120 +532,6 @@ class TieredKVCache:
         used = ", ".join(f"{t}:{b.capacity[t] - b.free[t]}/{b.capacity[t]}" for t in b.capacity if b.capacity[t])
         state = "closed" if self._closed else "open"
         return f"<TieredKVCache [{state}, seqs:{b.live_sequences}, in_flight:{len(self._unchecked)}] used({used})>"
-
-    # ------------------------------------------------------------------------------------ internals
-
-    def _issue(self, plan: Plan) -> list[Transfer]:
-        """Enqueue the plan's copies as few batched ``engine.copy`` calls, without an await in between.
-
-        The groups come from :func:`~tiered_kv.plan_batches.batch_moves` (plan order kept wherever two moves
-        touch a common slot); every block records the copy producing it, so a failed copy poisons its products.
-        """
-        groups, placed = batch_moves(plan.moves)
-        if self.remote is not None:
-            self.remote._before_issue()  # evict policy: read the host victims before the plan reuses their slots
-        transfers = self._issue_groups(groups)
-        # Lineage in plan order: a block moved twice in one plan ends with both copies in its sources.
-        for move, g in zip(plan.moves, placed, strict=True):
-            t = transfers[g]
-            block = move.block
-            if move.source is not None:
-                # The new block's first tokens come from the source block's data: inherit its lineage.
-                block.sources = [*(s for s in move.source.sources if not _succeeded(s)), t]
-            else:
-                block.sources = [s for s in block.sources if not _succeeded(s)]
-                block.sources.append(t)
-            self._unchecked.append((t, block))
-        return transfers
-
-    def _issue_groups(self, groups: list[list[Move]]) -> list[Transfer]:
-        """Issue a plan's groups whole, or not at all.
-
-        Groups reading file slots are checked first (the slot must still hold its block): if one fails, none is
-        issued. A copy that still raises stops the groups after it. A group not issued gets a failed
-        :class:`Transfer`, so the blocks it was to produce are poisoned like those of any failed copy.
-        """
-        failure: BaseException | None = None
-        index = self.engine.file_tier.index if self.blocks.capacity[Tier.FILE] else None
-        if index is not None:
-            for group in groups:
-                head = group[0]
-                if head.src_tier is Tier.FILE:
-                    try:
-                        index.check_readable([m.src_slot for m in group], [m.block.key for m in group])  # type: ignore[misc]
-                    except (ValueError, TypeError) as exc:
-                        failure = exc
-                        break
-        transfers: list[Transfer] = []
-        for group in groups:
-            if failure is None:
-                try:
-                    transfers.append(self._issue_group(group))
-                    continue
-                except EngineClosedError as exc:  # the plan is made: its blocks must be poisoned, not left half-moved
-                    failure = TransferError(f"the engine closed while a plan was being issued ({exc})")
-                except (ValueError, TypeError, TransferError) as exc:
-                    failure = exc
-            transfers.append(unissued_transfer(group, failure))
-        return transfers
-
-    def _on_file_slot_dropped(self, event: SlotEvent) -> None:
-        # the cache writes content keys (bytes) only; a slot another writer keyed otherwise is none of its blocks
-        if isinstance(event.key, bytes) and self.blocks.file_slot_dropped(event.slot, event.key) is not None:
-            self._poisoned += 1
-
-    def _issue_group(self, group: list[Move]) -> Transfer:
-        head = group[0]
-        if head.src_tier is Tier.REMOTE and self.remote is not None:
-            return self.remote.fetch(group)  # type: ignore[no-any-return]
-        src = [m.src_slot for m in group]
-        dst = [m.dst_slot for m in group]
-        # Spills (HOST -> FILE) and read-backs (FILE -> GPU) carry the blocks' content keys: written into the
-        # slot headers, checked on the way back. Cached blocks (the only ones that spill or come back) have keys.
-        keys = [m.block.key for m in group] if Tier.FILE in (head.src_tier, head.dst_tier) else None
-        return self._copy(head.src_tier, src, head.dst_tier, dst, num_tokens=head.num_tokens, keys=keys)
-
-    def _sweep(self) -> None:
-        """Drop blocks produced by copies that have failed since the last look (no await)."""
-        if not self._unchecked:
-            return
-        keep: list[tuple[Transfer, Block]] = []
-        for t, block in self._unchecked:
-            if not t.done():
-                keep.append((t, block))
-            elif t.exception() is not None:
-                self._poison(block)
-        self._unchecked = keep
-
-    def _poison(self, block: Block) -> None:
-        if block.cached:
-            self._poisoned += 1
-        self.blocks.invalidate(block)
-
-    async def _settle(self, seq_ids: list[int], page_tables: list[tuple[int, ...]]) -> None:
-        slots = sorted({s for pt in page_tables for s in pt})
-        await self._settle_slots(slots)
-        bad = [b for sid in seq_ids for b in self.blocks.sequence_blocks(sid) if _failed(b.sources)]
-        if bad:
-            for b in bad:
-                self._poison(b)
-            raise TransferError(f"{len(bad)} blocks of this batch could not be brought to the GPU (a copy failed)")
-        self._sweep()
-
-    async def _settle_slots(self, slots: Iterable[int]) -> None:
-        """Wait for every pending copy touching these GPU slots (the data is in place and no older read remains)."""
-        fences = self.engine.fences
-        pool = Tier.GPU.value
-        for slot in slots:
-            write, reads = fences.pending(pool, slot)
-            if write is not None:
-                await write.wait()
-            for r in reads:
-                await r.wait()
-
-
-def _succeeded(t: Any) -> bool:
-    return isinstance(t, Transfer) and t.done() and t.exception() is None
 
 
 def _failed(sources: list[object]) -> bool:

@@ -16,10 +16,12 @@ stream, HOST->GPU on the *onboard* stream, GPU->GPU on the *local* stream, HOST-
 :class:`~tiered_kv.file.FileHandler` for anything with FILE (its GPU legs on offload/onboard).
 
 This module is the facade and the copy path: construction, lifecycle (ownership by a cache, close from another
-loop, release on failed construction), inspection, and ``copy()``: route, validate, plan, fence, start. The parts
-it is built from, one concept each:
+loop, release on failed construction), and ``copy()``: route, validate, plan, fence, start. The parts it is built
+from, one concept each:
 
 * :mod:`tiered_kv.engine_pools` -- the GPU and host pools, adopted from the caller or allocated;
+* :mod:`tiered_kv.engine_inspection` -- the lookups and reports of what the engine holds and has done: its media,
+  the routing table (``route``, ``add_handler``), the copy streams, the fence table, the statistics;
 * :mod:`tiered_kv.copy_checks` -- the argument checks of a copy (indices, ``num_tokens``, ``layers``);
 * :mod:`tiered_kv.inflight` -- a copy once planned: its start behind its dependencies (stream-side, or on the
   loop), its completion on the loop (thread callbacks batched by :class:`~tiered_kv.completions.CompletionInbox`,
@@ -48,10 +50,11 @@ from .config import EngineConfig
 from .copy_checks import CopyChecks, Indices
 from .copyops import Copier
 from .device import Device, Stream, resolve_device
+from .engine_inspection import EngineInspection, _Route
 from .engine_pools import _allocate as _allocate
 from .engine_pools import make_pools
 from .errors import EngineClosedError, OwnedEngineError
-from .fences import FenceTable, Marker
+from .fences import Marker
 from .file import FileHandler, FileTier, FileTierConfig
 from .handlers import Batch, Medium, Routes, TransferHandler
 from .inflight import _DEFAULT_AWAIT_SPIN_US as _DEFAULT_AWAIT_SPIN_US
@@ -65,17 +68,14 @@ from .inflight import _launch_error as _launch_error
 from .inflight import _ok_at_event as _ok_at_event
 from .layer_major import LayerMajorPool
 from .layout import KVLayout
-from .pools import BlockPool, Tier, small_pairs
+from .pools import Tier, small_pairs
 from .stream_copier import StreamCopier
 from .transfer import LATENCY_BUCKETS, EngineStatistics, Transfer, TransferResult
 
 __all__ = ["LATENCY_BUCKETS", "EngineStatistics", "Transfer", "TransferEngine", "TransferResult"]
 
-# a resolved pair: source and destination tier and medium, its handler, whether it is a memory pair, "src->dst"
-_Route = tuple[Tier, Tier, Medium, Medium, TransferHandler, bool, str]
 
-
-class TransferEngine(CopyChecks, InFlightCopies):
+class TransferEngine(CopyChecks, EngineInspection, InFlightCopies):
     """Schedules fenced copies between GPU and host pools (and the file tier, where configured).
 
     Args:
@@ -283,140 +283,6 @@ class TransferEngine(CopyChecks, InFlightCopies):
         if self._closing:
             raise EngineClosedError("the TransferEngine is closed")
         return self._bind_loop()
-
-    # ------------------------------------------------------------------------------------ inspection
-
-    def pool(self, tier: Tier | str) -> BlockPool | LayerMajorPool:
-        """The memory pool of ``tier`` (GPU or host).
-
-        Raises:
-            ValueError: unknown tier, or the engine has no pool for it.
-            TypeError: the tier is not in memory (the file tier: see :meth:`medium` and :attr:`file_tier`).
-        """
-        t = Tier.coerce(tier)
-        pool = self._pools.get(t)
-        if pool is None:
-            if t in self._media:
-                raise TypeError(
-                    f"{t.value} blocks have no in-memory view; copy the block to the host tier to inspect it"
-                )
-            raise ValueError(f"this engine has no {t.value} pool (give it {t.value}_blocks)")
-        return pool
-
-    def medium(self, tier: Tier | str) -> Medium:
-        """The medium of ``tier``: a memory pool, or the medium a handler owns (the file tier).
-
-        Raises:
-            ValueError: unknown tier, or the engine has no medium for it.
-        """
-        t = Tier.coerce(tier)
-        medium = self._media.get(t)
-        if medium is None:
-            raise ValueError(f"this engine has no {t.value} pool (give it {t.value}_blocks)")
-        return medium
-
-    def add_handler(self, handler: TransferHandler) -> None:
-        """Route ``handler.routes`` to ``handler`` and add the media it owns (a new tier is one handler).
-
-        Use it for a handler that needs the engine's pools or streams; one that does not can be passed as
-        ``TransferEngine(..., handlers=[...])``. The engine closes it in :meth:`close`.
-
-        Raises:
-            ValueError: a pair already routed or a medium already owned (nothing is changed).
-            EngineClosedError: the engine is closed.
-        """
-        if self._closing:
-            raise EngineClosedError("the TransferEngine is closed")
-        self._routes.add(handler)
-        self._media.update(handler.media)
-        self._resolved.clear()
-
-    def route(self, src_tier: Tier | str, dst_tier: Tier | str) -> TransferHandler:
-        """The handler that copies from ``src_tier`` to ``dst_tier``.
-
-        Raises:
-            ValueError: unknown tier, or no handler for the pair.
-        """
-        src_t, dst_t = Tier.coerce(src_tier), Tier.coerce(dst_tier)
-        handler = self._routes.get(src_t, dst_t)
-        if handler is None:
-            raise ValueError(f"copies from {src_t.value} to {dst_t.value} are not supported by this engine")
-        return handler
-
-    def _resolve_route(self, src_tier: Tier | str, dst_tier: Tier | str) -> _Route:
-        """Tiers, media and handler of a pair, checked (the errors of :meth:`medium` and :meth:`route`).
-
-        Kept per pair as the caller names it (a :class:`Tier` or its name), so that a copy does not coerce and
-        look up the same things again; :meth:`add_handler` forgets them.
-        """
-        src_t, dst_t = Tier.coerce(src_tier), Tier.coerce(dst_tier)
-        src_pool, dst_pool = self.medium(src_t), self.medium(dst_t)
-        handler = self.route(src_t, dst_t)
-        memory = isinstance(handler, StreamCopier)
-        route = (src_t, dst_t, src_pool, dst_pool, handler, memory, f"{src_t.value}->{dst_t.value}")
-        if type(src_tier) in (Tier, str) and type(dst_tier) in (Tier, str):
-            self._resolved[src_tier, dst_tier] = route
-        return route
-
-    def block(self, tier: Tier | str, index: int) -> torch.Tensor:
-        """A view of one block, for inspection and for filling in tests.
-
-        Notes:
-            The view is live memory: await the copies that touch the block (or :meth:`drain`) first.
-            A layer-major GPU pool returns a block-major *copy* (write through ``pool(...).layer(i)``).
-        """
-        return self.pool(tier).block(index)
-
-    def stream(self, name: str) -> Stream:
-        """One of the engine's copy streams: ``"offload"``, ``"onboard"`` or ``"local"``."""
-        try:
-            return self._streams[name]
-        except KeyError:
-            raise ValueError(f"unknown stream {name!r}; use one of {', '.join(self._streams)}") from None
-
-    @property
-    def file_tier(self) -> FileTier:
-        """The file tier: its index (content key -> slot) and statistics.
-
-        Raises:
-            ValueError: the engine has no file tier.
-        """
-        tier = self._media.get(Tier.FILE)
-        if not isinstance(tier, FileTier):
-            raise ValueError("this engine has no file tier (give it file_dir and file_blocks)")
-        return tier
-
-    @property
-    def fences(self) -> FenceTable:
-        """The per-block fence table (pending reads and write of each block)."""
-        self._settle()
-        return self._fences
-
-    def statistics(self) -> EngineStatistics:
-        """A snapshot: transfers, bytes and latencies per direction, fences."""
-        self._settle()
-        return EngineStatistics(
-            device=self.device.kind,
-            submitted=self._submitted,
-            completed=self._completed,
-            failed=self._failed,
-            in_flight=len(self._inflight),
-            deferred=len(self._deferred),
-            bytes_by_direction={d: t.nbytes for d, t in self._by_direction.items()},
-            blocks_by_direction={d: t.blocks for d, t in self._by_direction.items()},
-            seconds_by_direction={d: t.seconds for d, t in self._by_direction.items()},
-            latency_counts={d: tuple(t.counts) for d, t in self._by_direction.items()},
-            fences=self._fences.statistics(),
-        )
-
-    def __repr__(self) -> str:
-        self._settle()
-        state = "closed" if self._closed else ("closing" if self._closing else "open")
-        pools = ", ".join(f"{p.name}:{p.num_blocks}" for p in self._media.values())
-        return (
-            f"<TransferEngine {self.device.kind} [{state}, in_flight:{len(self._inflight)}, "
-            f"deferred:{len(self._deferred)}, fenced:{len(self._fences)}] pools({pools})>"
-        )
 
     # ------------------------------------------------------------------------------------ copies
 

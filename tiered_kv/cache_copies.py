@@ -1,0 +1,141 @@
+"""The copies a cache issues for its plans, from issue until the cache has seen each one land or fail.
+
+Primitives:
+
+* :class:`CacheCopies` -- the base of :class:`~tiered_kv.cache.TieredKVCache` that issues a block-manager
+  :class:`~tiered_kv.blocks.Plan` through the engine, records which copy produces each block, drops (poisons) the
+  blocks a failed copy produced, and waits for the pending copies of the GPU slots the cache hands out.
+
+A plan is issued without an await in between (its decision and its copies are one step of the loop), as a handful
+of batched ``engine.copy`` calls (:func:`~tiered_kv.plan_batches.batch_moves`), whole or not at all: a group that
+cannot be issued gets a failed transfer, so its blocks are poisoned like the products of any failed copy. Every
+block keeps, as its ``sources``, the copies its data comes from that are not yet known to have succeeded (the cache
+fails an admission, and drops the blocks, when a source of one of its blocks failed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from .blocks import Block, BlockManager, Move, Plan
+from .engine import Transfer, TransferEngine
+from .errors import EngineClosedError, TransferError
+from .plan_batches import batch_moves, unissued_transfer
+from .pools import Tier
+
+__all__ = ["CacheCopies"]
+
+
+class CacheCopies:
+    """Issue a cache's plans and follow their copies: lineage, poisoning of failed products, settling of GPU slots.
+
+    The cache holds the state this works on: ``blocks`` (the block manager), ``engine`` and ``_copy`` (the copy
+    function its claim on the engine returned), ``remote`` (the remote tier's link, or ``None``), ``_unchecked``
+    (issued copies not yet seen complete, with the block each produces) and ``_poisoned`` (the count of cached
+    blocks dropped).
+    """
+
+    blocks: BlockManager
+    engine: TransferEngine
+    remote: Any
+    _copy: Callable[..., Transfer]
+    _unchecked: list[tuple[Transfer, Block]]
+    _poisoned: int
+
+    def _issue(self, plan: Plan) -> list[Transfer]:
+        """Enqueue the plan's copies as few batched ``engine.copy`` calls, without an await in between.
+
+        The groups come from :func:`~tiered_kv.plan_batches.batch_moves` (plan order kept wherever two moves
+        touch a common slot); every block records the copy producing it, so a failed copy poisons its products.
+        """
+        groups, placed = batch_moves(plan.moves)
+        if self.remote is not None:
+            self.remote._before_issue()  # evict policy: read the host victims before the plan reuses their slots
+        transfers = self._issue_groups(groups)
+        # Lineage in plan order: a block moved twice in one plan ends with both copies in its sources.
+        for move, g in zip(plan.moves, placed, strict=True):
+            t = transfers[g]
+            block = move.block
+            if move.source is not None:
+                # The new block's first tokens come from the source block's data: inherit its lineage.
+                block.sources = [*(s for s in move.source.sources if not _succeeded(s)), t]
+            else:
+                block.sources = [s for s in block.sources if not _succeeded(s)]
+                block.sources.append(t)
+            self._unchecked.append((t, block))
+        return transfers
+
+    def _issue_groups(self, groups: list[list[Move]]) -> list[Transfer]:
+        """Issue a plan's groups whole, or not at all.
+
+        Groups reading file slots are checked first (the slot must still hold its block): if one fails, none is
+        issued. A copy that still raises stops the groups after it. A group not issued gets a failed
+        :class:`Transfer`, so the blocks it was to produce are poisoned like those of any failed copy.
+        """
+        failure: BaseException | None = None
+        index = self.engine.file_tier.index if self.blocks.capacity[Tier.FILE] else None
+        if index is not None:
+            for group in groups:
+                head = group[0]
+                if head.src_tier is Tier.FILE:
+                    try:
+                        index.check_readable([m.src_slot for m in group], [m.block.key for m in group])  # type: ignore[misc]
+                    except (ValueError, TypeError) as exc:
+                        failure = exc
+                        break
+        transfers: list[Transfer] = []
+        for group in groups:
+            if failure is None:
+                try:
+                    transfers.append(self._issue_group(group))
+                    continue
+                except EngineClosedError as exc:  # the plan is made: its blocks must be poisoned, not left half-moved
+                    failure = TransferError(f"the engine closed while a plan was being issued ({exc})")
+                except (ValueError, TypeError, TransferError) as exc:
+                    failure = exc
+            transfers.append(unissued_transfer(group, failure))
+        return transfers
+
+    def _issue_group(self, group: list[Move]) -> Transfer:
+        head = group[0]
+        if head.src_tier is Tier.REMOTE and self.remote is not None:
+            return self.remote.fetch(group)  # type: ignore[no-any-return]
+        src = [m.src_slot for m in group]
+        dst = [m.dst_slot for m in group]
+        # Spills (HOST -> FILE) and read-backs (FILE -> GPU) carry the blocks' content keys: written into the
+        # slot headers, checked on the way back. Cached blocks (the only ones that spill or come back) have keys.
+        keys = [m.block.key for m in group] if Tier.FILE in (head.src_tier, head.dst_tier) else None
+        return self._copy(head.src_tier, src, head.dst_tier, dst, num_tokens=head.num_tokens, keys=keys)
+
+    def _sweep(self) -> None:
+        """Drop blocks produced by copies that have failed since the last look (no await)."""
+        if not self._unchecked:
+            return
+        keep: list[tuple[Transfer, Block]] = []
+        for t, block in self._unchecked:
+            if not t.done():
+                keep.append((t, block))
+            elif t.exception() is not None:
+                self._poison(block)
+        self._unchecked = keep
+
+    def _poison(self, block: Block) -> None:
+        if block.cached:
+            self._poisoned += 1
+        self.blocks.invalidate(block)
+
+    async def _settle_slots(self, slots: Iterable[int]) -> None:
+        """Wait for every pending copy touching these GPU slots (the data is in place and no older read remains)."""
+        fences = self.engine.fences
+        pool = Tier.GPU.value
+        for slot in slots:
+            write, reads = fences.pending(pool, slot)
+            if write is not None:
+                await write.wait()
+            for r in reads:
+                await r.wait()
+
+
+def _succeeded(t: Any) -> bool:
+    return isinstance(t, Transfer) and t.done() and t.exception() is None
