@@ -21,7 +21,8 @@ Rows are labelled ``tokens`` (the prefix length) and ``path``:
 
 Each cached row carries ``phases_ms``: the median split of its TTFT into admission (with the copies bringing the
 prefix), gathering the reused KV, the forward, the KV writes within it, committing and sampling
-(:attr:`~tiered_kv.integrations.hf.Generation.phases`).
+(:attr:`~tiered_kv.integrations.hf.Generation.phases`), and ``dirty_mb``: the page cache not yet on disk as its
+requests start (the kernel writes earlier spills back beside them).
 
 TTFT is the median of ``repeats`` runs (each from the call to the first token on the host: admission,
 onboarding, prefill, sampling). Targets: a miss at most 1.05x the recompute time; with the prefix in host, TTFT
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import math
 import os
 import statistics
 import tempfile
@@ -93,6 +95,7 @@ async def _measure(model: Any, lengths: list[int], repeats: int, directory: str)
         warm = rng.integers(0, vocab, 64).tolist()
         times: dict[str, list[float]] = {k: [] for k in ("recompute", "resident", "cold", "gpu", "host", "file")}
         phases: dict[str, list[dict[str, float]]] = {k: [] for k in times}
+        dirty: dict[str, list[float]] = {k: [] for k in times}  # page cache not yet on disk as each request starts
         reused: dict[str, int] = {}
         async with TieredKVCache(layout, gpu_blocks=blocks + 8, host_blocks=blocks + 8, file_blocks=blocks + 8,
                                  file_dir=directory, device=str(device) if device.type == "cuda" else "cpu",
@@ -116,6 +119,7 @@ async def _measure(model: Any, lengths: list[int], repeats: int, directory: str)
                 # cold: a prefix never seen, with room (the earlier prompts evicted and every move awaited first)
                 for _ in range(repeats):
                     await _drop_everything(cache)
+                    dirty["cold"].append(_dirty_mb())
                     out = await gen.generate(unseen(), max_new_tokens=1)
                     if out.tokens_reused:
                         raise RuntimeError(f"a cold request reused {out.tokens_reused} tokens: {out.blocks_from}")
@@ -125,6 +129,7 @@ async def _measure(model: Any, lengths: list[int], repeats: int, directory: str)
                 for tier in ("host", "file", "gpu"):
                     for _ in range(repeats):
                         await _place(cache, tier)
+                        dirty[tier].append(_dirty_mb())
                         out = await gen.generate(fresh(), max_new_tokens=1)
                         times[tier].append(out.ttft_s)
                         phases[tier].append(out.phases)
@@ -145,6 +150,8 @@ async def _measure(model: Any, lengths: list[int], repeats: int, directory: str)
                 row["phases_ms"] = {
                     name: round(statistics.median(p.get(name, 0.0) for p in phases[path]) * 1e3, 3) for name in names
                 }
+            if dirty[path] and not math.isnan(dirty[path][0]):
+                row["dirty_mb"] = round(statistics.median(dirty[path]), 1)
             if path == "host":
                 floor = max(prefix_bytes / (h2d_gbps * 1e9), statistics.median(times["resident"]))
                 row["floor_ms"] = floor * 1e3
@@ -152,6 +159,19 @@ async def _measure(model: Any, lengths: list[int], repeats: int, directory: str)
                 row["h2d_GBps"] = h2d_gbps
             rows.append(row)
     return rows
+
+
+def _dirty_mb() -> float:
+    """Megabytes of the page cache not yet on disk (``Dirty`` + ``Writeback`` of ``/proc/meminfo``; NaN without it).
+
+    What the kernel still has to write back while a request runs.
+    """
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return sum(int(fields[k].split()[0]) for k in ("Dirty", "Writeback")) / 1024
+    except (OSError, KeyError, ValueError):
+        return math.nan
 
 
 def _prefix_kv(model: Any, prefix: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
