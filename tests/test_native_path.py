@@ -244,62 +244,6 @@ def test_cross_stream_fences_with_pooled_events_under_load(native: Any) -> None:
     asyncio.run(main())
 
 
-def _pair_cases(rng: random.Random) -> list[tuple[object, object, int, int, bool]]:
-    """Index pairs of every kind the engine's callers pass: valid, invalid, and not for the small path."""
-    import numpy as np
-
-    cases: list[tuple[object, object, int, int, bool]] = [
-        ([0], [4], 4, 4, False),  # out of range
-        ([-1], [0], 4, 4, False),  # negative
-        ([0, 1], [2, 2], 4, 4, False),  # duplicate destination
-        ([0, 1], [1, 2], 4, 4, True),  # a block on both sides of one pool
-        ([3, 0], [1, 2], 4, 4, True),  # unsorted, disjoint
-        ([3, 0], [1, 3], 4, 4, True),  # unsorted, shared
-        ([0, 1], [2], 4, 4, False),  # unpaired
-        ([], [], 4, 4, False),  # empty
-        ([0, True], [1, 2], 4, 4, False),  # bool
-        ([0.0], [1], 4, 4, False),  # float
-        ([2], [2], 4, 4, True),  # one pair, the same block twice in one pool
-        ([2], [2], 4, 4, False),  # one pair, two pools
-        ([np.int64(1)], [2], 4, 4, False),  # a numpy scalar in a list: the general path
-        ((0,), (1,), 4, 4, False),  # tuples
-        ([0], np.array([1]), 4, 4, False),  # a list beside an array
-        (np.array([[0]]), np.array([[1]]), 4, 4, False),  # 2-D
-        (np.array([0.0]), np.array([1.0]), 4, 4, False),  # float arrays
-        (np.array([True]), np.array([False]), 4, 4, False),  # bool arrays
-        (np.array([1], dtype=">i8"), np.array([2], dtype=">i8"), 4, 4, False),  # big-endian: decided alike
-        (np.array([2**63 + 5], dtype=np.uint64), np.array([1], dtype=np.uint64), 4, 4, False),  # beyond int64
-        ([2**70], [1], 4, 4, False),  # beyond int64 in a list
-        (np.arange(12)[::3], np.arange(12)[1::3], 12, 12, True),  # strided views
-        (np.arange(8, dtype=np.int8)[::-1].copy(), np.arange(8, 16, dtype=np.uint16), 16, 16, True),
-        (list(range(257)), list(range(257)), 1000, 1000, False),  # over the small-call limit
-        (list(range(256)), list(range(256, 512)), 512, 512, True),  # at it
-    ]
-    dtypes: list[Any] = [np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64, np.intp]
-    for _ in range(400):
-        n = rng.choice([1, 2, 3, 8, 64, 128, 256])
-        src_n, dst_n = rng.choice([(n, n), (2 * n, 2 * n), (n + 3, 4 * n), (300, 300)])
-        same = rng.random() < 0.3
-        if same:
-            dst_n = src_n
-        s = [rng.randrange(-1, src_n + 1) if rng.random() < 0.02 else rng.randrange(src_n) for _ in range(n)]
-        if rng.random() < 0.5:
-            start = rng.randrange(max(1, dst_n - n + 1))
-            d = list(range(start, min(start + n, dst_n)))
-        else:
-            d = rng.sample(range(dst_n), min(n, dst_n))
-        if rng.random() < 0.1 and len(d) > 1:
-            d[-1] = d[0]  # a duplicate
-        if rng.random() < 0.5:
-            dt = rng.choice(dtypes)
-            info = np.iinfo(dt)
-            if min(s + d) >= info.min and max(s + d) <= info.max:
-                cases.append((np.array(s, dtype=dt), np.array(d, dtype=dt), src_n, dst_n, same))
-                continue
-        cases.append((s, d, src_n, dst_n, same))
-    return cases
-
-
 @pytest.mark.parametrize("num_tokens", [None, 3])
 @pytest.mark.parametrize("path", ["kernel", "dma"])
 def test_repeated_shapes_copy_byte_for_byte_and_in_fence_order(native: Any, num_tokens: int | None, path: str) -> None:

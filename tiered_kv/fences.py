@@ -379,12 +379,7 @@ class FenceTable:
         marker.reads = [(src_pool, s)]
         marker.writes = [(dst_pool, d)]
         marker.entries = True
-        holders = self._holders
-        for pool in (src_pool,) if src_pool == dst_pool else (src_pool, dst_pool):
-            held = holders.get(pool)
-            if held is None:
-                held = holders[pool] = {}
-            held[marker] = None
+        self._hold(marker, (src_pool,) if src_pool == dst_pool else (src_pool, dst_pool))
         return out
 
     def release(self, marker: Marker) -> None:

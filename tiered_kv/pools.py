@@ -204,7 +204,7 @@ def small_pairs(
             da, db = a[1:] - a[:-1], b[1:] - b[:-1]
             runs = 1 + int(np.count_nonzero((da != 1) | (db != 1)))
             if (db > 0).all():  # rising destinations: no duplicate, the extremes at the ends
-                if s[0] < 0 or d[0] < 0 or d[-1] >= dst_blocks or int(a.min()) < 0 or int(a.max()) >= src_blocks:
+                if d[0] < 0 or d[-1] >= dst_blocks or int(a.min()) < 0 or int(a.max()) >= src_blocks:
                     return None
                 if same_pool and (da > 0).all():
                     disjoint = s[-1] < d[0] or d[-1] < s[0] or not np.isin(a, b, assume_unique=True).any()
