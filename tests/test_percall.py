@@ -40,6 +40,10 @@ def test_small_pairs_judges_long_arrays_as_lists() -> None:
         cases.append((s, d))
     cases.append((np.arange(20), np.arange(20, 40)))  # disjoint runs in one pool
     cases.append((np.arange(20), np.arange(19, 39)))  # one block on both sides
+    # one run on both sides, judged by its ends: in range, touching either end of the pool, past it, overlapping
+    for k in (2, 3, 17, 32):
+        for s0, d0 in ((0, 64 - k), (64 - k, 0), (1, 64 - k + 1), (-1, 10), (5, 5 + k - 1), (5 + k, 5), (30, 30 - k)):
+            cases.append((np.arange(s0, s0 + k), np.arange(d0, d0 + k)))
     for s, d in cases:
         for same_pool in (False, True):
             want = small_pairs(s.tolist(), d.tolist(), 64, 64, same_pool)

@@ -500,20 +500,19 @@ class TransferEngine(CopyChecks, EngineInspection, InFlightCopies):
         # with no live entry has nothing to wait for: then not even the index lists are made before the launch.
         fences = self._fences
         src_name, dst_name = src_pool.name, dst_pool.name
-        if small is not None:  # int lists already: dependencies and entries in one pass
+        if count == 1 and small is not None:  # one pair: dependencies and entries in one pass of dict operations
             self._start(loop, marker, job, fences.fence(marker, src_name, small[0], dst_name, small[1]))
         else:
-            assert isinstance(s, np.ndarray) and isinstance(d, np.ndarray)
             if fences.live(src_name) or fences.live(dst_name):
-                reads, writes = [(src_name, s.tolist())], [(dst_name, d.tolist())]
+                reads, writes = [(src_name, _as_list(s))], [(dst_name, _as_list(d))]
                 read_from: set[Marker] = set()
                 waits = fences.dependencies(reads, writes, read_from)
                 if read_from:
                     marker.sources = list(read_from)
                 self._start(loop, marker, job, waits)
-            else:  # nothing pending in either pool: launch first, make the lists while the device copies
+            else:  # nothing pending in either pool: launch first, make the entries while the device copies
                 self._start(loop, marker, job, ())
-                reads, writes = [(src_name, s.tolist())], [(dst_name, d.tolist())]
+                reads, writes = [(src_name, _as_list(s))], [(dst_name, _as_list(d))]
             fences.register(marker, reads, writes)
         self._inflight[marker] = (direction, transfer)
         return transfer
@@ -566,3 +565,8 @@ class TransferEngine(CopyChecks, EngineInspection, InFlightCopies):
         compute = self.device.wrap_stream(stream)
         for copy_stream in self._streams.values():
             compute.wait(copy_stream.record())
+
+
+def _as_list(indices: np.ndarray | list[int]) -> list[int]:
+    """Block indices as the fence table keys them: a list of ints."""
+    return indices if isinstance(indices, list) else indices.tolist()

@@ -303,9 +303,9 @@ class FenceTable:
     ) -> None:
         """:meth:`register`'s per-block entries."""
         for pool, indices in reads:
-            rt = self._reads.setdefault(pool, {})
+            rt = self._reads.get(pool)
             if not rt:  # no pending reader in the pool: the entries go in as they are
-                rt.update(dict.fromkeys(indices, marker))
+                self._reads[pool] = dict.fromkeys(indices, marker)
                 continue
             shared = rt.keys() & indices
             old = {i: rt[i] for i in shared}
@@ -321,7 +321,11 @@ class FenceTable:
             if pending_reads:
                 for i in pending_reads.keys() & indices:  # the new write waits for them; ordering is transitive
                     del pending_reads[i]
-            self._writes.setdefault(pool, {}).update(dict.fromkeys(indices, marker))
+            wt = self._writes.get(pool)
+            if wt:
+                wt.update(dict.fromkeys(indices, marker))
+            else:
+                self._writes[pool] = dict.fromkeys(indices, marker)
 
     def fence(self, marker: Marker, src_pool: str, s: list[int], dst_pool: str, d: list[int]) -> list[Marker]:
         """:meth:`dependencies` then :meth:`register`: a copy of blocks ``s`` of ``src_pool`` to ``d`` of ``dst_pool``.

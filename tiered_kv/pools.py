@@ -199,7 +199,16 @@ def small_pairs(
         if src.dtype.kind not in "iu" or dst.dtype.kind not in "iu":
             return None
         s, d = src.tolist(), dst.tolist()
-        if len(s) > 16:  # vectorized (a few numpy calls cost less than loops over the lists)
+        size = len(s)
+        s0, d0 = s[0], d[0]
+        if size > 1 and s == list(range(s0, s0 + size)) and d == list(range(d0, d0 + size)):
+            # one run on both sides (a prefix's blocks, a layer range): its ends bound it, no duplicate is possible
+            if s0 < 0 or s0 + size > src_blocks or d0 < 0 or d0 + size > dst_blocks:
+                return None
+            if same_pool and s0 < d0 + size and d0 < s0 + size:
+                return None
+            return s, d, 1
+        if size > 16:  # vectorized (a few numpy calls cost less than loops over the lists)
             a, b = src.astype(np.int64, copy=False), dst.astype(np.int64, copy=False)
             da, db = a[1:] - a[:-1], b[1:] - b[:-1]
             runs = 1 + int(np.count_nonzero((da != 1) | (db != 1)))
