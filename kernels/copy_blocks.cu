@@ -1,8 +1,6 @@
 // Copy kernels (torch-free): structured block copies (block-major / layer-major, full or partial) and
 // batched byte segments. Work is split into pieces of at most kSegmentBytes, one warp per piece, so a
 // launch keeps thousands of 16-byte loads in flight -- what a PCIe read through unified addressing needs.
-#include <cstdlib>
-
 #include "tkv_kernels.cuh"
 
 namespace tiered_kv {
@@ -264,18 +262,9 @@ unsigned grid_for(int64_t items, int64_t max_blocks = 132 * 16) {
 // device time on 128 blocks, as a fraction of one contiguous copy (H100), with 16 KiB items -> 4 KiB: 4 of 16
 // tokens 0.856 -> 0.917, 8 of 16 0.917 -> 0.935, 12 of 16 0.923 -> 0.963 (whole blocks unchanged at 0.95; 2 KiB
 // items lose 4-token rows, 8 KiB ones are between). Through PCIe the small grid keeps kSegmentBytes.
-// TIERED_KV_COPY_ITEM_BYTES overrides both, for measuring.
 constexpr int64_t kDeviceItemBytes = 4096;
 
-inline int64_t item_bytes(const BlockCopyGeometry& g) {
-  static const int64_t forced = [] {
-    const char* v = std::getenv("TIERED_KV_COPY_ITEM_BYTES");
-    const long long x = v != nullptr ? std::atoll(v) : 0;
-    return x > 0 ? static_cast<int64_t>(x) : int64_t{0};
-  }();
-  if (forced > 0) return forced;
-  return g.via_host ? kSegmentBytes : kDeviceItemBytes;
-}
+inline int64_t item_bytes(const BlockCopyGeometry& g) { return g.via_host ? kSegmentBytes : kDeviceItemBytes; }
 
 }  // namespace
 
@@ -294,17 +283,11 @@ constexpr int kSmsPerPcieCta = 16;
 
 int max_ctas(bool via_host) {
   // kCtasPerSm x the current device's SM count (looked up once per device); SMs / kSmsPerPcieCta via host
-  // (TIERED_KV_PCIE_SMS_PER_CTA overrides it, for measuring)
-  static const int sms_per_pcie_cta = [] {
-    const char* v = std::getenv("TIERED_KV_PCIE_SMS_PER_CTA");
-    const int x = v != nullptr ? std::atoi(v) : 0;
-    return x > 0 ? x : kSmsPerPcieCta;
-  }();
   static int cached[64] = {0};
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
     cudaGetLastError();
-    return via_host ? 132 / sms_per_pcie_cta : 132 * static_cast<int>(kCtasPerSm);
+    return via_host ? 132 / kSmsPerPcieCta : 132 * static_cast<int>(kCtasPerSm);
   }
   if (cached[dev] == 0) {
     int sms = 0;
@@ -314,7 +297,7 @@ int max_ctas(bool via_host) {
     }
     cached[dev] = sms;
   }
-  return via_host ? (cached[dev] + sms_per_pcie_cta - 1) / sms_per_pcie_cta : cached[dev] * static_cast<int>(kCtasPerSm);
+  return via_host ? (cached[dev] + kSmsPerPcieCta - 1) / kSmsPerPcieCta : cached[dev] * static_cast<int>(kCtasPerSm);
 }
 
 template <typename Meta>

@@ -5,8 +5,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
-#include <string>
 #include <vector>
 
 #include "tkv_kernels.cuh"
@@ -51,16 +49,10 @@ void with_host_meta(std::vector<int64_t> bases, size_t nb, const int64_t* sb, co
     on_inline(meta);
     return;
   }
-  static const bool use_runs = [] {  // TIERED_KV_RUN_META=0 turns runs off, for measuring
-    const char* v = std::getenv("TIERED_KV_RUN_META");
-    return v == nullptr || std::string(v) != "0";
-  }();
-  if (use_runs) {
-    RunMeta runs;  // under 1 KiB: filled up to what the call uses
-    if (fill_runs(runs, bases.data(), nb, sb, db, pairs)) {
-      on_inline(runs);
-      return;
-    }
+  RunMeta runs;  // under 1 KiB: filled up to what the call uses
+  if (fill_runs(runs, bases.data(), nb, sb, db, pairs)) {
+    on_inline(runs);
+    return;
   }
   if (nb + 2 * pairs <= static_cast<size_t>(kInlineSlotsLarge)) {
     InlineMetaLarge meta;  // 5 KiB: filled up to what the call uses, not zeroed whole

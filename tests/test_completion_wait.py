@@ -72,9 +72,8 @@ def test_callbacks_run_in_order_after_their_event_whatever_the_estimate(
     from tiered_kv import cuda_stream
     from tiered_kv.device import CudaStream
 
-    monkeypatch.setenv("TIERED_KV_COMPLETION", mode)
     monkeypatch.setattr(cuda_stream, "_RATE_MIN_BYTES", 1 << 62)  # keep the given rate: no learning
-    stream = CudaStream("estimate-test", device=torch.device("cuda"))
+    stream = CudaStream("estimate-test", device=torch.device("cuda"), completion=mode)
     stream.rate = rate
     stream.rate_known = rate > 0  # taken as measured: the waiter sleeps to 4/5 of the span it gives
     try:
@@ -101,9 +100,8 @@ def test_posts_owed_by_polled_items_do_not_end_a_later_wait_early(ext: Any, monk
     from tiered_kv import cuda_stream
     from tiered_kv.device import CudaStream
 
-    monkeypatch.setenv("TIERED_KV_COMPLETION", "hostfunc")
     monkeypatch.setattr(cuda_stream, "_RATE_MIN_BYTES", 1 << 62)
-    stream = CudaStream("owed-test", device=torch.device("cuda"))
+    stream = CudaStream("owed-test", device=torch.device("cuda"), completion="hostfunc")
     stream.rate = 1e9  # every estimated item polls from the start
     stream.rate_known = True
     count = 60

@@ -1,8 +1,8 @@
 """The native submission path of small copies (``kernels/fast_path.cpp``, :class:`tiered_kv.copyops.NativeCopy`).
 
 One call into C++ per small copy issues the DMA or the kernel, records a pooled event and enqueues the completion
-signal. These tests check it against the op path (``TIERED_KV_NATIVE=0`` semantics: ``copy_blocks_list``) and the
-reference, byte for byte: kernel and DMA, whole and partial blocks, layer ranges, block- and layer-major pools;
+signal. These tests check it against the op path (``EngineConfig(native_submit=False)``: ``copy_blocks_list``) and
+the reference, byte for byte: kernel and DMA, whole and partial blocks, layer ranges, block- and layer-major pools;
 index errors before anything is enqueued; the pooled events (query, synchronize, stream-side waits, recycling under
 cross-stream fences); and that the engine really takes the path (no torch event per call).
 """

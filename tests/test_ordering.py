@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from helpers import disable_fences, fill_pool, same, snapshot
 
-from tiered_kv import Tier, TransferEngine
-from tiered_kv.device import CudaStream
+from tiered_kv import EngineConfig, Tier, TransferEngine
+from tiered_kv.device import CudaStream, resolve_device
 from tiered_kv.testing import assert_blocks_equal, stall
 
 STALL = 0.25
@@ -297,10 +297,10 @@ async def test_done_respects_fence_order(device, layout):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["hostfunc", "event"])
-async def test_both_cuda_completion_signals_keep_order(layout, mode, monkeypatch):
+async def test_both_cuda_completion_signals_keep_order(layout, mode):
     """The waiter learns of completions from a CUDA host function (default) or by event synchronize."""
-    monkeypatch.setenv("TIERED_KV_COMPLETION", mode)
-    async with TransferEngine(layout, gpu_blocks=4, host_blocks=4, device="cuda") as engine:
+    config = EngineConfig(completion=mode)
+    async with TransferEngine(layout, gpu_blocks=4, host_blocks=4, device="cuda", config=config) as engine:
         for _ in range(3):
             assert await raw_scenario(engine)
         stream = engine.stream("offload")
@@ -311,7 +311,7 @@ async def test_both_cuda_completion_signals_keep_order(layout, mode, monkeypatch
 
 
 @pytest.mark.gpu
-def test_signals_beside_the_stream_keep_callback_order_and_never_run_early(monkeypatch):
+def test_signals_beside_the_stream_keep_callback_order_and_never_run_early():
     """``notify(beside=True)`` posts from the side stream: posts may arrive out of notify order (in-stream ones can
     overtake), yet every callback runs in notify order and only once its own event is done."""
     import functools
@@ -320,8 +320,7 @@ def test_signals_beside_the_stream_keep_callback_order_and_never_run_early(monke
 
     import torch
 
-    monkeypatch.setenv("TIERED_KV_COMPLETION", "hostfunc")
-    stream = CudaStream("beside-test", device=torch.device("cuda"))
+    stream = CudaStream("beside-test", device=torch.device("cuda"), completion="hostfunc")
     x = torch.zeros(4 << 20, device="cuda")
     events: dict[int, object] = {}
     seen: list[tuple[int, bool]] = []
@@ -350,13 +349,19 @@ def test_signals_beside_the_stream_keep_callback_order_and_never_run_early(monke
 
 
 def test_completion_mode_is_validated(monkeypatch):
-    from tiered_kv.cuda_stream import _completion_mode
-
+    """``EngineConfig.completion`` is ``hostfunc`` or ``event``; a bad value from the environment names the variable."""
+    with pytest.raises(ValueError, match="completion must be 'hostfunc' or 'event'"):
+        EngineConfig(completion="spin")
+    with pytest.raises(ValueError, match="completion must be 'hostfunc' or 'event'"):
+        CudaStream("bad", completion="spin")
+    with pytest.raises(ValueError, match="completion must be 'hostfunc' or 'event'"):
+        resolve_device("cpu").new_stream("bad", completion="spin")
     monkeypatch.setenv("TIERED_KV_COMPLETION", "spin")
-    with pytest.raises(ValueError, match="TIERED_KV_COMPLETION"):
-        _completion_mode()
-    monkeypatch.setenv("TIERED_KV_COMPLETION", "Event")
-    assert _completion_mode() == "event"
+    with pytest.raises(ValueError, match="TIERED_KV_COMPLETION must be 'hostfunc' or 'event'"):
+        EngineConfig.from_env()
+    monkeypatch.setenv("TIERED_KV_COMPLETION", " Event")
+    assert EngineConfig.from_env().completion == "event"
+    assert EngineConfig.from_env(completion="hostfunc").completion == "hostfunc"  # an argument wins
 
 
 @pytest.mark.parametrize("warm", [False, True])

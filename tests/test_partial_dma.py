@@ -125,17 +125,17 @@ def test_the_choice_on_real_pools() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("native", ["1", "0"])
-def test_partial_copies_by_2d_dma_runs_land_exactly(native: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Through the engine (the native path, and the op path with TIERED_KV_NATIVE=0), partial host<->GPU copies in
-    runs go by DMA with one 2-D call per run; every token of every block lands, the rest is untouched, and scattered
-    blocks and the GPU->GPU copies beside them are unchanged by the choice."""
-    monkeypatch.setenv("TIERED_KV_NATIVE", native)
+@pytest.mark.parametrize("native", [True, False])
+def test_partial_copies_by_2d_dma_runs_land_exactly(native: bool) -> None:
+    """Through the engine (the native path, and the op path with ``native_submit=False``), partial host<->GPU copies
+    in runs go by DMA with one 2-D call per run; every token of every block lands, the rest is untouched, and
+    scattered blocks and the GPU->GPU copies beside them are unchanged by the choice."""
     layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=128, tokens_per_block=16, dtype=torch.float16)
 
     async def main() -> None:
-        cfg = EngineConfig(dma_min_chunk_bytes=64 * KiB)
+        cfg = EngineConfig(dma_min_chunk_bytes=64 * KiB, native_submit=native)
         async with TransferEngine(layout, gpu_blocks=96, host_blocks=96, device="cuda", config=cfg) as engine:
+            assert engine.copier.native is native
             engine.copier.dma_min_row_bytes = 256  # calls of 16 KiB and more (a block moves 8-60 KiB)
             engine.copier.dma_min_strided_row_bytes = 256
             engine.copier.forget_plans()

@@ -13,7 +13,7 @@ import torch
 from helpers import fill_pool, same, snapshot
 from test_ops import KINDS, _logical, _make_side
 
-from tiered_kv import KVLayout, Tier, TransferEngine, ops
+from tiered_kv import EngineConfig, KVLayout, Tier, TransferEngine, ops
 from tiered_kv.completions import CompletionInbox
 from tiered_kv.pools import SMALL_CALL_BLOCKS, small_pairs
 from tiered_kv.testing import assert_blocks_equal
@@ -363,15 +363,14 @@ def test_copy_blocks_list_cuda_matches_reference(
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("native", [True, False])
-async def test_engine_small_calls_use_the_list_op_on_their_stream(
-    layout: KVLayout, native: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A small call is one native submission (or, with TIERED_KV_NATIVE=0, the list op); a big one the tensor op."""
+async def test_engine_small_calls_use_the_list_op_on_their_stream(layout: KVLayout, native: bool) -> None:
+    """A small call is one native submission (or, with ``native_submit=False``, the list op); a big one the tensor
+    op."""
     from tiered_kv.copyops import NativeCopy
 
-    monkeypatch.setenv("TIERED_KV_NATIVE", "1" if native else "0")
     big = SMALL_CALL_BLOCKS + 8
-    async with TransferEngine(layout, gpu_blocks=big, host_blocks=big, device="cuda") as engine:
+    config = EngineConfig(native_submit=native)
+    async with TransferEngine(layout, gpu_blocks=big, host_blocks=big, device="cuda", config=config) as engine:
         assert engine.copier.native is native
         g = fill_pool(engine, "gpu", 9)
         torch.cuda.synchronize()

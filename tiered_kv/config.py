@@ -3,7 +3,7 @@
 Primitives:
 
 * :class:`EngineConfig` -- the engine's knobs; :meth:`EngineConfig.from_env`.
-* :func:`env_int` -- the one parser of integer environment variables.
+* :func:`env_int` -- the one parser of integer environment variables; :func:`env_flag` of on/off ones.
 * :func:`coerce_enum` -- the one coercion of a :class:`enum.StrEnum` member from its value or name.
 """
 
@@ -15,7 +15,7 @@ import os
 from collections.abc import Mapping
 from typing import TypeVar
 
-__all__ = ["EngineConfig", "coerce_enum", "env_int"]
+__all__ = ["COMPLETIONS", "EngineConfig", "coerce_enum", "env_flag", "env_int"]
 
 E = TypeVar("E", bound=enum.StrEnum)
 
@@ -45,6 +45,24 @@ def env_int(name: str, unit: str = "") -> int:
         return int(raw)
     except ValueError:
         raise ValueError(f"{name} must be an int{unit}, got {raw!r}") from None
+
+
+def env_flag(name: str) -> bool:
+    """The on/off value of environment variable ``name``; ``ValueError`` with a sentence if it is neither.
+
+    On: ``1``, ``true``, ``yes``, ``on``; off: ``0``, ``false``, ``no``, ``off`` (any case, blanks around ignored).
+    """
+    raw = os.environ[name]
+    text = raw.strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name} must be 0 or 1 (or true/false, yes/no, on/off), got {raw!r}")
+
+
+#: The completion signals of a CUDA stream's waiter (``EngineConfig.completion``).
+COMPLETIONS = ("hostfunc", "event")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -77,6 +95,17 @@ class EngineConfig:
             from 23 to 14 us). Other tasks on the loop wait that long at most; a copy not done by then is awaited
             as usual. Default ``None``: 150 on CUDA, 0 (off) on the emulated device. ``0`` turns it off.
             Env: ``TIERED_KV_AWAIT_SPIN_US``.
+        completion: how the waiter thread of each of the engine's CUDA streams learns that work completed:
+            ``"hostfunc"`` (a CUDA host function posts a semaphore the waiter blocks on; a small native copy gets
+            none, its event is polled) or ``"event"`` (the waiter blocks in ``cudaEventSynchronize``; woke ~200 us
+            late on an H200). The emulated device ignores it. Env: ``TIERED_KV_COMPLETION``.
+        completion_poll: with the CUDA extension, each stream's waiter expects a copy's end from its bytes and the
+            stream's measured rate and polls its event from shortly before it (the signal above stays the
+            fallback). ``False``: the signal alone, and the stream's rate is never learned. The emulated device
+            ignores it. Env: ``TIERED_KV_COMPLETION_POLL`` (``0`` / ``1``).
+        native_submit: a small CUDA copy (up to ``SMALL_CALL_BLOCKS`` block pairs, GPU<->host) is issued as one
+            call into C++ (the native submission path, when the extension has it). ``False``: through the torch
+            ops (same results, for comparison). Env: ``TIERED_KV_NATIVE`` (``0`` / ``1``).
     """
 
     device: str = "auto"
@@ -85,6 +114,9 @@ class EngineConfig:
     copy_path: str = "auto"
     completion_spin_us: int | None = None
     await_spin_us: int | None = None
+    completion: str = "hostfunc"
+    completion_poll: bool = True
+    native_submit: bool = True
 
     def __post_init__(self) -> None:
         threshold = self.dma_min_chunk_bytes
@@ -100,6 +132,11 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a non-negative int or None, got {spin!r}")
         if isinstance(self.host_threads, bool) or not isinstance(self.host_threads, int) or self.host_threads < 1:
             raise ValueError(f"host_threads must be a positive int, got {self.host_threads!r}")
+        if self.completion not in COMPLETIONS:
+            raise ValueError(f"completion must be 'hostfunc' or 'event', got {self.completion!r}")
+        for name in ("completion_poll", "native_submit"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
     @classmethod
     def from_env(cls, **overrides: object) -> EngineConfig:
@@ -117,5 +154,16 @@ class EngineConfig:
             values["await_spin_us"] = env_int("TIERED_KV_AWAIT_SPIN_US", " (microseconds)")
         if "TIERED_KV_COPY_PATH" in os.environ:
             values["copy_path"] = os.environ["TIERED_KV_COPY_PATH"]
+        if "TIERED_KV_COMPLETION" in os.environ:
+            completion = os.environ["TIERED_KV_COMPLETION"].strip().lower()
+            if completion not in COMPLETIONS:
+                raise ValueError(
+                    f"TIERED_KV_COMPLETION must be 'hostfunc' or 'event', got {os.environ['TIERED_KV_COMPLETION']!r}"
+                )
+            values["completion"] = completion
+        if "TIERED_KV_COMPLETION_POLL" in os.environ:
+            values["completion_poll"] = env_flag("TIERED_KV_COMPLETION_POLL")
+        if "TIERED_KV_NATIVE" in os.environ:
+            values["native_submit"] = env_flag("TIERED_KV_NATIVE")
         values.update(overrides)
         return cls(**values)  # type: ignore[arg-type]

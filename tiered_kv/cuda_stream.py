@@ -18,7 +18,6 @@ completion wait, ``kernels/fast_path.cpp: wait_done``); callbacks run in notify 
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -26,6 +25,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
+
+from .config import COMPLETIONS
 
 __all__ = ["CudaStream", "expected_end", "learn_rate"]
 
@@ -145,8 +146,6 @@ _RATE_GUESS = 100.0
 
 def _native_wait() -> Callable[..., tuple[int, bool, int, int]] | None:
     """The extension's completion wait (``kernels/fast_path.cpp: wait_done``), or ``None`` without it."""
-    if os.environ.get("TIERED_KV_COMPLETION_POLL", "1").strip() == "0":
-        return None
     from . import _ext  # lazy: the device layer does not need the extension
 
     if not _ext.loaded():  # never build the extension from here: a stream's first notify must not stall
@@ -155,28 +154,36 @@ def _native_wait() -> Callable[..., tuple[int, bool, int, int]] | None:
     return getattr(native, "wait_done", None) if native is not None else None
 
 
-def _completion_mode() -> str:
-    mode = os.environ.get("TIERED_KV_COMPLETION", "hostfunc").strip().lower()
-    if mode not in ("hostfunc", "event"):
-        raise ValueError(f"TIERED_KV_COMPLETION must be 'hostfunc' or 'event', got {mode!r}")
-    return mode
-
-
 class CudaStream:
     """A torch CUDA stream plus a waiter thread that turns completions into callbacks.
 
-    Completion signal (``TIERED_KV_COMPLETION``): ``hostfunc`` (default) enqueues a CUDA host function
-    that posts a semaphore the waiter thread blocks on (:class:`_HostFuncSignal`); ``event`` (also the
-    fallback when the CUDA runtime cannot be reached through ctypes) blocks in ``cudaEventSynchronize`` on
-    events created with ``blocking=True``. With the extension loaded, a notify that names its bytes is
-    expected to end at the stream's measured rate: the waiter sleeps until shortly before that and then
-    polls the event (:func:`expected_end`; ``TIERED_KV_COMPLETION_POLL=0`` turns this off), since the post can
-    come 0.1-0.5 ms after the copy. Either way the CPU sleeps while most of a copy runs, and callbacks run in
-    FIFO order: work on one stream completes in order.
+    Completion signal (``completion``; the engine passes ``EngineConfig.completion``): ``hostfunc`` (default)
+    enqueues a CUDA host function that posts a semaphore the waiter thread blocks on (:class:`_HostFuncSignal`);
+    ``event`` (also the fallback when the CUDA runtime cannot be reached through ctypes) blocks in
+    ``cudaEventSynchronize`` on events created with ``blocking=True``. With the extension loaded, a notify that
+    names its bytes is expected to end at the stream's measured rate: the waiter sleeps until shortly before that
+    and then polls the event (:func:`expected_end`; ``poll=False``, from ``EngineConfig.completion_poll``, turns
+    this off), since the post can come 0.1-0.5 ms after the copy. Either way the CPU sleeps while most of a copy
+    runs, and callbacks run in FIFO order: work on one stream completes in order.
+
+    Raises:
+        ValueError: ``completion`` is not ``"hostfunc"`` or ``"event"``.
     """
 
-    def __init__(self, name: str, stream: torch.cuda.Stream | None = None, device: torch.device | None = None):
+    def __init__(
+        self,
+        name: str,
+        stream: torch.cuda.Stream | None = None,
+        device: torch.device | None = None,
+        *,
+        completion: str = "hostfunc",
+        poll: bool = True,
+    ):
+        if completion not in COMPLETIONS:
+            raise ValueError(f"completion must be 'hostfunc' or 'event', got {completion!r}")
         self.name = name
+        self._mode = completion  # the signal asked for; `completion` says the one the waiter got
+        self._poll = poll
         self.owned = stream is None
         self.torch_stream = stream if stream is not None else torch.cuda.Stream(device=device)
         self._waits: queue.SimpleQueue[object] = queue.SimpleQueue()
@@ -315,13 +322,13 @@ class CudaStream:
     def _start_waiter(self) -> None:
         with self._lock:
             if self._waiter is None:
-                if _completion_mode() == "hostfunc":
+                if self._mode == "hostfunc":
                     try:
                         self._signal = _HostFuncSignal()
                         self._sem_address = self._signal.address
                     except (OSError, AttributeError, RuntimeError) as exc:
                         log.info("CUDA host-function completion unavailable (%s); waiting on events instead", exc)
-                self._wait_done = _native_wait()
+                self._wait_done = _native_wait() if self._poll else None
                 self._waiter = threading.Thread(target=self._wait_loop, name=f"tiered_kv-cuda-{self.name}", daemon=True)
                 self._waiter.start()
 

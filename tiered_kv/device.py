@@ -31,6 +31,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from .config import COMPLETIONS
 from .cuda_stream import CudaStream
 from .cuda_stream import _HostFuncSignal as _HostFuncSignal  # the bench probes name it here
 from .cuda_stream import expected_end as expected_end
@@ -109,10 +110,19 @@ class Device:
         """``"cuda"`` or ``"emulated"``."""
         return "cuda" if self.is_cuda else "emulated"
 
-    def new_stream(self, name: str) -> Stream:
-        """A new stream on this device."""
+    def new_stream(self, name: str, *, completion: str = "hostfunc", poll: bool = True) -> Stream:
+        """A new stream on this device.
+
+        ``completion`` and ``poll``: how a CUDA stream's waiter learns that work completed (:class:`CudaStream`;
+        ``EngineConfig.completion`` and ``completion_poll``). The emulated stream ignores them.
+
+        Raises:
+            ValueError: ``completion`` is not ``"hostfunc"`` or ``"event"``.
+        """
         if self.is_cuda:
-            return CudaStream(name, device=self.torch_device)
+            return CudaStream(name, device=self.torch_device, completion=completion, poll=poll)
+        if completion not in COMPLETIONS:
+            raise ValueError(f"completion must be 'hostfunc' or 'event', got {completion!r}")
         return EmulatedStream(name)
 
     def wrap_stream(self, stream: object) -> Stream:

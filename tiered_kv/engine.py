@@ -143,7 +143,9 @@ class TransferEngine(CopyChecks, EngineInspection, InFlightCopies):
         try:
             self.copier = Copier(self.device, self.config)  # DMA-or-kernel choice per call (tiered_kv.copyops)
             for name in ("offload", "onboard", "local"):
-                self._streams[name] = self.device.new_stream(name)
+                self._streams[name] = self.device.new_stream(
+                    name, completion=self.config.completion, poll=self.config.completion_poll
+                )
         except BaseException:
             # a failed constructor leaves no thread, fd or slab lock behind
             for stream in self._streams.values():

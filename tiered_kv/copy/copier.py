@@ -15,8 +15,8 @@ Paths:
   with its stream takes the *native submission path* (:class:`~tiered_kv.copy.native.NativeCopy`,
   ``kernels/fast_path.cpp``): one call into C++ that checks the int-list indices, launches with bases + indices in
   the kernel's parameters when they fit (no H2D of metadata), records a pooled event and enqueues the completion
-  signal -- no torch dispatcher, tensor or event per call. Without it (``TIERED_KV_NATIVE=0``, an extension built
-  without it) the same call goes through the ``copy_blocks_list`` op.
+  signal -- no torch dispatcher, tensor or event per call. Without it (``EngineConfig.native_submit`` off, an
+  extension built without it) the same call goes through the ``copy_blocks_list`` op.
 * ``"dma"`` -- CUDA, extension loaded: ``cudaMemcpyAsync`` / ``cudaMemcpy2DAsync`` per run of blocks contiguous on
   both sides (and per layer group), issued in C++.
 * ``"reference"`` -- the emulated device and host-to-host copies: the vectorized CPU reference op.
@@ -56,7 +56,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -156,7 +155,7 @@ class Copier:
 
     Args:
         device: the engine's device.
-        config: thresholds (``dma_min_chunk_bytes``, ``copy_path``).
+        config: thresholds and paths (``dma_min_chunk_bytes``, ``copy_path``, ``native_submit``).
 
     Notes:
         On CUDA the extension is loaded (built on first use, possibly tens of seconds) when the copier is
@@ -191,12 +190,15 @@ class Copier:
         self._slices: dict[tuple[int, int, int], LayerSlice] = {}  # (id(pool), start, stop) -> layer range view
         # (id(pair info), pairs, runs, kernels) -> (pair info, config, plan) of a small call
         self._plans: dict[tuple[int, int, int, bool], tuple[_PairInfo, EngineConfig, CopyPlan]] = {}
-        # the native submission path (kernels/fast_path.cpp): its module, and (id(pair info), method) -> plan
-        self._native: Any = None
-        if self.kernels and os.environ.get("TIERED_KV_NATIVE", "1") != "0":
+        # the native submission path (kernels/fast_path.cpp): the extension's module of it (None: no such module),
+        # the module small calls take (None also when the config's native_submit is off), and
+        # (id(pair info), method) -> plan
+        self._native_module: Any = None
+        if self.kernels:
             from .. import _ext
 
-            self._native = _ext.native()
+            self._native_module = _ext.native()
+        self._native: Any = self._native_module if config.native_submit else None
         self._native_plans: dict[tuple[int, int], tuple[_PairInfo, int]] = {}
         # (id(src pool), id(dst pool)) -> the pools, their fixed chunk table (CPU, device copy), its piece size
         self._chunk_tables: dict[tuple[int, int], _ChunkPair] = {}
@@ -204,12 +206,18 @@ class Copier:
 
     @property
     def config(self) -> EngineConfig:
-        """The thresholds and forced path the copier decides by; setting it forgets the decided shapes."""
+        """What the copier decides by (thresholds, forced path, native submission); setting it forgets the shapes.
+
+        The native submission path follows the config: a config set here with ``native_submit`` off sends the next
+        small calls through the torch ops, one with it on through the native path (where the extension has it).
+        The DMA piece sizes stay those found at construction (configured or measured).
+        """
         return self._config
 
     @config.setter
     def config(self, config: EngineConfig) -> None:
         self._config = config
+        self._native = self._native_module if config.native_submit else None
         self.forget_plans()
 
     @property
@@ -274,7 +282,7 @@ class Copier:
 
     @property
     def native(self) -> bool:
-        """Whether small calls take the native submission path (CUDA, extension built with it)."""
+        """Whether small calls take the native submission path (CUDA, extension built with it, ``native_submit``)."""
         return self._native is not None
 
     def close(self) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tiered_kv.config import EngineConfig
 from tiered_kv.copyops import NativeCopy
 from tiered_kv.engine import TransferEngine
 from tiered_kv.fences import FenceTable, Marker
@@ -130,21 +131,14 @@ async def probe(device: str, out: str) -> dict[str, Any]:
         await burst()
         result["burst64_copy_returns_us"] = statistics.median([await burst() for _ in range(30)]) * 1e6
         result["native"] = engine.copier.native
-    if cuda:  # the same copies through the torch-op path (TIERED_KV_NATIVE=0), in the same run
-        old = os.environ.get("TIERED_KV_NATIVE")
-        os.environ["TIERED_KV_NATIVE"] = "0"
-        try:
-            async with TransferEngine(layout, gpu_blocks=64, host_blocks=64, device=device) as op_engine:
-                await awaited_copies(op_engine, 300)
-                result["awaited_1block_op_path"] = await awaited_copies(op_engine, 2000)
-                op_work = host_work(op_engine)
-                await asyncio.gather(*op_work.pop("_transfers"))
-                result["host_work_op_path"] = {k: op_work[k] for k in ("bytecodes_per_copy", "python_calls_per_copy")}
-        finally:
-            if old is None:
-                os.environ.pop("TIERED_KV_NATIVE", None)
-            else:
-                os.environ["TIERED_KV_NATIVE"] = old
+    if cuda:  # the same copies through the torch-op path (EngineConfig.native_submit off), in the same run
+        op_config = EngineConfig.from_env(native_submit=False)
+        async with TransferEngine(layout, gpu_blocks=64, host_blocks=64, device=device, config=op_config) as op_engine:
+            await awaited_copies(op_engine, 300)
+            result["awaited_1block_op_path"] = await awaited_copies(op_engine, 2000)
+            op_work = host_work(op_engine)
+            await asyncio.gather(*op_work.pop("_transfers"))
+            result["host_work_op_path"] = {k: op_work[k] for k in ("bytecodes_per_copy", "python_calls_per_copy")}
     async with TransferEngine(layout, gpu_blocks=64, host_blocks=64, device=device) as engine:
         await awaited_copies(engine, 100)
 
