@@ -144,4 +144,44 @@ cudaError_t launch_copy_segments(const int64_t* segments, int64_t count, bool vi
 // Largest piece one warp copies; longer chunks are split so that big chunks use many warps.
 constexpr int64_t kSegmentBytes = 16 * 1024;
 
+// Per-token checksums of blocks of a block-major pool [blocks, L, kv, H, T, D] (see tiered_kv/opdefs.py,
+// token_checksums_ref): out[i, t] = sum over the words of token t of block slots[i] of word * weight, modulo 2**32.
+// A block is dense and starts at base + slot * block_stride bytes; its row (r, t), r over (layer, kv, head), lies at
+// (r * tokens + t) * row_bytes. A row is read as words of 4 bytes when row_bytes % 4 == 0, else of 2 bytes
+// (sign-extended) when row_bytes % 2 == 0, else of 1 byte (zero-extended); word w of row r has the flat index
+// f = r * (row_bytes / word bytes) + w and the weight ((f + 1) * 0x9E3779B9) | 1.
+struct ChecksumGeometry {
+  int64_t slots;
+  int64_t rows;  // L * kv * H
+  int64_t tokens;
+  int64_t row_bytes;
+  int64_t block_stride;
+};
+
+// How a launch splits a ChecksumGeometry into lanes (plan_checksums in checksum.cu): a token's units (16-byte
+// vectors, or words) are shared by `lanes` lanes, lane l taking units l, l + lanes, ...; one thread per lane.
+struct ChecksumWork {
+  int word_bytes;     // 4, 2 or 1
+  int unit_bytes;     // 16 (vec16) or word_bytes
+  int64_t per_row;    // units per row
+  int64_t units;      // units per token: rows * per_row
+  int64_t lanes;      // lanes per token
+  int64_t items;      // slots * tokens * lanes
+};
+
+// Slot indices by value in the kernel's parameters (a launch of few blocks: no allocation, no H2D copy).
+constexpr int kChecksumInlineSlots = 128;
+struct ChecksumInlineSlots {
+  int64_t v[kChecksumInlineSlots];
+};
+
+// out: slots * tokens uint32, zeroed here (cudaMemsetAsync) before the sums are added into it. pool: the block
+// base (device-readable), aligned to the word size as block_stride is (else cudaErrorInvalidValue). slots:
+// g.slots device-readable int64 block indices, each in range.
+cudaError_t launch_token_checksums(uint32_t* out, const void* pool, const ChecksumGeometry& g, const int64_t* slots,
+                                   cudaStream_t stream);
+// The same, with g.slots <= kChecksumInlineSlots indices in the kernel's parameters.
+cudaError_t launch_token_checksums_inline(uint32_t* out, const void* pool, const ChecksumGeometry& g,
+                                          const ChecksumInlineSlots& slots, cudaStream_t stream);
+
 }  // namespace tiered_kv

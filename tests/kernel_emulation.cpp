@@ -4,12 +4,21 @@
 // Built and driven by tests/test_kernel_emulation.py (ctypes).
 #include <cuda_runtime.h>
 
+#include <type_traits>
 #include <vector>
 
 static uint3 threadIdx, blockIdx;
 static dim3 blockDim, gridDim;
 
+// Lanes run one after another, so an atomic add is a plain one.
+static unsigned atomicAdd(unsigned* address, unsigned value) {
+  const unsigned old = *address;
+  *address = old + value;
+  return old;
+}
+
 #define TKV_HOST_EMULATION 1
+#include "../kernels/checksum.cu"
 #include "../kernels/copy_blocks.cu"
 #include "../kernels/gather_block_offsets.cu"
 
@@ -180,6 +189,47 @@ void emu_gather(int32_t* dst, const int32_t* src, const void* idx, int idx_is_64
       }
     }
   }
+}
+
+// geometry: slots, rows, tokens, row_bytes, block_stride (the ChecksumGeometry fields, in order). out (slots x
+// tokens) is zeroed first, as the launcher does. use_inline: the slots in the kernel's parameters (returns without
+// summing when they do not fit); force_unaligned: plan as for a base that is not 16-byte aligned (one word per load).
+void emu_token_checksums(uint32_t* out, const void* pool, const int64_t* geometry, const int64_t* slots, int use_inline,
+                         int force_unaligned) {
+  const tiered_kv::ChecksumGeometry g{geometry[0], geometry[1], geometry[2], geometry[3], geometry[4]};
+  if (use_inline && g.slots > tiered_kv::kChecksumInlineSlots) return;
+  for (int64_t i = 0; i < g.slots * g.tokens; ++i) out[i] = 0;
+  const bool aligned16 = (reinterpret_cast<uintptr_t>(pool) & 15) == 0 && !force_unaligned;
+  const tiered_kv::ChecksumWork w = tiered_kv::plan_checksums(g, aligned16);
+  if (w.items == 0 || !tiered_kv::checksum_fits_32bit(w)) return;
+  tiered_kv::ChecksumInlineSlots inline_slots{};
+  if (use_inline) {
+    for (int64_t i = 0; i < g.slots; ++i) inline_slots.v[i] = slots[i];
+  }
+  const tiered_kv::ChecksumSlotArray array{slots};
+  const char* p = static_cast<const char*>(pool);
+  const unsigned grid = unsigned((w.items + tiered_kv::kChecksumThreads - 1) / tiered_kv::kChecksumThreads);
+  run_grid(grid, tiered_kv::kChecksumThreads, [&] {
+    auto launch = [&](const auto& s) {
+      using S = std::decay_t<decltype(s)>;
+      switch (w.unit_bytes) {
+        case 16: tiered_kv::token_checksums_kernel<16, S>(out, p, g, w, s); break;
+        case 4: tiered_kv::token_checksums_kernel<4, S>(out, p, g, w, s); break;
+        case 2: tiered_kv::token_checksums_kernel<2, S>(out, p, g, w, s); break;
+        default: tiered_kv::token_checksums_kernel<1, S>(out, p, g, w, s); break;
+      }
+    };
+    if (use_inline) {
+      launch(inline_slots);
+    } else {
+      launch(array);
+    }
+  });
+}
+
+int emu_checksum_unit_bytes(const int64_t* geometry, int aligned16) {
+  const tiered_kv::ChecksumGeometry g{geometry[0], geometry[1], geometry[2], geometry[3], geometry[4]};
+  return tiered_kv::plan_checksums(g, aligned16 != 0).unit_bytes;
 }
 
 }  // extern "C"

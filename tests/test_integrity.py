@@ -7,9 +7,10 @@ import logging
 import pytest
 import torch
 
-from tiered_kv import KVLayout, TieredKVCache
+from tiered_kv import KVLayout, TieredKVCache, _ext
 from tiered_kv.device import stall_op
 from tiered_kv.integrity import token_checksums
+from tiered_kv.opdefs import token_checksums_ref
 from tiered_kv.tools.workload import verify_expected, write_expected
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, tokens_per_block=4, dtype=torch.float16)
@@ -38,6 +39,67 @@ def test_moved_bytes_change_the_checksum() -> None:
     swapped = pool.clone()
     swapped[0, :, :, :, [0, 1]] = pool[0, :, :, :, [1, 0]]
     assert not torch.equal(token_checksums(swapped, [0])[0, :2], token_checksums(pool, [0])[0, :2])
+
+
+def test_slots_out_of_range_are_refused() -> None:
+    pool = torch.zeros(3, 1, 1, 1, 2, 4)
+    for bad in ([0, 3], [-1]):
+        with pytest.raises(ValueError, match="out of range"):
+            token_checksums(pool, bad)
+    assert token_checksums(pool, []).shape == (0, 2)
+
+
+def test_the_op_has_a_fake_kernel() -> None:
+    pool = torch.empty(4, 2, 2, 3, 16, 8, device="meta")
+    out = torch.ops.tiered_kv.token_checksums(pool, torch.empty(5, dtype=torch.int64, device="meta"))
+    assert out.shape == (5, 16) and out.dtype == torch.int32 and out.device.type == "meta"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("dtype", "head_dim", "pad", "offset"),
+    [
+        (torch.bfloat16, 128, 0, 0),  # 16-byte loads
+        (torch.bfloat16, 64, 32, 0),  # padded blocks
+        (torch.float32, 8, 0, 4),  # a base off 16 bytes: one 32-bit word per load
+        (torch.float32, 3, 4, 0),  # 12-byte rows
+        (torch.bfloat16, 7, 2, 2),  # 14-byte rows: int16 words
+        (torch.float16, 5, 0, 0),
+        (torch.uint8, 13, 5, 1),  # 13-byte rows: bytes
+        (torch.float8_e4m3fn, 3, 0, 0),
+    ],
+)
+def test_the_cuda_kernel_gives_the_references_bits(dtype: torch.dtype, head_dim: int, pad: int, offset: int) -> None:
+    """The CUDA op against the CPU reference bit for bit (every word size, repeated slots, both ways of passing the
+    slots), and one changed byte anywhere in a token changes that token's checksum and no other."""
+    assert _ext.load(), _ext.status()["error"]
+    g = torch.Generator().manual_seed(head_dim + pad)
+    shape = (9, 3, 2, 4, 16, head_dim)
+    isz = torch.empty(0, dtype=dtype).element_size()
+    stride = 3 * 2 * 4 * 16 * head_dim * isz + pad
+    raw = torch.randint(0, 256, (offset + 9 * stride,), dtype=torch.uint8, generator=g).cuda()
+    inner = (2 * 4 * 16 * head_dim, 4 * 16 * head_dim, 16 * head_dim, head_dim, 1)
+    pool = raw[offset:].view(dtype).as_strided(shape, (stride // isz, *inner))
+    few = [8, 0, 3, 3, 5, 0, 7]
+    many = torch.randint(0, 9, (300,), generator=g).tolist()  # more than the kernel's parameters hold
+    for slots in (few, many):
+        want = token_checksums_ref(pool.cpu(), torch.tensor(slots))
+        assert torch.equal(token_checksums(pool, slots).cpu(), want)
+        on_device = torch.tensor(slots, device=pool.device)
+        assert torch.equal(torch.ops.tiered_kv.token_checksums(pool, on_device).cpu(), want)
+    before = token_checksums(pool, few).cpu()
+    row_bytes = head_dim * isz
+    for token in range(16):
+        block = few[token % len(few)]
+        layer, kv, head, at = (int(torch.randint(0, n, (1,), generator=g)) for n in (3, 2, 4, row_bytes))
+        byte = offset + block * stride + (((layer * 2 + kv) * 4 + head) * 16 + token) * row_bytes + at
+        raw[byte] ^= 1 << int(torch.randint(0, 8, (1,), generator=g))
+        after = token_checksums(pool, few).cpu()
+        assert torch.equal(after, token_checksums_ref(pool.cpu(), torch.tensor(few)))
+        changed = after != before
+        assert torch.equal(changed[:, token], torch.tensor([s == block for s in few]))
+        assert int(changed.sum()) == few.count(block)
+        before = after
 
 
 async def _corrupt_and_reuse(integrity: bool, where: str, caplog: pytest.LogCaptureFixture) -> tuple[int, int, int]:

@@ -453,3 +453,89 @@ def test_gather_kernel_vector_path(emu, idx_dtype, grid_x, threads, src_cols, ds
         ctypes.c_int32(-1), ctypes.c_int(grid_x), ctypes.c_int(threads),
     )  # fmt: skip
     torch.testing.assert_close(dst, want, rtol=0, atol=0)
+
+
+def _raw_pool(
+    g: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype, pad: int = 0, offset: int = 0
+) -> torch.Tensor:
+    """A block-major pool ``[blocks, L, kv, H, T, D]`` of random bytes whose blocks are ``pad`` bytes apart beyond
+    their size, starting ``offset`` bytes into its buffer (dense blocks, as the kernel reads them)."""
+    isz = torch.empty(0, dtype=dtype).element_size()
+    block = math.prod(shape[1:]) * isz
+    stride = block + pad
+    raw = torch.randint(0, 256, (offset + shape[0] * stride + 64,), dtype=torch.uint8, generator=g)
+    typed = raw[offset : offset + shape[0] * stride].view(dtype)
+    inner = [math.prod(shape[i + 1 :]) for i in range(1, len(shape))]
+    return typed.as_strided(shape, (stride // isz, *inner))
+
+
+def _emu_checksums(emu, pool: torch.Tensor, slots: list[int], use_inline=False, force_unaligned=False) -> torch.Tensor:
+    isz = pool.element_size()
+    geom = _i64([len(slots), math.prod(pool.shape[1:4]), pool.shape[4], pool.shape[5] * isz, pool.stride(0) * isz])
+    out = torch.full((len(slots), pool.shape[4]), 12345, dtype=torch.int32)  # zeroed by the call, as by the launcher
+    s = _i64(slots)
+    emu.emu_token_checksums(
+        _ptr(out), _ptr(pool), _ptr(geom), _ptr(s), ctypes.c_int(int(use_inline)), ctypes.c_int(int(force_unaligned))
+    )
+    return out
+
+
+def _unit_bytes(emu, pool: torch.Tensor, aligned16: bool) -> int:
+    isz = pool.element_size()
+    geom = _i64([1, math.prod(pool.shape[1:4]), pool.shape[4], pool.shape[5] * isz, pool.stride(0) * isz])
+    return int(emu.emu_checksum_unit_bytes(_ptr(geom), ctypes.c_int(int(aligned16))))
+
+
+# (dtype, [blocks, L, kv, H, T, D], block padding in bytes, start offset in bytes, what the kernel loads at a time)
+CHECKSUM_CASES = [
+    (torch.bfloat16, (6, 4, 2, 3, 5, 64), 0, 0, 16),  # 128-byte rows: 16-byte loads, 12 lanes per token
+    (torch.bfloat16, (6, 2, 2, 2, 16, 128), 32, 0, 16),  # an 8B-shaped head (256-byte rows), padded blocks
+    (torch.float32, (6, 3, 2, 2, 4, 8), 0, 0, 16),  # the bench's stress shape: 2 loads per row
+    (torch.float32, (6, 3, 2, 2, 4, 8), 16, 4, 4),  # its base 4 bytes off 16: one 32-bit word per load
+    (torch.float32, (6, 2, 2, 3, 3, 3), 4, 0, 4),  # 12-byte rows
+    (torch.float8_e4m3fn, (6, 2, 2, 2, 4, 12), 4, 0, 4),  # 12 one-byte elements: 32-bit words
+    (torch.bfloat16, (6, 8, 2, 20, 2, 7), 2, 2, 2),  # 14-byte rows: int16 words, 18 lanes per token
+    (torch.float16, (6, 2, 1, 3, 4, 5), 0, 0, 2),  # 10-byte rows, 1 lane per token
+    (torch.bfloat16, (6, 1, 1, 1, 1, 1), 6, 0, 2),  # one element per token
+    (torch.uint8, (6, 6, 2, 50, 2, 3), 1, 3, 1),  # 3-byte rows: bytes, 8 lanes per token
+    (torch.uint8, (6, 2, 2, 5, 7, 13), 5, 1, 1),  # 13-byte rows
+    (torch.float8_e5m2, (6, 3, 2, 1, 4, 1), 0, 0, 1),
+]
+
+
+@pytest.mark.parametrize(("dtype", "shape", "pad", "offset", "unit"), CHECKSUM_CASES)
+@pytest.mark.parametrize("use_inline", [False, True])
+def test_token_checksums_kernel_matches_reference(emu, dtype, shape, pad, offset, unit, use_inline) -> None:
+    from tiered_kv import opdefs
+
+    g = torch.Generator().manual_seed(sum(shape) + pad + offset)
+    pool = _raw_pool(g, shape, dtype, pad, offset)
+    assert _unit_bytes(emu, pool, pool.data_ptr() % 16 == 0) == unit, "the case must take the path it names"
+    slots = [5, 0, 3, 3, 1, 5, 5, 2, 4]  # repeated slots: each row summed on its own
+    slots += torch.randint(0, shape[0], (20,), generator=g).tolist()
+    want = opdefs.token_checksums_ref(pool, _i64(slots))
+    assert torch.equal(_emu_checksums(emu, pool, slots, use_inline), want), (dtype, shape, pad, offset)
+    if unit == 16:  # the one-word path on the same bytes
+        assert torch.equal(_emu_checksums(emu, pool, slots, use_inline, force_unaligned=True), want)
+
+
+def test_token_checksums_kernel_many_slots_and_any_change(emu) -> None:
+    # more slots than the kernel's parameters hold (the array path), then one changed byte per token: only that
+    # token's checksum changes, in every row that names its block
+    from tiered_kv import opdefs
+
+    g = torch.Generator().manual_seed(11)
+    pool = _raw_pool(g, (7, 2, 2, 2, 4, 16), torch.bfloat16)
+    slots = torch.randint(0, 7, (300,), generator=g).tolist()  # the parameters hold 128 (kChecksumInlineSlots)
+    before = _emu_checksums(emu, pool, slots)
+    assert torch.equal(before, opdefs.token_checksums_ref(pool, _i64(slots)))
+    raw = pool.view(torch.uint8)
+    for t in range(4):
+        b = slots[t]
+        layer, k, h, byte = (int(torch.randint(0, n, (1,), generator=g)) for n in (2, 2, 2, 32))
+        raw[b, layer, k, h, t, byte] ^= 1 << int(torch.randint(0, 8, (1,), generator=g))
+        after = _emu_checksums(emu, pool, slots)
+        named = torch.tensor([s == b for s in slots])
+        changed = after != before
+        assert torch.equal(changed[:, t], named) and not changed[:, [u for u in range(4) if u != t]].any()
+        before = after

@@ -70,7 +70,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: The operators the extension implements for CUDA.
-OPS = ("gather_block_offsets", "copy_blocks", "copy_chunks", "copy_chunk_blocks", "copy_blocks_list")
+OPS = ("gather_block_offsets", "copy_blocks", "copy_chunks", "copy_chunk_blocks", "copy_blocks_list", "token_checksums")
 
 _CXX_FLAGS = ["-O3"]
 _NVCC_FLAGS = ["-O3", "-lineinfo"]

@@ -5,8 +5,9 @@ A checksum per token is taken when a block is committed and checked on the devic
 Primitives:
 
 * :func:`token_checksums` -- ``int32 [blocks, tokens_per_block]`` checksums of some blocks of a block-major pool,
-  one per token (across its layers, K/V and heads), computed where the pool lives (a CUDA kernel launch on the
-  current stream, or the same torch ops on the CPU).
+  one per token (across its layers, K/V and heads), computed where the pool lives: on CUDA one launch of the
+  ``token_checksums`` kernel on the current stream (kernels/checksum.cu: every byte read once), on the CPU (and on
+  CUDA without the compiled extension) its torch-ops reference, :func:`tiered_kv.opdefs.token_checksums_ref`.
 * :class:`Checksum` -- what a committed block carries: its per-token checksums (a row of a device tensor) and how
   many of its tokens are valid.
 * :class:`IntegrityChecks` -- :meth:`~IntegrityChecks.record` at commit, :meth:`~IntegrityChecks.verify` before a
@@ -22,7 +23,8 @@ Rules:
   the first ``n`` checksums of the block it was copied from.
 * The checksum is a weighted sum of the block's 32-bit words with odd position-dependent weights, modulo 2**32:
   any change of a single word changes it, and modular addition does not depend on the order of the sum, so the
-  CPU and a GPU compute the same value for the same bytes.
+  CPU reference and the CUDA kernel compute the same bits for the same bytes (a checksum taken by one is checked
+  by the other).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import _ext
+from .opdefs import token_checksums_ref
 from .pools import Tier
 
 if TYPE_CHECKING:
@@ -44,27 +48,6 @@ __all__ = ["Checksum", "IntegrityChecks", "token_checksums"]
 
 log = logging.getLogger(__name__)
 
-#: Bytes of temporaries one checksum call may make at once (the blocks are summed in chunks within it).
-_CHUNK_BYTES = 256 << 20
-
-_MULT = 0x9E3779B9 - (1 << 32)  # the 32-bit golden-ratio constant, as a signed int32
-
-
-_WEIGHTS: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
-
-
-def _weights(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """Odd int32 weights (a Weyl sequence) over one token's words ``[L, kv, H, 1, W]``, made once per shape."""
-    w = _WEIGHTS.get((shape, device))
-    if w is None:
-        n = 1
-        for d in shape:
-            n *= d
-        w = ((torch.arange(1, n + 1, dtype=torch.int64) * _MULT) | 1) & 0xFFFFFFFF
-        w = torch.where(w >= 1 << 31, w - (1 << 32), w).to(torch.int32).view(shape)
-        w = _WEIGHTS[(shape, device)] = w.to(device)
-    return w
-
 
 def token_checksums(pool: torch.Tensor, slots: Sequence[int]) -> torch.Tensor:
     """Per-token checksums of blocks ``slots`` of a block-major pool ``[blocks, layers, kv, heads, tokens, dim]``.
@@ -72,29 +55,37 @@ def token_checksums(pool: torch.Tensor, slots: Sequence[int]) -> torch.Tensor:
     Returns:
         ``int32 [len(slots), tokens]`` on the pool's device. On CUDA the work is enqueued on the current stream.
 
+    Raises:
+        ValueError: the pool is not 6-D, or a slot is out of range.
+
     Notes:
         The sum of a token's words times odd weights, modulo 2**32 (a 32-bit word is summed as it is, a row of 16-
-        or 8-bit elements as wider words where its size allows). Integer wrap-around makes the result independent
-        of the order of the sum.
+        or 8-bit elements as wider words where its size allows; :func:`tiered_kv.opdefs.token_checksums_ref` states
+        the exact rule). Integer wrap-around makes the result independent of the order of the sum, so the CUDA kernel
+        (a pool on CUDA whose blocks are dense, with the extension loaded) and the torch-ops reference (anywhere else)
+        give the same bits.
     """
     if pool.dim() != 6:
         raise ValueError(f"token_checksums needs a block-major pool [blocks, L, kv, H, T, D], got {list(pool.shape)}")
-    row_bytes = pool.shape[5] * pool.element_size()
-    word = torch.int32 if row_bytes % 4 == 0 else torch.int16 if row_bytes % 2 == 0 else torch.uint8
-    words = pool.view(torch.uint8).view(*pool.shape[:5], row_bytes).view(word)
-    L, kv, H, _T, W = words.shape[1:]
-    weights = _weights((L, kv, H, 1, W), pool.device)
-    index = torch.as_tensor(list(slots), dtype=torch.int64).to(pool.device, non_blocking=True)
-    out = torch.empty((len(slots), pool.shape[4]), dtype=torch.int32, device=pool.device)
-    step = max(1, _CHUNK_BYTES // max(1, 4 * words[0].numel()))
-    for first in range(0, len(slots), step):
-        part = words.index_select(0, index[first : first + step])
-        if word != torch.int32:
-            part = part.to(torch.int32)
-        # products and sums wrap modulo 2**32 (the outer sum is taken in int64 and cut to 32 bits): the same value on
-        # every device, whatever order the reduction takes
-        out[first : first + step] = (part * weights).sum(dim=5, dtype=torch.int32).sum(dim=(1, 2, 3)).to(torch.int32)
-    return out
+    listed = list(slots)
+    if listed and (min(listed) < 0 or max(listed) >= pool.shape[0]):
+        bad = min(listed) if min(listed) < 0 else max(listed)
+        raise ValueError(f"token_checksums: slot {bad} is out of range for a pool of {pool.shape[0]} blocks")
+    index = torch.tensor(listed, dtype=torch.int64)
+    if pool.is_cuda and _dense_blocks(pool) and _ext.load():
+        out: torch.Tensor = torch.ops.tiered_kv.token_checksums(pool, index)
+        return out
+    return token_checksums_ref(pool, index)
+
+
+def _dense_blocks(pool: torch.Tensor) -> bool:
+    """Each block ``[L, kv, H, T, D]`` is dense (what the kernel reads; any other pool takes the reference)."""
+    expected = 1
+    for size, stride in zip(reversed(pool.shape[1:]), reversed(pool.stride()[1:]), strict=True):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

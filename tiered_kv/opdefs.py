@@ -9,6 +9,9 @@ Primitives:
   ``copy_chunk_blocks`` (whole blocks of chunked pools: a pair's fixed chunk table and int-list indices) and
   ``copy_blocks_list`` (the engine's per-call path: int-list indices, an explicit stream handle), with their
   CPU implementations (the references) and fake kernels.
+* The schema of ``torch.ops.tiered_kv.token_checksums`` (the per-token integrity checksums of blocks of a
+  block-major pool, :func:`tiered_kv.integrity.token_checksums`), its CPU reference :func:`token_checksums_ref`
+  and fake kernel.
 * :data:`METHOD_KERNEL`, :data:`METHOD_DMA` -- the ``method`` argument of the copy ops.
 * :func:`normalize_groups`, :func:`block_geometry` -- the (layer group, row) view of a pool the copy ops use.
 * :func:`register_references` -- register the references under another dispatch key (CUDA without the
@@ -33,6 +36,7 @@ __all__ = [
     "copy_chunks_ref",
     "gather_block_offsets_ref",
     "normalize_groups",
+    "token_checksums_ref",
 ]
 
 #: ``method`` argument of :func:`copy_blocks` / :func:`copy_chunks`: one launch of the copy kernel.
@@ -64,6 +68,8 @@ _lib.define(
     "copy_blocks_list(Tensor(a!)[] dst, Tensor[] src, int[] src_blocks, int[] dst_blocks, int num_tokens, int method, "
     "int stream) -> ()"
 )
+# int32 [len(slots), tokens] checksums of blocks `slots` of a block-major pool (token_checksums_ref)
+_lib.define("token_checksums(Tensor pool, Tensor slots) -> Tensor")
 
 
 # --------------------------------------------------------------------------------------------- references
@@ -228,11 +234,61 @@ def copy_chunk_blocks_ref(
     copy_chunks_ref(dst, src, flat, method)
 
 
+#: Bytes of temporaries one reference checksum call may make at once (the blocks are summed in chunks within it).
+_CHECKSUM_CHUNK_BYTES = 256 << 20
+
+_CHECKSUM_MULT = 0x9E3779B9 - (1 << 32)  # the 32-bit golden-ratio constant, as a signed int32
+
+_CHECKSUM_WEIGHTS: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+
+
+def _checksum_weights(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Odd int32 weights (a Weyl sequence) over one token's words ``[L, kv, H, 1, W]``, made once per shape."""
+    w = _CHECKSUM_WEIGHTS.get((shape, device))
+    if w is None:
+        n = math.prod(shape)
+        w = ((torch.arange(1, n + 1, dtype=torch.int64) * _CHECKSUM_MULT) | 1) & 0xFFFFFFFF
+        w = torch.where(w >= 1 << 31, w - (1 << 32), w).to(torch.int32).view(shape)
+        w = _CHECKSUM_WEIGHTS[(shape, device)] = w.to(device)
+    return w
+
+
+def token_checksums_ref(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """CPU reference of ``token_checksums`` (see :func:`tiered_kv.integrity.token_checksums`), in torch ops.
+
+    ``out[i, t]`` is the sum over the words of token ``t`` of block ``slots[i]`` of ``word * weight``, modulo 2**32.
+    A token's row of ``D`` elements is read as words of 4 bytes when its size in bytes is a multiple of 4, else of 2
+    bytes (sign-extended) when it is even, else of single bytes (zero-extended); word ``w`` of the row of
+    ``(l, k, h)`` has the flat index ``f = ((l * kv + k) * H + h) * W + w`` and the weight
+    ``((f + 1) * 0x9E3779B9) | 1`` modulo 2**32. Runs on any device (also the fallback on CUDA without the kernel).
+    """
+    if pool.dim() != 6:
+        raise ValueError(f"token_checksums needs a block-major pool [blocks, L, kv, H, T, D], got {list(pool.shape)}")
+    row_bytes = pool.shape[5] * pool.element_size()
+    word = torch.int32 if row_bytes % 4 == 0 else torch.int16 if row_bytes % 2 == 0 else torch.uint8
+    words = pool.view(torch.uint8).view(*pool.shape[:5], row_bytes).view(word)
+    L, kv, H, _T, W = words.shape[1:]
+    weights = _checksum_weights((L, kv, H, 1, W), pool.device)
+    index = slots.to(pool.device, torch.int64, non_blocking=True)
+    n = index.shape[0]
+    out = torch.empty((n, pool.shape[4]), dtype=torch.int32, device=pool.device)
+    step = max(1, _CHECKSUM_CHUNK_BYTES // max(1, 4 * math.prod(words.shape[1:])))
+    for first in range(0, n, step):
+        part = words.index_select(0, index[first : first + step])
+        if word != torch.int32:
+            part = part.to(torch.int32)
+        # products and sums wrap modulo 2**32 (the outer sum is taken in int64 and cut to 32 bits): the same value on
+        # every device, whatever order the reduction takes
+        out[first : first + step] = (part * weights).sum(dim=5, dtype=torch.int32).sum(dim=(1, 2, 3)).to(torch.int32)
+    return out
+
+
 _lib.impl("gather_block_offsets", gather_block_offsets_ref, "CPU")
 _lib.impl("copy_blocks", copy_blocks_ref, "CPU")
 _lib.impl("copy_chunks", copy_chunks_ref, "CPU")
 _lib.impl("copy_chunk_blocks", copy_chunk_blocks_ref, "CPU")
 _lib.impl("copy_blocks_list", copy_blocks_list_ref, "CPU")
+_lib.impl("token_checksums", token_checksums_ref, "CPU")
 
 
 def _gather_fake(
@@ -275,12 +331,18 @@ def _copy_chunk_blocks_fake(
     return None
 
 
-# fake (meta) kernels: the ops mutate their destinations in place and return nothing
+def _token_checksums_fake(pool: Tensor, slots: Tensor) -> Tensor:
+    return pool.new_empty((slots.shape[0], pool.shape[4]), dtype=torch.int32)
+
+
+# fake (meta) kernels: the copy ops mutate their destinations in place and return nothing; token_checksums returns
+# a new int32 [len(slots), tokens] tensor
 torch.library.register_fake("tiered_kv::gather_block_offsets", _gather_fake, lib=_lib)
 torch.library.register_fake("tiered_kv::copy_blocks", _copy_blocks_fake, lib=_lib)
 torch.library.register_fake("tiered_kv::copy_chunks", _copy_chunks_fake, lib=_lib)
 torch.library.register_fake("tiered_kv::copy_chunk_blocks", _copy_chunk_blocks_fake, lib=_lib)
 torch.library.register_fake("tiered_kv::copy_blocks_list", _copy_blocks_list_fake, lib=_lib)
+torch.library.register_fake("tiered_kv::token_checksums", _token_checksums_fake, lib=_lib)
 
 
 # --------------------------------------------------------------------------------------------- validation

@@ -404,19 +404,24 @@ class Copier:
         nbytes = size * info.block_bytes
         self._account(plan.path, nbytes)
         src_t, dst_t = info.src_t, info.dst_t
-        if plan.path in ("kernel", "dma") and isinstance(stream, CudaStream) and size <= SMALL_CALL_BLOCKS:
+        on_stream = isinstance(stream, CudaStream)
+        if size <= SMALL_CALL_BLOCKS and (plan.path == "reference" or (plan.path in ("kernel", "dma") and on_stream)):
+            # a small call on any device: int-list indices, read when the op is issued (the emulated device and
+            # host threads run the list op's CPU reference, CUDA the native submission or the list op)
             s_l = s if isinstance(s, list) else s.tolist()
             d_l = d if isinstance(d, list) else d.tolist()
             method = ops.METHOD_DMA if plan.path == "dma" else ops.METHOD_KERNEL
-            if self._native is not None:  # one call into C++: no dispatcher, no torch event (NativeCopy)
+            if on_stream and plan.path != "reference" and self._native is not None:
+                assert isinstance(stream, CudaStream)  # one call into C++: no dispatcher, no torch event (NativeCopy)
                 return NativeCopy(stream, self._native.submit, self._native_plan(info, n, method), s_l, d_l, nbytes)
-            handle = stream.torch_stream.cuda_stream
+            handle = stream.torch_stream.cuda_stream if isinstance(stream, CudaStream) else 0
             list_op = torch.ops.tiered_kv.copy_blocks_list.default
 
             def run_small() -> None:
                 list_op(dst_t, src_t, s_l, d_l, n, method, handle)
 
-            run_small.explicit_stream = True  # type: ignore[attr-defined]
+            if on_stream:
+                run_small.explicit_stream = True  # type: ignore[attr-defined]
             run_small.nbytes = nbytes  # type: ignore[attr-defined]
             return run_small
         if isinstance(s, list):
