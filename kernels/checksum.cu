@@ -14,6 +14,7 @@ constexpr int kChecksumUnroll = 8;
 // A token's bytes per lane: 16 loads of 16 bytes. One atomicAdd per lane, so a 64 MiB checksum makes 256 Ki atomics
 // spread over its tokens' outputs; fewer bytes per lane would make more, more bytes fewer lanes to hide latency.
 constexpr int64_t kChecksumBytesPerLane = 256;
+constexpr int64_t kWarpLanes = 32;
 
 // The weight of word f of a token (f over (layer, kv, head, word)): an odd Weyl sequence modulo 2**32.
 __host__ __device__ __forceinline__ uint32_t checksum_weight(uint32_t f) { return ((f + 1u) * 0x9E3779B9u) | 1u; }
@@ -75,6 +76,9 @@ ChecksumWork plan_checksums(const ChecksumGeometry& g, bool base_aligned16) {
   w.units = g.rows * w.per_row;
   const int64_t per_lane = kChecksumBytesPerLane / w.unit_bytes;
   w.lanes = w.units > 0 ? (w.units + per_lane - 1) / per_lane : 0;
+  // a token of at least a warp's lanes gets a whole number of warps (the kernel then adds per warp, not per lane);
+  // the lanes past its units sum nothing
+  if (w.lanes > kWarpLanes) w.lanes = (w.lanes + kWarpLanes - 1) / kWarpLanes * kWarpLanes;
   w.items = g.slots * g.tokens * w.lanes;
   return w;
 }
@@ -134,7 +138,17 @@ __global__ void token_checksums_kernel(uint32_t* __restrict__ out, const char* _
     acc += Unit::sum(*reinterpret_cast<const Raw*>(base + off), e * Unit::kWords);
     next();
   }
-  atomicAdd(out + token, acc);
+#ifndef TKV_HOST_EMULATION
+  if (lanes % kWarpLanes == 0) {
+    // the warp's lanes are all of this token (whole warps per token; a CTA is whole warps, and a warp is in range or
+    // out of it whole): their sum, then one atomicAdd per warp instead of one per lane
+#pragma unroll
+    for (int d = kWarpLanes / 2; d > 0; d >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, d);
+    if ((threadIdx.x & (kWarpLanes - 1)) == 0) atomicAdd(out + token, acc);
+    return;
+  }
+#endif
+  atomicAdd(out + token, acc);  // the emulation runs lanes one by one: each adds its own share, as above summed
 }
 
 }  // namespace

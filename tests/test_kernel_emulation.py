@@ -490,6 +490,7 @@ def _unit_bytes(emu, pool: torch.Tensor, aligned16: bool) -> int:
 CHECKSUM_CASES = [
     (torch.bfloat16, (6, 4, 2, 3, 5, 64), 0, 0, 16),  # 128-byte rows: 16-byte loads, 12 lanes per token
     (torch.bfloat16, (6, 2, 2, 2, 16, 128), 32, 0, 16),  # an 8B-shaped head (256-byte rows), padded blocks
+    (torch.bfloat16, (6, 4, 2, 5, 2, 128), 0, 0, 16),  # 40 lanes per token, rounded up to 2 warps of 10 units each
     (torch.float32, (6, 3, 2, 2, 4, 8), 0, 0, 16),  # the bench's stress shape: 2 loads per row
     (torch.float32, (6, 3, 2, 2, 4, 8), 16, 4, 4),  # its base 4 bytes off 16: one 32-bit word per load
     (torch.float32, (6, 2, 2, 3, 3, 3), 4, 0, 4),  # 12-byte rows
