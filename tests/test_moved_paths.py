@@ -80,11 +80,12 @@ def test_the_vllm_spec_module_path_imports_without_a_warning_and_without_vllm() 
         import sys
         import tiered_kv.integrations.vllm as package
         import tiered_kv.integrations.vllm.host, tiered_kv.integrations.vllm.plugin
-        import tiered_kv.integrations.vllm.versions
+        import tiered_kv.integrations.vllm.verify, tiered_kv.integrations.vllm.versions
         assert "vllm" not in sys.modules, "the vLLM package imported vLLM"
         assert sorted(package.__all__) == [
-            "MANAGERS", "TieredKVFileTier", "TieredKVLoadStoreSpec", "TieredKVOffloadingManager",
-            "TieredKVOffloadingSpec", "TieredKVOffloadingWorker", "VLLMStatistics", "content_key",
+            "LoadVerification", "MANAGERS", "TieredKVConnector", "TieredKVFileTier", "TieredKVLoadStoreSpec",
+            "TieredKVOffloadingManager", "TieredKVOffloadingSpec", "TieredKVOffloadingWorker", "VLLMStatistics",
+            "WORKERS", "content_key",
         ]
         assert set(package.__all__) <= set(dir(package))
         assert tiered_kv.integrations.vllm.plugin._MODULE == "tiered_kv.integrations.vllm"

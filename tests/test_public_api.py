@@ -26,7 +26,9 @@ MODULES = ["tiered_kv", "tiered_kv.testing", "tiered_kv.integrations.hf", "tiere
 SOURCE_MODULES = ["tiered_kv.integrations.vllm", "tiered_kv.integrations.vllm.plugin", "tiered_kv.integrations.sglang"]
 #: Classes a source module exports from another of its files and that users name in configuration: described with
 #: their methods, as if defined in the module (the vLLM package imports its names lazily, on first use).
-SOURCE_DEFINITIONS = {"tiered_kv.integrations.vllm": ["tiered_kv.integrations.vllm.spec"]}
+SOURCE_DEFINITIONS = {
+    "tiered_kv.integrations.vllm": ["tiered_kv.integrations.vllm.spec", "tiered_kv.integrations.vllm.connector"]
+}
 
 
 def _signature(obj: object) -> str:

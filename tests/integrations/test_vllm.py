@@ -138,3 +138,30 @@ def test_every_file_slot_corrupted_is_recomputed(llm: Any, baseline: dict[str, l
     after = mgr.statistics()
     assert after.verify_failures >= before.verify_failures + 4  # each of A's corrupted blocks was caught
     assert _run(llm, A_SUFFIX) == baseline[key(A_SUFFIX)]  # the engine is alive and serving
+
+
+def test_behind_the_plain_connector_a_mismatch_is_logged_and_counted(
+    llm: Any, baseline: dict[str, list[int]], caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM's OffloadingConnector asserts that every load succeeds: a mismatch cannot be reported there."""
+    from tiered_kv.integrations.vllm import shared
+
+    mgr, worker = _manager(), tkv_vllm.WORKERS[-1]
+    assert not worker.report_load_errors
+    c = prompt(3, 4)
+    before = set(mgr.host_slots())
+    _run(llm, c)
+    _settle(mgr)
+    block = mgr.host_slots()[[k for k in mgr.host_slots() if k not in before][1]]
+    region = shared.map_host(shared.host_path(mgr.settings, mgr.fields, 0), mgr.settings.host_blocks, mgr.layout)
+    region[block] ^= 0x5A
+    stats = worker.statistics()
+    llm.reset_prefix_cache()
+    with caplog.at_level("ERROR", logger="tiered_kv.integrations.vllm.worker"):
+        _run(llm, c)  # served: the in-tree connector has no way to refuse it
+    after = worker.statistics()
+    assert after.mismatches == stats.mismatches + 1 and after.reported_blocks == stats.reported_blocks == 0
+    lines = [r.getMessage() for r in caplog.records if "SERVED" in r.getMessage()]
+    assert len(lines) == 1 and f"host block {block} " in lines[0]
+    llm.reset_prefix_cache()
+    assert _run(llm, A_SUFFIX) == baseline[key(A_SUFFIX)]  # the engine is alive and serving

@@ -27,10 +27,17 @@ def baseline_outputs(model_dir: Path, prompts: list[list[int]], directory: Path)
     return {key(p): o for p, o in zip(prompts, outs, strict=True)}
 
 
-def tiered_llm(vllm: Any, model_dir: Path, file_dir: Path, host_blocks: int, file_blocks: int) -> Any:
-    """A ``vllm.LLM`` of the model with the TieredKV spec over ``host_blocks`` host and ``file_blocks`` file blocks."""
-    config = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-              "kv_connector_extra_config": {"spec_name": "TieredKV", "host_blocks": host_blocks,
-                                            "file_dir": str(file_dir), "file_blocks": file_blocks}}
+def tiered_llm(vllm: Any, model_dir: Path, file_dir: Path, host_blocks: int, file_blocks: int,
+               connector: str = "OffloadingConnector") -> Any:
+    """A ``vllm.LLM`` of the model with the TieredKV spec over ``host_blocks`` host and ``file_blocks`` file blocks.
+
+    ``connector="TieredKVConnector"``: the connector that reports loads failing verification (vLLM recomputes them).
+    """
+    config: dict[str, Any] = {
+        "kv_connector": connector, "kv_role": "kv_both",
+        "kv_connector_extra_config": {"spec_name": "TieredKV", "host_blocks": host_blocks,
+                                      "file_dir": str(file_dir), "file_blocks": file_blocks}}
+    if connector == "TieredKVConnector":
+        config["kv_load_failure_policy"] = "recompute"
     return vllm.LLM(model=str(model_dir), skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
                     block_size=BLOCK, max_model_len=512, seed=0, kv_transfer_config=config)

@@ -4,7 +4,9 @@ Primitives:
 
 * :class:`HostEntry` -- one key in host memory: its block, its state (``"storing"``: vLLM's worker writes it,
   ``"staging"``: read from the file tier and verified, ``"ready"``: loadable), who holds or pins it, whether a
-  write-through to the file tier reads it.
+  write-through to the file tier reads it, its generation (new for every key stored or staged into a block: the
+  worker verifies loads against what it stored of that generation) and whether a load of it failed verification
+  (``refused``: never answered ``HIT`` again).
 * :class:`HostTable` -- the entries in LRU order, the free blocks, and the rules below. No vLLM import: the
   manager (:mod:`.manager`) calls it from vLLM's single scheduler thread.
 
@@ -42,6 +44,8 @@ class HostEntry:
     spilling: bool = False
     holders: set[Hashable] = dataclasses.field(default_factory=set)
     fenced: bool = False  # a job dropped by a reset may still use the block: it is reused only for a store
+    generation: int = -1  # the manager's generation of this key in this block (see the module docstring)
+    refused: bool = False  # a load of it failed verification on the device: never served again
 
     @property
     def evictable(self) -> bool:
@@ -75,9 +79,9 @@ class HostTable:
         """The entry of ``key``, or ``None``."""
         return self.entries.get(key)
 
-    def add(self, key: bytes, block: int, state: str, *, from_file: bool = False) -> HostEntry:
+    def add(self, key: bytes, block: int, state: str, *, from_file: bool = False, generation: int = -1) -> HostEntry:
         """Record ``key`` in ``block`` (most recently used)."""
-        e = HostEntry(block, state, from_file=from_file)
+        e = HostEntry(block, state, from_file=from_file, generation=generation)
         self.entries[key] = e
         return e
 
@@ -86,6 +90,10 @@ class HostTable:
         e = self.entries.pop(key)
         self._drop_holds(key, e)
         (self._fenced if e.fenced else self._free).append(e.block)
+
+    def loading(self, blocks: set[int]) -> list[bytes]:
+        """The keys of ready entries in ``blocks`` that a load is reading now (pinned)."""
+        return [k for k, e in self.entries.items() if e.block in blocks and e.state == "ready" and e.pins > 0]
 
     def touch(self, key: bytes) -> None:
         """Mark ``key`` most recently used (if present)."""

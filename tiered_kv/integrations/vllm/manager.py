@@ -10,6 +10,10 @@ Primitives:
 
 Rules (with a host tier of any size the engine makes progress; the slot rules are :mod:`.host`'s):
 
+* A key whose load failed verification on the device (``TieredKVConnector`` reports the GPU blocks, and
+  :meth:`TieredKVOffloadingManager.refuse` finds the host blocks they were loaded from) is never answered ``HIT``
+  again: it leaves host memory (once no load reads it) and the file tier (its copy there may have been written from
+  the same bytes), and is stored anew when vLLM recomputes it (``load_refusals``).
 * A block that cannot be staged now is a ``MISS`` (vLLM recomputes it): ``RETRY`` and ``HIT_PENDING`` are
   answered only while a file job of this manager is in flight, and each ends within the file tier's deadline.
 * A store takes the host blocks it can get now, waiting (at most the file tier's deadline per block) for a
@@ -78,6 +82,8 @@ class VLLMStatistics:
         spill_skips: stored blocks not written through because every file slot was busy (host memory only).
         host_evictions / file_evictions: blocks that left each tier to make room.
         host_blocks / file_blocks: blocks held now.
+        load_refusals: keys dropped because a load of them failed verification on the device (reported by
+            ``TieredKVConnector``; vLLM recomputed them).
     """
 
     stores: int
@@ -97,6 +103,7 @@ class VLLMStatistics:
     store_deferrals: int = 0
     stage_misses: int = 0
     spill_skips: int = 0
+    load_refusals: int = 0
 
 
 #: How long a store waits for one write-through when the file tier has no deadline (``file_timeout=None``).
@@ -151,6 +158,7 @@ class TieredKVOffloadingManager(base.OffloadingManager):
             if timeout is not None:
                 self._spill_wait = float(timeout) + 1.0
         self._warned_drop = False
+        self._generation = 0  # the last generation given to a host entry
         MANAGERS.append(self)
 
     # ---------------------------------------------------------------------------------- vLLM API
@@ -166,6 +174,9 @@ class TieredKVOffloadingManager(base.OffloadingManager):
         key = bytes(key)
         holder = _holder(req_context)
         e = self._host.get(key)
+        if e is not None and e.refused:
+            self._drop_refused(key, e)
+            return LookupResult.MISS
         if e is not None:
             if e.state == "storing":
                 return LookupResult.MISS
@@ -185,33 +196,36 @@ class TieredKVOffloadingManager(base.OffloadingManager):
         if block is None:
             self._counts["stage_misses"] += 1
             return LookupResult.MISS
-        self._host.add(key, block, "staging", from_file=True)
+        self._host.add(key, block, "staging", from_file=True, generation=self._next_generation())
         self._host.hold(key, holder)
         self._file_busy.add(slot)
         self._jobs.append(("stage", key, slot, self._loop.submit(self._stage(key, slot, block))))
         return LookupResult.HIT_PENDING
 
     def prepare_load(self, keys: Collection[bytes], req_context: Any = None) -> TieredKVLoadStoreSpec:
-        blocks = []
+        blocks, generations = [], []
         for k in map(bytes, keys):
             e = self._host.get(k)
             assert e is not None and e.state == "ready", "prepare_load of a block lookup did not answer HIT for"
             e.pins += 1
             self._host.touch(k)
             blocks.append(e.block)
+            generations.append(e.generation)
         self._host.release(_holder(req_context))
         self._counts["loads"] += len(blocks)
-        return TieredKVLoadStoreSpec(blocks)
+        return TieredKVLoadStoreSpec(blocks, generations)
 
     def touch(self, keys: Collection[bytes], req_context: Any = None) -> None:
         for k in keys:
             self._host.touch(bytes(k))
 
     def complete_load(self, keys: Collection[bytes], req_context: Any = None) -> None:
-        for k in keys:
-            e = self._host.get(bytes(k))
+        for k in map(bytes, keys):
+            e = self._host.get(k)
             if e is not None and e.pins:
                 e.pins -= 1
+                if e.refused:
+                    self._drop_refused(k, e)
 
     def prepare_store(self, keys: Collection[bytes], req_context: Any = None) -> Any:
         """Host blocks for vLLM's worker to store ``keys`` into: as many as the host tier can give now.
@@ -242,10 +256,12 @@ class TieredKVOffloadingManager(base.OffloadingManager):
                     len(todo), len(blocks),
                 )
         todo = todo[: len(blocks)]
-        for k, b in zip(todo, blocks, strict=True):
-            self._host.add(k, b, "storing")
+        generations = [self._next_generation() for _ in todo]
+        for k, b, g in zip(todo, blocks, generations, strict=True):
+            self._host.add(k, b, "storing", generation=g)
         out: Any = base.PrepareStoreOutput(
-            keys_to_store=cast(Any, todo), store_spec=TieredKVLoadStoreSpec(blocks), evicted_keys=cast(Any, evicted)
+            keys_to_store=cast(Any, todo), store_spec=TieredKVLoadStoreSpec(blocks, generations),
+            evicted_keys=cast(Any, evicted),
         )
         return out
 
@@ -321,6 +337,37 @@ class TieredKVOffloadingManager(base.OffloadingManager):
         values = {n: c[n] for n in names if n not in ("host_blocks", "file_blocks")}
         return VLLMStatistics(**values, host_blocks=len(self._host), file_blocks=len(self._file))
 
+    def refuse(self, host_blocks: Iterable[int]) -> int:
+        """Loads from these host blocks failed verification on the device: never serve their keys again.
+
+        Only entries a load is reading now (pinned) are refused: the block of a failed load's source. Each leaves
+        host memory once no load reads it and nothing holds it, and its file copy is dropped (it may have been
+        written from the same bytes). Returns how many keys were refused now.
+        """
+        self._poll()
+        refused = 0
+        for k in self._host.loading({int(b) for b in host_blocks}):
+            e = self._host.get(k)
+            assert e is not None
+            if e.refused:
+                continue
+            e.refused = True
+            refused += 1
+            _log.warning("tiered_kv: offload key %s (host block %d) failed verification on load: dropped from "
+                         "the host and file tiers", k.hex()[:16], e.block)
+            slot = self._file.get(k)
+            if slot is not None and slot not in self._file_busy:
+                del self._file[k]
+                self._file_free.append(slot)
+                self._events.append(make_event([k], "STORAGE", True))
+            self._drop_refused(k, e)
+        self._counts["load_refusals"] += refused
+        return refused
+
+    def host_slots(self) -> dict[bytes, int]:
+        """Offload key -> host block of every loadable block in host memory, least recently used first."""
+        return {k: e.block for k, e in self._host.entries.items() if e.state == "ready" and not e.refused}
+
     def file_slots(self) -> dict[bytes, int]:
         """Offload key -> file slot of every block in the file tier (every rank uses the same slot)."""
         return dict(self._file)
@@ -329,6 +376,16 @@ class TieredKVOffloadingManager(base.OffloadingManager):
     def engines(self) -> list[TransferEngine]:
         """One engine per rank: the rank's shared host region and file tier."""
         return list(self._engines)
+
+    def _next_generation(self) -> int:
+        self._generation += 1
+        return self._generation
+
+    def _drop_refused(self, key: bytes, e: HostEntry) -> None:
+        """Forget a refused entry once nothing loads, holds or writes it through."""
+        if e.evictable:
+            self._host.remove(key)
+            self._events.append(make_event([key], "CPU", True))
 
     def _evicted(self, keys: list[bytes]) -> None:
         if keys:
@@ -401,7 +458,10 @@ class TieredKVOffloadingManager(base.OffloadingManager):
             if kind == "spill":
                 if e is not None:
                     e.spilling = False
-                if ok:
+                if ok and e is not None and e.refused:  # written from bytes a load found changed: not kept
+                    self._file_free.append(slot)
+                    self._drop_refused(key, e)
+                elif ok:
                     self._file[key] = slot
                     self._counts["spills"] += 1
                     self._events.append(make_event([key], "STORAGE", False))

@@ -4,7 +4,8 @@ Primitives:
 
 * :class:`Settings` -- the spec's own keys of ``kv_connector_extra_config`` (``host_blocks``, ``file_dir``,
   ``file_blocks``, ``shm_dir``), validated.
-* :class:`TieredKVLoadStoreSpec` -- host block indices (the same index in every rank's shared host region).
+* :class:`TieredKVLoadStoreSpec` -- host block indices (the same index in every rank's shared host region) and the
+  generation of each block's entry (the worker verifies a load against what it stored of that generation).
 * :func:`block_layout` -- one vLLM block (all layers of one worker) as opaque bytes.
 * :func:`rank_salt` / :func:`content_key` -- the file tier's content key of a vLLM offload key: salted with
   the model, KV dtype, KV cache layout, bytes per block and the parallel layout including the rank.
@@ -24,6 +25,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from ...file import FileTierConfig
@@ -54,7 +56,19 @@ def tiering_base() -> Any:
 
 
 class TieredKVLoadStoreSpec(base.BlockIDsLoadStoreSpec):
-    """Host block indices (the same index in every rank's shared host region)."""
+    """Host block indices (the same index in every rank's shared host region) and their entries' generations.
+
+    Args:
+        block_ids: host block indices.
+        generations: the manager's generation of each block's entry (a new one each time a key is stored into or
+            staged into a host block), or ``None``.
+    """
+
+    def __init__(self, block_ids: list[int], generations: list[int] | None = None) -> None:
+        super().__init__(block_ids)
+        self.generations = None if generations is None else np.asarray(generations, dtype=np.int64)
+        if self.generations is not None and self.generations.size != self.block_ids.size:
+            raise ValueError(f"{self.block_ids.size} host blocks and {self.generations.size} generations")
 
     @staticmethod
     def medium() -> str:
