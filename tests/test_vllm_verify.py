@@ -13,10 +13,10 @@ from tiered_kv.integrations.vllm.verify import LoadCheck, PageChecksums
 BLOCKS, LAYERS, PAGE, HOST = 12, 3, 256, 6
 
 
-def _one_buffer(seed: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _one_buffer(seed: int = 0, device: str = "cpu") -> tuple[torch.Tensor, list[torch.Tensor]]:
     """vLLM 0.32's allocation: every layer's pages in one buffer (layer-outermost), viewed (num_blocks, page)."""
     g = torch.Generator().manual_seed(seed)
-    buf = torch.randint(-128, 128, (LAYERS * BLOCKS * PAGE,), dtype=torch.int8, generator=g)
+    buf = torch.randint(-128, 128, (LAYERS * BLOCKS * PAGE,), dtype=torch.int8, generator=g).to(device)
     return buf, [buf[i * BLOCKS * PAGE : (i + 1) * BLOCKS * PAGE].view(BLOCKS, PAGE) for i in range(LAYERS)]
 
 
@@ -32,8 +32,8 @@ def _settled(c: LoadCheck) -> list[int]:
     return c.mismatched()
 
 
-def test_one_checksum_call_covers_every_layer_of_one_buffer_and_separate_tensors_agree() -> None:
-    _buf, pages = _one_buffer()
+def test_one_checksum_call_covers_every_layer_of_one_buffer_and_separate_tensors_agree(device: str) -> None:
+    _buf, pages = _one_buffer(device=device)
     shared = PageChecksums(pages, HOST)
     separate = PageChecksums([p.clone() for p in pages], HOST)
     assert shared.calls_per_job == 1 and separate.calls_per_job == LAYERS
@@ -43,8 +43,8 @@ def test_one_checksum_call_covers_every_layer_of_one_buffer_and_separate_tensors
     assert len(set(a.tolist())) == BLOCKS  # random blocks: distinct checksums
 
 
-def test_any_word_changed_and_pages_swapped_between_layers_change_a_blocks_checksum() -> None:
-    _buf, pages = _one_buffer(1)
+def test_any_word_changed_and_pages_swapped_between_layers_change_a_blocks_checksum(device: str) -> None:
+    _buf, pages = _one_buffer(1, device=device)
     c = PageChecksums(pages, HOST)
     base = c.of(np.array([4])).item()
     for layer in range(LAYERS):
@@ -58,8 +58,8 @@ def test_any_word_changed_and_pages_swapped_between_layers_change_a_blocks_check
     assert c.of(np.array([4])).item() != base
 
 
-def test_a_stored_block_loaded_intact_is_verified_and_a_changed_one_is_caught() -> None:
-    _buf, pages = _one_buffer(2)
+def test_a_stored_block_loaded_intact_is_verified_and_a_changed_one_is_caught(device: str) -> None:
+    _buf, pages = _one_buffer(2, device=device)
     c = PageChecksums(pages, HOST)
     c.record(np.array([0, 1, 2]), np.array([3, 4, 5]), np.array([10, 11, 12]))  # store GPU 3,4,5 -> host 0,1,2
     assert c.generations[:3].tolist() == [10, 11, 12]
@@ -74,8 +74,8 @@ def test_a_stored_block_loaded_intact_is_verified_and_a_changed_one_is_caught() 
     assert c.sums[1].item() == c.of(np.array([4])).item()  # a mismatch leaves the stored checksum as it was
 
 
-def test_a_host_block_overwritten_by_a_store_gets_the_new_checksum() -> None:
-    _buf, pages = _one_buffer(3)
+def test_a_host_block_overwritten_by_a_store_gets_the_new_checksum(device: str) -> None:
+    _buf, pages = _one_buffer(3, device=device)
     c = PageChecksums(pages, HOST)
     c.record(np.array([2]), np.array([0]), np.array([1]))
     c.record(np.array([2]), np.array([6]), np.array([2]))  # host block 2 now holds GPU block 6 (a new entry)
@@ -86,8 +86,8 @@ def test_a_host_block_overwritten_by_a_store_gets_the_new_checksum() -> None:
     assert _settled(c.finish(c.check(np.array([11]), np.array([2]), compare), 1)) == []
 
 
-def test_a_block_the_worker_never_stored_is_adopted_on_its_first_load_and_verified_after() -> None:
-    _buf, pages = _one_buffer(4)
+def test_a_block_the_worker_never_stored_is_adopted_on_its_first_load_and_verified_after(device: str) -> None:
+    _buf, pages = _one_buffer(4, device=device)
     c = PageChecksums(pages, HOST)
     c.record(np.array([3]), np.array([0]), np.array([5]))  # what host block 3 held before the manager staged into it
     compare = c.plan(np.array([3]), np.array([9]))  # generation 9: staged from the file tier by the manager
