@@ -104,4 +104,5 @@ cudaError_t dma_flush(const DmaBatch& batch, cudaStream_t stream) {
 
 }  // namespace tiered_kv
 
-TORCH_LIBRARY_FRAGMENT(tiered_kv, m) { m.def("dma_batch_mode(int mode) -> int", &tiered_kv::dma_batch_mode); }
+// Schema in tiered_kv/opdefs.py; no tensor argument: one kernel for every device
+TORCH_LIBRARY_IMPL(tiered_kv, CompositeExplicitAutograd, m) { m.impl("dma_batch_mode", &tiered_kv::dma_batch_mode); }

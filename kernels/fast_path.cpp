@@ -438,9 +438,10 @@ std::tuple<int64_t, bool, int64_t, int64_t> wait_done(int64_t event, int device,
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(tiered_kv, m) {
-  m.def("copy_plan(Tensor[] dst, Tensor[] src, int num_tokens, int method) -> int", &copy_plan);
-  m.def("copy_plan_free(int plan) -> int", &copy_plan_free);
+// Schemas in tiered_kv/opdefs.py, as every op's; one kernel for every device (copy_plan_free has no tensor argument)
+TORCH_LIBRARY_IMPL(tiered_kv, CompositeExplicitAutograd, m) {
+  m.impl("copy_plan", &copy_plan);
+  m.impl("copy_plan_free", &copy_plan_free);
 }
 
 }  // namespace tiered_kv

@@ -68,6 +68,13 @@ _lib.define(
     "copy_blocks_list(Tensor(a!)[] dst, Tensor[] src, int[] src_blocks, int[] dst_blocks, int num_tokens, int method, "
     "int stream) -> ()"
 )
+# The extension's helpers, implemented in C++ only (one kernel for every device; without the extension they do not
+# run): the native submission path's copy plans, the DMA calls a copy would make (for tests without a GPU), and the
+# batched-DMA switch (for tests).
+_lib.define("copy_plan(Tensor[] dst, Tensor[] src, int num_tokens, int method) -> int")
+_lib.define("copy_plan_free(int plan) -> int")
+_lib.define("dma_calls(Tensor[] dst, Tensor[] src, int[] src_blocks, int[] dst_blocks, int num_tokens) -> int[]")
+_lib.define("dma_batch_mode(int mode) -> int")
 # int32 [len(slots), tokens] checksums of blocks `slots` of a block-major pool (token_checksums_ref)
 _lib.define("token_checksums(Tensor pool, Tensor slots) -> Tensor")
 
