@@ -320,9 +320,9 @@ async def _partial(device: str, blocks: int, repeat: int) -> list[dict[str, Any]
                     src_i, dst_i = (torch.from_numpy(np.asarray(x).copy()) for x in (route[1], route[3]))
                     src_t = [gpu] if route[0] is Tier.GPU else [host]
                     method = ops.METHOD_DMA if path == "dma" else ops.METHOD_KERNEL
-                    op_call = functools.partial(
-                        ops.copy_blocks, [gpu], src_t, src_i, dst_i, num_tokens=n, method=method
-                    )
+                    # the registered op itself, as the engine launches it (the public wrapper ops.copy_blocks adds
+                    # index checks in Python that no engine call makes)
+                    op_call = functools.partial(torch.ops.tiered_kv.copy_blocks, [gpu], src_t, src_i, dst_i, n, method)
                 # Taking turns, so that a turn's ratios survive a host whose speed drifts: the engine copy; the
                 # contiguous copy, the GPU synchronized before and after; the fixed cost of an awaited call on the
                 # same route (one block, one token: next to no device work); then, on CUDA, the same one-token bytes
