@@ -13,17 +13,6 @@
 namespace tiered_kv {
 namespace {
 
-std::vector<int64_t> slots_on_host(const at::Tensor& t) {
-  std::vector<int64_t> out(static_cast<size_t>(t.numel()));
-  const at::Tensor c = t.contiguous();
-  if (c.scalar_type() == at::kLong) {
-    std::copy_n(c.data_ptr<int64_t>(), out.size(), out.begin());
-  } else {
-    std::copy_n(c.data_ptr<int32_t>(), out.size(), out.begin());
-  }
-  return out;
-}
-
 // Each block [L, kv, H, T, D] dense (the strides of a contiguous tensor; dimensions of size 1 have any stride).
 bool blocks_dense(const at::Tensor& pool) {
   int64_t expected = 1;
@@ -62,7 +51,7 @@ at::Tensor token_checksums_cuda(const at::Tensor& pool, const at::Tensor& slots)
   auto* sums = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
   const void* base = pool.data_ptr();
   if (slots.device().is_cpu()) {
-    const std::vector<int64_t> host = slots_on_host(slots);
+    const std::vector<int64_t> host = indices_on_host(slots);
     const int64_t blocks = pool.size(0);
     for (const int64_t s : host) {
       TORCH_CHECK(s >= 0 && s < blocks,

@@ -17,17 +17,6 @@
 namespace tiered_kv {
 namespace {
 
-std::vector<int64_t> indices_on_host(const at::Tensor& t) {
-  std::vector<int64_t> out(static_cast<size_t>(t.numel()));
-  const at::Tensor c = t.contiguous();
-  if (c.scalar_type() == at::kLong) {
-    std::copy_n(c.data_ptr<int64_t>(), out.size(), out.begin());
-  } else {
-    std::copy_n(c.data_ptr<int32_t>(), out.size(), out.begin());
-  }
-  return out;
-}
-
 void check_side(at::TensorList side, const char* what) {
   TORCH_CHECK(!side.empty(), "copy_blocks: ", what, " is empty");
   const at::Tensor& f = side[0];

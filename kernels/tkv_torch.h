@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -38,6 +39,18 @@ inline void* device_view(const at::Tensor& t, const char* what) {
               " is in pageable host memory; a kernel can only reach pinned host memory (cudaPointerGetAttributes: ",
               cudaGetErrorString(err), ", type ", static_cast<int>(attr.type), ")");
   return attr.devicePointer != nullptr ? attr.devicePointer : p;
+}
+
+// The values of a 1-D int32/int64 CPU tensor of indices, as int64.
+inline std::vector<int64_t> indices_on_host(const at::Tensor& t) {
+  std::vector<int64_t> out(static_cast<size_t>(t.numel()));
+  const at::Tensor c = t.contiguous();
+  if (c.scalar_type() == at::kLong) {
+    std::copy_n(c.data_ptr<int64_t>(), out.size(), out.begin());
+  } else {
+    std::copy_n(c.data_ptr<int32_t>(), out.size(), out.begin());
+  }
+  return out;
 }
 
 // Ship `values` to `device` through a fresh pinned buffer. The caching host allocator records the copy's

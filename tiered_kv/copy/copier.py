@@ -411,8 +411,8 @@ class Copier:
             s_l = s if isinstance(s, list) else s.tolist()
             d_l = d if isinstance(d, list) else d.tolist()
             method = ops.METHOD_DMA if plan.path == "dma" else ops.METHOD_KERNEL
-            if on_stream and plan.path != "reference" and self._native is not None:
-                assert isinstance(stream, CudaStream)  # one call into C++: no dispatcher, no torch event (NativeCopy)
+            if isinstance(stream, CudaStream) and plan.path != "reference" and self._native is not None:
+                # one call into C++: no dispatcher, no torch event (NativeCopy)
                 return NativeCopy(stream, self._native.submit, self._native_plan(info, n, method), s_l, d_l, nbytes)
             handle = stream.torch_stream.cuda_stream if isinstance(stream, CudaStream) else 0
             list_op = torch.ops.tiered_kv.copy_blocks_list.default
