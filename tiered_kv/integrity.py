@@ -150,8 +150,9 @@ class IntegrityChecks:
         owners: list[Block] = []
         for adm in admissions:
             blocks = manager.sequence_blocks(adm.seq_id)
-            full = (adm.tokens_reused - adm.partial_tokens) // tpb
-            for b in blocks[:full]:
+            first = adm.tokens_computed_first // tpb  # fresh leading blocks the caller computes: nothing to check
+            full = first + (adm.tokens_reused - adm.partial_tokens) // tpb
+            for b in blocks[first:full]:
                 if b.checksum is not None:
                     checks.append((b.slot, b.checksum, b.checksum.valid))
                     owners.append(b)

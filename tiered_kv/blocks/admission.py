@@ -5,12 +5,19 @@ blocks leave the LRUs), then blocks are onboarded and allocated. A one-phase ord
 by request) lets onboarding for one request evict host blocks that a later request of the same batch was counted
 on. Whether the batch fits is decided before anything is claimed, so a batch that does not fit changes nothing.
 
+Hybrid prefill (:attr:`~tiered_kv.blocks.records.Request.compute_blocks`): the request's first matched blocks (after
+:attr:`AdmissionPlanner.reuse_limit` has cut the match) are neither claimed nor onboarded; each gets a fresh GPU block,
+allocated like a new block, that the caller writes. A fresh leading block is never offered to the lookup (the
+sequence's ``registered`` count starts past it, so no commit or free can register it): its cached copy in whatever
+tier stays the one a later request matches.
+
 Every copy an admission needs (offloads and spills of its evictions, onboards, partial copies, remote fetches) is
 appended to one :class:`~tiered_kv.blocks.records.Plan`, in the order the copies must run, and returned whole.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections.abc import Callable, Iterable, Sequence
 
@@ -140,13 +147,30 @@ class AdmissionPlanner(EvictingStore):
             by_tier[b.tier.value] += 1  # type: ignore[union-attr]
         return Match(blocks, None, match.keys, keep * self.tokens_per_block, by_tier, cut=True)
 
+    def _computing(self, match: Match, compute_blocks: int) -> Match:
+        """``match`` whose first ``compute_blocks`` full blocks (at most all of them) the request computes.
+
+        Those blocks leave ``tokens_reused`` and ``by_tier``; when they are all of the full blocks the partial reuse
+        is dropped too (nothing of the prefix is reused).
+        """
+        c = min(compute_blocks, len(match.blocks))
+        if c == 0:
+            return match
+        tpb = self.tokens_per_block
+        by_tier = {t.value: 0 for t in TIER_ORDER}
+        for b in match.blocks[c:]:
+            by_tier[b.tier.value] += 1  # type: ignore[union-attr]
+        partial = match.partial if c < len(match.blocks) else None
+        reused = (len(match.blocks) - c) * tpb + (partial[1] if partial else 0)
+        return dataclasses.replace(match, partial=partial, tokens_reused=reused, by_tier=by_tier, compute_blocks=c)
+
     # ------------------------------------------------------------------------------------ admission
 
-    def _validate(self, requests: Iterable[object]) -> list[tuple[np.ndarray, int]]:
-        """The batch as ``(tokens, priority)`` pairs, every request checked before anything changes."""
+    def _validate(self, requests: Iterable[object]) -> list[tuple[np.ndarray, int, int]]:
+        """The batch as ``(tokens, priority, compute_blocks)``, every request checked before anything changes."""
         if isinstance(requests, (Request, str, bytes)):
             raise TypeError("requests must be a sequence of requests (wrap a single request in a list)")
-        out: list[tuple[np.ndarray, int]] = []
+        out: list[tuple[np.ndarray, int, int]] = []
         for i, raw in enumerate(requests):
             req = Request.coerce(raw)
             tokens = as_token_array(req.tokens, f"request {i} tokens")
@@ -158,12 +182,17 @@ class AdmissionPlanner(EvictingStore):
                     f"request {i} has {tokens.size} tokens ({blocks} blocks), more than a sequence may hold "
                     f"({self.max_blocks_per_seq} blocks of {self.tokens_per_block} tokens)"
                 )
-            out.append((tokens, check_priority(req.priority)))
+            compute = req.compute_blocks
+            if isinstance(compute, bool) or not isinstance(compute, (int, np.integer)):
+                raise TypeError(f"request {i} compute_blocks must be an int, got {type(compute).__name__}")
+            if compute < 0:
+                raise ValueError(f"request {i} compute_blocks must be >= 0, got {compute}")
+            out.append((tokens, check_priority(req.priority), int(compute)))
         if not out:
             raise ValueError("the batch is empty")
         return out
 
-    def _check_fits(self, reqs: Sequence[tuple[np.ndarray, int]], matches: Sequence[Match]) -> None:
+    def _check_fits(self, reqs: Sequence[tuple[np.ndarray, int, int]], matches: Sequence[Match]) -> None:
         """Raise :class:`CacheFullError` unless the batch fits after evicting every block it does not claim."""
         if len(reqs) > len(self._free_seq_slots):
             raise CacheFullError(
@@ -174,14 +203,17 @@ class AdmissionPlanner(EvictingStore):
         claimed: dict[int, Block] = {}  # block id -> every block the batch claims
         reused: dict[int, Block] = {}  # block id -> full blocks reused in place (onboarded if not on the GPU)
         for match in matches:
-            for b in match.blocks:
+            for b in match.blocks[match.compute_blocks :]:  # leading computed blocks are not claimed
                 reused[b.id] = b
             if match.partial is not None:
                 claimed[match.partial[0].id] = match.partial[0]
         claimed.update(reused)
-        # GPU blocks the batch needs: distinct reused blocks not on the GPU yet, plus new blocks.
+        # GPU blocks the batch needs: distinct reused blocks not on the GPU yet, plus new blocks (the fresh leading
+        # blocks of computed matched blocks included).
         need = sum(1 for b in reused.values() if b.tier is not Tier.GPU)
-        need += sum(-(-len(tokens) // tpb) - len(m.blocks) for (tokens, _), m in zip(reqs, matches, strict=True))
+        need += sum(
+            -(-len(req[0]) // tpb) - len(m.blocks) + m.compute_blocks for req, m in zip(reqs, matches, strict=True)
+        )
         # Supply: free slots plus every unclaimed evictable GPU block (eviction of one always succeeds:
         # it is offloaded, or dropped when nothing below can take it). Partial sources count as claimed
         # although they are released during phase 2: conservative, so phase 2 never runs out.
@@ -195,8 +227,11 @@ class AdmissionPlanner(EvictingStore):
             )
 
     def _claim(self, match: Match, priority: int) -> None:
-        """Phase 1 for one request: hold its matched blocks (out of every LRU); its full blocks take its priority."""
-        for b in match.blocks:
+        """Phase 1 for one request: hold its reused blocks (out of every LRU); its full blocks take its priority.
+
+        The leading blocks it computes (``match.compute_blocks``) are not held.
+        """
+        for b in match.blocks[match.compute_blocks :]:
             self._ref(b)
             b.priority = priority
         if match.partial is not None:
@@ -208,12 +243,16 @@ class AdmissionPlanner(EvictingStore):
         seq_slot = heapq.heappop(self._free_seq_slots)
         seq = LiveSequence(self._next_seq, seq_slot, tokens.tolist(), priority)
         self._next_seq += 1
-        for b in match.blocks:
-            if b.tier is not Tier.GPU:
+        seq.keys = list(match.keys)
+        c = match.compute_blocks
+        for i, b in enumerate(match.blocks):
+            if i < c:  # computed by the caller: a fresh private block, the cached one left alone
+                parent_key = seq.keys[i - 1] if i else self.hasher.root
+                b = self._allocate(parent_key, tokens[i * tpb : (i + 1) * tpb], priority, plan)
+            elif b.tier is not Tier.GPU:
                 self._move(b, Tier.GPU, "onboard", plan)
             seq.blocks.append(b)
         m = len(match.blocks)
-        seq.keys = list(match.keys)
         total = -(-len(tokens) // tpb)
         for i in range(m, total):
             parent_key = seq.keys[i - 1] if i else self.hasher.root
@@ -225,9 +264,10 @@ class AdmissionPlanner(EvictingStore):
             seq.blocks.append(block)
         if self.fetch_tier is not None and not match.cut:
             self._plan_fetches(seq, m, plan)
-        # New blocks become matchable only once committed: their KV is not written yet.
+        # New blocks become matchable only once committed: their KV is not written yet. The fresh leading blocks are
+        # below ``registered`` (never offered to the lookup) and count as committed (commit and free start past them).
         seq.registered = m
-        seq.committed = match.tokens_reused
+        seq.committed = c * tpb + match.tokens_reused
         self._seqs[seq.seq_id] = seq
 
         partial_n = match.partial[1] if match.partial else 0
@@ -239,12 +279,12 @@ class AdmissionPlanner(EvictingStore):
         if partial_n:
             self._partial_hits += 1
             self._partial_tokens += partial_n
-        self._allocated += total - m
+        self._allocated += total - m + c
         page_table = tuple(b.slot for b in seq.blocks)
         self._notify(seq, page_table)
         return Admission(
-            seq.seq_id, seq_slot, len(tokens), match.tokens_reused, dict(match.by_tier), partial_n, total - m,
-            page_table,
+            seq.seq_id, seq_slot, len(tokens), match.tokens_reused, dict(match.by_tier), partial_n, total - m + c,
+            page_table, c * tpb,
         )
 
     def _plan_fetches(self, seq: LiveSequence, m: int, plan: Plan) -> None:

@@ -117,28 +117,30 @@ class BlockManager(AdmissionPlanner):
         """Admit a batch: claim every reusable block of every request, then onboard and allocate.
 
         Args:
-            requests: :class:`Request` objects or plain token-id sequences.
+            requests: :class:`Request` objects or plain token-id sequences. A request's ``compute_blocks`` leading
+                matched blocks are left where they are; fresh GPU blocks take their place (see
+                :attr:`Request.compute_blocks`).
 
         Returns:
             One :class:`Admission` per request (its own figures) and the plan of copies to issue.
 
         Raises:
             ValueError: an empty batch, an empty request, a request longer than ``max_blocks_per_seq``
-                blocks, a priority out of range.
-            TypeError: tokens that are not integers.
+                blocks, a priority out of range, a negative ``compute_blocks``.
+            TypeError: tokens, or ``compute_blocks``, that are not integers.
             CacheFullError: the batch does not fit in the GPU tier after evicting every unclaimed block,
                 or there are not enough free sequence slots. Nothing was changed.
         """
         reqs = self._validate(requests)
-        matches = [self._limited(self._match(tokens), len(tokens)) for tokens, _ in reqs]
+        matches = [self._computing(self._limited(self._match(tokens), len(tokens)), c) for tokens, _, c in reqs]
         self._check_fits(reqs, matches)
-        # Phase 1: claim every matched block of every request before anything can evict.
-        for match, (_, prio) in zip(matches, reqs, strict=True):
+        # Phase 1: claim every reused block of every request before anything can evict.
+        for match, (_, prio, _) in zip(matches, reqs, strict=True):
             self._claim(match, prio)
         # Phase 2: onboard and allocate; claimed blocks are out of every LRU, so no eviction touches them.
         plan = Plan()
         admissions = [
-            self._realize(tokens, prio, match, plan) for (tokens, prio), match in zip(reqs, matches, strict=True)
+            self._realize(tokens, prio, match, plan) for (tokens, prio, _), match in zip(reqs, matches, strict=True)
         ]
         return admissions, plan
 
@@ -152,9 +154,9 @@ class BlockManager(AdmissionPlanner):
         plan = Plan()
         admissions: list[Admission] = []
         try:
-            for tokens, prio in reqs:
-                match = self._limited(self._match(tokens), len(tokens))
-                self._check_fits([(tokens, prio)], [match])
+            for tokens, prio, compute in reqs:
+                match = self._computing(self._limited(self._match(tokens), len(tokens)), compute)
+                self._check_fits([(tokens, prio, compute)], [match])
                 self._claim(match, prio)
                 admissions.append(self._realize(tokens, prio, match, plan))
         except CacheFullError:

@@ -2,7 +2,8 @@
 
 Primitives:
 
-* :class:`Request` -- token ids + priority; :class:`Admission` -- one request's outcome.
+* :class:`Request` -- token ids + priority (+ leading blocks the caller computes); :class:`Admission` -- one
+  request's outcome.
 * :class:`Block` -- one logical block: content key, tokens, tier + slot, reference count, priority.
 * :class:`Move` -- one copy a plan needs (offload, spill, onboard, partial, fetch); :class:`Plan` -- the moves of one
   manager call, in order.
@@ -69,10 +70,16 @@ class Request:
         tokens: the prompt's token ids (at least one).
         priority: retention priority of its blocks, 0 (evicted first) .. 100 (evicted last). A reused block
             takes the priority of the latest request that claims it.
+        compute_blocks: leading blocks of the match that the caller computes instead of bringing them to the GPU
+            (hybrid prefill: the model computes them while the rest of the match is loaded). They get fresh GPU
+            blocks, private to the sequence (never matchable, freed with it), which the caller writes; the cached
+            copies stay where they are, unclaimed. At most the matched full blocks count (see
+            :attr:`Admission.tokens_computed_first`); when it covers all of them the partial reuse is dropped too.
     """
 
     tokens: Sequence[int] | np.ndarray
     priority: int = DEFAULT_PRIORITY
+    compute_blocks: int = 0
 
     @classmethod
     def coerce(cls, value: object) -> Request:
@@ -185,6 +192,8 @@ class Match:
         tokens_reused: ``len(blocks) * tokens_per_block + num_tokens``.
         by_tier: matched full blocks per tier (``Tier.value`` -> count) at lookup time.
         cut: :attr:`BlockManager.reuse_limit` cut cached blocks off (they are recomputed, not fetched).
+        compute_blocks: leading ``blocks`` the request computes (:attr:`Request.compute_blocks`): not reused, not
+            in ``tokens_reused`` or ``by_tier``.
     """
 
     blocks: tuple[Block, ...]
@@ -193,6 +202,7 @@ class Match:
     tokens_reused: int
     by_tier: dict[str, int]
     cut: bool = False
+    compute_blocks: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -203,12 +213,16 @@ class Admission:
         seq_id: the new sequence's id (never reused).
         slot: its slot in ``[0, max_seqs)`` (reused after the sequence is freed): its row in page-table tensors.
         num_tokens: prompt tokens.
-        tokens_reused: tokens whose KV came from the cache (full blocks + the partial copy).
+        tokens_reused: tokens whose KV came from the cache (full blocks + the partial copy): positions
+            ``[tokens_computed_first, tokens_computed_first + tokens_reused)``.
         blocks_from: full blocks reused, per tier they were found in (``"gpu"``, ``"host"``, ``"file"``; the cache
             adds ``"remote"``: blocks whose fetch landed, see :meth:`BlockManager.fetched`).
         partial_tokens: tokens reused through the partial copy of one block (0 if none).
-        blocks_allocated: GPU blocks newly allocated for it (including the partial-copy target).
+        blocks_allocated: GPU blocks newly allocated for it (including the partial-copy target and the fresh
+            leading blocks of ``compute_blocks``).
         page_table: GPU block indices of the sequence, in order.
+        tokens_computed_first: tokens of the leading matched blocks the caller computes and writes into the first
+            blocks of ``page_table`` (:attr:`Request.compute_blocks`, at most the matched full blocks); 0 otherwise.
     """
 
     seq_id: int
@@ -219,10 +233,11 @@ class Admission:
     partial_tokens: int
     blocks_allocated: int
     page_table: tuple[int, ...]
+    tokens_computed_first: int = 0
 
     @property
     def tokens_to_compute(self) -> int:
-        """Tokens that were not reused: the model computes them."""
+        """Tokens that were not reused: the model computes them (``tokens_computed_first`` included)."""
         return self.num_tokens - self.tokens_reused
 
 

@@ -100,7 +100,9 @@ async def fetched_prefixes(blocks: BlockManager, admissions: list[Admission],
         if k:
             tokens = blocks.fetched(adm.seq_id, k)
             reused.extend(seq_blocks[m : m + k])
-            adm = dataclasses.replace(adm, tokens_reused=tokens, blocks_from=by, partial_tokens=0)
+            adm = dataclasses.replace(
+                adm, tokens_reused=tokens - adm.tokens_computed_first, blocks_from=by, partial_tokens=0
+            )
         else:
             adm = dataclasses.replace(adm, blocks_from=by)
         out.append(adm)
