@@ -11,12 +11,25 @@ Primitives:
   request's matched blocks (in prefix order, each in its tier) it picks the number ``k`` of leading blocks
   that minimises ``onboard(blocks[:k]) + prefill(tokens not reused)``, counting the tokens left to compute;
   the other matched blocks stay where they are and their tokens are recomputed.
+* :meth:`CostModel.split` -- hybrid prefill, for a match whose first block is in the file tier: the number ``c`` of
+  leading blocks the model computes while the rest of the match is loaded
+  (:attr:`~tiered_kv.blocks.Request.compute_blocks`), the one that minimises
+  ``max(prefill(c blocks), onboard(blocks[c:])) + prefill(the tokens after the match)``; ``c = 0`` is loading
+  everything (what an admission does without it), ``c`` = every matched block is recomputing the whole prompt in
+  one forward, chosen when loading loses at every split. Each forward also pays the prefill fit's fixed cost.
+  A match whose first block is on the GPU or in host memory is not split (0). ``CachedGenerator`` asks it for
+  every single-prompt request.
 * :class:`ReuseStatistics` -- admissions decided, those that skipped blocks, blocks skipped per tier, and the
-  estimated seconds the decisions saved against reusing every matched block and against recomputing all.
+  estimated seconds the decisions saved against reusing every matched block and against recomputing all; the
+  hybrid splits decided.
 
 So on a slow disk a short prefix in the file tier is recomputed while a long one (or a large model's) is
 still read back; while a tier has no measurement yet, or nothing is known of the model's speed, everything
-matched is reused (the first transfers measure the tier).
+matched is reused (the first transfers measure the tier), and :meth:`CostModel.split` computes nothing.
+
+``limit`` (attached) prices loading the match's leading blocks *before* recomputing the rest; ``split`` prices
+computing the leading blocks *while* loading the rest. An admission applies the attached limit first and the
+split to what it leaves: a model meant for hybrid prefill is best left unattached (the generator's own is).
 
 Example::
 
@@ -56,6 +69,12 @@ class ReuseStatistics:
         saved_vs_recompute_s: estimated seconds saved against recomputing every prompt token.
         bandwidth: bytes per second bringing blocks to the GPU, per tier (fitted or given; absent: unknown).
         prefill_s_per_token: the model's marginal prefill time per token (0: unknown).
+        prefill_overhead_s: the fixed seconds of one prompt forward (the prefill fit's intercept; 0: unknown).
+        hybrid_decisions: matches led by a file-tier block that :meth:`CostModel.split` priced (rates known).
+        hybrid_splits: of them, split (some leading blocks computed, the rest loaded).
+        hybrid_recomputed: of them, computed whole (loading lost at every split).
+        hybrid_blocks_computed: leading matched blocks the splits computed instead of loading.
+        hybrid_saved_s: estimated seconds the splits saved against loading the whole match.
     """
 
     decisions: int
@@ -65,6 +84,12 @@ class ReuseStatistics:
     saved_vs_recompute_s: float
     bandwidth: dict[str, float]
     prefill_s_per_token: float
+    prefill_overhead_s: float = 0.0
+    hybrid_decisions: int = 0
+    hybrid_splits: int = 0
+    hybrid_recomputed: int = 0
+    hybrid_blocks_computed: int = 0
+    hybrid_saved_s: float = 0.0
 
 
 class CostModel:
@@ -111,6 +136,8 @@ class CostModel:
         self._decisions = self._skipped_admissions = 0
         self._skipped: dict[str, int] = {}
         self._saved_all = self._saved_none = 0.0
+        self._hybrid = {"decisions": 0, "splits": 0, "recomputed": 0, "blocks": 0}
+        self._hybrid_saved = 0.0
 
     def attach(self) -> CostModel:
         """Install as the cache's ``reuse_limit`` (every admission from now on is priced). Returns ``self``."""
@@ -160,8 +187,18 @@ class CostModel:
         Given, else the slope of ``seconds = a + b * tokens`` over the recent prefills (the fixed cost ``a``
         is paid whatever is reused), else the average rate when one prompt size was seen.
         """
+        fit = self._prefill_fit()
+        return fit[0] if fit is not None else None
+
+    def prefill_overhead_seconds(self) -> float:
+        """The fixed seconds of one prompt forward: the fit's intercept ``a`` (0 when unknown or the rate is given)."""
+        fit = self._prefill_fit()
+        return fit[1] if fit is not None else 0.0
+
+    def _prefill_fit(self) -> tuple[float, float] | None:
+        """``(seconds per token, seconds per forward)`` of the prefill (see :meth:`prefill_seconds_per_token`)."""
         if self._given_rate is not None:
-            return 1.0 / self._given_rate
+            return 1.0 / self._given_rate, 0.0
         obs = self._observations
         if not obs:
             return None
@@ -172,8 +209,8 @@ class CostModel:
         if var > 0:
             slope = sum((t - mean_x) * (s - mean_y) for t, s in obs) / var
             if slope > 0:
-                return slope
-        return sum(s for _, s in obs) / sum(t for t, _ in obs)  # one size seen: the average rate
+                return slope, max(0.0, mean_y - slope * mean_x)
+        return sum(s for _, s in obs) / sum(t for t, _ in obs), 0.0  # one size seen: the average rate
 
     def bandwidth(self, tier: Tier | str) -> float | None:
         """Bytes per second of bringing blocks of ``tier`` to the GPU (given, or fitted; ``None``: unknown)."""
@@ -232,6 +269,55 @@ class CostModel:
                 self._skipped[tier] = self._skipped.get(tier, 0) + 1
         return best_k
 
+    def split(self, match: Match, num_tokens: int) -> int:
+        """How many leading blocks of ``match`` to compute while the rest is loaded (hybrid prefill; see the module).
+
+        Args:
+            match: what the cache holds of the prompt's prefix (``BlockManager.match``; claims nothing).
+            num_tokens: the prompt's tokens.
+
+        Returns:
+            0 (load the whole match, as an admission does) unless the match's first block is in the file tier and the
+            model's prefill rate is known; else the ``c`` in ``0 .. len(match.blocks)`` that minimises the
+            estimated time to the prompt's last forward (ties: the smaller ``c``). A tier whose bandwidth is unknown
+            loads for free, so ``c`` is 0 until the tier has been measured.
+        """
+        blocks = match.blocks
+        if not blocks or blocks[0].tier is not Tier.FILE:
+            return 0
+        fit = self._prefill_fit()
+        if fit is None:
+            return 0
+        per_token, overhead = fit
+        tpb = self.cache.layout.tokens_per_block
+        bytes_per_block = self.cache.layout.bytes_per_block
+        tiers = [b.tier.value for b in blocks]  # type: ignore[union-attr]
+        cost = {t: self._onboard_cost(t) for t in set(tiers) if t != "gpu"}
+        m = len(blocks)
+        load = [0.0] * (m + 1)  # load[c]: seconds to bring blocks[c:] to the GPU in one admission
+        moved = dict.fromkeys(cost, 0)
+        for c in range(m - 1, -1, -1):
+            if tiers[c] != "gpu":
+                moved[tiers[c]] += bytes_per_block
+            load[c] = sum(cost[t](moved[t]) for t in cost)
+        after = overhead + max(0, num_tokens - m * tpb) * per_token  # the forward over the tokens after the match
+
+        def ttft(c: int) -> float:
+            if c == m:
+                return overhead + num_tokens * per_token  # one forward over the whole prompt
+            computed = overhead + c * tpb * per_token if c else 0.0
+            return max(computed, load[c]) + after
+
+        best = min(range(m + 1), key=lambda c: (ttft(c), c))
+        self._hybrid["decisions"] += 1
+        if 0 < best < m:
+            self._hybrid["splits"] += 1
+        elif best == m:
+            self._hybrid["recomputed"] += 1
+        self._hybrid["blocks"] += best
+        self._hybrid_saved += ttft(0) - ttft(best)
+        return best
+
     def statistics(self) -> ReuseStatistics:
         """A snapshot of the decisions and the current estimates."""
         bw = {t: v for t in ("host", "file") if (v := self.bandwidth(t)) is not None}
@@ -243,6 +329,12 @@ class CostModel:
             saved_vs_recompute_s=self._saved_none,
             bandwidth=bw,
             prefill_s_per_token=self.prefill_seconds_per_token() or 0.0,
+            prefill_overhead_s=self.prefill_overhead_seconds(),
+            hybrid_decisions=self._hybrid["decisions"],
+            hybrid_splits=self._hybrid["splits"],
+            hybrid_recomputed=self._hybrid["recomputed"],
+            hybrid_blocks_computed=self._hybrid["blocks"],
+            hybrid_saved_s=self._hybrid_saved,
         )
 
     def __repr__(self) -> str:

@@ -1,0 +1,125 @@
+"""CostModel.split: how many leading blocks of a file-tier match to compute while the rest is loaded."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tiered_kv import KVLayout, Tier, TieredKVCache
+from tiered_kv.cost_model import CostModel
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, tokens_per_block=16, dtype=torch.float16)
+BLOCK = LAYOUT.bytes_per_block  # 4 KiB
+ONE_MS_PER_BLOCK = BLOCK * 1000.0  # bytes per second: a block loads in 1 ms
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    return [int(x) for x in np.random.default_rng(seed).integers(0, 1000, n)]
+
+
+async def _cached_in(cache: TieredKVCache, prompt: list[int], tier: str) -> None:
+    [adm] = await cache.add_sequences([prompt])
+    cache.commit(adm.seq_id)
+    cache.free(adm.seq_id)
+    if tier in ("host", "file"):
+        await cache.evict(Tier.GPU, cache.blocks.capacity[Tier.GPU])
+    if tier == "file":
+        await cache.evict(Tier.HOST, cache.blocks.capacity[Tier.HOST])
+
+
+def _cache(tmp_path: object) -> TieredKVCache:
+    return TieredKVCache(LAYOUT, gpu_blocks=64, host_blocks=64, file_blocks=64, file_dir=tmp_path, device="cpu")
+
+
+@pytest.mark.parametrize(("compute_ms_per_block", "expect"), [(1.0, 6), (3.0, 3), (1 / 3, 9)])
+async def test_the_split_balances_computing_the_head_against_loading_the_tail(tmp_path, compute_ms_per_block, expect):
+    """12 file blocks at 1 ms each: computing a block in the same time splits 6/6; 3x slower computes 3, 9 loaded."""
+    prompt = _tokens(1, 12 * 16 + 5)
+    async with _cache(tmp_path) as cache:
+        await _cached_in(cache, prompt[:-5], "file")
+        cost = CostModel(cache, prefill_tokens_per_s=16_000 / compute_ms_per_block,
+                         bandwidth={"file": ONE_MS_PER_BLOCK})
+        match = cache.blocks.match(prompt)
+        assert match.by_tier["file"] == 12
+        c = cost.split(match, len(prompt))
+        assert c == expect
+        s = cost.statistics()
+        assert s.hybrid_decisions == 1 and s.hybrid_splits == 1 and s.hybrid_recomputed == 0
+        assert s.hybrid_blocks_computed == expect
+        # against loading all 12 blocks (12 ms) before the last 5 tokens: the split saves 12 ms - max(both halves)
+        assert s.hybrid_saved_s == pytest.approx(12e-3 - max(expect * compute_ms_per_block, 12 - expect) * 1e-3)
+
+
+async def test_a_hopeless_disk_recomputes_the_whole_match_and_a_fast_one_loads_it(tmp_path):
+    prompt = _tokens(2, 10 * 16 + 3)
+    async with _cache(tmp_path) as cache:
+        await _cached_in(cache, prompt[:-3], "file")
+        match = cache.blocks.match(prompt)
+        slow = CostModel(cache, prefill_tokens_per_s=16_000, bandwidth={"file": 1e3})  # 4 s a block
+        assert slow.split(match, len(prompt)) == 10
+        assert slow.statistics().hybrid_recomputed == 1
+        fast = CostModel(cache, prefill_tokens_per_s=16_000, bandwidth={"file": 1e12})
+        assert fast.split(match, len(prompt)) == 0
+        assert fast.statistics().hybrid_decisions == 1 and fast.statistics().hybrid_splits == 0
+
+
+async def test_unknown_rates_compute_nothing(tmp_path):
+    prompt = _tokens(3, 8 * 16 + 1)
+    async with _cache(tmp_path) as cache:
+        await _cached_in(cache, prompt[:-1], "file")
+        match = cache.blocks.match(prompt)
+        nothing_known = CostModel(cache)
+        assert nothing_known.split(match, len(prompt)) == 0
+        assert nothing_known.statistics().hybrid_decisions == 0
+        only_prefill = CostModel(cache)  # the model's speed measured, the file tier not yet: loading is free
+        only_prefill.observe_prefill(100, 0.01)
+        assert only_prefill.split(match, len(prompt)) == 0
+        only_disk = CostModel(cache, bandwidth={"file": 1e3})
+        assert only_disk.split(match, len(prompt)) == 0
+
+
+@pytest.mark.parametrize("tier", ["gpu", "host"])
+async def test_a_match_led_by_a_gpu_or_host_block_is_not_split(tmp_path, tier):
+    prompt = _tokens(4, 8 * 16 + 1)
+    async with _cache(tmp_path) as cache:
+        await _cached_in(cache, prompt[:-1], tier)
+        match = cache.blocks.match(prompt)
+        assert match.by_tier[tier] == 8
+        cost = CostModel(cache, prefill_tokens_per_s=16_000, bandwidth={"host": 1e3, "file": 1e3})
+        assert cost.split(match, len(prompt)) == 0
+        assert cost.statistics().hybrid_decisions == 0
+
+
+async def test_fitted_rates_and_the_forward_overhead_drive_the_split(tmp_path):
+    """Fitted, not given: prefill 1 ms per block + 2 ms per forward, the file tier 1 ms per block."""
+    prompt = _tokens(5, 12 * 16 + 5)
+    async with _cache(tmp_path) as cache:
+        await _cached_in(cache, prompt[:-5], "file")
+        cost = CostModel(cache)
+        for tokens in (16, 64, 160, 320):
+            cost.observe_prefill(tokens, 2e-3 + tokens / 16_000)
+        for blocks in range(1, 10):
+            cost.observe_admission({"file": blocks * BLOCK}, 0.5e-3 + blocks * 1e-3)
+        assert cost.prefill_seconds_per_token() == pytest.approx(1 / 16_000)
+        assert cost.prefill_overhead_seconds() == pytest.approx(2e-3)
+        assert cost.bandwidth("file") == pytest.approx(ONE_MS_PER_BLOCK)
+        # max(2 + c, 12 - c) is least at c = 5 (7 ms against 12 ms loading everything)
+        assert cost.split(cache.blocks.match(prompt), len(prompt)) == 5
+        assert cost.statistics().prefill_overhead_s == pytest.approx(2e-3)
+
+
+async def test_an_admission_with_the_split_loads_only_the_tail(tmp_path):
+    prompt = _tokens(6, 12 * 16 + 5)
+    async with _cache(tmp_path) as cache:
+        await _cached_in(cache, prompt[:-5], "file")
+        cost = CostModel(cache, prefill_tokens_per_s=16_000, bandwidth={"file": ONE_MS_PER_BLOCK})
+        from tiered_kv import Request
+
+        c = cost.split(cache.blocks.match(prompt), len(prompt))
+        [adm] = await cache.add_sequences([Request(prompt, compute_blocks=c)])
+        assert adm.tokens_computed_first == 6 * 16 and adm.tokens_reused == 6 * 16
+        assert adm.blocks_from["file"] == 6
+        cache.free(adm.seq_id)
+        cache.blocks.check()
+        assert cache.blocks.match(prompt).by_tier["file"] == 6  # the computed head's cached copies stayed there
