@@ -51,7 +51,7 @@ def test_bench_quick_writes_one_json_with_every_benchmark(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     payload = json.loads(out.read_text())
     names = [b["name"] for b in payload["benchmarks"]]
-    assert names == ["engine", "kernels", "overlap", "pagetables", "filetier", "cache", "remote", "model"]
+    assert names == ["engine", "kernels", "overlap", "pagetables", "filetier", "cache", "remote", "model", "serving"]
     assert all(b["rows"] for b in payload["benchmarks"])
     assert payload["machine"]["device"] == "emulated (CPU)"
     assert payload["schema"] == "tiered_kv.bench/2"

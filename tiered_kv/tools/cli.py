@@ -31,7 +31,7 @@ from .doctor import doctor_checks as _doctor_checks
 __all__ = ["main"]
 
 # Benchmarks run by `tiered-kv bench`, in order (modules under tiered_kv.tools.bench).
-BENCHMARKS = ["engine", "kernels", "overlap", "pagetables", "filetier", "cache", "remote", "model"]
+BENCHMARKS = ["engine", "kernels", "overlap", "pagetables", "filetier", "cache", "remote", "model", "serving"]
 
 
 def _writable_dir(path: str) -> str:

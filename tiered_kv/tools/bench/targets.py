@@ -110,8 +110,22 @@ def _model(row: Row) -> Target | None:
     return None
 
 
+def _serving(row: Row) -> Target | None:
+    # decode with the cache at least 0.95x plain transformers, the checksums at most 2% of it; a host hit's
+    # GPU memory beyond its KV at most 10% of the KV
+    kind, path = row.get("bench"), row.get("path")
+    if kind == "decode" and path == "cache":
+        return Target("vs_plain", ">=", 0.95)
+    if kind == "decode" and path == "no_integrity":
+        return Target("integrity_cost", "<=", 0.02)
+    if kind == "memory" and path == "host":
+        return Target("beyond_kv", "<=", 0.10)
+    return None
+
+
 _RULES: dict[str, Callable[[Row], Target | None]] = {
     "model": _model,
+    "serving": _serving,
     "engine": _engine,
     "kernels": _kernels,
     "filetier": _filetier,

@@ -1,0 +1,39 @@
+"""The serving benchmark's logic at tiny size on CPU: decode with and without checksums, a mixed batch, memory."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from tiered_kv.tools.bench import serving, targets
+
+
+def test_quick_run_measures_decode_batch_and_memory_and_judges_the_rows_with_targets():
+    result = targets.finalize(serving.run(quick=True, device="cpu"))
+    rows = {(r["bench"], r["path"] if "path" in r else ""): r for r in result["rows"]}
+    assert set(rows) == {
+        ("decode", "plain"),
+        ("decode", "cache"),
+        ("decode", "no_integrity"),
+        ("batch", ""),
+        ("memory", "plain"),
+        ("memory", "host"),
+    }
+    for path in ("plain", "cache", "no_integrity"):
+        r = rows["decode", path]
+        assert r["tokens_per_s"] > 0 and r["vs_plain"] > 0 and r["new_tokens"] == 24
+    assert rows["decode", "plain"]["vs_plain"] == 1.0
+    assert rows["decode", "cache"]["target"] == "vs_plain >= 0.95" and isinstance(rows["decode", "cache"]["met"], bool)
+    off = rows["decode", "no_integrity"]
+    assert off["target"] == "integrity_cost <= 0.02" and isinstance(off["met"], bool)
+    assert off["integrity_cost"] == pytest.approx(1 - rows["decode", "cache"]["tokens_per_s"] / off["tokens_per_s"])
+    batch = rows["batch", ""]
+    assert 0 < batch["ttft_p50_ms"] <= batch["ttft_p99_ms"] and 0 < batch["plain_p50_ms"] <= batch["plain_p99_ms"]
+    assert batch["target"] == "" and batch["met"] is None
+    host = rows["memory", "host"]
+    assert host["kv_MB"] > 0 and math.isnan(host["beyond_kv"])  # no GPU memory figures on the emulated device
+    assert host["target"] == "beyond_kv <= 0.1" and host["met"] is None
+    assert any("not comparable" in n for n in result["notes"])
