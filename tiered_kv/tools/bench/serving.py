@@ -7,7 +7,8 @@ The model is the one of :mod:`.model` (an 8B-shaped bf16 Llama with random weigh
 for ``--quick`` or the emulated device). Rows:
 
 * ``decode``, per ``path``: decode tokens per second after a prefix of ``tokens`` tokens held on the GPU,
-  greedy, timed from the first generated token to the last (``new_tokens`` of them).
+  greedy, timed from the first generated token to the last (``new_tokens`` of them); the three paths take turns,
+  request by request, and each row is the median over its turns.
 
   - ``plain``: plain transformers with the prefix's KV in a ``DynamicCache`` (no tiered_kv): the baseline.
   - ``cache``: :class:`~tiered_kv.integrations.hf.CachedGenerator` reusing the prefix from the GPU tier; every
@@ -33,6 +34,7 @@ Rows of the emulated device are CPU figures, not comparable to the targets.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import math
 import statistics
@@ -60,7 +62,7 @@ def _setup(quick: bool, device: str) -> tuple[Any, int, int, int, bool]:
     dev = resolve_device(device)
     if dev.is_cuda and not quick:
         model = random_causal_lm(llama_8b_config(), dtype=torch.bfloat16, device=dev.torch_device, seed=0)
-        return model, 8192, 64, 3, False
+        return model, 8192, 32, 5, False
     config = tiny_llama_config(layers=4, hidden=256, heads=4, kv_heads=2, intermediate=512, vocab=4096)
     model = random_causal_lm(config, dtype=torch.float32, device=dev.torch_device, seed=0)
     return model, 512, 24, 2, not dev.is_cuda
@@ -91,34 +93,36 @@ async def _decode_rows(model: Any, length: int, new: int, repeats: int) -> list[
 
     rates: dict[str, list[float]] = {"plain": [], "cache": [], "no_integrity": []}
     past = _prefix_kv(model, prefix)
-    reference_generate(model, prompt(), max_new_tokens=2, past=past)  # warm up
-    for _ in range(repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        tokens, _, ttft = reference_generate(model, prompt(), max_new_tokens=new, past=past)
-        _sync(device)
-        rates["plain"].append((len(tokens) - 1) / (time.perf_counter() - t0 - ttft))
-    del past
     blocks = -(-(length + SUFFIX + new) // 16) * 2 + 8
-    for path, integrity in (("cache", True), ("no_integrity", False)):
-        async with TieredKVCache(
-            layout,
-            gpu_blocks=blocks,
-            host_blocks=blocks,
-            device=_cache_device(device),
-            model_id=f"bench-serving-{path}",
-            integrity=integrity,
-        ) as cache:
-            gen = CachedGenerator(model, cache)
-            try:
-                await gen.generate(prompt(), max_new_tokens=2)  # the prefix, computed once; warms up
-                for _ in range(repeats):
-                    out = await gen.generate(prompt(), max_new_tokens=new)
-                    if out.tokens_reused < length - 16:
-                        raise RuntimeError(f"the prefix was not reused: {out.tokens_reused} tokens")
-                    rates[path].append((len(out.tokens) - 1) / (out.seconds - out.ttft_s))
-            finally:
-                gen.close()
+    gens: dict[str, CachedGenerator] = {}
+    async with contextlib.AsyncExitStack() as stack:
+        for path in ("cache", "no_integrity"):
+            cache = await stack.enter_async_context(
+                TieredKVCache(
+                    layout,
+                    gpu_blocks=blocks,
+                    host_blocks=blocks,
+                    device=_cache_device(device),
+                    model_id=f"bench-serving-{path}",
+                    integrity=path == "cache",
+                )
+            )
+            gen = gens[path] = CachedGenerator(model, cache)
+            stack.callback(gen.close)
+            await gen.generate(prompt(), max_new_tokens=2)  # the prefix, computed once; warms up
+        reference_generate(model, prompt(), max_new_tokens=2, past=past)
+        for _ in range(repeats):  # the three take turns: a slow spell of the machine falls on all of them
+            _sync(device)
+            t0 = time.perf_counter()
+            tokens, _, ttft = reference_generate(model, prompt(), max_new_tokens=new, past=past)
+            _sync(device)
+            rates["plain"].append((len(tokens) - 1) / (time.perf_counter() - t0 - ttft))
+            for path, gen in gens.items():
+                out = await gen.generate(prompt(), max_new_tokens=new)
+                if out.tokens_reused < length - 16:
+                    raise RuntimeError(f"the prefix was not reused: {out.tokens_reused} tokens")
+                rates[path].append((len(out.tokens) - 1) / (out.seconds - out.ttft_s))
+    del past
     plain = statistics.median(rates["plain"])
     rows = []
     for path, values in rates.items():
