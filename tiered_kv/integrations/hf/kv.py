@@ -36,13 +36,38 @@ def pool_views(pool: BlockPool | LayerMajorPool, layers: int) -> list[tuple[torc
     return [(t[:, i, 0], t[:, i, 1]) for i in range(layers)]
 
 
+#: A forward writing at most this many positions (rows x new tokens: a decode step) holds its layers' KV back and
+#: writes every layer at once in :meth:`RowTargets.finish`; a longer one writes each layer as it comes.
+BATCHED_WRITE_POSITIONS = 64
+
+
 class RowTargets:
-    """Where a forward's KV goes: per batch row, the sequence's page table (None: not stored)."""
+    """Where a forward's KV goes: per batch row, the sequence's page table (None: not stored).
 
-    __slots__ = ("_rows_kept", "block_index", "offsets", "page_tables", "start", "timer", "tokens_per_block")
+    Args:
+        tokens_per_block: the layout's block size.
+        pool: the GPU pool's tensor ``[blocks, layers, 2, heads, tokens, head_dim]`` (a block-major pool), or
+            ``None``. With it, a forward of at most :data:`BATCHED_WRITE_POSITIONS` positions writes every layer's
+            KV in one copy when :meth:`finish` is called after it, instead of two copies per layer (a decode step is
+            launch-bound: 64 copies of a few KiB cost more than the step's attention over the past).
+    """
 
-    def __init__(self, tokens_per_block: int) -> None:
+    __slots__ = (
+        "_pending",
+        "_rows_kept",
+        "block_index",
+        "offsets",
+        "page_tables",
+        "pool",
+        "start",
+        "timer",
+        "tokens_per_block",
+    )
+
+    def __init__(self, tokens_per_block: int, pool: torch.Tensor | None = None) -> None:
         self.tokens_per_block = tokens_per_block
+        self.pool = pool
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # layers' KV held back for finish()
         self.timer: PhaseTimer | None = None  # times the writes (``kv_write``) while set
         self.page_tables: list[tuple[int, ...] | None] = []
         self.start = 0  # position of the forward's first token
@@ -63,16 +88,22 @@ class RowTargets:
             table = np.asarray(pt, dtype=np.int64)
             blocks.append(table[positions // T])
             offsets.append(positions % T)
+        self._pending = None
         if not kept:
             self.block_index = self.offsets = self._rows_kept = None
             return
         self.block_index = torch.from_numpy(np.concatenate(blocks)).to(device)
         self.offsets = torch.from_numpy(np.concatenate(offsets)).to(device)
         self._rows_kept = torch.tensor(kept, dtype=torch.long, device=device)
+        if self.pool is not None and len(kept) * length <= BATCHED_WRITE_POSITIONS:
+            self._pending = []
 
     def write(self, views: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write one layer's new ``[batch, heads, q, head_dim]`` keys and values into the blocks."""
         if self.block_index is None:
+            return
+        if self._pending is not None:
+            self._pending.append((keys, values))
             return
         assert self._rows_kept is not None and self.offsets is not None
         timer = self.timer
@@ -83,6 +114,36 @@ class RowTargets:
             # [rows, heads, q, dim] -> [rows * q, heads, dim], one row per written position
             flat = new.permute(0, 2, 1, 3).reshape(-1, new.shape[1], new.shape[3])
             view[self.block_index, :, self.offsets, :] = flat.to(view.dtype)
+        if timer is not None:
+            timer.stop("kv_write", mark)
+
+    def finish(self) -> None:
+        """Write the KV :meth:`write` held back (a short forward's, every layer at once); call after each forward.
+
+        Raises:
+            RuntimeError: the forward wrote another number of layers than the pool holds.
+        """
+        pending = self._pending
+        if not pending:
+            return
+        self._pending = []
+        pool = self.pool
+        assert pool is not None and self._rows_kept is not None and self.offsets is not None
+        if len(pending) != pool.shape[1]:
+            raise RuntimeError(f"the forward wrote {len(pending)} layers, the pool holds {pool.shape[1]}")
+        timer = self.timer
+        mark = timer.start() if timer is not None else None
+        parts: list[torch.Tensor] = []
+        for keys, values in pending:
+            if self._rows_kept.numel() != keys.shape[0]:
+                keys, values = keys.index_select(0, self._rows_kept), values.index_select(0, self._rows_kept)
+            parts += (keys, values)
+        rows, heads, q, dim = parts[0].shape
+        # [layers * 2, rows, heads, q, dim] -> [rows * q, layers, 2, heads, dim]: one row per written position,
+        # the shape of pool[block_index, :, :, :, offsets, :]
+        stacked = torch.stack(parts).view(len(pending), 2, rows, heads, q, dim)
+        flat = stacked.permute(2, 4, 0, 1, 3, 5).reshape(rows * q, len(pending), 2, heads, dim)
+        pool[self.block_index, :, :, :, self.offsets, :] = flat.to(pool.dtype)
         if timer is not None:
             timer.stop("kv_write", mark)
 
