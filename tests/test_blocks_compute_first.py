@@ -33,7 +33,7 @@ def in_file(bm: BlockManager, tokens: list[int]) -> list[int]:
 def test_leading_blocks_get_fresh_private_gpu_blocks_and_the_rest_is_onboarded() -> None:
     bm = manager(gpu=16, host=8, file=16)
     original = in_file(bm, PREFIX)
-    prompt = PREFIX + [100, 101, 102]
+    prompt = [*PREFIX, 100, 101, 102]
     assert len(bm.match(prompt).blocks) == 6 and bm.match(prompt).by_tier["file"] == 6
     [a], plan = bm.admit([Request(prompt, compute_blocks=2)])
     bm.check()
@@ -59,7 +59,7 @@ def test_leading_blocks_get_fresh_private_gpu_blocks_and_the_rest_is_onboarded()
 def test_commit_and_free_never_register_the_fresh_blocks_and_a_second_request_matches_the_originals() -> None:
     bm = manager(gpu=16, host=8, file=16)
     original = in_file(bm, PREFIX)
-    prompt = PREFIX + [100, 101, 102, 103, 104, 105]  # 7 full blocks, a partial tail of 2
+    prompt = [*PREFIX, 100, 101, 102, 103, 104, 105]  # 7 full blocks, a partial tail of 2
     [a], _ = bm.admit([Request(prompt, compute_blocks=3)])
     fresh = [b.id for b in bm.sequence_blocks(a.seq_id)[:3]]
     bm.commit(a.seq_id)  # the new full block and the 2 tokens of the tail
@@ -71,11 +71,11 @@ def test_commit_and_free_never_register_the_fresh_blocks_and_a_second_request_ma
     bm.check()
     assert not {b.id for b in bm.cached_blocks()} & set(fresh)
     # a second request matches the original blocks (the first ones still in the file tier), the new block after them
-    again = bm.match(prompt + [7])
+    again = bm.match([*prompt, 7])
     assert [b.id for b in again.blocks[:6]] == original
     assert [b.tier for b in again.blocks[:3]] == [Tier.FILE] * 3
     assert len(again.blocks) == 7 and again.partial is not None and again.partial[1] == 2
-    [b], _ = bm.admit([prompt + [7]])
+    [b], _ = bm.admit([[*prompt, 7]])
     assert [x.id for x in bm.sequence_blocks(b.seq_id)[:6]] == original
     bm.free(b.seq_id)
     bm.check()
@@ -86,7 +86,7 @@ def test_computing_every_matched_block_drops_the_partial_and_reuses_nothing() ->
     [a], _ = bm.admit([Request(list(range(10)))])  # 2 full blocks + 2 tokens
     bm.commit(a.seq_id)
     bm.free(a.seq_id)
-    prompt = list(range(10)) + [50, 51]
+    prompt = [*list(range(10)), 50, 51]
     assert bm.match(prompt).partial is not None
     [b], plan = bm.admit([Request(prompt, compute_blocks=99)])  # more than matched: all of them
     bm.check()
@@ -101,14 +101,14 @@ def test_computing_every_matched_block_drops_the_partial_and_reuses_nothing() ->
 def test_the_fit_check_counts_fresh_blocks_and_not_the_unclaimed_ones() -> None:
     bm = manager(gpu=7, host=8, file=16)
     in_file(bm, PREFIX)  # 6 blocks in the file tier, GPU empty
-    assert bm.match(PREFIX + [1]).by_tier["file"] == 6
-    prompt = PREFIX + [100, 101, 102]  # 7 GPU blocks whatever the split
+    assert bm.match([*PREFIX, 1]).by_tier["file"] == 6
+    prompt = [*PREFIX, 100, 101, 102]  # 7 GPU blocks whatever the split
     [a], _ = bm.admit([Request(prompt, compute_blocks=3)])
     assert len(bm.page_table(a.seq_id)) == 7
     bm.check()
     # the same prefix again: blocks 3..5 are on the GPU (shared), 3 fresh + 1 new are needed and none is free
     with pytest.raises(CacheFullError, match="needs 4 GPU blocks but at most 0"):
-        bm.admit([Request(PREFIX + [200, 201, 202], compute_blocks=3)])
+        bm.admit([Request([*PREFIX, 200, 201, 202], compute_blocks=3)])
     bm.check()
     bm.free(a.seq_id)
     bm.check()
@@ -122,7 +122,7 @@ def test_a_bad_compute_blocks_is_refused_before_anything_changes(value: object, 
     in_file(bm, PREFIX)
     before = bm.statistics()
     with pytest.raises(error, match="compute_blocks"):
-        bm.admit([Request(PREFIX + [1]), Request(PREFIX + [2], compute_blocks=value)])  # type: ignore[arg-type]
+        bm.admit([Request([*PREFIX, 1]), Request([*PREFIX, 2], compute_blocks=value)])  # type: ignore[arg-type]
     assert bm.statistics() == before
     bm.check()
 
@@ -130,7 +130,7 @@ def test_a_bad_compute_blocks_is_refused_before_anything_changes(value: object, 
 def test_a_batch_where_another_request_claims_the_computed_blocks() -> None:
     bm = manager(gpu=20, host=8, file=16)
     original = in_file(bm, PREFIX)
-    adms, _ = bm.admit([Request(PREFIX + [1, 2], compute_blocks=4), Request(PREFIX + [3, 4])])
+    adms, _ = bm.admit([Request([*PREFIX, 1, 2], compute_blocks=4), Request([*PREFIX, 3, 4])])
     bm.check()
     first, second = (bm.sequence_blocks(a.seq_id) for a in adms)
     assert [b.id for b in second[:6]] == original  # the plain request claims all of them
@@ -138,4 +138,21 @@ def test_a_batch_where_another_request_claims_the_computed_blocks() -> None:
     assert [b.refcount for b in second[:6]] == [1, 1, 1, 1, 2, 2]
     for a in adms:
         bm.free(a.seq_id)
+    bm.check()
+
+
+def test_fresh_blocks_stay_private_even_when_the_cached_copies_leave_the_lookup() -> None:
+    """The originals are dropped while the sequence lives: committing it must still not register its fresh blocks."""
+    bm = manager(gpu=16, host=8, file=16)
+    in_file(bm, PREFIX)
+    prompt = [*PREFIX, 100, 101, 102]
+    [a], _ = bm.admit([Request(prompt, compute_blocks=2)])
+    fresh = bm.sequence_blocks(a.seq_id)[:2]
+    bm.refuse(bm.match(prompt).blocks[0])  # the first original leaves the lookup, its subtree with it
+    assert bm.match(prompt).tokens_reused == 0
+    bm.commit(a.seq_id)
+    bm.check()
+    assert not any(b.cached for b in fresh)
+    assert bm.match(prompt).tokens_reused == 0  # nothing of this sequence's head is matchable
+    bm.free(a.seq_id)
     bm.check()

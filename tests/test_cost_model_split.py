@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -28,12 +30,14 @@ async def _cached_in(cache: TieredKVCache, prompt: list[int], tier: str) -> None
         await cache.evict(Tier.HOST, cache.blocks.capacity[Tier.HOST])
 
 
-def _cache(tmp_path: object) -> TieredKVCache:
+def _cache(tmp_path: Path) -> TieredKVCache:
     return TieredKVCache(LAYOUT, gpu_blocks=64, host_blocks=64, file_blocks=64, file_dir=tmp_path, device="cpu")
 
 
 @pytest.mark.parametrize(("compute_ms_per_block", "expect"), [(1.0, 6), (3.0, 3), (1 / 3, 9)])
-async def test_the_split_balances_computing_the_head_against_loading_the_tail(tmp_path, compute_ms_per_block, expect):
+async def test_the_split_balances_computing_the_head_against_loading_the_tail(
+    tmp_path: Path, compute_ms_per_block: float, expect: int
+) -> None:
     """12 file blocks at 1 ms each: computing a block in the same time splits 6/6; 3x slower computes 3, 9 loaded."""
     prompt = _tokens(1, 12 * 16 + 5)
     async with _cache(tmp_path) as cache:
@@ -51,7 +55,7 @@ async def test_the_split_balances_computing_the_head_against_loading_the_tail(tm
         assert s.hybrid_saved_s == pytest.approx(12e-3 - max(expect * compute_ms_per_block, 12 - expect) * 1e-3)
 
 
-async def test_a_hopeless_disk_recomputes_the_whole_match_and_a_fast_one_loads_it(tmp_path):
+async def test_a_hopeless_disk_recomputes_the_whole_match_and_a_fast_one_loads_it(tmp_path: Path) -> None:
     prompt = _tokens(2, 10 * 16 + 3)
     async with _cache(tmp_path) as cache:
         await _cached_in(cache, prompt[:-3], "file")
@@ -64,7 +68,7 @@ async def test_a_hopeless_disk_recomputes_the_whole_match_and_a_fast_one_loads_i
         assert fast.statistics().hybrid_decisions == 1 and fast.statistics().hybrid_splits == 0
 
 
-async def test_unknown_rates_compute_nothing(tmp_path):
+async def test_unknown_rates_compute_nothing(tmp_path: Path) -> None:
     prompt = _tokens(3, 8 * 16 + 1)
     async with _cache(tmp_path) as cache:
         await _cached_in(cache, prompt[:-1], "file")
@@ -80,7 +84,7 @@ async def test_unknown_rates_compute_nothing(tmp_path):
 
 
 @pytest.mark.parametrize("tier", ["gpu", "host"])
-async def test_a_match_led_by_a_gpu_or_host_block_is_not_split(tmp_path, tier):
+async def test_a_match_led_by_a_gpu_or_host_block_is_not_split(tmp_path: Path, tier: str) -> None:
     prompt = _tokens(4, 8 * 16 + 1)
     async with _cache(tmp_path) as cache:
         await _cached_in(cache, prompt[:-1], tier)
@@ -91,7 +95,7 @@ async def test_a_match_led_by_a_gpu_or_host_block_is_not_split(tmp_path, tier):
         assert cost.statistics().hybrid_decisions == 0
 
 
-async def test_fitted_rates_and_the_forward_overhead_drive_the_split(tmp_path):
+async def test_fitted_rates_and_the_forward_overhead_drive_the_split(tmp_path: Path) -> None:
     """Fitted, not given: prefill 1 ms per block + 2 ms per forward, the file tier 1 ms per block."""
     prompt = _tokens(5, 12 * 16 + 5)
     async with _cache(tmp_path) as cache:
@@ -109,7 +113,7 @@ async def test_fitted_rates_and_the_forward_overhead_drive_the_split(tmp_path):
         assert cost.statistics().prefill_overhead_s == pytest.approx(2e-3)
 
 
-async def test_an_admission_with_the_split_loads_only_the_tail(tmp_path):
+async def test_an_admission_with_the_split_loads_only_the_tail(tmp_path: Path) -> None:
     prompt = _tokens(6, 12 * 16 + 5)
     async with _cache(tmp_path) as cache:
         await _cached_in(cache, prompt[:-5], "file")

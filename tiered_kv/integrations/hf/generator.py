@@ -20,6 +20,13 @@ Re-exported from the modules of the integration (import them from here):
 
 The KV bridge (past KV read from the blocks, new KV written through into them) is :mod:`.kv`.
 
+Slow tiers. A single prompt (``generate``, ``stream``) whose cached prefix starts in the file tier is split by the
+generator's cost model (:meth:`~tiered_kv.cost_model.CostModel.split`): the model computes the prefix's first blocks
+while the rest is read back, then runs the remaining tokens (hybrid prefill, :mod:`.hybrid`). With no cost model
+given, a generator whose cache has a file or remote tier makes its own (``cost_model="auto"``), fed by its own
+admissions and prefills; until both rates are measured it loads the whole prefix. Batches of several prompts load
+what they match.
+
 Equality. The KV of reused tokens is byte for byte what the model computed earlier (a tier round trip is a
 byte copy; the tests check it), and the model runs the remaining tokens at the same positions. So the
 logits of every position are bitwise equal to plain transformers holding the same earlier KV in a
@@ -45,7 +52,7 @@ import asyncio
 import concurrent.futures
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar, Unpack
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, Unpack
 
 import numpy as np
 import torch
@@ -54,6 +61,7 @@ from ...blocks import Admission, CacheFullError, Request
 from ...keys import as_token_array
 from ...layer_major import LayerMajorPool
 from ...pools import BlockPool, Tier
+from .hybrid import ComputedPrefix, compute_prefix, finished, hybrid_past, write_prefix
 from .kv import PhaseTimer, RowTargets, cache_classes, pool_views, preload_past
 from .model import cache_kwargs, check_full_attention, layout_for, model_geometry, reference_generate
 from .results import Generation, GenerationStream, GeneratorStatistics
@@ -91,8 +99,11 @@ class CachedGenerator:
         on_reuse: ``callback(seq_ids, kv)`` on the model thread, before a prompt forward that reuses tokens:
             ``kv`` is, per layer, the ``(keys, values)`` ``[rows, kv_heads, tokens_reused, head_dim]`` the model
             is about to attend to (read it, do not keep or change it; e.g. to verify it against a recompute).
-        cost_model: a :class:`~tiered_kv.cost_model.CostModel` to feed: every admission's time against the bytes
-            it brought per tier, every prefill's time against its tokens (attach it to the cache to use it).
+        cost_model: a :class:`~tiered_kv.cost_model.CostModel` to feed (every admission's time against the bytes
+            it brought per tier, every prefill's time against its tokens) and to ask, for a single prompt whose match
+            starts in the file tier, how many leading blocks to compute while the rest loads (hybrid prefill; attach
+            it to the cache to also price plain reuse). ``"auto"`` (the default): a new unattached one when the
+            cache has a file or remote tier, else none. ``None``: no cost model (everything matched is loaded).
 
     Raises:
         TypeError: not a transformers model, or the cache is not a ``TieredKVCache``.
@@ -115,9 +126,10 @@ class CachedGenerator:
         offload_compute: bool = True,
         on_prefill: Callable[[int, float], None] | None = None,
         on_reuse: Callable[[list[int], list[tuple[torch.Tensor, torch.Tensor]]], None] | None = None,
-        cost_model: CostModel | None = None,
+        cost_model: CostModel | Literal["auto"] | None = "auto",
     ) -> None:
         from ...cache import TieredKVCache
+        from ...cost_model import CostModel
 
         if not isinstance(cache, TieredKVCache):
             raise TypeError(f"cache must be a TieredKVCache, got {type(cache).__name__}")
@@ -142,6 +154,13 @@ class CachedGenerator:
         if not isinstance(pool, (BlockPool, LayerMajorPool)):
             raise ValueError(f"unsupported GPU pool {type(pool).__name__}")
         check_full_attention(model)
+        if isinstance(cost_model, str):
+            if cost_model != "auto":
+                raise ValueError(f"cost_model must be a CostModel, None or 'auto', got {cost_model!r}")
+            slow = cache.blocks.capacity[Tier.FILE] > 0 or cache.remote is not None
+            cost_model = CostModel(cache) if slow else None
+        elif cost_model is not None and not isinstance(cost_model, CostModel):
+            raise TypeError(f"cost_model must be a CostModel, None or 'auto', got {type(cost_model).__name__}")
         self.model = model
         self.cache = cache
         self.device = device
@@ -214,13 +233,17 @@ class CachedGenerator:
         arrays = self._check_prompts(prompts, sampling.max_new_tokens)
         results: list[Generation | None] = [None] * len(arrays)
         t0 = time.perf_counter()
-        admissions = await self._admit([Request(a, priority=sampling.priority) for a in arrays], t0)
+        computed: ComputedPrefix | None = None
+        if len(arrays) == 1:
+            admissions, computed = await self._admit_one(arrays[0], sampling.priority, t0)
+        else:
+            admissions = await self._admit([Request(a, priority=sampling.priority) for a in arrays], t0)
         try:
             groups: dict[tuple[int, int], list[int]] = {}
             for i, (a, adm) in enumerate(zip(arrays, admissions, strict=True)):
                 groups.setdefault((len(a), adm.tokens_reused), []).append(i)
             for rows in groups.values():
-                async for _ in self._run_group(rows, arrays, admissions, sampling, t0, results):
+                async for _ in self._run_group(rows, arrays, admissions, sampling, t0, results, computed):
                     pass
         finally:
             self._free_all(admissions)
@@ -299,14 +322,39 @@ class CachedGenerator:
     async def _stream_one(self, array: np.ndarray, sampling: Sampling) -> AsyncIterator[int | Generation]:
         results: list[Generation | None] = [None]
         t0 = time.perf_counter()
-        admissions = await self._admit([Request(array, priority=sampling.priority)], t0)
+        admissions, computed = await self._admit_one(array, sampling.priority, t0)
         try:
-            async for token in self._run_group([0], [array], admissions, sampling, t0, results):
+            async for token in self._run_group([0], [array], admissions, sampling, t0, results, computed):
                 yield token
         finally:
             self._free_all(admissions)
         assert results[0] is not None
         yield results[0]
+
+    async def _admit_one(
+        self, array: np.ndarray, priority: int, t0: float
+    ) -> tuple[list[Admission], ComputedPrefix | None]:
+        """Admit one prompt; when the cost model splits its match, compute the head meanwhile (see :mod:`.hybrid`)."""
+        c = 0
+        if self.cost_model is not None:
+            c = self.cost_model.split(self.cache.blocks.match(array), len(array))
+        if c == 0:
+            return await self._admit([Request(array, priority=priority)], t0), None
+        ids = torch.from_numpy(np.ascontiguousarray(array[None, : c * self._tpb]))
+        future = asyncio.ensure_future(self._compute(lambda: compute_prefix(self.model, ids, self.device)))
+        try:
+            admissions = await self._admit([Request(array, priority=priority, compute_blocks=c)], t0)
+        except BaseException:
+            await finished(future)  # the pre-forward writes no block, but the model thread is left idle
+            raise
+        admitted = time.perf_counter()
+        try:
+            computed = await future
+        except BaseException:
+            self._free_all(admissions)
+            raise
+        computed.admit_seconds = admitted - t0
+        return admissions, computed
 
     async def _admit(self, requests: list[Request], t0: float) -> list[Admission]:
         admissions = await self.cache.add_sequences(requests)
@@ -352,13 +400,18 @@ class CachedGenerator:
         sampling: Sampling,
         t0: float,
         results: list[Generation | None],
+        computed: ComputedPrefix | None = None,
     ) -> AsyncIterator[int]:
-        """Prefill then decode ``rows`` (same prompt length and reuse) in lockstep; yields row 0's tokens."""
+        """Prefill then decode ``rows`` (same prompt length and reuse) in lockstep; yields row 0's tokens.
+
+        ``computed``: the head of row 0's prompt (one row), computed during its admission (hybrid prefill).
+        """
         layer_cls, cache_cls = cache_classes()
         cache = self.cache
         adms = [admissions[i] for i in rows]
         n = len(arrays[rows[0]])
         reused = adms[0].tokens_reused
+        start = reused if computed is None else computed.past_end(adms[0])  # the prompt forward's first position
         target = RowTargets(self._tpb)
         target.page_tables = [a.page_table for a in adms]
         kv = cache_cls([layer_cls(views, target) for views in self._views])
@@ -373,16 +426,19 @@ class CachedGenerator:
             t = time.perf_counter()
             with torch.inference_mode():
                 mark = timer.start()
-                if reused:
+                if computed is not None:
+                    write_prefix(computed, self._views, adms[0].page_table, self._tpb, self.device)
+                    hybrid_past(kv, self._views, adms[0].page_table, computed, start, self._tpb, self.device)
+                elif reused:
                     preload_past(kv, self._views, [a.page_table for a in adms], reused, self._tpb, self.device)
-                    if self.on_reuse is not None:
-                        self.on_reuse([a.seq_id for a in adms], [(layer.keys, layer.values) for layer in kv.layers])
-                target.prepare(reused, n - reused, self.device)
+                if start and self.on_reuse is not None:
+                    self.on_reuse([a.seq_id for a in adms], [(layer.keys, layer.values) for layer in kv.layers])
+                target.prepare(start, n - start, self.device)
                 timer.stop("preload", mark)
                 mark = timer.start()
                 target.timer = timer
                 out = self.model(
-                    input_ids=prompt[:, reused:].to(self.device),
+                    input_ids=prompt[:, start:].to(self.device),
                     **cache_kwargs(self.model, kv),
                     use_cache=True,
                     logits_to_keep=0 if sampling.output_logits else 1,
@@ -400,15 +456,20 @@ class CachedGenerator:
         for a in adms:
             cache.commit(a.seq_id)
         phases = {"admit": admitted - t0, **timer.totals(), "commit": time.perf_counter() - committing}
-        self._prefill_s += seconds
-        self._computed += (n - reused) * len(rows)
+        forwards = [((n - start) * len(rows), seconds)]
+        if computed is not None:  # the head's forward ran during the admission
+            phases["hybrid_compute"], phases["hybrid_admit"] = computed.seconds, computed.admit_seconds
+            forwards.insert(0, (computed.tokens, computed.seconds))
+        for tokens_run, secs in forwards:
+            self._prefill_s += secs
+            self._computed += tokens_run
+            if self.on_prefill is not None:
+                self.on_prefill(tokens_run, secs)
+            if self.cost_model is not None:
+                self.cost_model.observe_prefill(tokens_run, secs)
         self._reused += reused * len(rows)
         self._prompt_tokens += n * len(rows)
         self._requests += len(rows)
-        if self.on_prefill is not None:
-            self.on_prefill((n - reused) * len(rows), seconds)
-        if self.cost_model is not None:
-            self.cost_model.observe_prefill((n - reused) * len(rows), seconds)
 
         live = list(range(len(rows)))  # positions (in this group) still generating
         stored = [n] * len(rows)  # tokens whose KV is in each sequence's blocks
@@ -424,7 +485,8 @@ class CachedGenerator:
             chosen = choose(step_logits, sampling, [generators[j] for j in live])
             if step == 0:
                 ttft = time.perf_counter() - t0
-                phases["sample"] = max(0.0, ttft - sum(v for k, v in phases.items() if k != "kv_write"))
+                inner = ("kv_write", "hybrid_compute", "hybrid_admit")  # spans within others
+                phases["sample"] = max(0.0, ttft - sum(v for k, v in phases.items() if k not in inner))
             for j, tok in zip(live, chosen, strict=True):
                 tokens[j].append(tok)
                 if tok in sampling.stop:
@@ -493,4 +555,5 @@ class CachedGenerator:
                 tokens_stored=stored[j],
                 logits=torch.cat(logits_rows[j]) if sampling.output_logits else None,
                 phases=dict(phases),
+                tokens_computed_first=computed.tokens if computed is not None else 0,
             )

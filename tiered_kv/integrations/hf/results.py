@@ -24,7 +24,8 @@ class Generation:
     Attributes:
         tokens: generated token ids (a stop token, when one ended it, is the last).
         prompt_tokens: tokens in the prompt.
-        tokens_reused: prompt tokens whose KV came from the cache (not computed).
+        tokens_reused: prompt tokens whose KV came from the cache (not computed): positions from
+            ``tokens_computed_first``.
         blocks_from: reused full blocks per tier they were found in (``"gpu"``, ``"host"``, ``"file"``).
         partial_tokens: tokens reused through a partial copy of one block.
         ttft_s: seconds from the call to the first token (admission, onboarding and prefill included).
@@ -32,13 +33,18 @@ class Generation:
         finish_reason: ``"length"`` (``max_new_tokens`` reached) or ``"stop"`` (a stop token).
         tokens_stored: tokens whose KV is in the cache for later prompts (prompt and generated; fewer than
             all of them if the GPU tier had no room while decoding).
-        logits: with ``output_logits=True``: one row per position the model ran (prompt positions
-            ``tokens_reused .. prompt_tokens - 1``, then one per decode step), else ``None``.
+        logits: with ``output_logits=True``: one row per position of the prompt's last forward (prompt positions
+            ``tokens_computed_first + tokens_reused .. prompt_tokens - 1``, then one per decode step), else ``None``.
         phases: where the time to first token went, in seconds: ``admit`` (from the call to the prefill: admission
             and the copies bringing reused blocks), ``preload`` (gathering the reused KV for the model), ``forward``
             (the prompt forward, KV writes included), ``kv_write`` (of it, writing the new KV into the blocks),
             ``commit`` (ordering later copies after the forward, committing), ``sample`` (the rest: choosing the
-            first token). Device time on CUDA (events), host time on the emulated device.
+            first token). Device time on CUDA (events), host time on the emulated device. With hybrid prefill also
+            ``hybrid_compute`` (the forward of the prefix's head, on the model thread) and ``hybrid_admit`` (the
+            admission that loaded the rest meanwhile); ``admit`` then spans both, ``preload`` includes writing the
+            head's KV into its blocks.
+        tokens_computed_first: prompt tokens at the start of a cached prefix that the model computed while the rest
+            of the prefix was loaded (hybrid prefill: see :mod:`~tiered_kv.integrations.hf.hybrid`); 0 otherwise.
     """
 
     tokens: tuple[int, ...]
@@ -52,6 +58,7 @@ class Generation:
     tokens_stored: int
     logits: torch.Tensor | None = None
     phases: dict[str, float] = dataclasses.field(default_factory=dict)
+    tokens_computed_first: int = 0
 
     @property
     def tokens_computed(self) -> int:
