@@ -17,13 +17,20 @@ def test_quick_run_measures_every_path_and_marks_emulated_rows():
     }
     for r in rows:
         assert r["ttft_ms"] > 0 and r["vs_recompute"] > 0
-        if r["path"] in ("gpu", "host", "file"):
+        if r["path"] in ("gpu", "host"):
             assert r["tokens_reused"] == r["tokens"]  # the whole prefix, none of the new tokens
+        elif r["path"] == "file":  # hybrid prefill: the head computed, the rest read back
+            assert r["tokens_reused"] + r["tokens_computed_first"] == r["tokens"]
         else:
             assert r["tokens_reused"] == 0
         if r["path"] == "host":
             assert r["target"] == "vs_recompute >= 10" and isinstance(r["met"], bool)
             assert r["floor_ms"] > 0 and r["vs_floor"] > 0 and r["h2d_GBps"] > 0
+        if r["path"] == "file":
+            assert r["target"] == "vs_floor <= 1.15 and at_least_recompute" and isinstance(r["met"], bool)
+            assert r["floor_ms"] > 0 and r["vs_floor"] > 0 and r["file_read_GBps"] > 0
+            assert r["floor_ms"] < min(r["load_ms"], r["ttft_ms"] * r["vs_recompute"])  # below either alone
+            assert r["fitted_file_GBps"] > 0 and r["fitted_prefill_tok_s"] > 0  # the cost model was trained
         if r["path"] in ("cold", "gpu", "host", "file"):  # the page cache still to be written back, as each started
             assert r["dirty_mb"] >= 0
         if r["path"] == "cold":  # a real miss: the bench raises if the cold prompt reused anything

@@ -17,7 +17,14 @@ Rows are labelled ``tokens`` (the prefix length) and ``path``:
   with room in the cache and nothing in flight (every earlier move awaited): the cost of a miss, i.e. of
   writing every computed token's KV into the cache's blocks. Target: at most 1.05x the recompute time.
 * ``gpu`` / ``host`` / ``file``: the prefix cached in that tier (evicted there just before), so its KV is
-  brought back (host: pinned DMA; file: read and verified) and only the 32 new tokens are run.
+  brought back (host: pinned DMA; file: read and verified) and only the 32 new tokens are run. The ``file`` row is
+  hybrid prefill: the generator's cost model splits the prefix, the model computes its head while the tail is read
+  (``tokens_computed_first`` + ``tokens_reused`` = the prefix).
+
+The generator's cost model is trained as a server's would be: before the rows, warm-up requests of three other
+prefix sizes are computed, then loaded from the file tier and from host memory, so the prefill rate and each tier's
+read rate are fitted from the run's own admissions and prefills (``fitted_file_GBps``, ``fitted_prefill_tok_s``
+in the ``file`` row); nothing is given to it.
 
 Each cached row carries ``phases_ms``: the median split of its TTFT into admission (with the copies bringing the
 prefix), gathering the reused KV, the forward, the KV writes within it, committing and sampling
@@ -27,8 +34,12 @@ requests start (the kernel writes earlier spills back beside them).
 TTFT is the median of ``repeats`` runs (each from the call to the first token on the host: admission,
 onboarding, prefill, sampling). Targets: a miss at most 1.05x the recompute time; with the prefix in host, TTFT
 at least 10x faster than recomputing; the ``host`` row also shows its floor, max(prefix bytes at the pinned
-host->GPU rate measured in the same run, the ``resident`` TTFT), and its TTFT over that floor. Rows of the
-emulated device are CPU figures, not comparable to the targets.
+host->GPU rate measured in the same run, the ``resident`` TTFT), and its TTFT over that floor. With the prefix in
+the file tier, TTFT at most 1.15x its floor and never slower than recomputing: the floor is
+``T_recompute * T_load / (T_recompute + T_load)`` (computing and loading at once, meeting where both finish), with
+``T_load`` the prefix's bytes at the cold file read rate measured in the same run, in the same directory
+(``file_read_GBps``: O_DIRECT reads where the file system allows them, else reads after dropping the file's pages).
+Rows of the emulated device are CPU figures, not comparable to the targets.
 """
 
 from __future__ import annotations
@@ -47,6 +58,7 @@ import numpy as np
 import torch
 
 from ...cache import TieredKVCache
+from ...cost_model import CostModel
 from ...device import resolve_device
 from ...pools import Tier
 from .common import bench_main, machine_info
@@ -97,13 +109,16 @@ async def _measure(model: Any, lengths: list[int], repeats: int, directory: str)
         phases: dict[str, list[dict[str, float]]] = {k: [] for k in times}
         dirty: dict[str, list[float]] = {k: [] for k in times}  # page cache not yet on disk as each request starts
         reused: dict[str, int] = {}
+        computed_first: dict[str, int] = {}
         async with TieredKVCache(layout, gpu_blocks=blocks + 8, host_blocks=blocks + 8, file_blocks=blocks + 8,
                                  file_dir=directory, device=str(device) if device.type == "cuda" else "cpu",
                                  model_id=f"bench-model-{length}") as cache:
-            gen = CachedGenerator(model, cache)
+            cost = CostModel(cache)  # unattached: fed by the generator, asked for hybrid splits
+            gen = CachedGenerator(model, cache, cost_model=cost)
             try:
                 await gen.generate(warm, max_new_tokens=1)  # warm up kernels and the model thread
                 reference_generate(model, warm, max_new_tokens=1)
+                await _train(gen, cache, length, vocab, rng)
                 for _ in range(repeats):
                     _sync(device)
                     _, _, ttft = reference_generate(model, fresh(), max_new_tokens=1)
@@ -116,6 +131,7 @@ async def _measure(model: Any, lengths: list[int], repeats: int, directory: str)
                 del past
                 prefix_bytes = -(-length // 16) * layout.bytes_per_block
                 h2d_gbps = _pinned_h2d_gbps(prefix_bytes, device)
+                file_gbps = _file_read_gbps(prefix_bytes, directory)
                 # cold: a prefix never seen, with room (the earlier prompts evicted and every move awaited first)
                 for _ in range(repeats):
                     await _drop_everything(cache)
@@ -126,7 +142,8 @@ async def _measure(model: Any, lengths: list[int], repeats: int, directory: str)
                     times["cold"].append(out.ttft_s)
                     phases["cold"].append(out.phases)
                 await gen.generate(fresh(), max_new_tokens=1)  # the prefix the tier rows reuse, computed once
-                for tier in ("host", "file", "gpu"):
+                # gpu first: a hybrid file request leaves the prefix's head in the file tier (its copies stay there)
+                for tier in ("gpu", "host", "file"):
                     for _ in range(repeats):
                         await _place(cache, tier)
                         dirty[tier].append(_dirty_mb())
@@ -134,8 +151,10 @@ async def _measure(model: Any, lengths: list[int], repeats: int, directory: str)
                         times[tier].append(out.ttft_s)
                         phases[tier].append(out.phases)
                         reused[tier] = out.tokens_reused
-                        if out.blocks_from.get(tier, 0) * 16 < length - 16:
+                        computed_first[tier] = out.tokens_computed_first
+                        if out.blocks_from.get(tier, 0) * 16 + out.tokens_computed_first < length - 16:
                             raise RuntimeError(f"the prefix was not found in the {tier} tier: {out.blocks_from}")
+                fit = cost.statistics()
             finally:
                 gen.close()
         base = statistics.median(times["recompute"])
@@ -157,8 +176,79 @@ async def _measure(model: Any, lengths: list[int], repeats: int, directory: str)
                 row["floor_ms"] = floor * 1e3
                 row["vs_floor"] = ttft / floor
                 row["h2d_GBps"] = h2d_gbps
+            if path == "file":
+                load = prefix_bytes / (file_gbps * 1e9)
+                floor = base * load / (base + load)  # compute the head while the tail loads, both ending together
+                row["tokens_computed_first"] = computed_first.get(path, 0)
+                row["floor_ms"] = floor * 1e3
+                row["vs_floor"] = ttft / floor
+                row["file_read_GBps"] = file_gbps
+                row["load_ms"] = load * 1e3
+                row["at_least_recompute"] = bool(ttft <= base)
+                row["fitted_file_GBps"] = fit.bandwidth.get("file", 0.0) / 1e9
+                row["fitted_prefill_tok_s"] = 1 / fit.prefill_s_per_token if fit.prefill_s_per_token else 0.0
             rows.append(row)
     return rows
+
+
+async def _train(gen: Any, cache: TieredKVCache, length: int, vocab: int, rng: np.random.Generator) -> None:
+    """Warm-up requests that teach the generator's cost model the run's rates, as a server's traffic would.
+
+    Three prefix sizes (an eighth, a quarter and half of ``length``): each computed (a prefill), then loaded from the
+    file tier and from host memory (admissions with bytes from each tier). Their blocks are evicted afterwards.
+    """
+    for size in (length // 8, length // 4, length // 2):
+        head = rng.integers(0, vocab, size).tolist()
+        for tier in ("gpu", "file", "host"):
+            await _place(cache, tier)
+            await gen.generate(head + rng.integers(0, vocab, SUFFIX).tolist(), max_new_tokens=1)
+    await _drop_everything(cache)
+
+
+def _file_read_gbps(nbytes: int, directory: str, chunk: int = 8 << 20, threads: int = 4) -> float:
+    """GB/s of a cold read of ``nbytes`` from a file in ``directory`` (``threads`` readers of ``chunk`` bytes).
+
+    O_DIRECT where the file system allows it (no page cache); otherwise the file's pages are dropped first
+    (``posix_fadvise(DONTNEED)`` after an fsync). The file is removed afterwards.
+    """
+    import concurrent.futures
+    import mmap
+
+    path = os.path.join(directory, "read-rate.bin")
+    pattern = np.random.default_rng(1).integers(0, 256, chunk, dtype=np.uint8).tobytes()
+    try:
+        with open(path, "wb") as f:
+            for offset in range(0, nbytes, chunk):
+                f.write(pattern[: min(chunk, nbytes - offset)])
+            f.flush()
+            os.fsync(f.fileno())
+        direct = getattr(os, "O_DIRECT", 0)
+        try:
+            fd = os.open(path, os.O_RDONLY | direct)
+        except OSError:
+            direct, fd = 0, os.open(path, os.O_RDONLY)
+        try:
+            if not direct and hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            buffers = [mmap.mmap(-1, chunk) for _ in range(threads)]  # page-aligned, as O_DIRECT needs
+
+            def read(i: int) -> None:
+                buf = buffers[i]
+                for offset in range(i * chunk, nbytes, threads * chunk):
+                    os.preadv(fd, [buf], offset)
+
+            t = time.perf_counter()
+            with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+                list(pool.map(read, range(threads)))
+            seconds = time.perf_counter() - t
+        finally:
+            os.close(fd)
+    finally:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+    return nbytes / seconds / 1e9
 
 
 def _dirty_mb() -> float:

@@ -101,10 +101,13 @@ def _pagetables(row: Row) -> Target | None:
 
 
 def _model(row: Row) -> Target | None:
-    # TTFT with the prefix in host at least 10x faster than recomputing it; a miss at most 1.05x the recompute time
+    # TTFT with the prefix in host at least 10x faster than recomputing it; a miss at most 1.05x the recompute time;
+    # with the prefix in the file tier (hybrid prefill) at most 1.15x its floor and never slower than recomputing
     path = row.get("path")
     if path == "host":
         return Target("vs_recompute", ">=", 10.0)
+    if path == "file":
+        return Target("vs_floor", "<=", 1.15, requires="at_least_recompute")
     if path == "cold":
         return Target("vs_recompute", ">=", round(1 / 1.05, 3))
     return None
