@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 from tiered_kv.tools.bench import serving, targets
 
 
-def test_quick_run_measures_decode_batch_and_memory_and_judges_the_rows_with_targets():
+def test_quick_run_measures_decode_batch_and_memory_and_judges_the_rows_with_targets() -> None:
     result = targets.finalize(serving.run(quick=True, device="cpu"))
     rows = {(r["bench"], r["path"] if "path" in r else ""): r for r in result["rows"]}
     assert set(rows) == {

@@ -168,6 +168,7 @@ class CachedGenerator:
         self.on_reuse = on_reuse
         self.cost_model = cost_model
         self._views = pool_views(pool, layers)
+        self._pool_tensor = pool.tensor if isinstance(pool, BlockPool) else None  # short forwards write at once
         self._tpb = layout.tokens_per_block
         self._executor = (
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tiered_kv-model") if offload_compute else None
@@ -412,7 +413,7 @@ class CachedGenerator:
         n = len(arrays[rows[0]])
         reused = adms[0].tokens_reused
         start = reused if computed is None else computed.past_end(adms[0])  # the prompt forward's first position
-        target = RowTargets(self._tpb)
+        target = RowTargets(self._tpb, pool=self._pool_tensor)
         target.page_tables = [a.page_table for a in adms]
         kv = cache_cls([layer_cls(views, target) for views in self._views])
         generators = [make_sampler(sampling, i, self.device) for i in rows]
@@ -443,6 +444,7 @@ class CachedGenerator:
                     use_cache=True,
                     logits_to_keep=0 if sampling.output_logits else 1,
                 )
+                target.finish()
                 target.timer = None
                 timer.stop("forward", mark)
                 logits = out.logits
@@ -526,6 +528,7 @@ class CachedGenerator:
                     out = self.model(
                         input_ids=feed.to(self.device), **cache_kwargs(self.model, kv), use_cache=True, logits_to_keep=1
                     )
+                    target.finish()
                     logits = out.logits[:, -1, :]
                     if self.device.type == "cuda":
                         torch.cuda.current_stream(self.device).synchronize()
