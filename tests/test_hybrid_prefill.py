@@ -167,6 +167,35 @@ async def test_fewer_blocks_matched_at_admission_than_computed_still_give_a_reco
     assert (out.logits - logits[80:]).abs().max().item() <= FP32_TOL
 
 
+async def test_a_hopeless_slow_tier_is_recomputed_in_one_forward_and_its_blocks_stay_cached(
+    model: Any, tmp_path: Path
+) -> None:
+    """Loading loses at every split: the whole prompt runs in ONE forward (not a head forward and then another one
+    over its KV), nothing is read from the file tier, and the file blocks stay where they are."""
+    async with _cache(model, tmp_path) as cache:
+        gen = CachedGenerator(model, cache, cost_model=_cost(cache))
+        forwards: list[int] = []
+        hook = model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+        try:
+            await _prefix_in_file(gen, cache)
+            gen.cost_model = CostModel(cache, prefill_tokens_per_s=TPB * 1000, bandwidth={"file": 1.0})
+            forwards.clear()
+            out = await gen.generate(PROMPT, max_new_tokens=1, output_logits=True)
+            cache.blocks.check()
+            assert cache.blocks.live_sequences == ()
+            assert cache.match(PROMPT)[1] == {"gpu": 1, "host": 0, "file": 10}  # the prefix: still the file's
+        finally:
+            hook.remove()
+            gen.close()
+    assert len(forwards) == 1
+    assert out.tokens_reused == 0 and out.blocks_from["file"] == 0 and out.tokens_computed == len(PROMPT)
+    assert "hybrid_compute" not in out.phases
+    tokens, logits, _ = reference_generate(model, PROMPT, max_new_tokens=1, output_logits=True)
+    assert list(out.tokens) == tokens
+    assert out.logits is not None and logits is not None
+    assert (out.logits - logits).abs().max().item() <= FP32_TOL
+
+
 async def test_cancelling_during_the_hybrid_step_frees_everything(model: Any, tmp_path: Path) -> None:
     async with _engine(model, tmp_path, stall_reads=0.3) as engine, _cache(model, tmp_path, engine) as cache:
         gen = CachedGenerator(model, cache, cost_model=_cost(cache))

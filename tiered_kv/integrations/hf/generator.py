@@ -338,7 +338,14 @@ class CachedGenerator:
         """Admit one prompt; when the cost model splits its match, compute the head meanwhile (see :mod:`.hybrid`)."""
         c = 0
         if self.cost_model is not None:
-            c = self.cost_model.split(self.cache.blocks.match(array), len(array))
+            match = self.cache.blocks.match(array)
+            c = self.cost_model.split(match, len(array))
+            if c and c >= len(match.blocks):
+                # Loading loses at every split: recompute the whole prompt in one forward (a head forward and then
+                # a second one over its KV would cost more than recomputing). Every block it matches at admission
+                # is left where it is, however the cache changed since this look.
+                whole = -(-len(array) // self._tpb)
+                return await self._admit([Request(array, priority=priority, compute_blocks=whole)], t0), None
         if c == 0:
             return await self._admit([Request(array, priority=priority)], t0), None
         ids = torch.from_numpy(np.ascontiguousarray(array[None, : c * self._tpb]))
