@@ -42,8 +42,9 @@ async def test_the_split_balances_computing_the_head_against_loading_the_tail(
     prompt = _tokens(1, 12 * 16 + 5)
     async with _cache(tmp_path) as cache:
         await _cached_in(cache, prompt[:-5], "file")
-        cost = CostModel(cache, prefill_tokens_per_s=16_000 / compute_ms_per_block,
-                         bandwidth={"file": ONE_MS_PER_BLOCK})
+        cost = CostModel(
+            cache, prefill_tokens_per_s=16_000 / compute_ms_per_block, bandwidth={"file": ONE_MS_PER_BLOCK}
+        )
         match = cache.blocks.match(prompt)
         assert match.by_tier["file"] == 12
         c = cost.split(match, len(prompt))

@@ -59,14 +59,26 @@ def _engine(model: Any, directory: Path, **faults: Any) -> TransferEngine:
 
     from tiered_kv.testing import FaultyBackend
 
-    config = FileTierConfig(directory, 128, gds="off", io_threads=2,
-                            backend_factory=lambda p: FaultyBackend(PosixBackend(p, threads=2), **faults))
+    config = FileTierConfig(
+        directory,
+        128,
+        gds="off",
+        io_threads=2,
+        backend_factory=lambda p: FaultyBackend(PosixBackend(p, threads=2), **faults),
+    )
     return TransferEngine(layout_for(model, TPB), gpu_blocks=64, host_blocks=64, device="cpu", file_config=config)
 
 
 def _cache(model: Any, tmp_path: Path, engine: TransferEngine | None = None) -> TieredKVCache:
-    return TieredKVCache(layout_for(model, TPB), gpu_blocks=64, host_blocks=64, file_blocks=128,
-                         file_dir=None if engine is not None else tmp_path, device="cpu", engine=engine)
+    return TieredKVCache(
+        layout_for(model, TPB),
+        gpu_blocks=64,
+        host_blocks=64,
+        file_blocks=128,
+        file_dir=None if engine is not None else tmp_path,
+        device="cpu",
+        engine=engine,
+    )
 
 
 async def _prefix_in_file(gen: CachedGenerator, cache: TieredKVCache) -> None:
@@ -153,8 +165,9 @@ async def test_fewer_blocks_matched_at_admission_than_computed_still_give_a_reco
         gen = CachedGenerator(model, cache, cost_model=_cost(cache))
         try:
             await _prefix_in_file(gen, cache)
-            gen.cost_model = Shrinking(cache, prefill_tokens_per_s=TPB * 1000,
-                                       bandwidth={"file": cache.layout.bytes_per_block * 1000})
+            gen.cost_model = Shrinking(
+                cache, prefill_tokens_per_s=TPB * 1000, bandwidth={"file": cache.layout.bytes_per_block * 1000}
+            )
             out = await gen.generate(PROMPT, max_new_tokens=6, output_logits=True)
             cache.blocks.check()
             assert cache.blocks.live_sequences == ()

@@ -283,8 +283,15 @@ class AdmissionPlanner(EvictingStore):
         page_table = tuple(b.slot for b in seq.blocks)
         self._notify(seq, page_table)
         return Admission(
-            seq.seq_id, seq_slot, len(tokens), match.tokens_reused, dict(match.by_tier), partial_n, total - m + c,
-            page_table, c * tpb,
+            seq.seq_id,
+            seq_slot,
+            len(tokens),
+            match.tokens_reused,
+            dict(match.by_tier),
+            partial_n,
+            total - m + c,
+            page_table,
+            c * tpb,
         )
 
     def _plan_fetches(self, seq: LiveSequence, m: int, plan: Plan) -> None:

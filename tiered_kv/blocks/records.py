@@ -110,7 +110,17 @@ class Block:
     """
 
     __slots__ = (
-        "cached", "checksum", "children", "id", "key", "parent_key", "priority", "refcount", "slot", "sources", "tier",
+        "cached",
+        "checksum",
+        "children",
+        "id",
+        "key",
+        "parent_key",
+        "priority",
+        "refcount",
+        "slot",
+        "sources",
+        "tier",
         "tokens",
     )
 

@@ -110,9 +110,15 @@ async def _measure(model: Any, lengths: list[int], repeats: int, directory: str)
         dirty: dict[str, list[float]] = {k: [] for k in times}  # page cache not yet on disk as each request starts
         reused: dict[str, int] = {}
         computed_first: dict[str, int] = {}
-        async with TieredKVCache(layout, gpu_blocks=blocks + 8, host_blocks=blocks + 8, file_blocks=blocks + 8,
-                                 file_dir=directory, device=str(device) if device.type == "cuda" else "cpu",
-                                 model_id=f"bench-model-{length}") as cache:
+        async with TieredKVCache(
+            layout,
+            gpu_blocks=blocks + 8,
+            host_blocks=blocks + 8,
+            file_blocks=blocks + 8,
+            file_dir=directory,
+            device=str(device) if device.type == "cuda" else "cpu",
+            model_id=f"bench-model-{length}",
+        ) as cache:
             cost = CostModel(cache)  # unattached: fed by the generator, asked for hybrid splits
             gen = CachedGenerator(model, cache, cost_model=cost)
             try:
@@ -161,8 +167,12 @@ async def _measure(model: Any, lengths: list[int], repeats: int, directory: str)
         for path, values in times.items():
             ttft = statistics.median(values)
             row: dict[str, Any] = {
-                "bench": "ttft", "tokens": length, "path": path, "ttft_ms": ttft * 1e3,
-                "vs_recompute": base / ttft, "tokens_reused": reused.get(path, 0),
+                "bench": "ttft",
+                "tokens": length,
+                "path": path,
+                "ttft_ms": ttft * 1e3,
+                "vs_recompute": base / ttft,
+                "tokens_reused": reused.get(path, 0),
             }
             if phases[path]:  # where the time went: the median of each phase over the repeats
                 names = sorted({name for p in phases[path] for name in p})
@@ -273,8 +283,9 @@ def _prefix_kv(model: Any, prefix: list[int]) -> list[tuple[torch.Tensor, torch.
     device = next(model.parameters()).device
     kv = DynamicCache()
     with torch.inference_mode():
-        model(input_ids=torch.tensor([prefix], device=device), **cache_kwargs(model, kv), use_cache=True,
-              logits_to_keep=1)
+        model(
+            input_ids=torch.tensor([prefix], device=device), **cache_kwargs(model, kv), use_cache=True, logits_to_keep=1
+        )
     layers: list[Any] = list(kv.layers)
     return [(layer.keys, layer.values) for layer in layers]
 
