@@ -128,3 +128,48 @@ async def test_an_admission_with_the_split_loads_only_the_tail(tmp_path: Path) -
         cache.free(adm.seq_id)
         cache.blocks.check()
         assert cache.blocks.match(prompt).by_tier["file"] == 6  # the computed head's cached copies stayed there
+
+
+def _true_forward(tokens: int, past: int) -> float:
+    """A model whose attention matters: 2 ms a forward, 1 ms a block of 16 tokens, 1 us per query-key pair."""
+    return 2e-3 + tokens / 16_000 + 1e-6 * (tokens * past + tokens * tokens / 2)
+
+
+def test_the_forward_fit_prices_attention_over_the_prompt_and_over_the_past() -> None:
+    cost = CostModel(None)  # type: ignore[arg-type]  # the fit alone: no cache needed
+    assert cost.prefill_seconds(100) is None
+    for tokens, past in ((16, 0), (64, 0), (128, 0), (192, 0), (5, 192), (5, 64), (32, 128)):
+        cost.observe_prefill(tokens, _true_forward(tokens, past), past=past)
+    for tokens, past in ((192, 0), (5, 192), (1000, 0), (3, 4000)):
+        assert cost.prefill_seconds(tokens, past) == pytest.approx(_true_forward(tokens, past), rel=1e-6)
+    assert cost.prefill_overhead_seconds() == pytest.approx(2e-3) and cost.prefill_seconds_per_token() == pytest.approx(
+        1 / 16_000
+    )
+    batched = CostModel(None)  # type: ignore[arg-type]
+    for rows in (1, 2, 4):  # a batch of rows: each row attends over its own past and its own tokens
+        batched.observe_prefill(8 * rows, rows * (_true_forward(8, 100) - 2e-3) + 2e-3, past=100, rows=rows)
+        batched.observe_prefill(16 * rows, rows * (_true_forward(16, 0) - 2e-3) + 2e-3, past=0, rows=rows)
+    assert batched.prefill_seconds(8, 100) == pytest.approx(_true_forward(8, 100), rel=1e-6)
+
+
+async def test_the_split_uses_the_attention_cost_of_the_head_and_of_the_forward_after_the_match(
+    tmp_path: Path,
+) -> None:
+    """Fitted from forwards of a model whose attention matters: the split is the true optimum, not a linear fit's."""
+    prompt = _tokens(7, 12 * 16 + 5)
+    async with _cache(tmp_path) as cache:
+        await _cached_in(cache, prompt[:-5], "file")
+        cost = CostModel(cache, bandwidth={"file": ONE_MS_PER_BLOCK / 2})  # a block loads in 2 ms
+        for tokens, past in ((16, 0), (48, 0), (96, 0), (192, 0), (5, 192), (5, 96), (32, 64)):
+            cost.observe_prefill(tokens, _true_forward(tokens, past), past=past)
+        m, n = 12, len(prompt)
+
+        def ttft(c: int) -> float:
+            if c == m:
+                return _true_forward(n, 0)
+            head = _true_forward(c * 16, 0) if c else 0.0
+            return max(head, (m - c) * 2e-3) + _true_forward(n - m * 16, m * 16)
+
+        best = min(range(m + 1), key=lambda c: (ttft(c), c))
+        assert best == 6  # a linear fit of the same forwards picks 5 (9 % slower)
+        assert cost.split(cache.blocks.match(prompt), n) == best

@@ -5,8 +5,10 @@ Primitives:
 * :class:`CostModel` -- per tier, the cost per byte of bringing blocks to the GPU, fitted from the cache's own
   completed admissions (``observe_admission``: how long each took against the bytes it brought from each
   tier; the fit's intercept takes what every admission pays anyway, such as evictions) or given as a
-  bandwidth; the model's prefill time per token, fitted from the generator's own prefill timings
-  (``observe_prefill``) or given. ``CachedGenerator(..., cost_model=...)`` feeds both.
+  bandwidth; the model's forward time (:meth:`CostModel.prefill_seconds`: per forward, per token and per
+  query-key pair attended, so a long prompt's attention and a short forward after a long past are priced), fitted
+  from the generator's own forwards (``observe_prefill``) or given as a rate. ``CachedGenerator(...,
+  cost_model=...)`` feeds both.
   :meth:`CostModel.attach` installs it as the block manager's ``reuse_limit``: at every admission, for the
   request's matched blocks (in prefix order, each in its tier) it picks the number ``k`` of leading blocks
   that minimises ``onboard(blocks[:k]) + prefill(tokens not reused)``, counting the tokens left to compute;
@@ -16,7 +18,7 @@ Primitives:
   (:attr:`~tiered_kv.blocks.Request.compute_blocks`), the one that minimises
   ``max(prefill(c blocks), onboard(blocks[c:])) + prefill(the tokens after the match)``; ``c = 0`` is loading
   everything (what an admission does without it), ``c`` = every matched block is recomputing the whole prompt in
-  one forward, chosen when loading loses at every split. Each forward also pays the prefill fit's fixed cost.
+  one forward, chosen when loading loses at every split.
   A match whose first block is on the GPU or in host memory is not split (0). ``CachedGenerator`` asks it for
   every single-prompt request.
 * :class:`ReuseStatistics` -- admissions decided, those that skipped blocks, blocks skipped per tier, and the
@@ -130,7 +132,8 @@ class CostModel:
         self.cache = cache
         self._given_rate = prefill_tokens_per_s
         self._given_bw = given
-        self._observations: collections.deque[tuple[int, float]] = collections.deque(maxlen=window)
+        self._observations: collections.deque[tuple[float, float, float]] = collections.deque(maxlen=window)
+        self._prefill: tuple[float, float, float] | None = None  # (a, b, k) of prefill_seconds (refitted lazily)
         self._admissions: collections.deque[tuple[float, float, float]] = collections.deque(maxlen=4 * window)
         self._fit: dict[str, float] | None = None  # tier -> seconds per byte (refitted lazily)
         self._decisions = self._skipped_admissions = 0
@@ -151,10 +154,14 @@ class CostModel:
 
     # ------------------------------------------------------------------------------------ inputs
 
-    def observe_prefill(self, tokens: int, seconds: float) -> None:
-        """One prompt forward of ``tokens`` tokens took ``seconds`` (``CachedGenerator(on_prefill=...)``)."""
-        if tokens > 0 and seconds > 0:
-            self._observations.append((int(tokens), float(seconds)))
+    def observe_prefill(self, tokens: int, seconds: float, past: int = 0, rows: int = 1) -> None:
+        """One prompt forward took ``seconds``: ``tokens`` tokens in all, ``rows`` rows each after ``past`` tokens.
+
+        ``CachedGenerator`` feeds it (``on_prefill`` sees ``(tokens, seconds)`` only, which counts as ``past=0``).
+        """
+        if tokens > 0 and seconds > 0 and past >= 0 and rows >= 1:
+            self._observations.append((float(tokens), _pairs(tokens / rows, past) * rows, float(seconds)))
+            self._prefill = None
 
     def observe_admission(self, bytes_from: Mapping[str, int], seconds: float) -> None:
         """An admission brought ``bytes_from[tier]`` bytes from host/file to the GPU and took ``seconds``."""
@@ -181,36 +188,57 @@ class CostModel:
         self._fit = fit
         return fit
 
-    def prefill_seconds_per_token(self) -> float | None:
-        """Marginal prefill seconds per token (``None`` while unknown).
+    def prefill_seconds(self, tokens: int, past: int = 0) -> float | None:
+        """Seconds of one forward of ``tokens`` tokens after ``past`` tokens of KV (``None`` while unknown).
 
-        Given, else the slope of ``seconds = a + b * tokens`` over the recent prefills (the fixed cost ``a``
-        is paid whatever is reused), else the average rate when one prompt size was seen.
+        ``a + b * tokens + k * pairs``: ``a`` per forward (launches, the host's share), ``b`` per token (the weights),
+        ``k`` per query-key pair attended (``pairs`` = ``tokens * past + tokens**2 / 2``, causal). The terms come
+        from the recent forwards by least squares, each coefficient at least 0 (the best fit among the terms that
+        stay non-negative); with one forward size seen, its average rate; with a given rate, ``tokens / rate``.
         """
         fit = self._prefill_fit()
-        return fit[0] if fit is not None else None
+        if fit is None:
+            return None
+        a, b, k = fit
+        return a + b * tokens + k * _pairs(tokens, past)
+
+    def prefill_seconds_per_token(self) -> float | None:
+        """Marginal prefill seconds per token, ``b`` of :meth:`prefill_seconds` (``None`` while unknown)."""
+        fit = self._prefill_fit()
+        return fit[1] if fit is not None else None
 
     def prefill_overhead_seconds(self) -> float:
-        """The fixed seconds of one prompt forward: the fit's intercept ``a`` (0 when unknown or the rate is given)."""
+        """The fixed seconds of one prompt forward (``a`` of :meth:`prefill_seconds`; 0 when unknown or given)."""
         fit = self._prefill_fit()
-        return fit[1] if fit is not None else 0.0
+        return fit[0] if fit is not None else 0.0
 
-    def _prefill_fit(self) -> tuple[float, float] | None:
-        """``(seconds per token, seconds per forward)`` of the prefill (see :meth:`prefill_seconds_per_token`)."""
+    def _prefill_fit(self) -> tuple[float, float, float] | None:
+        """``(a, b, k)`` of :meth:`prefill_seconds` (refitted when a forward was observed)."""
         if self._given_rate is not None:
-            return 1.0 / self._given_rate, 0.0
-        obs = self._observations
+            return 0.0, 1.0 / self._given_rate, 0.0
+        if self._prefill is not None:
+            return self._prefill
+        obs = list(self._observations)
         if not obs:
             return None
-        n = len(obs)
-        mean_x = sum(t for t, _ in obs) / n
-        mean_y = sum(s for _, s in obs) / n
-        var = sum((t - mean_x) ** 2 for t, _ in obs)
-        if var > 0:
-            slope = sum((t - mean_x) * (s - mean_y) for t, s in obs) / var
-            if slope > 0:
-                return slope, max(0.0, mean_y - slope * mean_x)
-        return sum(s for _, s in obs) / sum(t for t, _ in obs), 0.0  # one size seen: the average rate
+        x = np.array([[1.0, q, pairs] for q, pairs, _ in obs])
+        y = np.array([s for _, _, s in obs])
+        best: tuple[float, tuple[float, float, float]] | None = None
+        for terms in ((0, 1, 2), (0, 1), (1, 2), (0, 2), (1,), (2,)):  # b or k: a forward's time grows with it
+            cols = list(terms)
+            if np.linalg.matrix_rank(x[:, cols]) < len(cols):
+                continue
+            coef = np.linalg.lstsq(x[:, cols], y, rcond=None)[0]
+            if (coef < 0).any():
+                continue
+            full = [0.0, 0.0, 0.0]
+            for i, c in zip(cols, coef, strict=True):
+                full[i] = float(c)
+            residual = float(((x @ np.array(full) - y) ** 2).sum())
+            if best is None or residual < best[0] * (1 - 1e-9):
+                best = (residual, (full[0], full[1], full[2]))
+        self._prefill = best[1] if best is not None else (0.0, float(y.sum() / x[:, 1].sum()), 0.0)
+        return self._prefill
 
     def bandwidth(self, tier: Tier | str) -> float | None:
         """Bytes per second of bringing blocks of ``tier`` to the GPU (given, or fitted; ``None``: unknown)."""
@@ -238,8 +266,7 @@ class CostModel:
     def limit(self, match: Match, num_tokens: int) -> int:
         """How many leading blocks of ``match`` to reuse for a prompt of ``num_tokens`` tokens (see the module)."""
         blocks = match.blocks
-        per_token = self.prefill_seconds_per_token()
-        if not blocks or per_token is None:
+        if not blocks or self._prefill_fit() is None:
             return len(blocks)
         tiers = [b.tier.value for b in blocks]  # type: ignore[union-attr]
         slow = {t for t in tiers if t != "gpu"}
@@ -249,12 +276,12 @@ class CostModel:
         tpb = self.cache.layout.tokens_per_block
         cost = {t: self._onboard_cost(t) for t in slow}
         moved = dict.fromkeys(slow, 0)
-        recompute_all = num_tokens * per_token
+        recompute_all = self._forward(num_tokens, 0)
         best_k, best_t, t = 0, recompute_all, recompute_all
         for i, tier in enumerate(tiers):
             if tier != "gpu":
                 moved[tier] += bytes_per_block
-            t = sum(cost[x](moved[x]) for x in slow) + (num_tokens - (i + 1) * tpb) * per_token
+            t = sum(cost[x](moved[x]) for x in slow) + self._forward(num_tokens - (i + 1) * tpb, (i + 1) * tpb)
             if t <= best_t:  # ties reuse
                 best_k, best_t = i + 1, t
         reuse_all = t
@@ -285,10 +312,8 @@ class CostModel:
         blocks = match.blocks
         if not blocks or blocks[0].tier is not Tier.FILE:
             return 0
-        fit = self._prefill_fit()
-        if fit is None:
+        if self._prefill_fit() is None:
             return 0
-        per_token, overhead = fit
         tpb = self.cache.layout.tokens_per_block
         bytes_per_block = self.cache.layout.bytes_per_block
         tiers = [b.tier.value for b in blocks]  # type: ignore[union-attr]
@@ -300,12 +325,12 @@ class CostModel:
             if tiers[c] != "gpu":
                 moved[tiers[c]] += bytes_per_block
             load[c] = sum(cost[t](moved[t]) for t in cost)
-        after = overhead + max(0, num_tokens - m * tpb) * per_token  # the forward over the tokens after the match
+        after = self._forward(num_tokens - m * tpb, m * tpb)  # the forward over the tokens after the match
 
         def ttft(c: int) -> float:
             if c == m:
-                return overhead + num_tokens * per_token  # one forward over the whole prompt
-            computed = overhead + c * tpb * per_token if c else 0.0
+                return self._forward(num_tokens, 0)  # one forward over the whole prompt
+            computed = self._forward(c * tpb, 0) if c else 0.0
             return max(computed, load[c]) + after
 
         best = min(range(m + 1), key=lambda c: (ttft(c), c))
@@ -317,6 +342,14 @@ class CostModel:
         self._hybrid["blocks"] += best
         self._hybrid_saved += ttft(0) - ttft(best)
         return best
+
+    def _forward(self, tokens: int, past: int) -> float:
+        """:meth:`prefill_seconds` of a forward that may be empty (0 tokens: no forward at all)."""
+        if tokens <= 0:
+            return 0.0
+        seconds = self.prefill_seconds(tokens, past)
+        assert seconds is not None  # callers check that the prefill is known
+        return seconds
 
     def statistics(self) -> ReuseStatistics:
         """A snapshot of the decisions and the current estimates."""
@@ -340,3 +373,11 @@ class CostModel:
     def __repr__(self) -> str:
         s = self.statistics()
         return f"<CostModel decisions={s.decisions} skipped={s.skipped_blocks} saved={s.saved_vs_reuse_all_s:.3f}s>"
+
+
+def _pairs(tokens: float, past: float) -> float:
+    """Query-key pairs a causal forward of ``tokens`` tokens after ``past`` tokens of KV attends.
+
+    ``tokens**2 / 2`` among themselves, ``tokens * past`` to the past.
+    """
+    return tokens * past + tokens * tokens / 2

@@ -465,17 +465,17 @@ class CachedGenerator:
         for a in adms:
             cache.commit(a.seq_id)
         phases = {"admit": admitted - t0, **timer.totals(), "commit": time.perf_counter() - committing}
-        forwards = [((n - start) * len(rows), seconds)]
+        forwards = [((n - start) * len(rows), seconds, start, len(rows))]  # tokens, seconds, past, rows
         if computed is not None:  # the head's forward ran during the admission
             phases["hybrid_compute"], phases["hybrid_admit"] = computed.seconds, computed.admit_seconds
-            forwards.insert(0, (computed.tokens, computed.seconds))
-        for tokens_run, secs in forwards:
+            forwards.insert(0, (computed.tokens, computed.seconds, 0, 1))
+        for tokens_run, secs, past, batch in forwards:
             self._prefill_s += secs
             self._computed += tokens_run
             if self.on_prefill is not None:
                 self.on_prefill(tokens_run, secs)
             if self.cost_model is not None:
-                self.cost_model.observe_prefill(tokens_run, secs)
+                self.cost_model.observe_prefill(tokens_run, secs, past=past, rows=batch)
         self._reused += reused * len(rows)
         self._prompt_tokens += n * len(rows)
         self._requests += len(rows)
