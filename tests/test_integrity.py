@@ -272,3 +272,32 @@ async def test_a_slow_compute_is_never_offloaded_before_it_lands() -> None:
         assert again.blocks_from["host"] == 2 and again.tokens_reused == 8
         assert cache.statistics().integrity_errors == 0
         assert verify_expected(cache, again.seq_id, 0, 8) == []
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+async def test_checks_of_blocks_committed_apart_and_in_any_order_find_exactly_the_changed_ones(device: str) -> None:
+    """Blocks committed in three commits, checked interleaved, rows out of order and repeated: one changed block."""
+    from tiered_kv.integrity import IntegrityChecks
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    g = torch.Generator().manual_seed(5)
+    pool = torch.randint(-1000, 1000, (16, 3, 2, 2, 4, 8), generator=g).to(torch.float16).to(device)
+    checks = IntegrityChecks(pool)
+    first = checks.record([0, 1, 2, 3, 4], [4] * 5)  # one commit of five blocks
+    second = checks.record([9, 7], [4, 2])  # another; slot 7 with 2 valid tokens
+    third = checks.record([12], [4])
+    order = [
+        (7, second[1], 2),
+        (3, first[3], 4),
+        (0, first[0], 4),
+        (12, third[0], 4),
+        (4, first[4], 4),
+        (9, second[0], 4),
+        (1, first[1], 4),
+        (3, first[3], 4),
+    ]
+    assert await checks.verify(order) == []
+    pool[3, 1, 0, 1, 2, 5] += 1  # block 3 changed
+    pool[7, 0, 1, 0, 3, 0] += 1  # block 7 changed beyond its valid tokens: not a mismatch
+    assert await checks.verify(order) == [1, 7]

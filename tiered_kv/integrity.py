@@ -35,6 +35,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from . import _ext
@@ -175,8 +176,11 @@ class IntegrityChecks:
         for block in bad:
             where = f"{block.tier.value} slot {block.slot}" if block.tier is not None else "no slot"
             key = block.key.hex()[:16] if isinstance(block.key, bytes) else block.key
-            log.warning("cached block %s (%s) changed since it was committed: dropped, not served; the request "
-                        "recomputes it", key, where)
+            log.warning(
+                "cached block %s (%s) changed since it was committed: dropped, not served; the request recomputes it",
+                key,
+                where,
+            )
             manager.refuse(block)
         for move in plan.moves:
             if move.kind == "partial":
@@ -230,7 +234,36 @@ class IntegrityChecks:
     @staticmethod
     def _mismatch_mask(now: torch.Tensor, checks: Sequence[tuple[int, Checksum, int]]) -> torch.Tensor:
         tokens = now.shape[1]
-        expected = torch.cat([c.sums[c.row : c.row + 1] for _slot, c, _n in checks])
+        expected = _expected_sums(checks)
         counts = torch.tensor([n for _s, _c, n in checks], device=now.device)
         within = torch.arange(tokens, device=now.device).unsqueeze(0) < counts.unsqueeze(1)
         return ((now != expected) & within).any(dim=1)
+
+
+def _expected_sums(checks: Sequence[tuple[int, Checksum, int]]) -> torch.Tensor:
+    """The committed checksums of ``checks``, one row each, in order.
+
+    Blocks committed together share one ``sums`` tensor: each such run is read with one slice (its rows in a row)
+    or one ``index_select``, not one slice per block (a 32k-token prefix reuses 2,048 blocks).
+    """
+    groups: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}  # id(sums) -> (sums, rows, check indices)
+    for i, (_slot, c, _n) in enumerate(checks):
+        group = groups.get(id(c.sums))
+        if group is None:
+            group = groups[id(c.sums)] = (c.sums, [], [])
+        group[1].append(c.row)
+        group[2].append(i)
+    parts: list[torch.Tensor] = []
+    order: list[int] = []
+    for sums, rows, indices in groups.values():
+        first = rows[0]
+        if rows == list(range(first, first + len(rows))):
+            parts.append(sums[first : first + len(rows)])
+        else:
+            parts.append(sums.index_select(0, torch.tensor(rows, dtype=torch.long, device=sums.device)))
+        order += indices
+    expected = parts[0] if len(parts) == 1 else torch.cat(parts)
+    if order != list(range(len(order))):  # rows of check order[j] are at j: put each at its check's place
+        inverse = torch.from_numpy(np.argsort(np.asarray(order))).to(expected.device)
+        expected = expected.index_select(0, inverse)
+    return expected
