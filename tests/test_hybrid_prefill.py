@@ -202,6 +202,7 @@ async def test_a_hopeless_slow_tier_is_recomputed_in_one_forward_and_its_blocks_
             gen.close()
     assert len(forwards) == 1
     assert out.tokens_reused == 0 and out.blocks_from["file"] == 0 and out.tokens_computed == len(PROMPT)
+    assert out.tokens_computed_first == 160  # the whole match was computed, not loaded
     assert "hybrid_compute" not in out.phases
     tokens, logits, _ = reference_generate(model, PROMPT, max_new_tokens=1, output_logits=True)
     assert list(out.tokens) == tokens

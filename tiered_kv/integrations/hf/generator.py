@@ -386,13 +386,7 @@ class CachedGenerator:
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
-            while not future.done():
-                try:
-                    await asyncio.shield(future)
-                except asyncio.CancelledError:
-                    continue
-                except BaseException:
-                    break
+            await finished(future)
             raise
 
     def _sync_writes(self) -> None:
@@ -565,5 +559,5 @@ class CachedGenerator:
                 tokens_stored=stored[j],
                 logits=torch.cat(logits_rows[j]) if sampling.output_logits else None,
                 phases=dict(phases),
-                tokens_computed_first=computed.tokens if computed is not None else 0,
+                tokens_computed_first=computed.tokens if computed is not None else a.tokens_computed_first,
             )

@@ -43,8 +43,10 @@ class Generation:
             ``hybrid_compute`` (the forward of the prefix's head, on the model thread) and ``hybrid_admit`` (the
             admission that loaded the rest meanwhile); ``admit`` then spans both, ``preload`` includes writing the
             head's KV into its blocks.
-        tokens_computed_first: prompt tokens at the start of a cached prefix that the model computed while the rest
-            of the prefix was loaded (hybrid prefill: see :mod:`~tiered_kv.integrations.hf.hybrid`); 0 otherwise.
+        tokens_computed_first: prompt tokens at the start of a cached prefix that the model computed instead of
+            loading them: while the rest of the prefix was loaded (hybrid prefill: see
+            :mod:`~tiered_kv.integrations.hf.hybrid`), or the whole match when loading lost at every split (then in
+            the prompt's one forward); 0 otherwise.
     """
 
     tokens: tuple[int, ...]

@@ -68,17 +68,24 @@ __all__ = ["main", "run"]
 SUFFIX = 32  # new tokens after the cached prefix
 
 
-def _setup(quick: bool, device: str) -> tuple[Any, list[int], int, bool]:
-    """``(model, prefix lengths, repeats, emulated)``."""
+def bench_model(quick: bool, device: str) -> tuple[Any, bool, bool]:
+    """``(model, full size, emulated)`` of the TTFT and serving benchmarks (random weights, nothing downloaded).
+
+    The 8B-shaped bf16 Llama on CUDA; a tiny fp32 one for ``--quick`` or the emulated device.
+    """
     from ...integrations.hf import llama_8b_config, random_causal_lm, tiny_llama_config
 
     dev = resolve_device(device)
     if dev.is_cuda and not quick:
-        model = random_causal_lm(llama_8b_config(), dtype=torch.bfloat16, device=dev.torch_device, seed=0)
-        return model, [8192, 32768], 3, False
+        return random_causal_lm(llama_8b_config(), dtype=torch.bfloat16, device=dev.torch_device, seed=0), True, False
     config = tiny_llama_config(layers=4, hidden=256, heads=4, kv_heads=2, intermediate=512, vocab=4096)
-    model = random_causal_lm(config, dtype=torch.float32, device=dev.torch_device, seed=0)
-    return model, [512, 2048], 2, not dev.is_cuda
+    return random_causal_lm(config, dtype=torch.float32, device=dev.torch_device, seed=0), False, not dev.is_cuda
+
+
+def _setup(quick: bool, device: str) -> tuple[Any, list[int], int, bool]:
+    """``(model, prefix lengths, repeats, emulated)``."""
+    model, full, emulated = bench_model(quick, device)
+    return (model, [8192, 32768], 3, False) if full else (model, [512, 2048], 2, emulated)
 
 
 def _sync(device: torch.device) -> None:

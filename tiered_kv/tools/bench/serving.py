@@ -46,7 +46,6 @@ import numpy as np
 import torch
 
 from ...cache import TieredKVCache
-from ...device import resolve_device
 from ...pools import Tier
 from .common import bench_main, machine_info
 
@@ -57,15 +56,10 @@ SUFFIX = 32  # new prompt tokens after a reused prefix
 
 def _setup(quick: bool, device: str) -> tuple[Any, int, int, int, bool]:
     """``(model, prefix tokens, new tokens, repeats, emulated)``."""
-    from ...integrations.hf import llama_8b_config, random_causal_lm, tiny_llama_config
+    from .model import bench_model
 
-    dev = resolve_device(device)
-    if dev.is_cuda and not quick:
-        model = random_causal_lm(llama_8b_config(), dtype=torch.bfloat16, device=dev.torch_device, seed=0)
-        return model, 8192, 32, 5, False
-    config = tiny_llama_config(layers=4, hidden=256, heads=4, kv_heads=2, intermediate=512, vocab=4096)
-    model = random_causal_lm(config, dtype=torch.float32, device=dev.torch_device, seed=0)
-    return model, 512, 24, 2, not dev.is_cuda
+    model, full, emulated = bench_model(quick, device)
+    return (model, 8192, 32, 5, False) if full else (model, 512, 24, 2, emulated)
 
 
 def _sync(device: torch.device) -> None:
