@@ -1,12 +1,13 @@
-"""Small helpers shared by the engine tests."""
+"""Small helpers shared by the engine and cache tests."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
-from tiered_kv import TransferEngine
+from tiered_kv import Tier, TieredKVCache, TransferEngine
 
 
 def fill_pool(engine: TransferEngine, tier: str, seed: int) -> torch.Tensor:
@@ -55,3 +56,19 @@ def flip_byte(path: str, offset: int) -> None:
         b = f.read(1)
         f.seek(offset)
         f.write(bytes([b[0] ^ 0x40]))
+
+
+def random_tokens(seed: int, n: int) -> list[int]:
+    """``n`` token ids in ``[0, 1000)``, the same for the same seed."""
+    return [int(x) for x in np.random.default_rng(seed).integers(0, 1000, n)]
+
+
+async def cached_in(cache: TieredKVCache, prompt: list[int], tier: str) -> None:
+    """Admit ``prompt``, commit and free it, then evict its blocks down to ``tier`` (``gpu``, ``host`` or ``file``)."""
+    [adm] = await cache.add_sequences([prompt])
+    cache.commit(adm.seq_id)
+    cache.free(adm.seq_id)
+    if tier in ("host", "file"):
+        await cache.evict(Tier.GPU, cache.blocks.capacity[Tier.GPU])
+    if tier == "file":
+        await cache.evict(Tier.HOST, cache.blocks.capacity[Tier.HOST])

@@ -4,30 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
+from helpers import cached_in, random_tokens
 
-from tiered_kv import KVLayout, Tier, TieredKVCache
+from tiered_kv import KVLayout, TieredKVCache
 from tiered_kv.cost_model import CostModel
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, tokens_per_block=16, dtype=torch.float16)
 BLOCK = LAYOUT.bytes_per_block  # 4 KiB
 ONE_MS_PER_BLOCK = BLOCK * 1000.0  # bytes per second: a block loads in 1 ms
-
-
-def _tokens(seed: int, n: int) -> list[int]:
-    return [int(x) for x in np.random.default_rng(seed).integers(0, 1000, n)]
-
-
-async def _cached_in(cache: TieredKVCache, prompt: list[int], tier: str) -> None:
-    [adm] = await cache.add_sequences([prompt])
-    cache.commit(adm.seq_id)
-    cache.free(adm.seq_id)
-    if tier in ("host", "file"):
-        await cache.evict(Tier.GPU, cache.blocks.capacity[Tier.GPU])
-    if tier == "file":
-        await cache.evict(Tier.HOST, cache.blocks.capacity[Tier.HOST])
 
 
 def _cache(tmp_path: Path) -> TieredKVCache:
@@ -39,9 +25,9 @@ async def test_the_split_balances_computing_the_head_against_loading_the_tail(
     tmp_path: Path, compute_ms_per_block: float, expect: int
 ) -> None:
     """12 file blocks at 1 ms each: computing a block in the same time splits 6/6; 3x slower computes 3, 9 loaded."""
-    prompt = _tokens(1, 12 * 16 + 5)
+    prompt = random_tokens(1, 12 * 16 + 5)
     async with _cache(tmp_path) as cache:
-        await _cached_in(cache, prompt[:-5], "file")
+        await cached_in(cache, prompt[:-5], "file")
         cost = CostModel(
             cache, prefill_tokens_per_s=16_000 / compute_ms_per_block, bandwidth={"file": ONE_MS_PER_BLOCK}
         )
@@ -57,9 +43,9 @@ async def test_the_split_balances_computing_the_head_against_loading_the_tail(
 
 
 async def test_a_hopeless_disk_recomputes_the_whole_match_and_a_fast_one_loads_it(tmp_path: Path) -> None:
-    prompt = _tokens(2, 10 * 16 + 3)
+    prompt = random_tokens(2, 10 * 16 + 3)
     async with _cache(tmp_path) as cache:
-        await _cached_in(cache, prompt[:-3], "file")
+        await cached_in(cache, prompt[:-3], "file")
         match = cache.blocks.match(prompt)
         slow = CostModel(cache, prefill_tokens_per_s=16_000, bandwidth={"file": 1e3})  # 4 s a block
         assert slow.split(match, len(prompt)) == 10
@@ -70,9 +56,9 @@ async def test_a_hopeless_disk_recomputes_the_whole_match_and_a_fast_one_loads_i
 
 
 async def test_unknown_rates_compute_nothing(tmp_path: Path) -> None:
-    prompt = _tokens(3, 8 * 16 + 1)
+    prompt = random_tokens(3, 8 * 16 + 1)
     async with _cache(tmp_path) as cache:
-        await _cached_in(cache, prompt[:-1], "file")
+        await cached_in(cache, prompt[:-1], "file")
         match = cache.blocks.match(prompt)
         nothing_known = CostModel(cache)
         assert nothing_known.split(match, len(prompt)) == 0
@@ -86,9 +72,9 @@ async def test_unknown_rates_compute_nothing(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("tier", ["gpu", "host"])
 async def test_a_match_led_by_a_gpu_or_host_block_is_not_split(tmp_path: Path, tier: str) -> None:
-    prompt = _tokens(4, 8 * 16 + 1)
+    prompt = random_tokens(4, 8 * 16 + 1)
     async with _cache(tmp_path) as cache:
-        await _cached_in(cache, prompt[:-1], tier)
+        await cached_in(cache, prompt[:-1], tier)
         match = cache.blocks.match(prompt)
         assert match.by_tier[tier] == 8
         cost = CostModel(cache, prefill_tokens_per_s=16_000, bandwidth={"host": 1e3, "file": 1e3})
@@ -98,9 +84,9 @@ async def test_a_match_led_by_a_gpu_or_host_block_is_not_split(tmp_path: Path, t
 
 async def test_fitted_rates_and_the_forward_overhead_drive_the_split(tmp_path: Path) -> None:
     """Fitted, not given: prefill 1 ms per block + 2 ms per forward, the file tier 1 ms per block."""
-    prompt = _tokens(5, 12 * 16 + 5)
+    prompt = random_tokens(5, 12 * 16 + 5)
     async with _cache(tmp_path) as cache:
-        await _cached_in(cache, prompt[:-5], "file")
+        await cached_in(cache, prompt[:-5], "file")
         cost = CostModel(cache)
         for tokens in (16, 64, 160, 320):
             cost.observe_prefill(tokens, 2e-3 + tokens / 16_000)
@@ -115,9 +101,9 @@ async def test_fitted_rates_and_the_forward_overhead_drive_the_split(tmp_path: P
 
 
 async def test_an_admission_with_the_split_loads_only_the_tail(tmp_path: Path) -> None:
-    prompt = _tokens(6, 12 * 16 + 5)
+    prompt = random_tokens(6, 12 * 16 + 5)
     async with _cache(tmp_path) as cache:
-        await _cached_in(cache, prompt[:-5], "file")
+        await cached_in(cache, prompt[:-5], "file")
         cost = CostModel(cache, prefill_tokens_per_s=16_000, bandwidth={"file": ONE_MS_PER_BLOCK})
         from tiered_kv import Request
 
@@ -156,9 +142,9 @@ async def test_the_split_uses_the_attention_cost_of_the_head_and_of_the_forward_
     tmp_path: Path,
 ) -> None:
     """Fitted from forwards of a model whose attention matters: the split is the true optimum, not a linear fit's."""
-    prompt = _tokens(7, 12 * 16 + 5)
+    prompt = random_tokens(7, 12 * 16 + 5)
     async with _cache(tmp_path) as cache:
-        await _cached_in(cache, prompt[:-5], "file")
+        await cached_in(cache, prompt[:-5], "file")
         cost = CostModel(cache, bandwidth={"file": ONE_MS_PER_BLOCK / 2})  # a block loads in 2 ms
         for tokens, past in ((16, 0), (48, 0), (96, 0), (192, 0), (5, 192), (5, 96), (32, 64)):
             cost.observe_prefill(tokens, _true_forward(tokens, past), past=past)

@@ -205,21 +205,12 @@ async def _memory_rows(model: Any, length: int) -> list[dict[str, Any]]:
     rng = np.random.default_rng(3)
     prompt = [int(t) for t in rng.integers(0, vocab, length + SUFFIX)]
     kv_bytes = (length + SUFFIX) * layout.bytes_per_block // layout.tokens_per_block
-    cuda = device.type == "cuda"
-
-    def peak(fn: Any) -> float:
-        if not cuda:
-            return math.nan
-        torch.cuda.synchronize(device)
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        fn()
-        torch.cuda.synchronize(device)
-        return float(torch.cuda.max_memory_allocated(device) - before)
-
     rows = []
-    extra = peak(lambda: reference_generate(model, prompt[length:], max_new_tokens=1))  # warm up the allocator
-    extra = peak(lambda: reference_generate(model, prompt, max_new_tokens=1))
+    peak = _PeakMemory(device)
+    reference_generate(model, prompt[length:], max_new_tokens=1)  # warm up the allocator
+    peak.start()
+    reference_generate(model, prompt, max_new_tokens=1)
+    extra = peak.extra()
     rows.append(
         {
             "bench": "memory",
@@ -239,13 +230,9 @@ async def _memory_rows(model: Any, length: int) -> list[dict[str, Any]]:
             await gen.generate(prompt, max_new_tokens=1)
             await cache.evict(Tier.GPU, cache.blocks.capacity[Tier.GPU])
             follow = prompt[:length] + [int(t) for t in rng.integers(0, vocab, SUFFIX)]
-            _sync(device)
-            before = torch.cuda.memory_allocated(device) if cuda else 0
-            if cuda:
-                torch.cuda.reset_peak_memory_stats(device)
+            peak.start()
             out = await gen.generate(follow, max_new_tokens=1)
-            _sync(device)
-            extra = float(torch.cuda.max_memory_allocated(device) - before) if cuda else math.nan
+            extra = peak.extra()
             if out.blocks_from.get("host", 0) * 16 < length - 16:
                 raise RuntimeError(f"the prefix was not found in host memory: {out.blocks_from}")
         finally:
@@ -261,6 +248,26 @@ async def _memory_rows(model: Any, length: int) -> list[dict[str, Any]]:
         }
     )
     return rows
+
+
+class _PeakMemory:
+    """GPU memory allocated at the peak since :meth:`start`, beyond what was allocated then (NaN off CUDA)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.before = 0
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.before = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def extra(self) -> float:
+        if self.device.type != "cuda":
+            return math.nan
+        torch.cuda.synchronize(self.device)
+        return float(torch.cuda.max_memory_allocated(self.device) - self.before)
 
 
 def _cache_device(device: torch.device) -> str:
