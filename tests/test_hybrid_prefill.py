@@ -99,7 +99,13 @@ def _recompute_kv(model: Any, prompt: list[int]) -> list[tuple[torch.Tensor, tor
 async def test_a_file_prefix_is_split_and_the_output_equals_a_recompute(model: Any, tmp_path: Path) -> None:
     async with _cache(model, tmp_path) as cache:
         cost = _cost(cache)
-        gen = CachedGenerator(model, cache, cost_model=cost)
+        attended: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        gen = CachedGenerator(
+            model,
+            cache,
+            cost_model=cost,
+            on_reuse=lambda _, kv: attended.append([(k.clone(), v.clone()) for k, v in kv]),
+        )
         views = pool_views(cache.engine.pool(Tier.GPU), model.config.num_hidden_layers)
         snapshots: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
         commit = cache.commit
@@ -144,6 +150,12 @@ async def test_a_file_prefix_is_split_and_the_output_equals_a_recompute(model: A
         for got, ref in ((k_blocks, k_ref), (v_blocks, v_ref)):  # [blocks, heads, T, dim] vs [heads, tokens, dim]
             flat = got.permute(1, 0, 2, 3).reshape(got.shape[1], -1, got.shape[3])[:, : len(PROMPT)]
             assert (flat - ref).abs().max().item() <= KV_TOL
+    # on_reuse shows the whole past the forward attends to: the computed head, then the loaded blocks
+    [past] = attended
+    for (k_past, v_past), (k_ref, v_ref) in zip(past, _recompute_kv(model, PROMPT), strict=True):
+        for got, ref in ((k_past, k_ref), (v_past, v_ref)):
+            assert got.shape[:3] == (1, ref.shape[0], 160)
+            assert (got[0] - ref[:, :160]).abs().max().item() <= KV_TOL
     assert again.tokens_reused == len(PROMPT) - 1 and again.tokens_computed_first == 0  # all but the last token
     assert again.blocks_from == {"gpu": 6, "host": 0, "file": 5}  # the head from its original file blocks
     assert list(again.tokens) == tokens
@@ -261,3 +273,32 @@ async def test_the_default_cost_model_is_made_for_a_slow_tier_only(model: Any, t
             CachedGenerator(model, cache, cost_model="always")  # type: ignore[arg-type]
     async with TieredKVCache(layout_for(model, TPB), gpu_blocks=16, host_blocks=16, device="cpu") as memory_only:
         assert CachedGenerator(model, memory_only).cost_model is None
+
+
+async def test_the_demo_checks_the_whole_past_of_a_hybrid_turn(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from tiered_kv.tools.demo import DemoConfig, run_demo
+
+    splits: list[int] = []
+
+    def half(self: CostModel, match: Match, num_tokens: int) -> int:  # every file-tier match computes its first half
+        c = len(match.blocks) // 2 if match.blocks and match.blocks[0].tier is Tier.FILE else 0
+        splits.append(c)
+        return c
+
+    monkeypatch.setattr(CostModel, "split", half)
+    config = DemoConfig(
+        device="cpu",
+        conversations=6,
+        system_tokens=64,
+        max_new_tokens=4,
+        gpu_blocks=24,
+        host_blocks=4,
+        layers=2,
+        hidden=128,
+        vocab=512,
+        directory=str(tmp_path),
+    )
+    report = await run_demo(config)
+    assert any(splits)  # some turn computed a head while its tail loaded
+    assert report.verified_tokens >= report.reused_tokens + sum(splits) * 16  # the computed heads were checked too
+    assert report.mismatched_tokens == 0 and report.first_token_agree == report.turns

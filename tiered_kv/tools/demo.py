@@ -79,8 +79,9 @@ class DemoReport:
         turns, prompt_tokens, reused_tokens, hit_rate: the replay's totals.
         hits: reused full blocks per tier; ``capacity``: blocks per tier; ``evictions``: moves and drops.
         bytes_moved: engine bytes per direction.
-        verified_tokens, mismatched_tokens, max_kv_diff: reused tokens checked against a recompute, how many
-            differed by more than :data:`KV_TOLERANCE`, the largest difference seen.
+        verified_tokens, mismatched_tokens, max_kv_diff: the past each turn's model attended to (reused tokens,
+            plus any head computed while the rest loaded) checked against a recompute, how many tokens differed by
+            more than :data:`KV_TOLERANCE`, the largest difference seen.
         first_token_agree: turns whose first generated token equals the recompute's greedy token.
         ttft_with, ttft_without: seconds to the first token per turn, through the cache / recomputing it all.
         wall_s: seconds of the replay.
@@ -240,7 +241,8 @@ async def run_demo(cfg: DemoConfig, progress: Callable[[int, int], None] | None 
                         first = int(ref.logits[0, -1].argmax().item())
                     ttft_without.append(time.perf_counter() - t0)
                     agree += first == out.tokens[0]
-                    r = out.tokens_reused
+                    # the past the model attended to: a head computed while the rest loaded, then the reused tokens
+                    r = out.tokens_computed_first + out.tokens_reused
                     if r:
                         assert captured, "the generator reported reuse without showing the reused KV"
                         worst = torch.zeros(r, device=torch_device)

@@ -97,8 +97,9 @@ class CachedGenerator:
         on_prefill: ``callback(tokens, seconds)`` after every prompt forward (e.g. a cost model's
             ``observe_prefill``).
         on_reuse: ``callback(seq_ids, kv)`` on the model thread, before a prompt forward that reuses tokens:
-            ``kv`` is, per layer, the ``(keys, values)`` ``[rows, kv_heads, tokens_reused, head_dim]`` the model
-            is about to attend to (read it, do not keep or change it; e.g. to verify it against a recompute).
+            ``kv`` is, per layer, the ``(keys, values)`` ``[rows, kv_heads, past, head_dim]`` the model is about
+            to attend to, ``past = tokens_computed_first + tokens_reused`` (the head a hybrid prefill computed,
+            then the reused tokens); read it, do not keep or change it (e.g. to verify it against a recompute).
         cost_model: a :class:`~tiered_kv.cost_model.CostModel` to feed (every admission's time against the bytes
             it brought per tier, every prefill's time against its tokens) and to ask, for a single prompt whose match
             starts in the file tier, how many leading blocks to compute while the rest loads (hybrid prefill; attach
