@@ -181,10 +181,7 @@ def _doctor(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                [
-                    {"check": c[0], "ok": c[1], "required": c[0] in required, "found": c[2], "fix": c[3]}
-                    for c in checks
-                ],
+                [{"check": c[0], "ok": c[1], "required": c[0] in required, "found": c[2], "fix": c[3]} for c in checks],
                 f,
                 indent=2,
             )
@@ -339,13 +336,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--max-new-tokens", type=_positive, default=24, help="longest reply (default: %(default)s)")
     demo.add_argument("--seed", type=int, default=0, help="workload and weights seed (default: %(default)s)")
-    demo.add_argument(
-        "--gpu-blocks", type=_positive, default=80, help="GPU tier blocks of 16 tokens (default: %(default)s)"
-    )
-    demo.add_argument("--host-blocks", type=_positive, default=64, help="host tier blocks (default: %(default)s)")
-    demo.add_argument(
-        "--file-blocks", type=_non_negative, default=1024, help="file tier blocks; 0 for none (default: %(default)s)"
-    )
+    for tier, kind, what in (
+        ("gpu", _positive, "GPU tier blocks of 16 tokens"),
+        ("host", _positive, "host tier blocks"),
+        ("file", _non_negative, "file tier blocks; 0 for none"),
+    ):
+        demo.add_argument(f"--{tier}-blocks", type=kind, help=f"{what} (default: sized for the device)")
     demo.add_argument(
         "--plot",
         metavar="FILE.png",

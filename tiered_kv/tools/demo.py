@@ -2,13 +2,16 @@
 
 Primitives:
 
-* :class:`DemoConfig` -- sizes of the run (model, workload, tiers, device).
+* :class:`DemoConfig` -- sizes of the run (model, workload, tiers, device); sizes left unset take the device's
+  defaults (:data:`CPU_SIZES`, :data:`GPU_SIZES`: on a GPU a larger model and longer shared prompts, where reuse
+  pays as it does in a chat service).
 * :func:`run_demo` -- replay the chat through :class:`~tiered_kv.integrations.hf.CachedGenerator`
   on a randomly initialised Llama (nothing downloaded): every turn resends the conversation so far (the
   model's own earlier replies included) after one of a few shared system prompts; every reused token's KV is
   checked against a recompute of the whole prompt without the cache, which also gives the TTFT without it.
 * :class:`DemoReport` -- hit rate and hits per tier, bytes moved, TTFT with vs without, the check's figures,
   one sample per turn; ``to_json()``.
+* :func:`ttft_by_source` -- TTFT with and without the cache per tier the reused prefix came from.
 * :func:`print_report`, :func:`plot_report` (matplotlib), :func:`check_outputs` (``--plot``/``--json``
   paths and matplotlib are checked before the run, not after it).
 """
@@ -31,7 +34,18 @@ from ..cost_model import CostModel
 from .bench.common import percentile, print_table
 from .workload import ChatWorkload
 
-__all__ = ["DemoConfig", "DemoReport", "check_outputs", "plot_report", "print_report", "run_demo"]
+__all__ = [
+    "CPU_SIZES",
+    "GPU_SIZES",
+    "DemoConfig",
+    "DemoReport",
+    "DemoSizes",
+    "check_outputs",
+    "plot_report",
+    "print_report",
+    "run_demo",
+    "ttft_by_source",
+]
 
 #: A reused token's KV differs from a recompute's by rounding only (~1e-6 on values of magnitude ~1; see
 #: tiered_kv.integrations.hf); KV from a wrong block or position is off by O(1).
@@ -40,7 +54,7 @@ KV_TOLERANCE = 1e-3
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class DemoConfig:
-    """Sizes of a demo run (the defaults take about a minute on 2 CPU cores).
+    """Sizes of a demo run; a size left ``None`` takes the device's default (:data:`CPU_SIZES`, :data:`GPU_SIZES`).
 
     Attributes:
         device: ``"auto"`` (CUDA if present, else the emulated device), ``"cpu"`` or ``"cuda[:N]"``.
@@ -57,16 +71,48 @@ class DemoConfig:
     device: str = "auto"
     seed: int = 0
     conversations: int = 24
-    system_tokens: int = 384
+    system_tokens: int | None = None
     max_new_tokens: int = 24
-    gpu_blocks: int = 80
-    host_blocks: int = 64
-    file_blocks: int = 1024
+    gpu_blocks: int | None = None
+    host_blocks: int | None = None
+    file_blocks: int | None = None
     directory: str | None = None
     remote: str | None = None
-    layers: int = 4
-    hidden: int = 256
-    vocab: int = 4096
+    layers: int | None = None
+    hidden: int | None = None
+    vocab: int | None = None
+
+    def sizes(self, cuda: bool) -> DemoSizes:
+        """This run's sizes: those set here, the rest from :data:`GPU_SIZES` (``cuda``) or :data:`CPU_SIZES`."""
+        defaults = GPU_SIZES if cuda else CPU_SIZES
+        chosen = {f.name: getattr(self, f.name) for f in dataclasses.fields(DemoSizes)}
+        return dataclasses.replace(defaults, **{k: v for k, v in chosen.items() if v is not None})
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DemoSizes:
+    """The sizes of a run (the fields of :class:`DemoConfig` that default per device)."""
+
+    system_tokens: int
+    gpu_blocks: int
+    host_blocks: int
+    file_blocks: int
+    layers: int
+    hidden: int
+    vocab: int
+
+
+#: The emulated device's sizes: a model small enough for about a minute on 2 CPU cores.
+CPU_SIZES = DemoSizes(
+    system_tokens=384, gpu_blocks=80, host_blocks=64, file_blocks=1024, layers=4, hidden=256, vocab=4096
+)
+
+#: A GPU's sizes: a ~0.75B-parameter model and 2,048-token system prompts, so a reused prefix is most of a prompt
+#: (as in a chat service) and the tiers are smaller than the conversations (hits come from all three). A block
+#: holds 2 MiB of fp32 KV: 512 MiB of GPU tier, 512 MiB of pinned host memory, up to 2 GiB of file tier.
+GPU_SIZES = DemoSizes(
+    system_tokens=2048, gpu_blocks=256, host_blocks=256, file_blocks=1024, layers=16, hidden=2048, vocab=32000
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -120,10 +166,43 @@ class DemoReport:
             values = getattr(self, name)
             out[f"{name}_p50_s"] = percentile(values, 50)
             out[f"{name}_p90_s"] = percentile(values, 90)
+        out["ttft_by_source"] = ttft_by_source(self.samples)
         return out
 
 
-def _model_config(cfg: DemoConfig) -> Any:
+#: Where a turn's reused prefix came from: the slowest tier that supplied any of its blocks.
+SOURCES = ("remote", "file", "host", "gpu")
+
+
+def ttft_by_source(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """TTFT per source of the reused prefix: turns, p50 with and without the cache, the speed-up of the medians.
+
+    A turn's source is ``"none"`` (nothing reused) or the slowest tier that supplied any of its blocks.
+    """
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for sample in samples:
+        source = "none"
+        if sample["tokens_reused"]:
+            source = next((t for t in SOURCES if sample["blocks_from"].get(t)), "gpu")  # a partial block only: gpu
+        groups.setdefault(source, []).append(sample)
+    rows = []
+    for source in ("none", *reversed(SOURCES)):
+        if source in groups:
+            w = percentile([d["ttft_with"] for d in groups[source]], 50)
+            wo = percentile([d["ttft_without"] for d in groups[source]], 50)
+            rows.append(
+                {
+                    "prefix from": source,
+                    "turns": len(groups[source]),
+                    "with_ms": w * 1e3,
+                    "without_ms": wo * 1e3,
+                    "speed_up": wo / w if w > 0 else float("nan"),
+                }
+            )
+    return rows
+
+
+def _model_config(cfg: DemoSizes) -> Any:
     from ..integrations.hf import tiny_llama_config
 
     heads = max(1, cfg.hidden // 64)
@@ -177,19 +256,19 @@ async def run_demo(cfg: DemoConfig, progress: Callable[[int, int], None] | None 
 
     dev = resolve_device(cfg.device)
     torch_device = dev.torch_device
-    model = random_causal_lm(_model_config(cfg), dtype=torch.float32, device=torch_device, seed=cfg.seed)
-    layers, hidden = cfg.layers, cfg.hidden
-    description = f"Llama, {layers} layers, hidden {hidden}, vocab {cfg.vocab}, fp32, random weights"
+    size = cfg.sizes(dev.is_cuda)
+    model = random_causal_lm(_model_config(size), dtype=torch.float32, device=torch_device, seed=cfg.seed)
+    description = f"Llama, {size.layers} layers, hidden {size.hidden}, vocab {size.vocab}, fp32, random weights"
     workload = ChatWorkload(
         seed=cfg.seed,
         conversations=cfg.conversations,
         system_prompts=3,
-        system_tokens=cfg.system_tokens,
+        system_tokens=size.system_tokens,
         turns=(2, 5),
         user_tokens=(16, 96),
         output_tokens=(4, cfg.max_new_tokens),
         concurrency=8,
-        vocab=cfg.vocab,
+        vocab=size.vocab,
     )
     turns = list(workload)
     emulated = not dev.is_cuda
@@ -211,10 +290,10 @@ async def run_demo(cfg: DemoConfig, progress: Callable[[int, int], None] | None 
         directory = cfg.directory or tmp
         async with TieredKVCache(
             layout_for(model, 16),
-            gpu_blocks=cfg.gpu_blocks,
-            host_blocks=cfg.host_blocks,
-            file_blocks=cfg.file_blocks,
-            file_dir=directory if cfg.file_blocks else None,
+            gpu_blocks=size.gpu_blocks,
+            host_blocks=size.host_blocks,
+            file_blocks=size.file_blocks,
+            file_dir=directory if size.file_blocks else None,
             device=str(torch_device) if dev.is_cuda else "cpu",
             model_id=f"tiered-kv-demo/{description}/seed={cfg.seed}",
             remote=cfg.remote,
@@ -335,6 +414,13 @@ def print_report(report: DemoReport) -> None:
             }
         )
     print_table(rows, "\ntime to first token")
+    print_table(ttft_by_source(report.samples), "\ntime to first token (p50, ms) by where the reused prefix came from")
+    if report.emulated:
+        print(
+            "\nemulated device: the model and every copy ran on this CPU, so these times show what the cache does "
+            "(hits per tier, the checks, the cost model's choices), not what it saves on a GPU; run it on a CUDA "
+            "machine (--device cuda) for that"
+        )
     print_table(
         [{"direction": d, "MiB": b / 2**20} for d, b in sorted(report.bytes_moved.items())],
         "\nbytes moved per direction",
