@@ -1,4 +1,4 @@
-"""Write-through of a forward's KV into blocks: a short forward's layers written at once equal layer by layer."""
+"""The KV bridge: a forward's KV written into blocks (a short forward's layers at once), the past read from them."""
 
 from __future__ import annotations
 
@@ -67,3 +67,43 @@ def test_long_forward_writes_layer_by_layer_and_a_wrong_layer_count_is_refused()
     short.write(_views(pool)[0], one, one)
     with pytest.raises(RuntimeError, match="wrote 1 layers, the pool holds 3"):
         short.finish()
+
+
+@pytest.mark.parametrize("length", [1, 4, 9, 12])
+def test_gather_past_reads_each_rows_positions_from_its_blocks(length: int) -> None:
+    from tiered_kv.integrations.hf.kv import block_index, gather_past
+
+    g = torch.Generator().manual_seed(length)
+    pool = torch.randn(BLOCKS, LAYERS, 2, HEADS, T, DIM, generator=g)
+    tables = [(3, 7, 1), (0, 11, 4)]
+    index = block_index(tables, length, T, torch.device("cpu"))
+    assert index.tolist() == [b for t in tables for b in t[: -(-length // T)]]
+    for layer, (k_view, v_view) in enumerate(_views(pool)):
+        for kv, view in ((0, k_view), (1, v_view)):
+            got = gather_past(view, index, len(tables), length)
+            assert got.shape == (len(tables), HEADS, length, DIM)
+            for row, table in enumerate(tables):
+                for p in range(length):
+                    assert torch.equal(got[row, :, p], pool[table[p // T], layer, kv, :, p % T])
+
+
+def test_a_pooled_layer_keeps_no_kv_and_attends_to_the_blocks_then_the_new_positions() -> None:
+    pytest.importorskip("transformers")
+    from tiered_kv.integrations.hf.kv import cache_classes
+
+    layer_cls, _ = cache_classes()
+    pool = torch.randn(BLOCKS, LAYERS, 2, HEADS, T, DIM)
+    target = RowTargets(T)  # one layer's writes go straight into the blocks
+    target.page_tables = [(5, 2, 9)]
+    target.prepare(6, 3, torch.device("cpu"))  # positions 6..8 after a past of 6
+    layer = layer_cls(_views(pool)[1], target)
+    assert layer.get_seq_length() == 6
+    past_k, _ = layer.past()
+    new = torch.randn(1, HEADS, 3, DIM)
+    keys, values = layer.update(new, -new)
+    assert keys.shape == (1, HEADS, 9, DIM) and torch.equal(keys[:, :, :6], past_k)
+    assert torch.equal(keys[:, :, 6:], new) and torch.equal(values[:, :, 6:], -new)
+    assert torch.equal(pool[2, 1, 0, :, 2:], new[0, :, :2]) and torch.equal(pool[9, 1, 0, :, 0], new[0, :, 2])
+    assert layer.keys is None and layer.values is None  # nothing held beside the blocks
+    layer.materialize([(5, 2, 9)], 9)  # from here on a DynamicLayer holding positions 0..8
+    assert torch.equal(layer.keys, keys) and layer.get_seq_length() == 9

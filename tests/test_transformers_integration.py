@@ -240,6 +240,27 @@ async def test_a_full_gpu_tier_while_decoding_stops_storing_not_generating(model
     assert list(out.tokens) == tokens
 
 
+async def test_a_batch_row_that_stops_storing_mid_reply_and_a_row_that_stops_early_keep_their_tokens(model32, tmp_path):
+    """Row 0 gets the GPU tier's last block at position 64, row 1 does not: from there the layers hold the past
+    themselves (materialized from the blocks), row 0 still stores; later row 1 meets its stop token."""
+    prompts = [_tokens(30, 60), _tokens(31, 60)]  # 4 blocks each
+    refs = [reference_generate(model32, p, max_new_tokens=24)[0] for p in prompts]
+    k = next(i for i in range(8, 24) if refs[1][i] not in refs[1][:i] and refs[1][i] not in refs[0])
+    stop = refs[1][k]
+    async with _cache(model32, tmp_path, gpu=10, host=0, file=0) as cache:
+        [other] = await cache.add_sequences([_tokens(32, 8)])  # holds 1 block: 9 left for the batch
+        gen = CachedGenerator(model32, cache)
+        try:
+            batch = await gen.generate_batch(prompts, max_new_tokens=24, stop_token_ids=[stop])
+        finally:
+            gen.close()
+        cache.free(other.seq_id)
+        cache.blocks.check()
+    assert [b.tokens_stored for b in batch] == [80, 64]  # row 0: its 5th block, full at 80; row 1: none more
+    assert list(batch[1].tokens) == refs[1][: k + 1] and batch[1].finish_reason == "stop"
+    assert list(batch[0].tokens) == refs[0] and batch[0].finish_reason == "length"
+
+
 async def test_bad_arguments_are_refused_before_anything_is_admitted(model32, tmp_path):
     async with _cache(model32, tmp_path, gpu=8, host=0, file=0) as cache:
         gen = CachedGenerator(model32, cache)

@@ -3,11 +3,11 @@
 Primitives:
 
 * :class:`CachedGenerator` -- ``await generate(prompt_ids, max_new_tokens=...)`` (and ``generate_batch``,
-  ``stream``) on a transformers causal LM (transformers 5.x): admits the prompt to the cache, builds the
-  model's past key/values from the reused blocks (GPU, host or file tier; the partly matching last block
-  too), runs the model only on the tokens not reused, writes the KV it computes into the sequence's blocks
-  as the model produces it (a :class:`~transformers.DynamicCache` whose layers write through), commits,
-  frees. The same prompt without the cache gives the same tokens and logits (see *Equality* below).
+  ``stream``) on a transformers causal LM (transformers 5.x): admits the prompt to the cache (bringing reused
+  blocks from the GPU, host or file tier; the partly matching last block too), runs the model only on the tokens
+  not reused, through a :class:`~transformers.DynamicCache` whose layers write the KV the model computes into the
+  sequence's blocks and read the past from those blocks one layer at a time (no copy of the KV is kept beside the
+  blocks), commits, frees. The same prompt without the cache gives the same tokens and logits (see *Equality*).
 
 Re-exported from the modules of the integration (import them from here):
 
@@ -61,8 +61,8 @@ from ...blocks import Admission, CacheFullError, Request
 from ...keys import as_token_array
 from ...layer_major import LayerMajorPool
 from ...pools import BlockPool, Tier
-from .hybrid import ComputedPrefix, compute_prefix, finished, hybrid_past, write_prefix
-from .kv import PhaseTimer, RowTargets, cache_classes, pool_views, preload_past
+from .hybrid import ComputedPrefix, compute_prefix, finished, write_prefix
+from .kv import PhaseTimer, RowTargets, cache_classes, pool_views
 from .model import cache_kwargs, check_full_attention, layout_for, model_geometry, reference_generate
 from .results import Generation, GenerationStream, GeneratorStatistics
 from .sampling import GenerateOptions, Sampling, SamplingOptions, check_sampling, choose, make_sampler
@@ -429,14 +429,11 @@ class CachedGenerator:
             t = time.perf_counter()
             with torch.inference_mode():
                 mark = timer.start()
-                if computed is not None:
+                if computed is not None:  # the head into its fresh blocks: the past is then all in blocks
                     write_prefix(computed, self._views, adms[0].page_table, self._tpb, self.device)
-                    hybrid_past(kv, self._views, adms[0].page_table, computed, start, self._tpb, self.device)
-                elif reused:
-                    preload_past(kv, self._views, [a.page_table for a in adms], reused, self._tpb, self.device)
-                if start and self.on_reuse is not None:
-                    self.on_reuse([a.seq_id for a in adms], [(layer.keys, layer.values) for layer in kv.layers])
                 target.prepare(start, n - start, self.device)
+                if start and self.on_reuse is not None:
+                    self.on_reuse([a.seq_id for a in adms], [layer.past() for layer in kv.layers])
                 timer.stop("preload", mark)
                 mark = timer.start()
                 target.timer = timer
@@ -476,6 +473,7 @@ class CachedGenerator:
         self._requests += len(rows)
 
         live = list(range(len(rows)))  # positions (in this group) still generating
+        tables = [a.page_table for a in adms]  # each row's page table as of its last stored token
         stored = [n] * len(rows)  # tokens whose KV is in each sequence's blocks
         storing = [True] * len(rows)
         tokens: list[list[int]] = [[] for _ in rows]
@@ -508,19 +506,24 @@ class CachedGenerator:
                 live = [live[k] for k in keep]
                 chosen = [chosen[k] for k in keep]
             # store each fed token's KV: its block must exist before the forward writes it
+            position = n + step
             page_tables: list[tuple[int, ...] | None] = []
             for j, tok in zip(live, chosen, strict=True):
                 seq = adms[j].seq_id
                 if storing[j]:
                     try:
-                        page_tables.append(await cache.append_tokens(seq, [tok]))
+                        tables[j] = await cache.append_tokens(seq, [tok])
+                        page_tables.append(tables[j])
                         stored[j] += 1
                         continue
                     except CacheFullError:
                         storing[j] = False  # no GPU room: the rest of this reply is generated but not stored
                 page_tables.append(None)
+            if None in page_tables:  # a row's past is no longer all in blocks from here on: the layers hold it
+                past_tables = [tables[j] for j in live]
+                for layer in kv.layers:
+                    layer.materialize(past_tables, position)
             target.page_tables = page_tables
-            position = n + step
             feed = torch.tensor([[t] for t in chosen], dtype=torch.long)
 
             def decode(feed: torch.Tensor = feed, position: int = position) -> tuple[torch.Tensor, float]:

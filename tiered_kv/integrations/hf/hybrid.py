@@ -9,8 +9,8 @@ the file tier, :class:`~tiered_kv.integrations.hf.CachedGenerator` asks its cost
   (:func:`compute_prefix`; it writes no block) while the event loop admits the prompt with
   ``Request(tokens, compute_blocks=c)``, which loads only the match's later blocks;
 * once both are done, the computed KV is scattered into the sequence's fresh leading blocks (:func:`write_prefix`,
-  one write per layer for K and one for V) and the past the model attends to is the computed KV followed by the
-  loaded blocks (:func:`hybrid_past`);
+  one write per layer for K and one for V), so the past the model attends to, the computed head followed by the
+  loaded blocks, is all in the sequence's blocks and is read from them as a reused prefix is;
 * the final forward runs the remaining tokens as without hybrid prefill (writes through, commit, decode).
 
 Rules:
@@ -32,10 +32,10 @@ from typing import Any
 import torch
 
 from ...blocks import Admission
-from .kv import RowTargets, preload_past
+from .kv import RowTargets
 from .model import cache_kwargs, output_cache
 
-__all__ = ["ComputedPrefix", "compute_prefix", "finished", "hybrid_past", "write_prefix"]
+__all__ = ["ComputedPrefix", "compute_prefix", "finished", "write_prefix"]
 
 
 @dataclasses.dataclass(slots=True)
@@ -91,26 +91,6 @@ def write_prefix(
     target.prepare(0, prefix.tokens, device)
     for layer_views, (keys, values) in zip(views, prefix.layers, strict=True):
         target.write(layer_views, keys, values)
-
-
-def hybrid_past(
-    kv: Any,
-    views: list[tuple[torch.Tensor, torch.Tensor]],
-    page_table: tuple[int, ...],
-    prefix: ComputedPrefix,
-    past_end: int,
-    tokens_per_block: int,
-    device: torch.device,
-) -> None:
-    """Fill every layer of ``kv`` with positions ``[0, past_end)``: the computed head, then the loaded blocks."""
-    loaded = past_end - prefix.tokens
-    if loaded > 0:  # the blocks after the head, gathered as preload_past gathers a reused prefix
-        preload_past(kv, views, [page_table[prefix.tokens // tokens_per_block :]], loaded, tokens_per_block, device)
-    for i, layer in enumerate(kv.layers):
-        keys, values = prefix.layers[i]
-        if loaded > 0:
-            keys, values = torch.cat([keys, layer.keys], dim=2), torch.cat([values, layer.values], dim=2)
-        layer.preload(keys, values)
 
 
 async def finished(future: asyncio.Future[Any]) -> None:

@@ -3,13 +3,23 @@
 Primitives:
 
 * :func:`pool_views` -- per layer, ``(K, V)`` views ``[num_blocks, heads, tokens, head_dim]`` of a GPU pool.
-* :class:`RowTargets` -- where a forward's new KV goes: per batch row, the sequence's page table.
-* :func:`cache_classes` -- ``(WriteThroughLayer, WriteThroughCache)``: a transformers ``DynamicCache`` whose
-  layers also write the KV the model computes into the sequences' blocks (built on the installed
+* :class:`RowTargets` -- a forward's rows: per batch row, the sequence's page table; where the new KV goes and
+  which blocks hold the past.
+* :func:`cache_classes` -- ``(PoolLayer, PoolCache)``: a transformers ``DynamicCache`` whose layers write the KV
+  the model computes into the sequences' blocks and read the past KV from those blocks (built on the installed
   transformers, imported lazily).
+* :func:`gather_past` -- one layer's KV of positions ``[0, length)`` of every row, read from its blocks.
 * :class:`PhaseTimer` -- named time spans of a forward (CUDA events, or the host clock on the CPU).
-* :func:`preload_past` -- fill every layer of such a cache with the reused KV of each row, read from the blocks
-  of the rows' page tables (the past key/values the model attends to).
+
+Rules:
+
+* A pooled layer keeps no KV between forwards: the sequences' blocks are the only copy. Each forward gathers one
+  layer's past at a time from the blocks (one copy, freed after the layer's attention), so a request holds at most
+  one layer's past beyond its blocks, and a decode step copies the past once per layer, as transformers' own
+  ``DynamicCache`` does when it concatenates.
+* The new positions' KV in what a layer attends to is the model's own (a held-back write is not in the blocks yet).
+* A forward with a row that is not stored (no page table) cannot read its past from blocks: the generator
+  :meth:`materializes <PoolLayer.materialize>` every layer first, which then holds its past as a ``DynamicLayer``.
 """
 
 from __future__ import annotations
@@ -23,7 +33,7 @@ import torch
 from ...layer_major import LayerMajorPool
 from ...pools import BlockPool
 
-__all__ = ["PhaseTimer", "RowTargets", "cache_classes", "pool_views", "preload_past"]
+__all__ = ["PhaseTimer", "RowTargets", "block_index", "cache_classes", "gather_past", "pool_views"]
 
 
 def pool_views(pool: BlockPool | LayerMajorPool, layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -42,7 +52,10 @@ BATCHED_WRITE_POSITIONS = 64
 
 
 class RowTargets:
-    """Where a forward's KV goes: per batch row, the sequence's page table (None: not stored).
+    """A forward's rows: per batch row, the sequence's page table (None: not stored).
+
+    :meth:`prepare` computes, once per forward, where each new position's KV goes and (when every row is stored)
+    :attr:`gather`, the blocks holding positions ``[0, start + length)`` of every row.
 
     Args:
         tokens_per_block: the layout's block size.
@@ -56,6 +69,7 @@ class RowTargets:
         "_pending",
         "_rows_kept",
         "block_index",
+        "gather",
         "offsets",
         "page_tables",
         "pool",
@@ -74,6 +88,7 @@ class RowTargets:
         self.block_index: torch.Tensor | None = None  # [rows stored * q] block per written position
         self.offsets: torch.Tensor | None = None  # [rows stored * q] token offset in its block
         self._rows_kept: torch.Tensor | None = None
+        self.gather: torch.Tensor | None = None  # [rows * blocks] the blocks of every row's past and new positions
 
     def prepare(self, start: int, length: int, device: torch.device) -> None:
         """Index tensors for a forward over positions ``[start, start + length)`` (built once, used by every layer)."""
@@ -89,6 +104,10 @@ class RowTargets:
             blocks.append(table[positions // T])
             offsets.append(positions % T)
         self._pending = None
+        stored = len(kept) == len(self.page_tables)
+        self.gather = None
+        if start and stored:  # a past to read: every row's blocks of positions [0, start + length)
+            self.gather = block_index([pt for pt in self.page_tables if pt is not None], start + length, T, device)
         if not kept:
             self.block_index = self.offsets = self._rows_kept = None
             return
@@ -180,7 +199,7 @@ class PhaseTimer:
 
 
 def cache_classes() -> tuple[type[Any], type[Any]]:
-    """``(WriteThroughLayer, WriteThroughCache)`` built on the installed transformers (imported lazily)."""
+    """``(PoolLayer, PoolCache)`` built on the installed transformers (imported lazily)."""
     global _CLASSES
     if _CLASSES is not None:
         return _CLASSES
@@ -191,66 +210,100 @@ def cache_classes() -> tuple[type[Any], type[Any]]:
             "tiered_kv.integrations.hf.generator needs transformers>=5: pip install transformers"
         ) from exc
 
-    class WriteThroughLayer(DynamicLayer):  # type: ignore[no-untyped-call]
-        """A ``DynamicLayer`` whose ``update`` also writes the new KV into the sequences' blocks."""
+    class PoolLayer(DynamicLayer):  # type: ignore[no-untyped-call]
+        """A cache layer over the sequences' blocks (see the module's rules); a ``DynamicLayer`` once materialized.
+
+        Its past length is the forward's first position (:attr:`RowTargets.start`); ``update`` writes the new KV
+        into the blocks and returns the past read from them followed by the new KV.
+        """
 
         def __init__(self, views: tuple[torch.Tensor, torch.Tensor], rows: RowTargets) -> None:
             super().__init__()  # type: ignore[no-untyped-call]
             self._views = views
             self._rows = rows
+            self.pooled = True  # False once materialized: the past is held in ``keys``/``values``
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            self._rows.write(self._views, key_states, value_states)
-            return super().update(key_states, value_states, *args, **kwargs)
+            rows = self._rows
+            rows.write(self._views, key_states, value_states)
+            if not self.pooled:
+                return super().update(key_states, value_states, *args, **kwargs)
+            start = rows.start
+            if start == 0:
+                return key_states, value_states
+            if rows.gather is None:
+                raise RuntimeError("a pooled layer reads its past from every row's blocks: materialize it first")
+            out = []
+            for view, new in zip(self._views, (key_states, value_states), strict=True):
+                full = gather_past(view, rows.gather, new.shape[0], start + new.shape[2])
+                full[:, :, start:] = new
+                out.append(full)
+            return out[0], out[1]
 
-        def preload(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-            """Start from reused KV ``[batch, heads, tokens, head_dim]`` without writing it back."""
+        def get_seq_length(self) -> int:
+            return self._rows.start if self.pooled else int(super().get_seq_length())
+
+        def past(self) -> tuple[torch.Tensor, torch.Tensor]:
+            """The KV of positions ``[0, start)`` the next forward attends to, ``[rows, heads, start, head_dim]``."""
+            start = self._rows.start
+            if not self.pooled:
+                return self.keys[:, :, :start], self.values[:, :, :start]
+            index = self._rows.gather
+            if index is None:
+                raise RuntimeError("no past to read: prepare the rows of a forward with a past first")
+            rows = len(self._rows.page_tables)
+            k, v = (gather_past(view, index, rows, start) for view in self._views)
+            return k, v
+
+        def materialize(self, page_tables: list[tuple[int, ...]], length: int) -> None:
+            """Hold the KV of positions ``[0, length)`` of each row (read from its blocks) from now on."""
+            if not self.pooled:
+                return
+            index = block_index(page_tables, length, self._rows.tokens_per_block, self._views[0].device)
+            keys, values = (gather_past(view, index, len(page_tables), length).contiguous() for view in self._views)
             self.lazy_initialization(keys, values)
             self.keys, self.values = keys, values
+            self.pooled = False
 
-    class WriteThroughCache(DynamicCache):
-        """A ``DynamicCache`` of :class:`WriteThroughLayer` s (one per model layer)."""
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            if not self.pooled:  # a pooled layer's rows are the next forward's page tables
+                super().batch_select_indices(indices)
+
+    class PoolCache(DynamicCache):
+        """A ``DynamicCache`` of :class:`PoolLayer` s (one per model layer)."""
 
         def __init__(self, layers: list[Any]) -> None:  # not DynamicCache's init: it would build its own layers
             from transformers.cache_utils import Cache
 
             Cache.__init__(self, layers=layers)
 
-    _CLASSES = (WriteThroughLayer, WriteThroughCache)
+    _CLASSES = (PoolLayer, PoolCache)
     return _CLASSES
 
 
 _CLASSES: tuple[type[Any], type[Any]] | None = None
 
 
-def preload_past(
-    kv: Any,
-    views: list[tuple[torch.Tensor, torch.Tensor]],
-    page_tables: list[tuple[int, ...]],
-    reused: int,
-    tokens_per_block: int,
-    device: torch.device,
-) -> None:
-    """Fill every layer of ``kv`` with the reused KV of each row (positions ``[0, reused)``).
+def block_index(
+    page_tables: list[tuple[int, ...]], length: int, tokens_per_block: int, device: torch.device
+) -> torch.Tensor:
+    """The blocks holding positions ``[0, length)`` of every row, row after row (``[rows * blocks]``)."""
+    nb = -(-length // tokens_per_block)
+    return torch.tensor([b for pt in page_tables for b in pt[:nb]], dtype=torch.long).to(device)
+
+
+def gather_past(view: torch.Tensor, index: torch.Tensor, rows: int, length: int) -> torch.Tensor:
+    """One layer's K or V of positions ``[0, length)`` of each row, ``[rows, heads, length, head_dim]``.
 
     Args:
-        kv: a cache from :func:`cache_classes` (one layer per entry of ``views``).
-        views: :func:`pool_views` of the GPU pool.
-        page_tables: per row, the sequence's page table (its first ``ceil(reused / tokens_per_block)`` blocks
-            hold the reused KV).
-        reused: tokens reused (the same for every row).
-        tokens_per_block: the layout's block size.
-        device: the model's device.
+        view: the layer's K or V view of the pool, ``[num_blocks, heads, tokens, head_dim]``.
+        index: :func:`block_index` of the rows (at least ``length`` positions each).
+        rows: the rows in ``index``.
+        length: positions per row.
+
+    One copy: the blocks are read head by head into ``[heads, rows * blocks, tokens, head_dim]``; the result is a
+    view of it (positions beyond ``length`` in the last block are sliced off).
     """
-    nb = -(-reused // tokens_per_block)
-    index = torch.tensor([pt[:nb] for pt in page_tables], dtype=torch.long, device=device)  # [rows, nb]
-    flat = index.reshape(-1)
-    rows = len(page_tables)
-    for layer, (k_view, v_view) in zip(kv.layers, views, strict=True):
-        parts = []
-        for view in (k_view, v_view):
-            blocks = view.index_select(0, flat)  # [rows * nb, heads, T, dim]
-            _, heads, T, dim = blocks.shape
-            x = blocks.view(rows, nb, heads, T, dim).permute(0, 2, 1, 3, 4).reshape(rows, heads, nb * T, dim)
-            parts.append(x[:, :, :reused] if nb * T != reused else x)
-        layer.preload(parts[0], parts[1])
+    blocks = view.transpose(0, 1).index_select(1, index)
+    heads, _, _, dim = blocks.shape
+    return blocks.view(heads, rows, -1, dim).transpose(0, 1)[:, :, :length]

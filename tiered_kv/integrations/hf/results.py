@@ -36,10 +36,11 @@ class Generation:
         logits: with ``output_logits=True``: one row per position of the prompt's last forward (prompt positions
             ``tokens_computed_first + tokens_reused .. prompt_tokens - 1``, then one per decode step), else ``None``.
         phases: where the time to first token went, in seconds: ``admit`` (from the call to the prefill: admission
-            and the copies bringing reused blocks), ``preload`` (gathering the reused KV for the model), ``forward``
-            (the prompt forward, KV writes included), ``kv_write`` (of it, writing the new KV into the blocks),
-            ``commit`` (ordering later copies after the forward, committing), ``sample`` (the rest: choosing the
-            first token). Device time on CUDA (events), host time on the emulated device. With hybrid prefill also
+            and the copies bringing reused blocks), ``preload`` (preparing the forward: the index of the blocks
+            that hold the past), ``forward`` (the prompt forward: reading the past from the blocks and writing the
+            new KV into them included), ``kv_write`` (of it, writing the new KV into the blocks), ``commit``
+            (ordering later copies after the forward, committing), ``sample`` (the rest: choosing the first token).
+            Device time on CUDA (events), host time on the emulated device. With hybrid prefill also
             ``hybrid_compute`` (the forward of the prefix's head, on the model thread) and ``hybrid_admit`` (the
             admission that loaded the rest meanwhile); ``admit`` then spans both, ``preload`` includes writing the
             head's KV into its blocks.
