@@ -241,8 +241,8 @@ async def test_a_full_gpu_tier_while_decoding_stops_storing_not_generating(model
 
 
 async def test_a_batch_row_that_stops_storing_mid_reply_and_a_row_that_stops_early_keep_their_tokens(model32, tmp_path):
-    """Row 0 gets the GPU tier's last block at position 64, row 1 does not: from there the layers hold the past
-    themselves (materialized from the blocks), row 0 still stores; later row 1 meets its stop token."""
+    """Row 0 gets the GPU tier's last block at position 64, row 1 does not: row 0 still stores, row 1 goes on
+    unstored; later row 1 meets its stop token and leaves the batch."""
     prompts = [_tokens(30, 60), _tokens(31, 60)]  # 4 blocks each
     refs = [reference_generate(model32, p, max_new_tokens=24)[0] for p in prompts]
     k = next(i for i in range(8, 24) if refs[1][i] not in refs[1][:i] and refs[1][i] not in refs[0])

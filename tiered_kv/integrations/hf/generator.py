@@ -6,8 +6,8 @@ Primitives:
   ``stream``) on a transformers causal LM (transformers 5.x): admits the prompt to the cache (bringing reused
   blocks from the GPU, host or file tier; the partly matching last block too), runs the model only on the tokens
   not reused, through a :class:`~transformers.DynamicCache` whose layers write the KV the model computes into the
-  sequence's blocks and read the past from those blocks one layer at a time (no copy of the KV is kept beside the
-  blocks), commits, frees. The same prompt without the cache gives the same tokens and logits (see *Equality*).
+  sequence's blocks and, in the prompt's forward, read the past from those blocks one layer at a time (see
+  :mod:`.kv`), commits, frees. The same prompt without the cache gives the same tokens and logits (see *Equality*).
 
 Re-exported from the modules of the integration (import them from here):
 
@@ -473,7 +473,7 @@ class CachedGenerator:
         self._requests += len(rows)
 
         live = list(range(len(rows)))  # positions (in this group) still generating
-        tables = [a.page_table for a in adms]  # each row's page table as of its last stored token
+        tables = [a.page_table for a in adms]  # each row's page table
         stored = [n] * len(rows)  # tokens whose KV is in each sequence's blocks
         storing = [True] * len(rows)
         tokens: list[list[int]] = [[] for _ in rows]
@@ -519,17 +519,19 @@ class CachedGenerator:
                     except CacheFullError:
                         storing[j] = False  # no GPU room: the rest of this reply is generated but not stored
                 page_tables.append(None)
-            if None in page_tables:  # a row's past is no longer all in blocks from here on: the layers hold it
-                past_tables = [tables[j] for j in live]
-                for layer in kv.layers:
-                    layer.materialize(past_tables, position)
             target.page_tables = page_tables
             feed = torch.tensor([[t] for t in chosen], dtype=torch.long)
+            prompt_tables = [tables[j] for j in live] if step == 0 else None
 
-            def decode(feed: torch.Tensor = feed, position: int = position) -> tuple[torch.Tensor, float]:
+            def decode(
+                feed: torch.Tensor = feed, position: int = position, prompt_tables: list[Any] | None = prompt_tables
+            ) -> tuple[torch.Tensor, float]:
                 t = time.perf_counter()
                 with torch.inference_mode():
-                    target.prepare(position, 1, self.device)
+                    if prompt_tables is not None:  # decode appends to a past the layers hold (see .kv's rules)
+                        for layer in kv.layers:
+                            layer.materialize(prompt_tables, position)
+                    target.prepare(position, 1, self.device, read_past=False)
                     out = self.model(
                         input_ids=feed.to(self.device), **cache_kwargs(self.model, kv), use_cache=True, logits_to_keep=1
                     )

@@ -13,13 +13,14 @@ Primitives:
 
 Rules:
 
-* A pooled layer keeps no KV between forwards: the sequences' blocks are the only copy. Each forward gathers one
-  layer's past at a time from the blocks (one copy, freed after the layer's attention), so a request holds at most
-  one layer's past beyond its blocks, and a decode step copies the past once per layer, as transformers' own
-  ``DynamicCache`` does when it concatenates.
+* A pooled layer keeps no KV between forwards: the sequences' blocks are the only copy. A prompt's forward reads
+  one layer's past at a time from the blocks (a copy freed after the layer's attention), so it holds at most one
+  layer's past beyond the blocks; no reused prefix is gathered for the whole model before it.
 * The new positions' KV in what a layer attends to is the model's own (a held-back write is not in the blocks yet).
-* A forward with a row that is not stored (no page table) cannot read its past from blocks: the generator
-  :meth:`materializes <PoolLayer.materialize>` every layer first, which then holds its past as a ``DynamicLayer``.
+* Decode :meth:`materializes <PoolLayer.materialize>` the layers before its first step: each then holds its past
+  as a ``DynamicLayer`` and appends a step's KV as transformers does (reading a growing past from the blocks at
+  every step copies it twice per layer where ``torch.cat`` copies it once; only an attention kernel that reads
+  the blocks in place would copy nothing). A row that stops being stored mid-reply needs nothing more.
 """
 
 from __future__ import annotations
@@ -90,8 +91,12 @@ class RowTargets:
         self._rows_kept: torch.Tensor | None = None
         self.gather: torch.Tensor | None = None  # [rows * blocks] the blocks of every row's past and new positions
 
-    def prepare(self, start: int, length: int, device: torch.device) -> None:
-        """Index tensors for a forward over positions ``[start, start + length)`` (built once, used by every layer)."""
+    def prepare(self, start: int, length: int, device: torch.device, read_past: bool = True) -> None:
+        """Index tensors for a forward over positions ``[start, start + length)`` (built once, used by every layer).
+
+        ``read_past``: the layers read positions ``[0, start)`` from the blocks (:attr:`gather`); ``False`` when
+        they hold the past themselves (materialized).
+        """
         T = self.tokens_per_block
         self.start = start
         positions = np.arange(start, start + length)
@@ -106,7 +111,7 @@ class RowTargets:
         self._pending = None
         stored = len(kept) == len(self.page_tables)
         self.gather = None
-        if start and stored:  # a past to read: every row's blocks of positions [0, start + length)
+        if read_past and start and stored:  # every row's blocks of positions [0, start + length)
             self.gather = block_index([pt for pt in self.page_tables if pt is not None], start + length, T, device)
         if not kept:
             self.block_index = self.offsets = self._rows_kept = None
@@ -301,9 +306,11 @@ def gather_past(view: torch.Tensor, index: torch.Tensor, rows: int, length: int)
         rows: the rows in ``index``.
         length: positions per row.
 
-    One copy: the blocks are read head by head into ``[heads, rows * blocks, tokens, head_dim]``; the result is a
-    view of it (positions beyond ``length`` in the last block are sliced off).
+    Two copies, each of whole contiguous pieces: the blocks side by side, then heads before positions (one strided
+    gather is several times slower on a CPU); the result is a view of the second (positions beyond ``length`` in
+    the last block are sliced off).
     """
-    blocks = view.transpose(0, 1).index_select(1, index)
-    heads, _, _, dim = blocks.shape
-    return blocks.view(heads, rows, -1, dim).transpose(0, 1)[:, :, :length]
+    blocks = view.index_select(0, index)  # [rows * blocks, heads, tokens, head_dim]
+    _, heads, tokens, dim = blocks.shape
+    per_row = blocks.view(rows, -1, heads, tokens, dim).transpose(1, 2)
+    return per_row.reshape(rows, heads, -1, dim)[:, :, :length]
