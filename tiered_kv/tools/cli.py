@@ -30,8 +30,10 @@ from .doctor import doctor_checks as _doctor_checks
 
 __all__ = ["main"]
 
-# Benchmarks run by `tiered-kv bench`, in order (modules under tiered_kv.tools.bench).
-BENCHMARKS = ["engine", "kernels", "overlap", "pagetables", "filetier", "cache", "remote", "model", "serving"]
+# Benchmarks of `tiered-kv bench`, in order (modules under tiered_kv.tools.bench). Those in ON_REQUEST run only when
+# named with --only: they measure a peer library that must be installed.
+BENCHMARKS = ["engine", "kernels", "overlap", "pagetables", "filetier", "cache", "remote", "model", "serving", "peers"]
+ON_REQUEST = {"peers"}
 
 
 def _writable_dir(path: str) -> str:
@@ -104,11 +106,16 @@ def _bench(args: argparse.Namespace) -> int:
     from .bench.common import machine_info, print_grouped, print_table, write_json
     from .bench.targets import SCHEMA, compare, finalize, unmatched
 
-    names = args.only or BENCHMARKS
+    names = args.only or [n for n in BENCHMARKS if n not in ON_REQUEST]
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:
         print(f"error: unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)}", file=sys.stderr)
         return 2
+    modules = [importlib.import_module(f"tiered_kv.tools.bench.{name}") for name in names]
+    for module in modules:  # a benchmark that cannot run here refuses (ValueError) before any of them runs
+        preflight = getattr(module, "preflight", None)
+        if preflight is not None:
+            preflight(args.device)
     old = None
     if args.compare:
         try:
@@ -118,9 +125,8 @@ def _bench(args: argparse.Namespace) -> int:
             print(f"error: cannot read {args.compare}: {exc}", file=sys.stderr)
             return 2
     results = []
-    for i, name in enumerate(names, 1):
+    for i, (name, module) in enumerate(zip(names, modules, strict=True), 1):
         print(f"[{i}/{len(names)}] running bench.{name} ...", flush=True)  # each takes seconds to minutes
-        module = importlib.import_module(f"tiered_kv.tools.bench.{name}")
         t0 = time.perf_counter()
         result = finalize(module.run(args.quick, args.device))
         result["seconds"] = time.perf_counter() - t0
@@ -358,7 +364,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="CPU-sized run (under two minutes)")
     bench.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     bench.add_argument("--json", default="bench-tiered-kv.json", help="output file (default: %(default)s)")
-    bench.add_argument("--only", nargs="+", metavar="NAME", help=f"run only these ({', '.join(BENCHMARKS)})")
+    bench.add_argument(
+        "--only",
+        nargs="+",
+        metavar="NAME",
+        help=f"run only these ({', '.join(BENCHMARKS)}; {', '.join(sorted(ON_REQUEST))} only when named here)",
+    )
     bench.add_argument(
         "--compare", metavar="OLD_JSON", help="compare each judged row with the same row of an earlier run's JSON"
     )

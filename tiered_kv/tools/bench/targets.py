@@ -126,6 +126,11 @@ def _serving(row: Row) -> Target | None:
     return None
 
 
+def _peers(row: Row) -> Target | None:
+    # at least as fast as the peer (LMCache; the per-block loop), with both sides' retrieves giving back exact bytes
+    return Target("ratio", ">=", 1.0, requires="verified") if "ratio" in row else None
+
+
 _RULES: dict[str, Callable[[Row], Target | None]] = {
     "model": _model,
     "serving": _serving,
@@ -134,6 +139,7 @@ _RULES: dict[str, Callable[[Row], Target | None]] = {
     "filetier": _filetier,
     "pagetables": _pagetables,
     "overlap": _overlap,
+    "peers": _peers,
 }
 
 # keys that are measurements or verdicts, never part of a row's identity
