@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import pytest
 import torch
 
@@ -106,4 +108,5 @@ def test_a_pooled_layer_keeps_no_kv_and_attends_to_the_blocks_then_the_new_posit
     assert torch.equal(pool[2, 1, 0, :, 2:], new[0, :, :2]) and torch.equal(pool[9, 1, 0, :, 0], new[0, :, 2])
     assert layer.keys is None and layer.values is None  # nothing held beside the blocks
     layer.materialize([(5, 2, 9)], 9)  # from here on a DynamicLayer holding positions 0..8
-    assert torch.equal(layer.keys, keys) and layer.get_seq_length() == 9
+    held = cast(torch.Tensor, layer.keys)
+    assert torch.equal(held, keys) and layer.get_seq_length() == 9

@@ -26,6 +26,7 @@ Rules:
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -252,6 +253,7 @@ def cache_classes() -> tuple[type[Any], type[Any]]:
             """The KV of positions ``[0, start)`` the next forward attends to, ``[rows, heads, start, head_dim]``."""
             start = self._rows.start
             if not self.pooled:
+                assert self.keys is not None and self.values is not None  # set by materialize
                 return self.keys[:, :, :start], self.values[:, :, :start]
             index = self._rows.gather
             if index is None:
@@ -260,7 +262,7 @@ def cache_classes() -> tuple[type[Any], type[Any]]:
             k, v = (gather_past(view, index, rows, start) for view in self._views)
             return k, v
 
-        def materialize(self, page_tables: list[tuple[int, ...]], length: int) -> None:
+        def materialize(self, page_tables: Sequence[Sequence[int]], length: int) -> None:
             """Hold the KV of positions ``[0, length)`` of each row (read from its blocks) from now on."""
             if not self.pooled:
                 return
@@ -290,7 +292,7 @@ _CLASSES: tuple[type[Any], type[Any]] | None = None
 
 
 def block_index(
-    page_tables: list[tuple[int, ...]], length: int, tokens_per_block: int, device: torch.device
+    page_tables: Sequence[Sequence[int]], length: int, tokens_per_block: int, device: torch.device
 ) -> torch.Tensor:
     """The blocks holding positions ``[0, length)`` of every row, row after row (``[rows * blocks]``)."""
     nb = -(-length // tokens_per_block)
