@@ -18,13 +18,20 @@ def test_quick_run_measures_decode_batch_and_memory_and_judges_the_rows_with_tar
         ("decode", "plain"),
         ("decode", "cache"),
         ("decode", "no_integrity"),
+        ("decode", "inline"),
         ("batch", ""),
         ("memory", "plain"),
         ("memory", "host"),
     }
-    for path in ("plain", "cache", "no_integrity"):
+    for path in ("plain", "cache", "no_integrity", "inline"):
         r = rows["decode", path]
         assert r["tokens_per_s"] > 0 and r["vs_plain"] > 0 and r["new_tokens"] == 24
+        assert r["ms_per_step"] == pytest.approx(1e3 / r["tokens_per_s"])
+        assert 0 < r["model_ms_per_step"] and r["outside_model_ms"] == pytest.approx(
+            r["ms_per_step"] - r["model_ms_per_step"]
+        )
+    assert rows["decode", "inline"]["target"] == "" and rows["decode", "inline"]["met"] is None
+    assert rows["decode", "plain"]["outside_model_ms"] == pytest.approx(0.0, abs=1e-9)
     assert rows["decode", "plain"]["vs_plain"] == 1.0
     assert rows["decode", "cache"]["target"] == "vs_plain >= 0.95" and isinstance(rows["decode", "cache"]["met"], bool)
     off = rows["decode", "no_integrity"]

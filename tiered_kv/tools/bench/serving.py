@@ -17,6 +17,12 @@ for ``--quick`` or the emulated device). Rows:
   - ``no_integrity``: the same with ``TieredKVCache(integrity=False)``; its ``integrity_cost`` = 1 - the
     ``cache`` row's rate over this row's, the share of decode throughput the checksums take. Target:
     ``integrity_cost <= 0.02``.
+  - ``inline``: the ``cache`` path with the forwards on the event loop's thread (``offload_compute=False``): what
+    handing each step to the model thread costs. Context, no target.
+
+  Each row also splits a step: ``ms_per_step``, ``model_ms_per_step`` (the decode forward, its KV write and the
+  synchronize after it, as the generator times them; for ``plain`` the whole step) and ``outside_model_ms`` (the
+  rest: appending the token to its sequence, committing, choosing the token, the hop to the model thread).
 
 * ``batch``: ``requests`` prompts submitted at once (``asyncio.gather`` of ``generate``): a third reuse a prefix
   on the GPU, a third one in host memory, the rest are misses; TTFT p50 and p99 against the same prompts
@@ -85,12 +91,13 @@ async def _decode_rows(model: Any, length: int, new: int, repeats: int) -> list[
     def prompt() -> list[int]:
         return prefix + [int(t) for t in rng.integers(0, vocab, SUFFIX)]
 
-    rates: dict[str, list[float]] = {"plain": [], "cache": [], "no_integrity": []}
+    rates: dict[str, list[float]] = {"plain": [], "cache": [], "no_integrity": [], "inline": []}
+    model_s: dict[str, list[float]] = {path: [] for path in rates}  # model seconds per step (generator paths)
     past = _prefix_kv(model, prefix)
     blocks = -(-(length + SUFFIX + new) // 16) * 2 + 8
     gens: dict[str, CachedGenerator] = {}
     async with contextlib.AsyncExitStack() as stack:
-        for path in ("cache", "no_integrity"):
+        for path in ("cache", "no_integrity", "inline"):
             cache = await stack.enter_async_context(
                 TieredKVCache(
                     layout,
@@ -98,29 +105,32 @@ async def _decode_rows(model: Any, length: int, new: int, repeats: int) -> list[
                     host_blocks=blocks,
                     device=_cache_device(device),
                     model_id=f"bench-serving-{path}",
-                    integrity=path == "cache",
+                    integrity=path != "no_integrity",
                 )
             )
-            gen = gens[path] = CachedGenerator(model, cache)
+            gen = gens[path] = CachedGenerator(model, cache, offload_compute=path != "inline")
             stack.callback(gen.close)
             await gen.generate(prompt(), max_new_tokens=2)  # the prefix, computed once; warms up
         reference_generate(model, prompt(), max_new_tokens=2, past=past)
-        for _ in range(repeats):  # the three take turns: a slow spell of the machine falls on all of them
+        for _ in range(repeats):  # the paths take turns: a slow spell of the machine falls on all of them
             _sync(device)
             t0 = time.perf_counter()
             tokens, _, ttft = reference_generate(model, prompt(), max_new_tokens=new, past=past)
             _sync(device)
             rates["plain"].append((len(tokens) - 1) / (time.perf_counter() - t0 - ttft))
             for path, gen in gens.items():
+                before = gen.statistics().decode_seconds
                 out = await gen.generate(prompt(), max_new_tokens=new)
                 if out.tokens_reused < length - 16:
                     raise RuntimeError(f"the prefix was not reused: {out.tokens_reused} tokens")
                 rates[path].append((len(out.tokens) - 1) / (out.seconds - out.ttft_s))
+                model_s[path].append((gen.statistics().decode_seconds - before) / (len(out.tokens) - 1))
     del past
     plain = statistics.median(rates["plain"])
     rows = []
     for path, values in rates.items():
         rate = statistics.median(values)
+        model_ms = 1e3 / rate if path == "plain" else statistics.median(model_s[path]) * 1e3
         row: dict[str, Any] = {
             "bench": "decode",
             "tokens": length,
@@ -128,6 +138,9 @@ async def _decode_rows(model: Any, length: int, new: int, repeats: int) -> list[
             "new_tokens": new,
             "tokens_per_s": rate,
             "vs_plain": rate / plain,
+            "ms_per_step": 1e3 / rate,
+            "model_ms_per_step": model_ms,
+            "outside_model_ms": 1e3 / rate - model_ms,
         }
         rows.append(row)
     cache_row, off_row = rows[1], rows[2]
