@@ -473,7 +473,6 @@ class CachedGenerator:
         self._requests += len(rows)
 
         live = list(range(len(rows)))  # positions (in this group) still generating
-        tables = [a.page_table for a in adms]  # each row's page table
         stored = [n] * len(rows)  # tokens whose KV is in each sequence's blocks
         storing = [True] * len(rows)
         tokens: list[list[int]] = [[] for _ in rows]
@@ -512,8 +511,7 @@ class CachedGenerator:
                 seq = adms[j].seq_id
                 if storing[j]:
                     try:
-                        tables[j] = await cache.append_tokens(seq, [tok])
-                        page_tables.append(tables[j])
+                        page_tables.append(await cache.append_tokens(seq, [tok]))
                         stored[j] += 1
                         continue
                     except CacheFullError:
@@ -521,7 +519,7 @@ class CachedGenerator:
                 page_tables.append(None)
             target.page_tables = page_tables
             feed = torch.tensor([[t] for t in chosen], dtype=torch.long)
-            prompt_tables = [tables[j] for j in live] if step == 0 else None
+            prompt_tables = [adms[j].page_table for j in live] if step == 0 else None
 
             def decode(
                 feed: torch.Tensor = feed, position: int = position, prompt_tables: list[Any] | None = prompt_tables

@@ -250,15 +250,11 @@ def cache_classes() -> tuple[type[Any], type[Any]]:
             return self._rows.start if self.pooled else int(super().get_seq_length())
 
         def past(self) -> tuple[torch.Tensor, torch.Tensor]:
-            """The KV of positions ``[0, start)`` the next forward attends to, ``[rows, heads, start, head_dim]``."""
-            start = self._rows.start
-            if not self.pooled:
-                assert self.keys is not None and self.values is not None  # set by materialize
-                return self.keys[:, :, :start], self.values[:, :, :start]
+            """The past ``[rows, heads, start, head_dim]`` a prepared prompt forward attends to, from the blocks."""
             index = self._rows.gather
-            if index is None:
-                raise RuntimeError("no past to read: prepare the rows of a forward with a past first")
-            rows = len(self._rows.page_tables)
+            if not self.pooled or index is None:
+                raise RuntimeError("no past to read from the blocks: prepare a pooled forward with a past first")
+            rows, start = len(self._rows.page_tables), self._rows.start
             k, v = (gather_past(view, index, rows, start) for view in self._views)
             return k, v
 
