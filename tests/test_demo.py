@@ -5,10 +5,19 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
-from tiered_kv.tools.demo import CPU_SIZES, GPU_SIZES, DemoConfig, run_demo, ttft_by_source
+from tiered_kv.tools.demo import (
+    CPU_SIZES,
+    GPU_SIZES,
+    KV_TOLERANCE,
+    DemoConfig,
+    kv_difference,
+    run_demo,
+    ttft_by_source,
+)
 
 
 def test_sizes_left_unset_take_the_devices_defaults() -> None:
@@ -49,3 +58,28 @@ async def test_on_a_gpu_the_default_sizes_make_reuse_pay() -> None:
     with_s = sorted(d["ttft_with"] for d in hits)[len(hits) // 2]
     without_s = sorted(d["ttft_without"] for d in hits)[len(hits) // 2]
     assert without_s / with_s > 1.0, rows
+
+
+def test_a_recompute_s_rounding_passes_and_kv_of_another_position_does_not() -> None:
+    g = torch.Generator().manual_seed(0)
+    want = torch.randn(4, 64, 32, generator=g) * 3  # largest magnitude ~10, as the GPU model's keys
+    # rounding measured on an H200 between two plain forwards of the GPU model (2,048 vs 2,168 tokens): up to
+    # 2.5e-3 on values up to ~10 in its last layer, above an absolute 1e-3
+    rounded = want + (torch.rand(want.shape, generator=g) - 0.5) * 5e-3
+    assert (kv_difference(rounded, want) <= KV_TOLERANCE).all()
+    shifted = torch.roll(want, 1, dims=1)  # every position holding its neighbour's KV
+    assert (kv_difference(shifted, want) > KV_TOLERANCE).all()
+
+
+async def test_the_demo_counts_kv_read_from_the_wrong_positions(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tiered_kv.integrations.hf import kv
+
+    gather = kv.gather_past
+
+    def shifted(view: torch.Tensor, index: torch.Tensor, rows: int, length: int) -> torch.Tensor:
+        past = gather(view, index, rows, length)
+        return torch.roll(past, 1, dims=2)  # each position reads its neighbour's KV
+
+    monkeypatch.setattr(kv, "gather_past", shifted)
+    report = await run_demo(DemoConfig(device="cpu", conversations=3, system_tokens=64, layers=2, hidden=128))
+    assert report.verified_tokens > 0 and report.mismatched_tokens > 0

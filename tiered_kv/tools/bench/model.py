@@ -168,6 +168,8 @@ async def _measure(model: Any, lengths: list[int], repeats: int, directory: str)
                         if out.blocks_from.get(tier, 0) * 16 + out.tokens_computed_first < length - 16:
                             raise RuntimeError(f"the prefix was not found in the {tier} tier: {out.blocks_from}")
                 fit = cost.statistics()
+                estimate = cost.prefill_seconds(length + SUFFIX)  # the fitted prefill's view of a recompute
+                overhead = cost.prefill_overhead_seconds()
             finally:
                 gen.close()
         base = statistics.median(times["recompute"])
@@ -204,6 +206,8 @@ async def _measure(model: Any, lengths: list[int], repeats: int, directory: str)
                 row["at_least_recompute"] = bool(ttft <= base)
                 row["fitted_file_GBps"] = fit.bandwidth.get("file", 0.0) / 1e9
                 row["fitted_prefill_tok_s"] = 1 / fit.prefill_s_per_token if fit.prefill_s_per_token else 0.0
+                row["fitted_recompute_ms"] = estimate * 1e3 if estimate is not None else math.nan
+                row["fitted_overhead_ms"] = overhead * 1e3
             rows.append(row)
     return rows
 
