@@ -31,6 +31,10 @@ def test_quick_run_measures_every_path_and_marks_emulated_rows():
             assert r["floor_ms"] > 0 and r["vs_floor"] > 0 and r["file_read_GBps"] > 0
             assert r["floor_ms"] < min(r["load_ms"], r["ttft_ms"] * r["vs_recompute"])  # below either alone
             assert r["fitted_file_GBps"] > 0 and r["fitted_prefill_tok_s"] > 0  # the cost model was trained
+            # the fit's view of a recompute, and the forwards it was fitted to: [tokens, past, rows, ms] each
+            assert r["fitted_recompute_ms"] > 0 and r["fitted_overhead_ms"] >= 0
+            observed = r["prefill_observations"]
+            assert 0 < len(observed) <= 64 and all(len(o) == 4 and o[0] > 0 and o[3] > 0 for o in observed)
         if r["path"] in ("cold", "gpu", "host", "file"):  # the page cache still to be written back, as each started
             assert r["dirty_mb"] >= 0
         if r["path"] == "cold":  # a real miss: the bench raises if the cold prompt reused anything

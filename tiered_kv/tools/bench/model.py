@@ -126,7 +126,7 @@ async def _measure(model: Any, lengths: list[int], repeats: int, directory: str)
             device=str(device) if device.type == "cuda" else "cpu",
             model_id=f"bench-model-{length}",
         ) as cache:
-            cost = CostModel(cache)  # unattached: fed by the generator, asked for hybrid splits
+            cost = _RecordedCostModel(cache)  # unattached: fed by the generator, asked for hybrid splits
             gen = CachedGenerator(model, cache, cost_model=cost)
             try:
                 await gen.generate(warm, max_new_tokens=1)  # warm up kernels and the model thread
@@ -208,8 +208,22 @@ async def _measure(model: Any, lengths: list[int], repeats: int, directory: str)
                 row["fitted_prefill_tok_s"] = 1 / fit.prefill_s_per_token if fit.prefill_s_per_token else 0.0
                 row["fitted_recompute_ms"] = estimate * 1e3 if estimate is not None else math.nan
                 row["fitted_overhead_ms"] = overhead * 1e3
+                row["prefill_observations"] = cost.recorded[-cost.window :]  # what that fit saw
             rows.append(row)
     return rows
+
+
+class _RecordedCostModel(CostModel):
+    """A cost model that also keeps every forward it observed, ``[tokens, past, rows, ms]``, for the JSON."""
+
+    def __init__(self, cache: TieredKVCache, window: int = 64) -> None:
+        super().__init__(cache, window=window)
+        self.window = window
+        self.recorded: list[list[float]] = []
+
+    def observe_prefill(self, tokens: int, seconds: float, past: int = 0, rows: int = 1) -> None:
+        self.recorded.append([tokens, past, rows, round(seconds * 1e3, 3)])
+        super().observe_prefill(tokens, seconds, past=past, rows=rows)
 
 
 async def _train(gen: Any, cache: TieredKVCache, length: int, vocab: int, rng: np.random.Generator) -> None:
