@@ -159,3 +159,27 @@ async def test_close_is_bounded_while_a_read_hangs(
         assert "past their deadline" in caplog.text and holder[0].hung == 1
     finally:
         holder[0].release()
+
+
+def test_close_ends_the_watchdog_thread_before_it_returns() -> None:
+    """A soak saw a ``tiered_kv-file-deadline`` thread still alive right after close() (it only had been told to
+    stop): close() now waits for it."""
+    import concurrent.futures
+    import threading
+    from types import SimpleNamespace
+
+    from tiered_kv.file.deadline import DeadlineBackend
+
+    def done(*args: object, **kwargs: object) -> concurrent.futures.Future[int]:
+        f: concurrent.futures.Future[int] = concurrent.futures.Future()
+        f.set_result(0)
+        return f
+
+    inner = SimpleNamespace(name="stub", device_io=False, path="/stub", pwrite=done, pread=done, close=lambda: None)
+    for _ in range(20):
+        backend = DeadlineBackend(inner, timeout=5.0, limit=2)
+        backend.pwrite([], 0).result()  # the first call starts the watchdog
+        assert any(t.name == "tiered_kv-file-deadline" for t in threading.enumerate())
+        backend.close()
+        alive = [t for t in threading.enumerate() if t.name == "tiered_kv-file-deadline"]
+        assert alive == [], alive

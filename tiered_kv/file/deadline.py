@@ -68,6 +68,10 @@ def after_io(exc: BaseException | None, release: Callable[[], object]) -> None:
         pending.add_done_callback(lambda _: release())
 
 
+#: Seconds stop() waits for the watchdog thread: it only fails the calls it found expired, then returns.
+_STOP_WAIT = 5.0
+
+
 class _Call:
     __slots__ = ("args", "deadline", "expired", "offset", "outer", "pending", "returned", "write")
 
@@ -164,15 +168,18 @@ class DeadlineBackend:
         return self.late == 0
 
     def stop(self) -> None:
-        """Stop the watchdog thread (idempotent); calls still queued fail."""
+        """Stop the watchdog thread and wait for it to end (idempotent); calls still queued fail."""
         with self._cv:
             self._stopped = True
             queued = list(self._queue)
             self._queue.clear()
             self._cv.notify_all()
+            watchdog = self._watchdog
         for c in queued:
             c.pending.set_result(None)
             _fail(c.outer, TransferError("the file tier closed before this I/O call started"))
+        if watchdog is not None and watchdog is not threading.current_thread():
+            watchdog.join(_STOP_WAIT)
 
     # -------------------------------------------------------------------------------- calls
 
