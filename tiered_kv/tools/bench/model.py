@@ -45,6 +45,7 @@ Rows of the emulated device are CPU figures, not comparable to the targets.
 from __future__ import annotations
 
 import asyncio
+import collections
 import importlib.util
 import math
 import os
@@ -208,18 +209,17 @@ async def _measure(model: Any, lengths: list[int], repeats: int, directory: str)
                 row["fitted_prefill_tok_s"] = 1 / fit.prefill_s_per_token if fit.prefill_s_per_token else 0.0
                 row["fitted_recompute_ms"] = estimate * 1e3 if estimate is not None else math.nan
                 row["fitted_overhead_ms"] = overhead * 1e3
-                row["prefill_observations"] = cost.recorded[-cost.window :]  # what that fit saw
+                row["prefill_observations"] = list(cost.recorded)  # what that fit saw
             rows.append(row)
     return rows
 
 
 class _RecordedCostModel(CostModel):
-    """A cost model that also keeps every forward it observed, ``[tokens, past, rows, ms]``, for the JSON."""
+    """A cost model that also keeps the forwards its fit sees, ``[tokens, past, rows, ms]``, for the JSON."""
 
     def __init__(self, cache: TieredKVCache, window: int = 64) -> None:
         super().__init__(cache, window=window)
-        self.window = window
-        self.recorded: list[list[float]] = []
+        self.recorded: collections.deque[list[float]] = collections.deque(maxlen=window)  # the fit's window
 
     def observe_prefill(self, tokens: int, seconds: float, past: int = 0, rows: int = 1) -> None:
         self.recorded.append([tokens, past, rows, round(seconds * 1e3, 3)])
