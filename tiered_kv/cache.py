@@ -36,11 +36,12 @@ from .blocks import (
     Plan,
     Request,
 )
-from .cache_copies import CacheCopies
+from .cache_copies import CacheCopies, landed, layered
 from .engine import EngineStatistics, Transfer, TransferEngine
 from .errors import EngineClosedError, TransferError
 from .integrity import IntegrityChecks
 from .keys import KeyHasher
+from .layerwise import LayerLoad, layer_groups
 from .layout import KVLayout
 from .pools import BlockPool, Tier
 from .slotstate import SlotEvent, SlotEvents
@@ -222,8 +223,15 @@ class TieredKVCache(CacheCopies):
                 engine._release_resources()
             raise
 
-    def _attach(self, engine: TransferEngine, file_blocks: int, warm_restart: bool, block_offsets: bool, max_seqs: int,
-                on_page_table: PageTableListener | None) -> None:
+    def _attach(
+        self,
+        engine: TransferEngine,
+        file_blocks: int,
+        warm_restart: bool,
+        block_offsets: bool,
+        max_seqs: int,
+        on_page_table: PageTableListener | None,
+    ) -> None:
         # Ownership: every block of the engine is this cache's; engine.copy() refuses,
         # the cache copies through the function the claim returns.
         self._copy = engine.claim(self._owner_name)
@@ -231,8 +239,9 @@ class TieredKVCache(CacheCopies):
             self.blocks.file_index = engine.file_tier.lookup
         self.block_offsets: BlockOffsetTable | None = None
         if block_offsets:
-            table = BlockOffsetTable(1, max_seqs, self.blocks.max_blocks_per_seq, kv_factor=self.layout.kv_factor,
-                                     device=engine.device)
+            table = BlockOffsetTable(
+                1, max_seqs, self.blocks.max_blocks_per_seq, kv_factor=self.layout.kv_factor, device=engine.device
+            )
             self.block_offsets = table
             user_hook = on_page_table
 
@@ -267,8 +276,14 @@ class TieredKVCache(CacheCopies):
     ) -> TransferEngine:
         if file and file_dir is None:
             raise ValueError("file_blocks needs file_dir (or an engine with a file pool)")
-        return TransferEngine(layout, gpu_blocks=gpu, host_blocks=host, device=device,
-                              file_dir=file_dir if file else None, file_blocks=file)
+        return TransferEngine(
+            layout,
+            gpu_blocks=gpu,
+            host_blocks=host,
+            device=device,
+            file_dir=file_dir if file else None,
+            file_blocks=file,
+        )
 
     # ------------------------------------------------------------------------------------ lifecycle
 
@@ -342,7 +357,8 @@ class TieredKVCache(CacheCopies):
         return await self._add_sequences(requests, self.blocks.admit)
 
     async def _add_sequences(
-        self, requests: Iterable[Request | Sequence[int] | np.ndarray],
+        self,
+        requests: Iterable[Request | Sequence[int] | np.ndarray],
         admit: Callable[[Iterable[object]], tuple[list[Admission], Plan]],
     ) -> list[Admission]:
         """``add_sequences`` with the admission order ``admit`` (the naive baseline passes its own)."""
@@ -352,28 +368,71 @@ class TieredKVCache(CacheCopies):
             self._sweep()
             admissions, plan = admit(requests)  # with remote fetches for what no local tier holds
             transfers = self._issue(plan)
-            seq_ids = [a.seq_id for a in admissions]
-            try:
-                await self._settle(seq_ids, [a.page_table for a in admissions])
-                if self.remote is not None:  # the blocks whose fetch landed, in a row, are reused
-                    admissions, _ = await self.remote.landed(admissions, transfers)
-                checks = self._integrity
-                bad = [] if checks is None else await checks.check_reuse(self.blocks, admissions, plan)
-            except BaseException:
-                for s in seq_ids:
-                    if s in self.blocks.live_sequences:
-                        self.blocks.free(s)
-                for move in plan.moves:  # a partial copy not verified (maybe not landed): never cached
-                    if move.kind == "partial":
-                        self.blocks.invalidate(move.block)
-                raise
+            admissions, bad = await self._finish(admissions, plan, transfers)
             if not bad:
                 return admissions
-            assert checks is not None
-            self._integrity_errors += checks.refuse(self.blocks, admissions, plan, bad)
+            self._refuse(admissions, plan, bad)
         raise TransferError(
             f"reused blocks failed their integrity check in {_INTEGRITY_RETRIES + 1} admissions of this batch in a row"
         )
+
+    async def add_sequences_layerwise(
+        self, requests: Iterable[Request | Sequence[int] | np.ndarray], group_layers: int = 1
+    ) -> tuple[list[Admission], LayerLoad | None]:
+        """:meth:`add_sequences`, returning before the reused blocks that come from host memory have landed.
+
+        Those blocks are copied one group of ``group_layers`` layers at a time, in layer order, so the model can
+        compute layer ``i`` while later layers land. Every other copy of the batch (blocks from the file tier,
+        partial copies, the evictions that made room) has landed when this returns, as with ``add_sequences``.
+
+        Returns:
+            ``(admissions, load)``: ``load`` follows the layer groups still landing (its rules:
+            :class:`~tiered_kv.layerwise.LayerLoad`); ``None`` when nothing comes from host memory (or with a
+            remote tier, or one group): the admission is then complete, as from ``add_sequences``.
+
+        Raises:
+            ValueError, TypeError: as ``add_sequences``; ``group_layers`` not a positive int.
+            CacheFullError, TransferError: as ``add_sequences``.
+
+        Notes:
+            Cancellation: as ``add_sequences`` until this returns; afterwards the caller frees the batch.
+        """
+        self._check_open()
+        ranges = layer_groups(self.layout.num_layers, group_layers)
+        requests = list(requests)
+        if self.remote is not None or len(ranges) == 1:
+            return await self.add_sequences(requests), None
+        self._sweep()
+        admissions, plan = self.blocks.admit(requests)
+        groups, issued = self._issue_plan(plan, ranges)
+        loads = [copies for g, copies in zip(groups, issued, strict=True) if layered(g, ranges)]
+        if not loads:
+            admissions, bad = await self._finish(admissions, plan, [c[-1] for c in issued])
+            if not bad:
+                return admissions, None
+            self._refuse(admissions, plan, bad)
+            return await self.add_sequences(requests), None
+        landing = {m.dst_slot for g in groups if layered(g, ranges) for m in g}
+        try:
+            for t in (t for copies in loads for t in copies if not self.engine.on_stream(t)):
+                await landed(t)  # deferred on the loop (behind file I/O): compute could not wait for it
+            await self._settle(
+                [a.seq_id for a in admissions], [tuple(s for s in a.page_table if s not in landing) for a in admissions]
+            )
+        except BaseException:
+            self._abandon(admissions, plan)
+            raise
+
+        async def settle() -> None:
+            _, bad = await self._finish(admissions, plan, [])
+            if bad:
+                self._refuse(admissions, plan, bad)
+                raise TransferError(
+                    f"{len(bad)} reused blocks changed since their commit: dropped, not served; the batch was freed"
+                )
+
+        per_group = [[copies[i] for copies in loads] for i in range(len(ranges))]
+        return admissions, LayerLoad(self.engine, ranges, per_group, settle)
 
     async def _settle(self, seq_ids: list[int], page_tables: list[tuple[int, ...]]) -> None:
         """Wait for the copies of the batch's GPU slots; a block whose data a failed copy produced fails the batch."""

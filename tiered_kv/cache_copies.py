@@ -15,16 +15,17 @@ fails an admission, and drops the blocks, when a source of one of its blocks fai
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from .blocks import Block, BlockManager, Move, Plan
+from .blocks import Admission, Block, BlockManager, Move, Plan
 from .engine import Transfer, TransferEngine
 from .errors import EngineClosedError, TransferError
+from .integrity import IntegrityChecks
 from .plan_batches import batch_moves, unissued_transfer
 from .pools import Tier
 
-__all__ = ["CacheCopies"]
+__all__ = ["CacheCopies", "landed", "layered"]
 
 
 class CacheCopies:
@@ -42,35 +43,51 @@ class CacheCopies:
     _copy: Callable[..., Transfer]
     _unchecked: list[tuple[Transfer, Block]]
     _poisoned: int
+    _integrity: IntegrityChecks | None
+    _integrity_errors: int
+
+    async def _settle(self, seq_ids: list[int], page_tables: list[tuple[int, ...]]) -> None:
+        raise NotImplementedError  # the cache's (it fails a batch whose blocks a failed copy produced)
 
     def _issue(self, plan: Plan) -> list[Transfer]:
+        """Enqueue the plan's copies (:meth:`_issue_plan`); returns one transfer per group (its last copy)."""
+        return [copies[-1] for copies in self._issue_plan(plan)[1]]
+
+    def _issue_plan(
+        self, plan: Plan, layer_groups: Sequence[tuple[int, int]] | None = None
+    ) -> tuple[list[list[Move]], list[list[Transfer]]]:
         """Enqueue the plan's copies as few batched ``engine.copy`` calls, without an await in between.
 
         The groups come from :func:`~tiered_kv.plan_batches.batch_moves` (plan order kept wherever two moves
-        touch a common slot); every block records the copy producing it, so a failed copy poisons its products.
+        touch a common slot); every block records the copies producing it, so a failed copy poisons its products.
+        With ``layer_groups`` (more than one range), whole blocks coming from host memory to the GPU are copied one
+        layer range at a time: one copy per range, in order (:func:`layered`). Returns the groups and their copies.
         """
         groups, placed = batch_moves(plan.moves)
         if self.remote is not None:
             self.remote._before_issue()  # evict policy: read the host victims before the plan reuses their slots
-        transfers = self._issue_groups(groups)
+        issued = self._issue_groups(groups, layer_groups)
         # Lineage in plan order: a block moved twice in one plan ends with both copies in its sources.
         for move, g in zip(plan.moves, placed, strict=True):
-            t = transfers[g]
+            copies = issued[g]
             block = move.block
             if move.source is not None:
                 # The new block's first tokens come from the source block's data: inherit its lineage.
-                block.sources = [*(s for s in move.source.sources if not _succeeded(s)), t]
+                block.sources = [*(s for s in move.source.sources if not _succeeded(s)), *copies]
             else:
                 block.sources = [s for s in block.sources if not _succeeded(s)]
-                block.sources.append(t)
-            self._unchecked.append((t, block))
-        return transfers
+                block.sources += copies
+            for t in copies:
+                self._unchecked.append((t, block))
+        return groups, issued
 
-    def _issue_groups(self, groups: list[list[Move]]) -> list[Transfer]:
-        """Issue a plan's groups whole, or not at all.
+    def _issue_groups(
+        self, groups: list[list[Move]], layer_groups: Sequence[tuple[int, int]] | None = None
+    ) -> list[list[Transfer]]:
+        """Issue a plan's groups whole, or not at all; each group's copies (one, or one per layer range).
 
         Groups reading file slots are checked first (the slot must still hold its block): if one fails, none is
-        issued. A copy that still raises stops the groups after it. A group not issued gets a failed
+        issued. A copy that still raises stops the copies after it. A copy not issued is a failed
         :class:`Transfer`, so the blocks it was to produce are poisoned like those of any failed copy.
         """
         failure: BaseException | None = None
@@ -84,20 +101,28 @@ class CacheCopies:
                     except (ValueError, TypeError) as exc:
                         failure = exc
                         break
-        transfers: list[Transfer] = []
+        issued: list[list[Transfer]] = []
         for group in groups:
-            if failure is None:
-                try:
-                    transfers.append(self._issue_group(group))
-                    continue
-                except EngineClosedError as exc:  # the plan is made: its blocks must be poisoned, not left half-moved
-                    failure = TransferError(f"the engine closed while a plan was being issued ({exc})")
-                except (ValueError, TypeError, TransferError) as exc:
-                    failure = exc
-            transfers.append(unissued_transfer(group, failure))
-        return transfers
+            ranges: Sequence[tuple[int, int] | None] = (
+                layer_groups if layer_groups is not None and layered(group, layer_groups) else (None,)
+            )
+            copies: list[Transfer] = []
+            for layers in ranges:
+                if failure is None:
+                    try:
+                        copies.append(self._issue_group(group, layers))
+                        continue
+                    except (
+                        EngineClosedError
+                    ) as exc:  # the plan is made: its blocks must be poisoned, not left half-moved
+                        failure = TransferError(f"the engine closed while a plan was being issued ({exc})")
+                    except (ValueError, TypeError, TransferError) as exc:
+                        failure = exc
+                copies.append(unissued_transfer(group, failure))
+            issued.append(copies)
+        return issued
 
-    def _issue_group(self, group: list[Move]) -> Transfer:
+    def _issue_group(self, group: list[Move], layers: tuple[int, int] | None = None) -> Transfer:
         head = group[0]
         if head.src_tier is Tier.REMOTE and self.remote is not None:
             return self.remote.fetch(group)  # type: ignore[no-any-return]
@@ -106,7 +131,42 @@ class CacheCopies:
         # Spills (HOST -> FILE) and read-backs (FILE -> GPU) carry the blocks' content keys: written into the
         # slot headers, checked on the way back. Cached blocks (the only ones that spill or come back) have keys.
         keys = [m.block.key for m in group] if Tier.FILE in (head.src_tier, head.dst_tier) else None
+        if layers is not None:
+            return self._copy(head.src_tier, src, head.dst_tier, dst, num_tokens=head.num_tokens, layers=layers)
         return self._copy(head.src_tier, src, head.dst_tier, dst, num_tokens=head.num_tokens, keys=keys)
+
+    async def _finish(
+        self, admissions: list[Admission], plan: Plan, transfers: list[Transfer]
+    ) -> tuple[list[Admission], list[Block]]:
+        """Wait for the batch's copies and check its reused blocks: ``(admissions, blocks that changed)``.
+
+        On an exception (a failed copy, a cancellation) the batch is freed first.
+        """
+        seq_ids = [a.seq_id for a in admissions]
+        try:
+            await self._settle(seq_ids, [a.page_table for a in admissions])
+            if self.remote is not None:  # the blocks whose fetch landed, in a row, are reused
+                admissions, _ = await self.remote.landed(admissions, transfers)
+            checks = self._integrity
+            bad = [] if checks is None else await checks.check_reuse(self.blocks, admissions, plan)
+        except BaseException:
+            self._abandon(admissions, plan)
+            raise
+        return admissions, bad
+
+    def _abandon(self, admissions: list[Admission], plan: Plan) -> None:
+        """Free a batch whose admission failed; a partial copy not verified (maybe not landed) is never cached."""
+        for a in admissions:
+            if a.seq_id in self.blocks.live_sequences:
+                self.blocks.free(a.seq_id)
+        for move in plan.moves:
+            if move.kind == "partial":
+                self.blocks.invalidate(move.block)
+
+    def _refuse(self, admissions: list[Admission], plan: Plan, bad: list[Block]) -> None:
+        checks = self._integrity
+        assert checks is not None
+        self._integrity_errors += checks.refuse(self.blocks, admissions, plan, bad)
 
     def _sweep(self) -> None:
         """Drop blocks produced by copies that have failed since the last look (no await)."""
@@ -135,6 +195,22 @@ class CacheCopies:
                 await write.wait()
             for r in reads:
                 await r.wait()
+
+
+async def landed(t: Transfer) -> None:
+    """Wait for a transfer, whatever its outcome (the cache sees a failure through the blocks' sources)."""
+    try:
+        await t
+    except Exception:
+        pass
+
+
+def layered(group: list[Move], layer_groups: Sequence[tuple[int, int]]) -> bool:
+    """Whether a group is copied one layer range at a time: whole blocks from host memory to the GPU."""
+    head = group[0]
+    return (
+        len(layer_groups) > 1 and head.src_tier is Tier.HOST and head.dst_tier is Tier.GPU and head.num_tokens is None
+    )
 
 
 def _succeeded(t: Any) -> bool:

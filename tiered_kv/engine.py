@@ -536,11 +536,12 @@ class TransferEngine(CopyChecks, EngineInspection, InFlightCopies):
         for copy_stream in self._streams.values():
             copy_stream.wait(event)
 
-    def sync_transfer(self, transfer: Transfer, stream: object) -> None:
+    def sync_transfer(self, transfer: Transfer, stream: object | None) -> None:
         """Make work queued on ``stream`` from now on wait for one transfer. Stream-side: nothing blocks.
 
         Use it before compute reads what one transfer brought in (e.g. one layer group of
-        :func:`tiered_kv.layerwise.copy_layerwise`) while later transfers are still running.
+        :func:`tiered_kv.layerwise.copy_layerwise`) while later transfers are still running. ``stream=None``: the
+        compute runs on the calling thread itself (the emulated device's): the call blocks until the copy has run.
 
         Raises:
             ValueError: the transfer is still deferred on the loop (waiting for a file-tier dependency) or
@@ -552,7 +553,16 @@ class TransferEngine(CopyChecks, EngineInspection, InFlightCopies):
             return
         if marker.event is None:
             raise ValueError("this transfer is not on a copy stream yet (deferred or off-stream): await it instead")
-        self.device.wrap_stream(stream).wait(marker.event)
+        if stream is None:
+            marker.event.synchronize()
+        else:
+            self.device.wrap_stream(stream).wait(marker.event)
+
+    @staticmethod
+    def on_stream(transfer: Transfer) -> bool:
+        """Whether :meth:`sync_transfer` can order compute after ``transfer``: done, or enqueued on a copy stream."""
+        marker = transfer._marker
+        return bool(marker.completed or marker.event is not None)
 
     def sync_transfers(self, stream: object) -> None:
         """Make work queued on ``stream`` from now on wait for every copy enqueued on the copy streams.

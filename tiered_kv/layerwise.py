@@ -9,6 +9,8 @@ Primitives:
   :meth:`LayerwiseTransfer.wait_layer` makes a compute stream wait, stream-side, for the group holding one
   layer (vLLM's ``wait_for_layer_load``); awaiting it awaits every group.
 * :func:`copy_layerwise` -- issue a copy as per-group ``engine.copy(..., layers=(start, stop))`` calls.
+* :class:`LayerLoad` -- the reused blocks of a cache admission still landing one layer group at a time
+  (:meth:`~tiered_kv.TieredKVCache.add_sequences_layerwise`): wait per layer, then settle.
 
 A model that computes layer by layer then runs layer ``i`` as soon as layer ``i`` has landed instead of after
 the whole load: the copy of layer ``i + 1`` overlaps the compute of layer ``i``. A store of layer ``i``
@@ -19,7 +21,7 @@ in order on one copy stream, so they never wait for each other beyond that FIFO.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Generator, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -31,7 +33,7 @@ from .pools import Tier
 if TYPE_CHECKING:
     from .engine import Transfer, TransferEngine, TransferResult
 
-__all__ = ["LayerSlice", "LayerwiseTransfer", "copy_layerwise", "layer_groups"]
+__all__ = ["LayerLoad", "LayerSlice", "LayerwiseTransfer", "copy_layerwise", "layer_groups"]
 
 
 def layer_groups(num_layers: int, group_layers: int) -> list[tuple[int, int]]:
@@ -137,3 +139,68 @@ def copy_layerwise(
     groups = layer_groups(engine.layout.num_layers, group_layers)
     transfers = engine.copy_layer_groups(src_tier, s, dst_tier, d, groups, num_tokens=num_tokens)
     return LayerwiseTransfer(engine, groups, transfers)
+
+
+class LayerLoad:
+    """Reused blocks of an admission still landing on the GPU, one layer group at a time.
+
+    Rules: compute reads layer ``i`` of the reused blocks only after :meth:`wait_layer` ``(i, stream)``; nothing
+    computed from them is used, and nothing is committed, before :meth:`settle` returned. :meth:`settle` waits
+    for every copy, checks the reused blocks against their checksums and, when a copy failed or a block changed,
+    frees the batch, drops the bad blocks and raises :class:`~tiered_kv.errors.TransferError`: the caller admits
+    the prompts again (they then recompute what was dropped) and discards what it computed meanwhile.
+
+    Attributes:
+        groups: ``(start, stop)`` layer range of each group, in layer order.
+        transfers: per group, its copies (one per batch of blocks the plan moved).
+    """
+
+    __slots__ = ("_engine", "_settle", "_settled", "groups", "transfers")
+
+    def __init__(
+        self,
+        engine: TransferEngine,
+        groups: Sequence[tuple[int, int]],
+        transfers: Sequence[Sequence[Transfer]],
+        settle: Callable[[], Awaitable[None]],
+    ) -> None:
+        self._engine = engine
+        self.groups = list(groups)
+        self.transfers = [list(t) for t in transfers]
+        self._settle = settle
+        self._settled = False
+
+    def wait_layer(self, layer: int, stream: object | None) -> None:
+        """Make compute queued on ``stream`` from now on wait for ``layer`` to have landed (stream-side).
+
+        ``stream=None``: the compute runs on the calling thread (the emulated device): this blocks until then.
+
+        Raises:
+            ValueError: no group holds ``layer``.
+        """
+        for (start, stop), copies in zip(self.groups, self.transfers, strict=True):
+            if start <= layer < stop:
+                for t in copies:
+                    self._engine.sync_transfer(t, stream)
+                return
+        raise ValueError(f"layer {layer} is in no group of this load ({self.groups})")
+
+    def wait_all(self, stream: object | None) -> None:
+        """:meth:`wait_layer` for every layer."""
+        for copies in self.transfers:
+            for t in copies:
+                self._engine.sync_transfer(t, stream)
+
+    async def settle(self) -> None:
+        """Wait for every copy and check the blocks (see the class); idempotent once it returned.
+
+        Raises:
+            TransferError: a copy failed or a reused block changed since its commit; the batch was freed.
+        """
+        if not self._settled:
+            await self._settle()
+            self._settled = True
+
+    def __repr__(self) -> str:
+        done = sum(all(t.done() for t in copies) for copies in self.transfers)
+        return f"<LayerLoad groups={len(self.groups)} landed={done} settled={self._settled}>"
