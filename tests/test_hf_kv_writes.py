@@ -98,7 +98,7 @@ def test_a_pooled_layer_keeps_no_kv_and_attends_to_the_blocks_then_the_new_posit
     target = RowTargets(T)  # one layer's writes go straight into the blocks
     target.page_tables = [(5, 2, 9)]
     target.prepare(6, 3, torch.device("cpu"))  # positions 6..8 after a past of 6
-    layer = layer_cls(_views(pool)[1], target)
+    layer = layer_cls(_views(pool)[1], target, 1)
     assert layer.get_seq_length() == 6
     past_k, _ = layer.past()
     new = torch.randn(1, HEADS, 3, DIM)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ import torch
 
 from tiered_kv import KVLayout, TieredKVCache
 from tiered_kv.device import stall_op
+from tiered_kv.engine import Transfer
 from tiered_kv.errors import TransferError
 from tiered_kv.pools import Tier
 from tiered_kv.tools.workload import expected_tokens, verify_expected, write_expected
@@ -97,7 +99,7 @@ async def test_without_host_blocks_the_admission_is_complete_and_bad_groups_are_
         for bad in (0, -1, 1.5, True):
             with pytest.raises((ValueError, TypeError)):
                 await cache.add_sequences_layerwise([prompt], group_layers=bad)  # type: ignore[arg-type]
-        assert cache.blocks.live_sequences == set() or not cache.blocks.live_sequences
+        assert not cache.blocks.live_sequences
         [adm], load = await cache.add_sequences_layerwise([prompt], group_layers=1)  # a miss
         assert load is None and adm.tokens_reused == 0
         write_expected(cache, adm.seq_id, 0)
@@ -136,12 +138,12 @@ def _failing_layer_copies(cache: TieredKVCache, chance: float, rng: random.Rando
     """Make a share of the cache's layer-range copies fail as they are issued (as a copy the engine refuses)."""
     copy = cache._copy
 
-    def maybe_fail(*args: object, **kwargs: object) -> object:
+    def maybe_fail(*args: Any, **kwargs: Any) -> Transfer:
         if kwargs.get("layers") is not None and rng.random() < chance:
             raise TransferError("injected: this layer range's copy failed")
         return copy(*args, **kwargs)
 
-    cache._copy = maybe_fail  # type: ignore[method-assign]
+    cache._copy = maybe_fail
 
 
 async def test_a_failed_layer_copy_fails_the_admission_and_drops_its_blocks() -> None:
@@ -154,7 +156,7 @@ async def test_a_failed_layer_copy_fails_the_admission_and_drops_its_blocks() ->
         _failing_layer_copies(cache, 1.0, random.Random(0))
         with pytest.raises(TransferError, match="could not be brought"):
             await cache.add_sequences_layerwise([prompt], group_layers=1)
-        cache._copy = copy  # type: ignore[method-assign]
+        cache._copy = copy
         assert not cache.blocks.live_sequences
         [again] = await cache.add_sequences([prompt])
         assert again.blocks_from["host"] == 0  # every block a failed copy produced was dropped

@@ -542,12 +542,16 @@ class TransferEngine(CopyChecks, EngineInspection, InFlightCopies):
         Use it before compute reads what one transfer brought in (e.g. one layer group of
         :func:`tiered_kv.layerwise.copy_layerwise`) while later transfers are still running. ``stream=None``: the
         compute runs on the calling thread itself (the emulated device's): the call blocks until the copy has run.
+        Callable from any thread (a model's forward runs on its own): it reads the transfer's event, which the loop
+        set when it enqueued the copy, and changes nothing the loop owns.
 
         Raises:
             ValueError: the transfer is still deferred on the loop (waiting for a file-tier dependency) or
                 runs off-stream (host-to-host, file): await it instead.
+            EngineClosedError: the engine is closed.
         """
-        self._check_open()
+        if self._closing:
+            raise EngineClosedError("the TransferEngine is closed")
         marker = transfer._marker
         if marker.completed:
             return

@@ -125,9 +125,9 @@ class Shadow:
                          kwargs.get("num_tokens"))
             return transfer
 
-        def checked_group(group: list[Move]) -> Transfer:
+        def checked_group(group: list[Move], layers: tuple[int, int] | None = None) -> Transfer:
             reads = [(m, self._check_move(m)) for m in group]
-            transfer = issue_group(group)
+            transfer = issue_group(group, layers)
             for m, read in reads:
                 if read:
                     transfer.add_done_callback(functools.partial(self._served, m, read))

@@ -58,6 +58,7 @@ import numpy as np
 import torch
 
 from ...blocks import Admission, CacheFullError, Request
+from ...errors import TransferError
 from ...keys import as_token_array
 from ...layer_major import LayerMajorPool
 from ...pools import BlockPool, Tier
@@ -70,6 +71,7 @@ from .sampling import GenerateOptions, Sampling, SamplingOptions, check_sampling
 if TYPE_CHECKING:
     from ...cache import TieredKVCache
     from ...cost_model import CostModel
+    from ...layerwise import LayerLoad
 
 __all__ = [
     "CachedGenerator",
@@ -84,6 +86,10 @@ __all__ = [
 ]
 
 _T = TypeVar("_T")
+
+
+class _LoadFailed(Exception):
+    """A layer-by-layer load failed its settle (the batch was freed): admit the prompt again."""
 
 
 class CachedGenerator:
@@ -105,6 +111,9 @@ class CachedGenerator:
             starts in the file tier, how many leading blocks to compute while the rest loads (hybrid prefill; attach
             it to the cache to also price plain reuse). ``"auto"`` (the default): a new unattached one when the
             cache has a file or remote tier, else none. ``None``: no cost model (everything matched is loaded).
+        load_layers: a single prompt's blocks reused from host memory come back this many layers at a time, and
+            the prompt's forward runs each layer as soon as its blocks have landed
+            (:meth:`~tiered_kv.TieredKVCache.add_sequences_layerwise`); ``0``: the admission waits for every block.
 
     Raises:
         TypeError: not a transformers model, or the cache is not a ``TieredKVCache``.
@@ -128,6 +137,7 @@ class CachedGenerator:
         on_prefill: Callable[[int, float], None] | None = None,
         on_reuse: Callable[[list[int], list[tuple[torch.Tensor, torch.Tensor]]], None] | None = None,
         cost_model: CostModel | Literal["auto"] | None = "auto",
+        load_layers: int = 4,
     ) -> None:
         from ...cache import TieredKVCache
         from ...cost_model import CostModel
@@ -155,6 +165,8 @@ class CachedGenerator:
         if not isinstance(pool, (BlockPool, LayerMajorPool)):
             raise ValueError(f"unsupported GPU pool {type(pool).__name__}")
         check_full_attention(model)
+        if isinstance(load_layers, bool) or not isinstance(load_layers, int) or load_layers < 0:
+            raise ValueError(f"load_layers must be an int >= 0, got {load_layers!r}")
         if isinstance(cost_model, str):
             if cost_model != "auto":
                 raise ValueError(f"cost_model must be a CostModel, None or 'auto', got {cost_model!r}")
@@ -168,6 +180,7 @@ class CachedGenerator:
         self.on_prefill = on_prefill
         self.on_reuse = on_reuse
         self.cost_model = cost_model
+        self._load_layers = load_layers
         self._views = pool_views(pool, layers)
         self._pool_tensor = pool.tensor if isinstance(pool, BlockPool) else None  # short forwards write at once
         self._tpb = layout.tokens_per_block
@@ -235,17 +248,17 @@ class CachedGenerator:
         arrays = self._check_prompts(prompts, sampling.max_new_tokens)
         results: list[Generation | None] = [None] * len(arrays)
         t0 = time.perf_counter()
-        computed: ComputedPrefix | None = None
         if len(arrays) == 1:
-            admissions, computed = await self._admit_one(arrays[0], sampling.priority, t0)
-        else:
-            admissions = await self._admit([Request(a, priority=sampling.priority) for a in arrays], t0)
+            async for _ in self._stream_one(arrays[0], sampling, results):
+                pass
+            return [r for r in results if r is not None]
+        admissions = await self._admit([Request(a, priority=sampling.priority) for a in arrays], t0)
         try:
             groups: dict[tuple[int, int], list[int]] = {}
             for i, (a, adm) in enumerate(zip(arrays, admissions, strict=True)):
                 groups.setdefault((len(a), adm.tokens_reused), []).append(i)
             for rows in groups.values():
-                async for _ in self._run_group(rows, arrays, admissions, sampling, t0, results, computed):
+                async for _ in self._run_group(rows, arrays, admissions, sampling, t0, results):
                     pass
         finally:
             self._free_all(admissions)
@@ -321,22 +334,33 @@ class CachedGenerator:
 
     # ------------------------------------------------------------------------------------ core
 
-    async def _stream_one(self, array: np.ndarray, sampling: Sampling) -> AsyncIterator[int | Generation]:
-        results: list[Generation | None] = [None]
+    async def _stream_one(
+        self, array: np.ndarray, sampling: Sampling, results: list[Generation | None] | None = None
+    ) -> AsyncIterator[int | Generation]:
+        """One prompt's tokens, then its :class:`Generation` (also left in ``results[0]``)."""
+        results = [None] if results is None else results
         t0 = time.perf_counter()
-        admissions, computed = await self._admit_one(array, sampling.priority, t0)
-        try:
-            async for token in self._run_group([0], [array], admissions, sampling, t0, results, computed):
-                yield token
-        finally:
-            self._free_all(admissions)
+        layerwise = self._load_layers > 0
+        while True:
+            admissions, computed, load = await self._admit_one(array, sampling.priority, t0, layerwise)
+            try:
+                async for token in self._run_group([0], [array], admissions, sampling, t0, results, computed, load):
+                    yield token
+                break
+            except _LoadFailed:  # raised before the first token: admit again, the dropped blocks are recomputed
+                layerwise = False
+            finally:
+                self._free_all(admissions)
         assert results[0] is not None
         yield results[0]
 
     async def _admit_one(
-        self, array: np.ndarray, priority: int, t0: float
-    ) -> tuple[list[Admission], ComputedPrefix | None]:
-        """Admit one prompt; when the cost model splits its match, compute the head meanwhile (see :mod:`.hybrid`)."""
+        self, array: np.ndarray, priority: int, t0: float, layerwise: bool
+    ) -> tuple[list[Admission], ComputedPrefix | None, LayerLoad | None]:
+        """Admit one prompt; when the cost model splits its match, compute the head meanwhile (see :mod:`.hybrid`).
+
+        With ``layerwise``, blocks from host memory land one layer group at a time (the returned load).
+        """
         c = 0
         if self.cost_model is not None:
             match = self.cache.blocks.match(array)
@@ -346,9 +370,15 @@ class CachedGenerator:
                 # a second one over its KV would cost more than recomputing). Every block it matches at admission
                 # is left where it is, however the cache changed since this look.
                 whole = -(-len(array) // self._tpb)
-                return await self._admit([Request(array, priority=priority, compute_blocks=whole)], t0), None
+                return await self._admit([Request(array, priority=priority, compute_blocks=whole)], t0), None, None
+        if c == 0 and layerwise:
+            admissions, load = await self.cache.add_sequences_layerwise(
+                [Request(array, priority=priority)], group_layers=self._load_layers
+            )
+            self._observe_admission(admissions, t0, landing="host" if load is not None else None)
+            return admissions, None, load
         if c == 0:
-            return await self._admit([Request(array, priority=priority)], t0), None
+            return await self._admit([Request(array, priority=priority)], t0), None, None
         ids = torch.from_numpy(np.ascontiguousarray(array[None, : c * self._tpb]))
         future = asyncio.ensure_future(self._compute(lambda: compute_prefix(self.model, ids, self.device)))
         try:
@@ -363,15 +393,25 @@ class CachedGenerator:
             self._free_all(admissions)
             raise
         computed.admit_seconds = admitted - t0
-        return admissions, computed
+        return admissions, computed, None
 
     async def _admit(self, requests: list[Request], t0: float) -> list[Admission]:
         admissions = await self.cache.add_sequences(requests)
+        self._observe_admission(admissions, t0)
+        return admissions
+
+    def _observe_admission(self, admissions: list[Admission], t0: float, landing: str | None = None) -> None:
+        """Feed the cost model an admission's time against the bytes it brought per tier.
+
+        ``landing``: a tier whose blocks were still landing when the admission returned (not counted).
+        """
         if self.cost_model is not None:
             per_block = self.cache.layout.bytes_per_block
-            moved = {t: sum(a.blocks_from.get(t, 0) for a in admissions) * per_block for t in ("host", "file")}
+            moved = {
+                t: sum(a.blocks_from.get(t, 0) for a in admissions) * per_block if t != landing else 0
+                for t in ("host", "file")
+            }
             self.cost_model.observe_admission(moved, time.perf_counter() - t0)
-        return admissions
 
     def _free_all(self, admissions: list[Admission]) -> None:
         live = self.cache.blocks.live_sequences
@@ -404,10 +444,13 @@ class CachedGenerator:
         t0: float,
         results: list[Generation | None],
         computed: ComputedPrefix | None = None,
+        load: LayerLoad | None = None,
     ) -> AsyncIterator[int]:
         """Prefill then decode ``rows`` (same prompt length and reuse) in lockstep; yields row 0's tokens.
 
         ``computed``: the head of row 0's prompt (one row), computed during its admission (hybrid prefill).
+        ``load``: row 0's reused blocks still landing layer by layer: the prompt's forward waits for each layer's,
+        and they are settled before anything is committed or sampled (:class:`_LoadFailed` when they fail).
         """
         layer_cls, cache_cls = cache_classes()
         cache = self.cache
@@ -417,7 +460,8 @@ class CachedGenerator:
         start = reused if computed is None else computed.past_end(adms[0])  # the prompt forward's first position
         target = RowTargets(self._tpb, pool=self._pool_tensor)
         target.page_tables = [a.page_table for a in adms]
-        kv = cache_cls([layer_cls(views, target) for views in self._views])
+        target.load = load
+        kv = cache_cls([layer_cls(views, target, i) for i, views in enumerate(self._views)])
         generators = [make_sampler(sampling, i, self.device) for i in rows]
         prompt = torch.from_numpy(np.stack([arrays[i] for i in rows]))
         logits_rows: list[list[torch.Tensor]] = [[] for _ in rows]
@@ -433,6 +477,8 @@ class CachedGenerator:
                     write_prefix(computed, self._views, adms[0].page_table, self._tpb, self.device)
                 target.prepare(start, n - start, self.device)
                 if start and self.on_reuse is not None:
+                    if load is not None:
+                        load.wait_all(target.compute_stream(self.device))
                     self.on_reuse([a.seq_id for a in adms], [layer.past() for layer in kv.layers])
                 timer.stop("preload", mark)
                 mark = timer.start()
@@ -452,11 +498,20 @@ class CachedGenerator:
             return logits, time.perf_counter() - t
 
         logits, seconds = await self._compute(prefill)
+        if load is not None:
+            settling = time.perf_counter()
+            try:
+                await load.settle()
+            except TransferError as exc:
+                raise _LoadFailed from exc
+            timer_settle = time.perf_counter() - settling
         committing = time.perf_counter()
         self._sync_writes()
         for a in adms:
             cache.commit(a.seq_id)
         phases = {"admit": admitted - t0, **timer.totals(), "commit": time.perf_counter() - committing}
+        if load is not None:
+            phases["settle"] = timer_settle
         forwards = [((n - start) * len(rows), seconds, start, len(rows))]  # tokens, seconds, past, rows
         if computed is not None:  # the head's forward ran during the admission
             phases["hybrid_compute"], phases["hybrid_admit"] = computed.seconds, computed.admit_seconds

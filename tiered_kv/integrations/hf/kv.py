@@ -27,13 +27,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from ...layer_major import LayerMajorPool
 from ...pools import BlockPool
+
+if TYPE_CHECKING:
+    from ...layerwise import LayerLoad
 
 __all__ = ["PhaseTimer", "RowTargets", "block_index", "cache_classes", "gather_past", "pool_views"]
 
@@ -72,6 +75,7 @@ class RowTargets:
         "_rows_kept",
         "block_index",
         "gather",
+        "load",
         "offsets",
         "page_tables",
         "pool",
@@ -91,6 +95,12 @@ class RowTargets:
         self.offsets: torch.Tensor | None = None  # [rows stored * q] token offset in its block
         self._rows_kept: torch.Tensor | None = None
         self.gather: torch.Tensor | None = None  # [rows * blocks] the blocks of every row's past and new positions
+        self.load: LayerLoad | None = None  # the past's blocks still landing, one layer group at a time
+
+    @staticmethod
+    def compute_stream(device: torch.device) -> object | None:
+        """Where the forward's kernels run: CUDA's current stream, or ``None`` (the host itself, emulated)."""
+        return torch.cuda.current_stream(device) if device.type == "cuda" else None
 
     def prepare(self, start: int, length: int, device: torch.device, read_past: bool = True) -> None:
         """Index tensors for a forward over positions ``[start, start + length)`` (built once, used by every layer).
@@ -223,10 +233,11 @@ def cache_classes() -> tuple[type[Any], type[Any]]:
         into the blocks and returns the past read from them followed by the new KV.
         """
 
-        def __init__(self, views: tuple[torch.Tensor, torch.Tensor], rows: RowTargets) -> None:
+        def __init__(self, views: tuple[torch.Tensor, torch.Tensor], rows: RowTargets, index: int) -> None:
             super().__init__()  # type: ignore[no-untyped-call]
             self._views = views
             self._rows = rows
+            self._index = index  # the model layer it holds
             self.pooled = True  # False once materialized: the past is held in ``keys``/``values``
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -239,6 +250,8 @@ def cache_classes() -> tuple[type[Any], type[Any]]:
                 return key_states, value_states
             if rows.gather is None:
                 raise RuntimeError("a pooled layer reads its past from every row's blocks: materialize it first")
+            if rows.load is not None:  # this layer's blocks may still be landing: the read waits for them
+                rows.load.wait_layer(self._index, rows.compute_stream(key_states.device))
             out = []
             for view, new in zip(self._views, (key_states, value_states), strict=True):
                 full = gather_past(view, rows.gather, new.shape[0], start + new.shape[2])
