@@ -28,6 +28,7 @@ async def test_stress_ci_size() -> None:
     assert all(report.hits[t] > 0 for t in ("gpu", "host", "file")), report.hits
     assert report.partial_hits > 0 and report.appended > 0 and report.evicted > 0
     assert report.timeouts > 0 and report.faults > 0 and report.transfer_errors > 0
+    assert report.layerwise > 0  # admissions whose host blocks landed layer by layer, read after each wait
 
 
 def _serve_failed_copies(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -59,3 +60,17 @@ def test_stress_command_runs_seeds_side_by_side(tmp_path: object) -> None:
 async def test_stress_cuda() -> None:
     report = await stress(StressConfig(seed=1, seconds=10.0, device="cuda"))
     assert report.wrong_tokens == 0, report.failures
+
+
+async def test_stress_oracle_sees_a_layer_read_before_it_landed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Waits that order nothing: a layer read right after admission may not be there yet, and the oracle sees it."""
+    from tiered_kv.layerwise import LayerLoad
+
+    monkeypatch.setattr(LayerLoad, "wait_layer", lambda self, layer, stream: None)
+    wrong = 0
+    for seed in range(4):
+        report = await stress(StressConfig(seed=seed, seconds=4, layerwise_prob=1.0))
+        wrong += report.wrong_tokens
+        if wrong:
+            break
+    assert wrong > 0

@@ -51,6 +51,7 @@ from ..engine import TransferEngine
 from ..errors import TransferError
 from ..faults import FaultyBackend, RandomFaults
 from ..file import FileTierConfig
+from ..layerwise import LayerLoad
 from ..layout import KVLayout
 from ..plan_batches import batch_moves
 from ..pools import Tier
@@ -78,6 +79,9 @@ class StressConfig:
         append_prob: share of turns that append 1-4 generated tokens.
         block_prob: share of turns that block the loop for 1-3 ms between writing and committing.
         evict_every: mean seconds between two evictions of 1-3 blocks (0: no evictor).
+        layerwise_prob: share of admissions through ``add_sequences_layerwise`` (1 or 2 layers a group): each layer
+            is read, right after its wait, into a copy made on the compute stream, and that copy is what is checked
+            once the load has settled.
         integrity: the cache's integrity checks (``TieredKVCache(integrity=...)``); off shows what reaches the
             model without them.
         trace: on a wrong token, print where its bytes came from and the history of its block and slots.
@@ -106,6 +110,7 @@ class StressConfig:
     append_prob: float = 0.3
     block_prob: float = 0.1
     evict_every: float = 0.003
+    layerwise_prob: float = 0.3
     integrity: bool = True
     trace: bool = False
     shadow: bool = False
@@ -123,7 +128,7 @@ class StressConfig:
                 raise ValueError(f"StressConfig.{name} must be a positive int, got {value!r}")
         if isinstance(self.guard_blocks, bool) or not isinstance(self.guard_blocks, int) or self.guard_blocks < 0:
             raise ValueError(f"StressConfig.guard_blocks must be an int >= 0, got {self.guard_blocks!r}")
-        for name in ("write_faults", "read_faults", "timeout_prob", "append_prob", "block_prob"):
+        for name in ("write_faults", "read_faults", "timeout_prob", "append_prob", "block_prob", "layerwise_prob"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"StressConfig.{name} must be in [0, 1], got {getattr(self, name)!r}")
         if self.seconds <= 0 or self.evict_every < 0:
@@ -144,6 +149,7 @@ class StressReport:
         evicted: blocks the evictor moved down; ``appended``: tokens appended and committed.
         integrity_errors: reuses the cache refused because a block's checksum did not match (recomputed instead).
         shadow_mismatches: copies whose destination differed from the issue-order model (``shadow`` runs only).
+        layerwise: admissions whose blocks landed layer by layer (checked as read after each layer's wait).
         failures: the first few wrong reuses, each a sentence naming the sequence, positions and blocks.
     """
 
@@ -164,6 +170,7 @@ class StressReport:
     integrity_errors: int
     failures: list[str]
     shadow_mismatches: int = 0
+    layerwise: int = 0
 
 
 def _faulty_file_config(directory: str, config: StressConfig, backends: list[FaultyBackend]) -> FileTierConfig:
@@ -290,7 +297,7 @@ async def stress(config: StressConfig) -> StressReport:
 
     history = [fresh() for _ in range(config.conversations)]
     counts = dict.fromkeys(("admissions", "verified", "wrong", "timeouts", "transfer_errors", "cache_full",
-                            "evicted", "appended"), 0)
+                            "evicted", "appended", "layerwise"), 0)
     hits = {"gpu": 0, "host": 0, "file": 0}
     failures: list[str] = []
     backends: list[FaultyBackend] = []
@@ -356,14 +363,16 @@ async def stress(config: StressConfig) -> StressReport:
                 if len(failures) < 8:
                     failures.append(f"after {when}: block manager invariant broken: {exc}")
 
-        def check(seq_id: int, reused: int, what: str) -> None:
+        def check(seq_id: int, reused: int, what: str, seen: torch.Tensor | None = None) -> None:
+            """Check the reused tokens' KV in the pool, or in ``seen``: per layer, the blocks as read after its wait."""
             sync()
             tokens = cache.blocks.sequence_tokens(seq_id)
             bad: list[int] = []
             bad_slots: list[int] = []
-            for slot, a, b in blocks_of(seq_id, 0, reused):
+            for j, (slot, a, b) in enumerate(blocks_of(seq_id, 0, reused)):
                 expected = expected_tokens(cache.hasher, tokens, a, b)
-                actual = pool[slot, :, :, :, a % tpb : a % tpb + (b - a), :].cpu().contiguous()
+                source = pool[slot] if seen is None else seen[:, j]
+                actual = source[:, :, :, a % tpb : a % tpb + (b - a), :].cpu().contiguous()
                 ok = (actual.view(torch.uint8) == expected.view(torch.uint8)).movedim(3, 0).reshape(b - a, -1)
                 wrong = [a + int(i) for i in torch.nonzero(~ok.all(dim=1)).flatten()]
                 if wrong:
@@ -382,9 +391,14 @@ async def stress(config: StressConfig) -> StressReport:
 
         async def admit(prompt: list[int], local: random.Random) -> tuple[int, int] | None:
             timeout = local.choice((0.0, 1e-4, 1e-3)) if local.random() < config.timeout_prob else None
+            load: LayerLoad | None = None
             try:
-                call = cache.add_sequences([prompt])
-                [adm] = await (call if timeout is None else asyncio.wait_for(call, timeout))
+                if local.random() < config.layerwise_prob:
+                    layered = cache.add_sequences_layerwise([prompt], group_layers=local.choice((1, 2)))
+                    [adm], load = await (layered if timeout is None else asyncio.wait_for(layered, timeout))
+                else:
+                    call = cache.add_sequences([prompt])
+                    [adm] = await (call if timeout is None else asyncio.wait_for(call, timeout))
             except TimeoutError:
                 counts["timeouts"] += 1
                 return None
@@ -403,9 +417,24 @@ async def stress(config: StressConfig) -> StressReport:
                 ids = [b.id for b in cache.blocks.sequence_blocks(adm.seq_id)]
                 trace.note(f"admit seq {adm.seq_id} blocks {ids} gpu{list(adm.page_table)} reused {adm.tokens_reused}")
             served = ", ".join(f"{t} {n}" for t, n in adm.blocks_from.items() if n)
+            seen = None
+            if load is not None:  # the model's reads: each layer after its wait, on the compute stream
+                counts["layerwise"] += 1
+                slots = torch.tensor([s for s, _, _ in blocks_of(adm.seq_id, 0, adm.tokens_reused)], device=pool.device)
+                stream = torch.cuda.current_stream() if cuda else None
+                layers = []
+                for layer in range(layout.num_layers):
+                    load.wait_layer(layer, stream)
+                    layers.append(pool[slots, layer].clone())
+                seen = torch.stack(layers)  # [layers, blocks, 2, heads, tokens, dim]
+                try:
+                    await load.settle()
+                except TransferError:  # the batch was freed: nothing read is used
+                    counts["transfer_errors"] += 1
+                    return None
             check(adm.seq_id, adm.tokens_reused,
                   f"seed {config.seed}: seq {adm.seq_id} (blocks from {served or 'none'}, partial "
-                  f"{adm.partial_tokens})")
+                  f"{adm.partial_tokens}{', layer by layer' if load is not None else ''})", seen)
             return adm.seq_id, adm.tokens_reused
 
         async def worker(w: int) -> None:
@@ -469,6 +498,7 @@ async def stress(config: StressConfig) -> StressReport:
         counts["wrong"], hits, stats.partial_hits, counts["timeouts"], counts["transfer_errors"], counts["cache_full"],
         sum(b.faults for b in backends), counts["evicted"], counts["appended"], stats.integrity_errors, failures,
         0 if shadow is None else shadow.mismatches + shadow.plan_mismatches + shadow.scan_mismatches,
+        counts["layerwise"],
     )
 
 
