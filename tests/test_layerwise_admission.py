@@ -135,15 +135,15 @@ async def test_a_host_block_changed_after_commit_fails_the_settle_and_is_recompu
 
 
 def _failing_layer_copies(cache: TieredKVCache, chance: float, rng: random.Random) -> None:
-    """Make a share of the cache's layer-range copies fail as they are issued (as a copy the engine refuses)."""
-    copy = cache._copy
+    """Make a share of the cache's layer-group copies fail as they are issued (as a copy the engine refuses)."""
+    copy_groups = cache._copy_layer_groups
 
-    def maybe_fail(*args: Any, **kwargs: Any) -> Transfer:
-        if kwargs.get("layers") is not None and rng.random() < chance:
-            raise TransferError("injected: this layer range's copy failed")
-        return copy(*args, **kwargs)
+    def maybe_fail(*args: Any, **kwargs: Any) -> list[Transfer]:
+        if rng.random() < chance:
+            raise TransferError("injected: this layer-group copy failed")
+        return copy_groups(*args, **kwargs)
 
-    cache._copy = maybe_fail
+    cache._copy_layer_groups = maybe_fail
 
 
 async def test_a_failed_layer_copy_fails_the_admission_and_drops_its_blocks() -> None:
@@ -152,11 +152,11 @@ async def test_a_failed_layer_copy_fails_the_admission_and_drops_its_blocks() ->
     prompt = list(range(1, 30))
     async with TieredKVCache(LAYOUT, gpu_blocks=16, host_blocks=16, device="cpu") as cache:
         await _cached_on_host(cache, prompt)
-        copy = cache._copy
+        copy_groups = cache._copy_layer_groups
         _failing_layer_copies(cache, 1.0, random.Random(0))
         with pytest.raises(TransferError, match="could not be brought"):
             await cache.add_sequences_layerwise([prompt], group_layers=1)
-        cache._copy = copy
+        cache._copy_layer_groups = copy_groups
         assert not cache.blocks.live_sequences
         [again] = await cache.add_sequences([prompt])
         assert again.blocks_from["host"] == 0  # every block a failed copy produced was dropped

@@ -235,6 +235,7 @@ class TieredKVCache(CacheCopies):
         # Ownership: every block of the engine is this cache's; engine.copy() refuses,
         # the cache copies through the function the claim returns.
         self._copy = engine.claim(self._owner_name)
+        self._copy_layer_groups = engine.claimed_layer_groups(self._owner_name)
         if file_blocks and warm_restart:
             self.blocks.file_index = engine.file_tier.lookup
         self.block_offsets: BlockOffsetTable | None = None

@@ -41,6 +41,7 @@ class CacheCopies:
     engine: TransferEngine
     remote: Any
     _copy: Callable[..., Transfer]
+    _copy_layer_groups: Callable[..., list[Transfer]]
     _unchecked: list[tuple[Transfer, Block]]
     _poisoned: int
     _integrity: IntegrityChecks | None
@@ -103,37 +104,33 @@ class CacheCopies:
                         break
         issued: list[list[Transfer]] = []
         for group in groups:
-            ranges: Sequence[tuple[int, int] | None] = (
-                layer_groups if layer_groups is not None and layered(group, layer_groups) else (None,)
-            )
-            copies: list[Transfer] = []
-            for layers in ranges:
-                if failure is None:
-                    try:
-                        copies.append(self._issue_group(group, layers))
-                        continue
-                    except (
-                        EngineClosedError
-                    ) as exc:  # the plan is made: its blocks must be poisoned, not left half-moved
-                        failure = TransferError(f"the engine closed while a plan was being issued ({exc})")
-                    except (ValueError, TypeError, TransferError) as exc:
-                        failure = exc
-                copies.append(unissued_transfer(group, failure))
-            issued.append(copies)
+            ranges = layer_groups if layer_groups is not None and layered(group, layer_groups) else None
+            if failure is None:
+                try:
+                    issued.append(self._issue_group(group, ranges))
+                    continue
+                except EngineClosedError as exc:  # the plan is made: its blocks must be poisoned, not left half-moved
+                    failure = TransferError(f"the engine closed while a plan was being issued ({exc})")
+                except (ValueError, TypeError, TransferError) as exc:
+                    failure = exc
+            issued.append([unissued_transfer(group, failure)] * (1 if ranges is None else len(ranges)))
         return issued
 
-    def _issue_group(self, group: list[Move], layers: tuple[int, int] | None = None) -> Transfer:
+    def _issue_group(self, group: list[Move], layer_groups: Sequence[tuple[int, int]] | None = None) -> list[Transfer]:
+        """A group's copies: one, or one per layer range (every range planned before any is enqueued)."""
         head = group[0]
         if head.src_tier is Tier.REMOTE and self.remote is not None:
-            return self.remote.fetch(group)  # type: ignore[no-any-return]
+            return [self.remote.fetch(group)]
         src = [m.src_slot for m in group]
         dst = [m.dst_slot for m in group]
+        if layer_groups is not None:
+            return self._copy_layer_groups(
+                head.src_tier, src, head.dst_tier, dst, layer_groups, num_tokens=head.num_tokens
+            )
         # Spills (HOST -> FILE) and read-backs (FILE -> GPU) carry the blocks' content keys: written into the
         # slot headers, checked on the way back. Cached blocks (the only ones that spill or come back) have keys.
         keys = [m.block.key for m in group] if Tier.FILE in (head.src_tier, head.dst_tier) else None
-        if layers is not None:
-            return self._copy(head.src_tier, src, head.dst_tier, dst, num_tokens=head.num_tokens, layers=layers)
-        return self._copy(head.src_tier, src, head.dst_tier, dst, num_tokens=head.num_tokens, keys=keys)
+        return [self._copy(head.src_tier, src, head.dst_tier, dst, num_tokens=head.num_tokens, keys=keys)]
 
     async def _finish(
         self, admissions: list[Admission], plan: Plan, transfers: list[Transfer]

@@ -357,6 +357,29 @@ class TransferEngine(CopyChecks, EngineInspection, InFlightCopies):
         """
         if self._owner is not None:
             self._refuse_owned()
+        return self._copy_layer_groups(src_tier, src_indices, dst_tier, dst_indices, groups, num_tokens=num_tokens)
+
+    def claimed_layer_groups(self, owner: str) -> Callable[..., list[Transfer]]:
+        """For the owner of a :meth:`claim`: :meth:`copy_layer_groups` (same signature) through its claim.
+
+        Raises:
+            ValueError: ``owner`` does not hold the claim.
+        """
+        if self._owner != owner:
+            raise ValueError(f"{owner} does not hold this TransferEngine's claim")
+        return self._copy_layer_groups
+
+    def _copy_layer_groups(
+        self,
+        src_tier: Tier | str,
+        src_indices: Indices,
+        dst_tier: Tier | str,
+        dst_indices: Indices,
+        groups: Sequence[tuple[int, int]],
+        *,
+        num_tokens: int | None = None,
+    ) -> list[Transfer]:
+        """The layer-group copy itself (see :meth:`copy_layer_groups`)."""
         loop = self._check_open()
         try:
             route = self._resolved[src_tier, dst_tier]

@@ -125,15 +125,24 @@ class Shadow:
                          kwargs.get("num_tokens"))
             return transfer
 
-        def checked_group(group: list[Move], layers: tuple[int, int] | None = None) -> Transfer:
+        def checked_group(group: list[Move], layer_groups: Any = None) -> list[Transfer]:
             reads = [(m, self._check_move(m)) for m in group]
-            transfer = issue_group(group, layers)
+            transfers = issue_group(group, layer_groups)
             for m, read in reads:
                 if read:
-                    transfer.add_done_callback(functools.partial(self._served, m, read))
-            return transfer
+                    transfers[-1].add_done_callback(functools.partial(self._served, m, read))
+            return transfers
+
+        copy_groups = cache._copy_layer_groups
+
+        def watched_groups(src_tier: object, src: Any, dst_tier: object, dst: Any, groups: Any, **kwargs: Any) -> Any:
+            transfers = copy_groups(src_tier, src, dst_tier, dst, groups, **kwargs)  # modelled as one whole copy
+            self._issued(transfers[-1], Tier.coerce(src_tier).value, list(src), Tier.coerce(dst_tier).value, list(dst),
+                         kwargs.get("num_tokens"))
+            return transfers
 
         cache._copy = watched_copy
+        cache._copy_layer_groups = watched_groups
         cache._issue_group = checked_group  # type: ignore[method-assign]
         if cache._integrity is not None:
             refuse = cache._integrity.refuse
