@@ -61,7 +61,9 @@ async def _first_then_host(gen: CachedGenerator, cache: TieredKVCache, first: li
         torch.cuda.synchronize()
 
 
-@pytest.mark.parametrize(("load_layers", "shared", "stall"), [(1, 53, 0.0), (2, 48, 0.0), (1, 48, 0.1), (4, 64, 0.1)])
+@pytest.mark.parametrize(
+    ("load_layers", "shared", "stall"), [(1, 53, 0.0), (2, 48, 0.0), (1, 48, 0.1), (2, 53, 0.1), (4, 64, 0.1)]
+)
 async def test_a_layerwise_host_hit_is_bitwise_equal_to_transformers_with_the_same_kv(
     model: Any, load_layers: int, shared: int, stall: float
 ) -> None:

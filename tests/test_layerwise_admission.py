@@ -238,3 +238,23 @@ async def test_randomized_layerwise_admissions_with_evictions_faults_and_cancell
     # the failures counted here were of both kinds over the seeds; each seed covers one at least
     assert counts["served"] > 0 and counts["layered"] >= 10, counts
     assert counts["admission failed"] + counts["settle failed"] > 0, counts
+
+
+def test_layer_groups_are_issued_after_the_plans_other_copies_unless_one_shares_their_slots() -> None:
+    from types import SimpleNamespace
+
+    from tiered_kv.cache_copies import _layered_last
+
+    def move(src: Tier, s: int, dst: Tier, d: int, n: int | None = None) -> Any:
+        return SimpleNamespace(src_tier=src, src_slot=s, dst_tier=dst, dst_slot=d, num_tokens=n)
+
+    offload = [move(Tier.GPU, 5, Tier.HOST, 9)]
+    onboard = [move(Tier.HOST, 1, Tier.GPU, 2), move(Tier.HOST, 3, Tier.GPU, 4)]
+    partial = [move(Tier.HOST, 7, Tier.GPU, 8, n=2)]
+    ranges = [(0, 2), (2, 4)]
+    # the partial copy would otherwise queue behind every layer group on the onboard stream
+    assert _layered_last([offload, onboard, partial], ranges) == [0, 2, 1]
+    assert _layered_last([offload, onboard, partial], None) is None
+    reads_landing = [move(Tier.GPU, 4, Tier.GPU, 6, n=2)]  # reads a slot a layer group writes: must follow it
+    assert _layered_last([offload, onboard, reads_landing], ranges) is None
+    assert _layered_last([offload, onboard], [(0, 4)]) == [0, 1]  # one range: nothing is layered, order kept

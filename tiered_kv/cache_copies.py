@@ -62,12 +62,14 @@ class CacheCopies:
         The groups come from :func:`~tiered_kv.plan_batches.batch_moves` (plan order kept wherever two moves
         touch a common slot); every block records the copies producing it, so a failed copy poisons its products.
         With ``layer_groups`` (more than one range), whole blocks coming from host memory to the GPU are copied one
-        layer range at a time: one copy per range, in order (:func:`layered`). Returns the groups and their copies.
+        layer range at a time: one copy per range, in order (:func:`layered`), issued after the plan's other copies
+        where none of those touches their slots (a copy queued behind them on the same stream would wait for every
+        layer). Returns the groups and their copies.
         """
         groups, placed = batch_moves(plan.moves)
         if self.remote is not None:
             self.remote._before_issue()  # evict policy: read the host victims before the plan reuses their slots
-        issued = self._issue_groups(groups, layer_groups)
+        issued = self._issue_groups(groups, layer_groups, _layered_last(groups, layer_groups))
         # Lineage in plan order: a block moved twice in one plan ends with both copies in its sources.
         for move, g in zip(plan.moves, placed, strict=True):
             copies = issued[g]
@@ -83,9 +85,14 @@ class CacheCopies:
         return groups, issued
 
     def _issue_groups(
-        self, groups: list[list[Move]], layer_groups: Sequence[tuple[int, int]] | None = None
+        self,
+        groups: list[list[Move]],
+        layer_groups: Sequence[tuple[int, int]] | None = None,
+        order: Sequence[int] | None = None,
     ) -> list[list[Transfer]]:
         """Issue a plan's groups whole, or not at all; each group's copies (one, or one per layer range).
+
+        ``order``: the order to issue the groups in (default: as listed); the result is in list order.
 
         Groups reading file slots are checked first (the slot must still hold its block): if one fails, none is
         issued. A copy that still raises stops the copies after it. A copy not issued is a failed
@@ -102,18 +109,19 @@ class CacheCopies:
                     except (ValueError, TypeError) as exc:
                         failure = exc
                         break
-        issued: list[list[Transfer]] = []
-        for group in groups:
+        issued: list[list[Transfer]] = [[] for _ in groups]
+        for g in range(len(groups)) if order is None else order:
+            group = groups[g]
             ranges = layer_groups if layer_groups is not None and layered(group, layer_groups) else None
             if failure is None:
                 try:
-                    issued.append(self._issue_group(group, ranges))
+                    issued[g] = self._issue_group(group, ranges)
                     continue
                 except EngineClosedError as exc:  # the plan is made: its blocks must be poisoned, not left half-moved
                     failure = TransferError(f"the engine closed while a plan was being issued ({exc})")
                 except (ValueError, TypeError, TransferError) as exc:
                     failure = exc
-            issued.append([unissued_transfer(group, failure)] * (1 if ranges is None else len(ranges)))
+            issued[g] = [unissued_transfer(group, failure)] * (1 if ranges is None else len(ranges))
         return issued
 
     def _issue_group(self, group: list[Move], layer_groups: Sequence[tuple[int, int]] | None = None) -> list[Transfer]:
@@ -200,6 +208,25 @@ async def landed(t: Transfer) -> None:
         await t
     except Exception:
         pass
+
+
+def _layered_last(groups: list[list[Move]], layer_groups: Sequence[tuple[int, int]] | None) -> list[int] | None:
+    """An issue order with the layered groups after the others, when no group moved after one touches its slots."""
+    if layer_groups is None:
+        return None
+    first: list[int] = []
+    last: list[int] = []
+    held: set[tuple[Tier, int]] = set()  # slots of the layered groups listed so far
+    for g, group in enumerate(groups):
+        slots = {(m.src_tier, m.src_slot) for m in group} | {(m.dst_tier, m.dst_slot) for m in group}
+        if layered(group, layer_groups):
+            last.append(g)
+            held |= slots
+        elif held & slots:
+            return None  # it must follow a layered group it shares a slot with: keep the plan's order
+        else:
+            first.append(g)
+    return first + last
 
 
 def layered(group: list[Move], layer_groups: Sequence[tuple[int, int]]) -> bool:
