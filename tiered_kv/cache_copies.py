@@ -194,6 +194,8 @@ class CacheCopies:
         """Wait for every pending copy touching these GPU slots (the data is in place and no older read remains)."""
         fences = self.engine.fences
         pool = Tier.GPU.value
+        if not fences.live(pool):  # no copy touching a GPU slot is still running: nothing to wait for
+            return
         for slot in slots:
             write, reads = fences.pending(pool, slot)
             if write is not None:
