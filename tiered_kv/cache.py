@@ -223,15 +223,8 @@ class TieredKVCache(CacheCopies):
                 engine._release_resources()
             raise
 
-    def _attach(
-        self,
-        engine: TransferEngine,
-        file_blocks: int,
-        warm_restart: bool,
-        block_offsets: bool,
-        max_seqs: int,
-        on_page_table: PageTableListener | None,
-    ) -> None:
+    def _attach(self, engine: TransferEngine, file_blocks: int, warm_restart: bool, block_offsets: bool, max_seqs: int,
+                on_page_table: PageTableListener | None) -> None:
         # Ownership: every block of the engine is this cache's; engine.copy() refuses,
         # the cache copies through the function the claim returns.
         self._copy = engine.claim(self._owner_name)
@@ -240,9 +233,8 @@ class TieredKVCache(CacheCopies):
             self.blocks.file_index = engine.file_tier.lookup
         self.block_offsets: BlockOffsetTable | None = None
         if block_offsets:
-            table = BlockOffsetTable(
-                1, max_seqs, self.blocks.max_blocks_per_seq, kv_factor=self.layout.kv_factor, device=engine.device
-            )
+            table = BlockOffsetTable(1, max_seqs, self.blocks.max_blocks_per_seq, kv_factor=self.layout.kv_factor,
+                                     device=engine.device)
             self.block_offsets = table
             user_hook = on_page_table
 
@@ -277,14 +269,8 @@ class TieredKVCache(CacheCopies):
     ) -> TransferEngine:
         if file and file_dir is None:
             raise ValueError("file_blocks needs file_dir (or an engine with a file pool)")
-        return TransferEngine(
-            layout,
-            gpu_blocks=gpu,
-            host_blocks=host,
-            device=device,
-            file_dir=file_dir if file else None,
-            file_blocks=file,
-        )
+        return TransferEngine(layout, gpu_blocks=gpu, host_blocks=host, device=device,
+                              file_dir=file_dir if file else None, file_blocks=file)
 
     # ------------------------------------------------------------------------------------ lifecycle
 
@@ -358,8 +344,7 @@ class TieredKVCache(CacheCopies):
         return await self._add_sequences(requests, self.blocks.admit)
 
     async def _add_sequences(
-        self,
-        requests: Iterable[Request | Sequence[int] | np.ndarray],
+        self, requests: Iterable[Request | Sequence[int] | np.ndarray],
         admit: Callable[[Iterable[object]], tuple[list[Admission], Plan]],
     ) -> list[Admission]:
         """``add_sequences`` with the admission order ``admit`` (the naive baseline passes its own)."""
