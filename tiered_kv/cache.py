@@ -391,14 +391,15 @@ class TieredKVCache(CacheCopies):
         self._sweep()
         admissions, plan = self.blocks.admit(requests)
         groups, issued = self._issue_plan(plan, ranges)
-        loads = [copies for g, copies in zip(groups, issued, strict=True) if layered(g, ranges)]
+        landing_groups = [(g, copies) for g, copies in zip(groups, issued, strict=True) if layered(g, ranges)]
+        loads = [copies for _, copies in landing_groups]
         if not loads:
             admissions, bad = await self._finish(admissions, plan, [c[-1] for c in issued])
             if not bad:
                 return admissions, None
             self._refuse(admissions, plan, bad)
             return await self.add_sequences(requests), None
-        landing = {m.dst_slot for g in groups if layered(g, ranges) for m in g}
+        landing = {m.dst_slot for g, _ in landing_groups for m in g}
         try:
             for t in (t for copies in loads for t in copies if not self.engine.on_stream(t)):
                 await landed(t)  # deferred on the loop (behind file I/O): compute could not wait for it
