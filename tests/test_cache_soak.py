@@ -40,7 +40,7 @@ async def test_cache_soak_catches_a_cache_that_serves_failed_copies(monkeypatch:
     monkeypatch.setattr(IntegrityChecks, "check_reuse", nothing_changed)
     monkeypatch.setattr(TieredKVCache, "_poison", lambda self, block: None)
     monkeypatch.setattr(TieredKVCache, "_on_file_slot_dropped", lambda self, event: None)
-    monkeypatch.setattr(cache_mod, "_failed", lambda sources: False)
+    monkeypatch.setattr(cache_mod, "_failed_copy", lambda transfer: False)
     with pytest.raises(CacheSoakFailure, match="wrong KV") as info:
         await cache_soak(CacheSoakConfig(ops=3_000, seed=5, fault_rate=0.1, cancel_prob=0.0))
     assert info.value.seed == 5

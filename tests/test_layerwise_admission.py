@@ -258,3 +258,32 @@ def test_layer_groups_are_issued_after_the_plans_other_copies_unless_one_shares_
     reads_landing = [move(Tier.GPU, 4, Tier.GPU, 6, n=2)]  # reads a slot a layer group writes: must follow it
     assert _layered_last([offload, onboard, reads_landing], ranges) is None
     assert _layered_last([offload, onboard], [(0, 4)]) == [0, 1]  # one range: nothing is layered, order kept
+
+
+async def test_a_long_reuse_in_flight_holds_tracked_objects_per_copy_not_per_block() -> None:
+    """A 512-block host hit, its layer groups in flight, keeps O(copies) objects the garbage collector tracks.
+
+    Per-block records that live until the batch settles (one per block and layer group: 4,096 here) are promoted
+    through the collector's generations and set off full collections (~100 ms with an inference stack loaded) in
+    the middle of admissions; the layer-wise loads then waited behind them.
+    """
+    import gc
+
+    layout = KVLayout(num_layers=8, num_kv_heads=1, head_dim=4, tokens_per_block=4, dtype=torch.float16)
+    prompt = list(range(1, 512 * 4 + 2))  # 512 full blocks and one token
+    async with TieredKVCache(layout, gpu_blocks=520, host_blocks=520, device="cpu") as cache:
+        await _cached_on_host(cache, prompt)
+        await cache.engine.drain()
+        gc.collect()
+        gc.disable()
+        try:
+            before = len(gc.get_objects())
+            [adm], load = await cache.add_sequences_layerwise([prompt], group_layers=2)
+            held = len(gc.get_objects()) - before
+        finally:
+            gc.enable()
+        assert load is not None and adm.blocks_from["host"] == 512
+        assert held < 512, f"{held} tracked objects held for a reuse of 512 blocks in 4 layer groups"
+        load.wait_all(None)
+        await load.settle()
+        cache.free(adm.seq_id)

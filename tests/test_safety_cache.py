@@ -146,8 +146,8 @@ async def test_the_manager_hears_of_a_dropped_slot_before_the_failed_spill_compl
 
         def watch(plan):
             transfers = issue(plan)
-            for t, block in cache._unchecked:
-                if block.key == a1_key and t.dst_tier is Tier.FILE:
+            for t, blocks in cache._unchecked:
+                if any(b.key == a1_key for b in blocks) and t.dst_tier is Tier.FILE:
                     t.add_done_callback(lambda _t: seen.append(cache.blocks.lookup(a1_key) is not None))
             return transfers
 

@@ -34,7 +34,7 @@ async def test_stress_ci_size() -> None:
 def _serve_failed_copies(monkeypatch: pytest.MonkeyPatch) -> None:
     """A cache that keeps blocks whose copy failed (no poisoning): their slots hold stale bytes."""
     monkeypatch.setattr(TieredKVCache, "_poison", lambda self, block: None)
-    monkeypatch.setattr(cache_mod, "_failed", lambda sources: False)
+    monkeypatch.setattr(cache_mod, "_failed_copy", lambda transfer: False)
 
 
 async def test_stress_oracle_sees_a_cache_that_serves_stale_blocks(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -33,7 +33,7 @@ class CacheCopies:
 
     The cache holds the state this works on: ``blocks`` (the block manager), ``engine`` and ``_copy`` (the copy
     function its claim on the engine returned), ``remote`` (the remote tier's link, or ``None``), ``_unchecked``
-    (issued copies not yet seen complete, with the block each produces) and ``_poisoned`` (the count of cached
+    (issued copies not yet seen complete, each with the blocks it produces) and ``_poisoned`` (the count of cached
     blocks dropped).
     """
 
@@ -42,7 +42,7 @@ class CacheCopies:
     remote: Any
     _copy: Callable[..., Transfer]
     _copy_layer_groups: Callable[..., list[Transfer]]
-    _unchecked: list[tuple[Transfer, Block]]
+    _unchecked: list[tuple[Transfer, list[Block]]]
     _poisoned: int
     _integrity: IntegrityChecks | None
     _integrity_errors: int
@@ -71,6 +71,7 @@ class CacheCopies:
             self.remote._before_issue()  # evict policy: read the host victims before the plan reuses their slots
         issued = self._issue_groups(groups, layer_groups, _layered_last(groups, layer_groups))
         # Lineage in plan order: a block moved twice in one plan ends with both copies in its sources.
+        products: list[list[Block]] = [[] for _ in groups]
         for move, g in zip(plan.moves, placed, strict=True):
             copies = issued[g]
             block = move.block
@@ -80,8 +81,12 @@ class CacheCopies:
             else:
                 block.sources = [s for s in block.sources if not _succeeded(s)]
                 block.sources += copies
+            products[g].append(block)
+        # One entry per copy, not per block: a 32k-token prefix is 2,048 blocks, and entries living until the
+        # batch settles would be promoted through the garbage collector's generations into full collections.
+        for copies, blocks in zip(issued, products, strict=True):
             for t in copies:
-                self._unchecked.append((t, block))
+                self._unchecked.append((t, blocks))
         return groups, issued
 
     def _issue_groups(
@@ -177,12 +182,13 @@ class CacheCopies:
         """Drop blocks produced by copies that have failed since the last look (no await)."""
         if not self._unchecked:
             return
-        keep: list[tuple[Transfer, Block]] = []
-        for t, block in self._unchecked:
+        keep: list[tuple[Transfer, list[Block]]] = []
+        for t, blocks in self._unchecked:
             if not t.done():
-                keep.append((t, block))
+                keep.append((t, blocks))
             elif t.exception() is not None:
-                self._poison(block)
+                for block in blocks:
+                    self._poison(block)
         self._unchecked = keep
 
     def _poison(self, block: Block) -> None:
