@@ -159,3 +159,25 @@ async def test_the_split_uses_the_attention_cost_of_the_head_and_of_the_forward_
         best = min(range(m + 1), key=lambda c: (ttft(c), c))
         assert best == 6  # a linear fit of the same forwards picks 5 (9 % slower)
         assert cost.split(cache.blocks.match(prompt), n) == best
+
+
+def test_a_warm_up_forward_far_off_the_rest_does_not_set_the_forward_fit() -> None:
+    """A process's first forwards (kernels loaded and tuned: ~1 s for 64 tokens on the GPU machine) are not rates.
+
+    With them in a plain least-squares fit the fixed cost of a forward came out at 0.2 s and its marginal rate at 0,
+    so every head of a hybrid prefill looked as slow as a whole recompute (seen on an H200 at 8k tokens).
+    """
+
+    def forward(tokens: int, past: int) -> float:  # 8B-like: 2 ms a forward, 16k tokens/s, little attention
+        return 2e-3 + tokens / 16_000 + 1e-9 * (tokens * past + tokens * tokens / 2)
+
+    cost = CostModel(None)  # type: ignore[arg-type]  # the fit alone: no cache needed
+    cost.observe_prefill(64, 1.2)  # the first forward of the process
+    cost.observe_prefill(32, 1.0, past=1024)  # the first forward after a past
+    for tokens, past in ((1056, 0), (32, 1024), (2080, 0), (32, 2048), (4128, 0), (32, 4096), (8224, 0), (32, 8192)):
+        for _ in range(2):
+            cost.observe_prefill(tokens, forward(tokens, past), past=past)
+    assert cost.prefill_overhead_seconds() == pytest.approx(2e-3, abs=1e-4)
+    assert cost.prefill_seconds_per_token() == pytest.approx(1 / 16_000, rel=0.02)
+    for tokens, past in ((4096, 0), (32, 8192)):
+        assert cost.prefill_seconds(tokens, past) == pytest.approx(forward(tokens, past), rel=0.02)

@@ -223,21 +223,24 @@ class CostModel:
             return None
         x = np.array([[1.0, q, pairs] for q, pairs, _ in obs])
         y = np.array([s for _, _, s in obs])
-        best: tuple[float, tuple[float, float, float]] | None = None
-        for terms in ((0, 1, 2), (0, 1), (1, 2), (0, 2), (1,), (2,)):  # b or k: a forward's time grows with it
-            cols = list(terms)
-            if np.linalg.matrix_rank(x[:, cols]) < len(cols):
-                continue
-            coef = np.linalg.lstsq(x[:, cols], y, rcond=None)[0]
-            if (coef < 0).any():
-                continue
-            full = [0.0, 0.0, 0.0]
-            for i, c in zip(cols, coef, strict=True):
-                full[i] = float(c)
-            residual = float(((x @ np.array(full) - y) ** 2).sum())
-            if best is None or residual < best[0] * (1 - 1e-9):
-                best = (residual, (full[0], full[1], full[2]))
-        self._prefill = best[1] if best is not None else (0.0, float(y.sum() / x[:, 1].sum()), 0.0)
+        keep = np.ones(len(obs), dtype=bool)
+        fit = _nonnegative_fit(x, y)
+        # Relative errors (a forward's noise scales with it), and a forward far off the rest is not a rate: a
+        # process's first forward (kernels loaded and tuned: ~1 s for 64 tokens) or the first at a new length. The
+        # worst one is left out while it is off by more than half and by 4 robust deviations of the others, at
+        # most a quarter of them in all.
+        for _ in range(len(obs) // 4):
+            if fit is None:
+                break
+            off = np.abs(x @ np.array(fit) - y) / y
+            worst = int(np.argmax(np.where(keep, off, -1.0)))
+            others = off[keep]
+            others = np.delete(others, int(np.argmax(others)))
+            if off[worst] <= max(0.5, 4 * 1.4826 * float(np.median(others))):
+                break
+            keep[worst] = False
+            fit = _nonnegative_fit(x[keep], y[keep])
+        self._prefill = fit if fit is not None else (0.0, float(y.sum() / x[:, 1].sum()), 0.0)
         return self._prefill
 
     def bandwidth(self, tier: Tier | str) -> float | None:
@@ -373,6 +376,27 @@ class CostModel:
     def __repr__(self) -> str:
         s = self.statistics()
         return f"<CostModel decisions={s.decisions} skipped={s.skipped_blocks} saved={s.saved_vs_reuse_all_s:.3f}s>"
+
+
+def _nonnegative_fit(x: np.ndarray, y: np.ndarray) -> tuple[float, float, float] | None:
+    """``(a, b, k)``: the fit of ``y`` on columns ``x = [1, tokens, pairs]`` least in relative squared error, with the
+    smallest error among the subsets of terms whose coefficients are all non-negative (``None``: none is)."""
+    best: tuple[float, tuple[float, float, float]] | None = None
+    xw, yw = x / y[:, None], np.ones_like(y)  # rows scaled by 1/y: the residuals are relative
+    for terms in ((0, 1, 2), (0, 1), (1, 2), (0, 2), (1,), (2,)):  # b or k: a forward's time grows with it
+        cols = list(terms)
+        if np.linalg.matrix_rank(xw[:, cols]) < len(cols):
+            continue
+        coef = np.linalg.lstsq(xw[:, cols], yw, rcond=None)[0]
+        if (coef < 0).any():
+            continue
+        full = [0.0, 0.0, 0.0]
+        for i, c in zip(cols, coef, strict=True):
+            full[i] = float(c)
+        residual = float(((xw @ np.array(full) - yw) ** 2).sum())
+        if best is None or residual < best[0] * (1 - 1e-9):
+            best = (residual, (full[0], full[1], full[2]))
+    return best[1] if best is not None else None
 
 
 def _pairs(tokens: float, past: float) -> float:

@@ -33,8 +33,8 @@ requests start (the kernel writes earlier spills back beside them).
 
 TTFT is the median of ``repeats`` runs (each from the call to the first token on the host: admission,
 onboarding, prefill, sampling). Targets: a miss at most 1.05x the recompute time; with the prefix in host, TTFT
-at least 10x faster than recomputing; the ``host`` row also shows its floor, max(prefix bytes at the pinned
-host->GPU rate measured in the same run, the ``resident`` TTFT), and its TTFT over that floor. With the prefix in
+at most 1.25x its floor, max(prefix bytes at the pinned host->GPU rate measured in the same run, the ``resident``
+TTFT) (``floor_ms``, ``vs_floor``). With the prefix in
 the file tier, TTFT at most 1.15x its floor and never slower than recomputing: the floor is
 ``T_recompute * T_load / (T_recompute + T_load)`` (computing and loading at once, meeting where both finish), with
 ``T_load`` the prefix's bytes at the cold file read rate measured in the same run, in the same directory
