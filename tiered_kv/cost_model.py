@@ -379,8 +379,10 @@ class CostModel:
 
 
 def _nonnegative_fit(x: np.ndarray, y: np.ndarray) -> tuple[float, float, float] | None:
-    """``(a, b, k)``: the fit of ``y`` on columns ``x = [1, tokens, pairs]`` least in relative squared error, with the
-    smallest error among the subsets of terms whose coefficients are all non-negative (``None``: none is)."""
+    """``(a, b, k)``: the fit of ``y`` on columns ``x = [1, tokens, pairs]`` least in relative squared error.
+
+    Of the subsets of terms whose coefficients are all non-negative, the one with the smallest error (``None``: none).
+    """
     best: tuple[float, tuple[float, float, float]] | None = None
     xw, yw = x / y[:, None], np.ones_like(y)  # rows scaled by 1/y: the residuals are relative
     for terms in ((0, 1, 2), (0, 1), (1, 2), (0, 2), (1,), (2,)):  # b or k: a forward's time grows with it
