@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("copy machinery, plan issue", {"copy", "plan_batches"}),
     ("the copy machinery's module paths", {"copyops", "stream_copier"}),
     ("the file tier", {"file"}),
-    ("the engine's parts", {"engine_pools", "copy_checks", "inflight"}),
+    ("the engine's parts", {"engine_pools", "copy_checks", "engine_sync", "inflight"}),
     ("the engine's inspection", {"engine_inspection"}),
     ("the engine", {"engine", "close_spill"}),
     ("above the engine", {"layerwise", "remote"}),

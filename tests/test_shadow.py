@@ -85,12 +85,12 @@ async def test_a_write_that_did_not_land_is_named() -> None:
 
 async def test_guard_blocks_around_the_gpu_pool() -> None:
     """With guard blocks the run uses a pool inside a larger allocation; a byte written outside it fails the run."""
-    from tiered_kv.tools.stress import _Guards
+    from tiered_kv.tools.stress_diagnostics import Guards
 
     report = await stress(StressConfig(seed=12, seconds=1.0, guard_blocks=3))
     assert report.wrong_tokens == 0, report.failures
     config = StressConfig(guard_blocks=2)
-    guards = _Guards(config.layout, config)
+    guards = Guards(config.layout, config.gpu_blocks, config.guard_blocks, config.device)
     counts: dict[str, int] = {"wrong": 0}
     failures: list[str] = []
     guards.check("nothing", counts, failures)

@@ -23,6 +23,7 @@ from, one concept each:
 * :mod:`tiered_kv.engine_inspection` -- the lookups and reports of what the engine holds and has done: its media,
   the routing table (``route``, ``add_handler``), the copy streams, the fence table, the statistics;
 * :mod:`tiered_kv.copy_checks` -- the argument checks of a copy (indices, ``num_tokens``, ``layers``);
+* :mod:`tiered_kv.engine_sync` -- ordering compute after copies and copies after compute, stream-side;
 * :mod:`tiered_kv.inflight` -- a copy once planned: its start behind its dependencies (stream-side, or on the
   loop), its completion on the loop (thread callbacks batched by :class:`~tiered_kv.completions.CompletionInbox`,
   the loop-side poll, the in-place await), the bookkeeping after it (fence release, statistics), failure
@@ -53,6 +54,7 @@ from .device import Device, Stream, resolve_device
 from .engine_inspection import EngineInspection, _Route
 from .engine_pools import _allocate as _allocate
 from .engine_pools import make_pools
+from .engine_sync import ComputeSync
 from .errors import EngineClosedError, OwnedEngineError
 from .fences import Marker
 from .file import FileHandler, FileTier, FileTierConfig
@@ -75,7 +77,7 @@ from .transfer import LATENCY_BUCKETS, EngineStatistics, Transfer, TransferResul
 __all__ = ["LATENCY_BUCKETS", "EngineStatistics", "Transfer", "TransferEngine", "TransferResult"]
 
 
-class TransferEngine(CopyChecks, EngineInspection, InFlightCopies):
+class TransferEngine(CopyChecks, EngineInspection, ComputeSync, InFlightCopies):
     """Schedules fenced copies between GPU and host pools (and the file tier, where configured).
 
     Args:
@@ -541,69 +543,6 @@ class TransferEngine(CopyChecks, EngineInspection, InFlightCopies):
             fences.register(marker, reads, writes)
         self._inflight[marker] = (direction, transfer)
         return transfer
-
-    # ------------------------------------------------------------------------------------ compute sync
-
-    def sync_with_compute(self, stream: object) -> None:
-        """Make copies enqueued from now on wait for the work already queued on ``stream``.
-
-        Use it before offloading blocks that the compute stream is still writing. Stream-side: neither
-        the CPU nor the event loop blocks.
-
-        Args:
-            stream: the compute stream (``torch.cuda.Stream`` or a tiered_kv stream).
-        """
-        self._check_open()
-        compute = self.device.wrap_stream(stream)
-        event = compute.record()
-        for copy_stream in self._streams.values():
-            copy_stream.wait(event)
-
-    def sync_transfer(self, transfer: Transfer, stream: object | None) -> None:
-        """Make work queued on ``stream`` from now on wait for one transfer. Stream-side: nothing blocks.
-
-        Use it before compute reads what one transfer brought in (e.g. one layer group of
-        :func:`tiered_kv.layerwise.copy_layerwise`) while later transfers are still running. ``stream=None``: the
-        compute runs on the calling thread itself (the emulated device's): the call blocks until the copy has run.
-        Callable from any thread (a model's forward runs on its own): it reads the transfer's event, which the loop
-        set when it enqueued the copy, and changes nothing the loop owns.
-
-        Raises:
-            ValueError: the transfer is still deferred on the loop (waiting for a file-tier dependency) or
-                runs off-stream (host-to-host, file): await it instead.
-            EngineClosedError: the engine is closed.
-        """
-        if self._closing:
-            raise EngineClosedError("the TransferEngine is closed")
-        marker = transfer._marker
-        if marker.completed:
-            return
-        if marker.event is None:
-            raise ValueError("this transfer is not on a copy stream yet (deferred or off-stream): await it instead")
-        if stream is None:
-            marker.event.synchronize()
-        else:
-            self.device.wrap_stream(stream).wait(marker.event)
-
-    @staticmethod
-    def on_stream(transfer: Transfer) -> bool:
-        """Whether :meth:`sync_transfer` can order compute after ``transfer``: done, or enqueued on a copy stream."""
-        marker = transfer._marker
-        return bool(marker.completed or marker.event is not None)
-
-    def sync_transfers(self, stream: object) -> None:
-        """Make work queued on ``stream`` from now on wait for every copy enqueued on the copy streams.
-
-        Use it before compute reads blocks that were just onboarded. Stream-side: nothing blocks.
-
-        Notes:
-            Copies still deferred (waiting on the loop for an off-stream dependency such as file I/O) and
-            host-to-host copies are not covered: await those transfers first.
-        """
-        self._check_open()
-        compute = self.device.wrap_stream(stream)
-        for copy_stream in self._streams.values():
-            compute.wait(copy_stream.record())
 
 
 def _as_list(indices: np.ndarray | list[int]) -> list[int]:

@@ -32,20 +32,18 @@ import functools
 import json
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..backends.posix import PosixBackend
-from ..blocks import Block, CacheFullError, Move, Plan
+from ..blocks import CacheFullError
 from ..cache import TieredKVCache
 from ..engine import TransferEngine
 from ..errors import TransferError
@@ -53,11 +51,10 @@ from ..faults import FaultyBackend, RandomFaults
 from ..file import FileTierConfig
 from ..layerwise import LayerLoad
 from ..layout import KVLayout
-from ..plan_batches import batch_moves
 from ..pools import Tier
-from ..transfer import Transfer
 from .shadow import Shadow
-from .workload import expected_tokens, token_pattern
+from .stress_diagnostics import Guards, Trace, block_truth
+from .workload import expected_tokens
 
 __all__ = ["StressConfig", "StressReport", "run_many", "stress"]
 
@@ -190,98 +187,6 @@ def _faulty_file_config(directory: str, config: StressConfig, backends: list[Fau
     return FileTierConfig(directory, config.file_blocks, backend_factory=factory, io_threads=2)
 
 
-class _Trace:
-    """The debug record of one run (``StressConfig.trace``): moves, writes, and the history behind a wrong token.
-
-    On a wrong token it prints the history of its block and of every slot that block passed through. It wraps the
-    cache's plan issue to log each move with the transfer that carries it; the model's writes are
-    logged with the bytes they wrote, so the bytes found in a wrong token can be traced back to their writer.
-    """
-
-    def __init__(self, cache: TieredKVCache, t0: float) -> None:
-        self.cache = cache
-        self.t0 = t0
-        self.log: list[tuple[float, str]] = []
-        self.wrote: dict[bytes, str] = {}
-        issue = cache._issue
-
-        def traced(plan: Plan) -> list[Transfer]:
-            _groups, placed = batch_moves(plan.moves)
-            transfers = issue(plan)
-            for m, g in zip(plan.moves, placed, strict=True):
-                t = transfers[g]
-                src = f" from#{m.source.id}" if m.source is not None else ""
-                self.note(f"move {m.kind} #{m.block.id}{src} {m.src_tier.value}[{m.src_slot}]->"
-                          f"{m.dst_tier.value}[{m.dst_slot}] n={m.num_tokens} t={id(t):x}")
-                t.add_done_callback(functools.partial(self._done, t, m))
-            return transfers
-
-        cache._issue = traced  # type: ignore[method-assign]
-
-    def note(self, what: str) -> None:
-        self.log.append((time.perf_counter() - self.t0, what))
-
-    def _done(self, t: Transfer, m: Move, *_: object) -> None:
-        self.note(f"done t={id(t):x} #{m.block.id} {m.kind} {'FAILED' if t.exception() else 'ok'}")
-
-    def wrote_tokens(self, seq_id: int, block_id: int, slot: int, first: int, content: torch.Tensor) -> None:
-        self.note(f"write seq {seq_id} #{block_id} gpu[{slot}] tokens {first}..{first + content.shape[3] - 1}")
-        for k in range(content.shape[3]):
-            self.wrote[_token_bytes(content, k)] = f"seq {seq_id} #{block_id} pos {first + k} gpu[{slot}]"
-
-    def dump(self, what: str, block_id: int, slot: int, actual: torch.Tensor, wrong: list[int], first: int) -> None:
-        """Print the origin of each wrong token's bytes and the history of the block and its slots."""
-        got = [self.wrote.get(_token_bytes(actual, p - first), "never written") for p in wrong]
-        print(f"TRACE wrong {what} pos {wrong} block #{block_id} gpu[{slot}] holds: {got}", flush=True)
-        tags = {f"#{block_id} ", f"gpu[{slot}]"}
-        for _ts, line in self.log:
-            if f"#{block_id} " in line:
-                tags.update(re.findall(r"(?:gpu|host|file)\[\d+\]", line))
-        for ts, line in [e for e in self.log if any(tag in e[1] for tag in tags)][-150:]:
-            print(f"TRACE   {ts:.4f} {line}", flush=True)
-
-
-class _Guards:
-    """A GPU pool with ``guard_blocks`` blocks of a fixed pattern on each side (``StressConfig.guard_blocks``)."""
-
-    def __init__(self, layout: KVLayout, config: StressConfig) -> None:
-        g = config.guard_blocks
-        self.whole = torch.empty((config.gpu_blocks + 2 * g, *layout.block_shape), dtype=layout.dtype,
-                                 device=config.device)
-        self.whole.view(torch.uint8).fill_(0x5A)
-        self.pool = self.whole[g : g + config.gpu_blocks]
-        self.guards = (self.whole[:g], self.whole[g + config.gpu_blocks :])
-        self.broken = False
-
-    def check(self, when: str, counts: dict[str, int], failures: list[str]) -> None:
-        """Every guard byte must still hold the pattern (a write outside the pool's blocks fails the run)."""
-        if self.broken:
-            return
-        for side, guard in zip(("before", "after"), self.guards, strict=True):
-            raw = guard.reshape(guard.shape[0], -1).view(torch.uint8)
-            changed = torch.nonzero((raw != 0x5A).any(dim=1)).flatten().tolist()
-            if changed:
-                self.broken = True
-                counts["wrong"] += 1
-                failures.append(f"after {when}: guard blocks {changed} {side} the GPU pool were written")
-
-
-def _truth(cache: TieredKVCache) -> Callable[[Block], np.ndarray]:
-    """The oracle of a block for :class:`~tiered_kv.tools.shadow.Shadow`: the bytes the stress writes per token."""
-
-    def truth(block: Block) -> np.ndarray:
-        rows = [token_pattern(cache.hasher.block_key(block.parent_key, block.tokens[: j + 1]), cache.layout)
-                for j in range(len(block.tokens))]
-        return np.stack(rows) if rows else np.zeros((0, cache.layout.bytes_per_block), np.uint8)
-
-    return truth
-
-
-def _token_bytes(block: torch.Tensor, k: int) -> bytes:
-    """The bytes of token ``k`` of a ``[layers, kv, heads, tokens, dim]`` block (all its layers, K/V and heads)."""
-    return bytes(block[:, :, :, k].contiguous().view(torch.uint8).numpy().tobytes())
-
-
 async def stress(config: StressConfig) -> StressReport:
     """One run; wrong tokens are counted in the report (never raised).
 
@@ -312,7 +217,9 @@ async def stress(config: StressConfig) -> StressReport:
     with contextlib.ExitStack() as stack:
         directory = stack.enter_context(tempfile.TemporaryDirectory(prefix="tiered-kv-stress-"))
         file_config = _faulty_file_config(directory, config, backends) if config.file_blocks else None
-        guards = _Guards(layout, config) if config.guard_blocks else None
+        guards = None
+        if config.guard_blocks:
+            guards = Guards(layout, config.gpu_blocks, config.guard_blocks, config.device)
         engine = TransferEngine(layout, gpu_blocks=config.gpu_blocks, host_blocks=config.host_blocks,
                                 device=config.device, file_config=file_config,
                                 gpu_pool=None if guards is None else guards.pool)
@@ -320,8 +227,8 @@ async def stress(config: StressConfig) -> StressReport:
                               file_blocks=config.file_blocks, engine=engine, max_seqs=32,
                               integrity=config.integrity)
         pool = engine.pool(Tier.GPU).tensor
-        trace = _Trace(cache, t0) if config.trace else None
-        shadow = Shadow(cache, functools.partial(print, flush=True), _truth(cache)) if config.shadow else None
+        trace = Trace(cache, t0) if config.trace else None
+        shadow = Shadow(cache, functools.partial(print, flush=True), block_truth(cache)) if config.shadow else None
 
         def blocks_of(seq_id: int, start: int, stop: int) -> list[tuple[int, int, int]]:
             """``(slot, first, stop)`` per block of token positions ``[start, stop)``."""

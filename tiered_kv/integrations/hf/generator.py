@@ -59,14 +59,21 @@ import torch
 
 from ...blocks import Admission, CacheFullError, Request
 from ...errors import TransferError
-from ...keys import as_token_array
 from ...layer_major import LayerMajorPool
 from ...pools import BlockPool, Tier
 from .hybrid import ComputedPrefix, compute_prefix, finished, write_prefix
 from .kv import PhaseTimer, RowTargets, cache_classes, pool_views
-from .model import cache_kwargs, check_full_attention, layout_for, model_geometry, reference_generate
+from .model import cache_kwargs, check_full_attention, check_layout, layout_for, model_geometry, reference_generate
 from .results import Generation, GenerationStream, GeneratorStatistics
-from .sampling import GenerateOptions, Sampling, SamplingOptions, check_sampling, choose, make_sampler
+from .sampling import (
+    GenerateOptions,
+    Sampling,
+    SamplingOptions,
+    check_prompts,
+    check_sampling,
+    choose,
+    make_sampler,
+)
 
 if TYPE_CHECKING:
     from ...cache import TieredKVCache
@@ -144,17 +151,8 @@ class CachedGenerator:
 
         if not isinstance(cache, TieredKVCache):
             raise TypeError(f"cache must be a TieredKVCache, got {type(cache).__name__}")
-        layers, kv_heads, head_dim, dtype = model_geometry(model)
         layout = cache.layout
-        want = (layers, kv_heads, head_dim, dtype, 2)
-        have = (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype, layout.kv_factor)
-        if want != have:
-            raise ValueError(
-                f"the cache's layout (layers={have[0]}, kv_heads={have[1]}, head_dim={have[2]}, dtype={have[3]}, "
-                f"kv_factor={have[4]}) does not fit the model (layers={layers}, kv_heads={kv_heads}, "
-                f"head_dim={head_dim}, dtype={dtype}); build it with "
-                "tiered_kv.integrations.hf.generator.layout_for(model)"
-            )
+        check_layout(model, layout)
         device = next(model.parameters()).device
         engine_device = cache.engine.device.torch_device
         if device != engine_device:
@@ -181,7 +179,7 @@ class CachedGenerator:
         self.on_reuse = on_reuse
         self.cost_model = cost_model
         self._load_layers = load_layers
-        self._views = pool_views(pool, layers)
+        self._views = pool_views(pool, layout.num_layers)
         self._pool_tensor = pool.tensor if isinstance(pool, BlockPool) else None  # short forwards write at once
         self._tpb = layout.tokens_per_block
         self._executor = (
@@ -245,7 +243,7 @@ class CachedGenerator:
             Cancellation: as :meth:`generate`; every sequence of the batch is freed.
         """
         sampling = check_sampling(**options)
-        arrays = self._check_prompts(prompts, sampling.max_new_tokens)
+        arrays = check_prompts(prompts, sampling.max_new_tokens, self._vocab(), self._max_tokens())
         results: list[Generation | None] = [None] * len(arrays)
         t0 = time.perf_counter()
         if len(arrays) == 1:
@@ -279,7 +277,7 @@ class CachedGenerator:
             Cancellation: as :meth:`generate`.
         """
         sampling = check_sampling(output_logits=False, **options)  # output_logits among options: TypeError
-        [array] = self._check_prompts([prompt_ids], sampling.max_new_tokens)
+        [array] = check_prompts([prompt_ids], sampling.max_new_tokens, self._vocab(), self._max_tokens())
         return GenerationStream(self._stream_one(array, sampling))
 
     def statistics(self) -> GeneratorStatistics:
@@ -304,33 +302,12 @@ class CachedGenerator:
     def __repr__(self) -> str:
         return f"<CachedGenerator {type(self.model).__name__} on {self.device} requests={self._requests}>"
 
-    # ------------------------------------------------------------------------------------ validation
-
-    def _check_prompts(self, prompts: Sequence[Any], max_new_tokens: int) -> list[np.ndarray]:
-        if isinstance(prompts, (str, bytes, np.ndarray, torch.Tensor)) or not isinstance(prompts, Sequence):
-            raise TypeError("prompts must be a list of token-id sequences")
-        if not prompts:
-            raise ValueError("prompts is empty")
+    def _vocab(self) -> int | None:
         vocab = getattr(self.model.config.get_text_config(decoder=True), "vocab_size", None)
-        limit = self.cache.blocks.max_blocks_per_seq * self._tpb
-        out = []
-        for i, p in enumerate(prompts):
-            if isinstance(p, torch.Tensor):
-                if p.dim() == 2 and p.shape[0] == 1:
-                    p = p[0]
-                p = p.detach().cpu().numpy()
-            arr = as_token_array(p, f"prompt {i}")
-            if arr.size == 0:
-                raise ValueError(f"prompt {i} is empty; a prompt needs at least one token")
-            if arr.min() < 0 or (isinstance(vocab, int) and arr.max() >= vocab):
-                raise ValueError(f"prompt {i} has a token id outside the model's vocabulary [0, {vocab})")
-            if arr.size + max_new_tokens - 1 > limit:
-                raise ValueError(
-                    f"prompt {i} has {arr.size} tokens; with max_new_tokens={max_new_tokens} that is more than a "
-                    f"sequence may hold ({limit} tokens)"
-                )
-            out.append(arr)
-        return out
+        return vocab if isinstance(vocab, int) else None
+
+    def _max_tokens(self) -> int:
+        return self.cache.blocks.max_blocks_per_seq * self._tpb
 
     # ------------------------------------------------------------------------------------ core
 

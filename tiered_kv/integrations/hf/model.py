@@ -3,7 +3,7 @@
 Primitives:
 
 * :func:`model_geometry` / :func:`layout_for` -- the :class:`~tiered_kv.KVLayout` a model's KV needs
-  (layers, KV heads, head_dim, dtype from its config).
+  (layers, KV heads, head_dim, dtype from its config); :func:`check_layout` -- a cache's layout is that one.
 * :func:`check_full_attention` -- refuse models with sliding-window, linear or hybrid attention layers.
 * :func:`reference_generate` -- greedy generation with plain transformers and no tiered_kv (the baseline the
   tests and the demo compare :class:`~tiered_kv.integrations.hf.generator.CachedGenerator` against).
@@ -21,7 +21,15 @@ import torch
 
 from ...layout import KVLayout
 
-__all__ = ["cache_kwargs", "check_full_attention", "layout_for", "model_geometry", "output_cache", "reference_generate"]
+__all__ = [
+    "cache_kwargs",
+    "check_full_attention",
+    "check_layout",
+    "layout_for",
+    "model_geometry",
+    "output_cache",
+    "reference_generate",
+]
 
 
 def cache_kwargs(model: Any, kv: Any) -> dict[str, Any]:
@@ -79,6 +87,23 @@ def layout_for(model: Any, tokens_per_block: int = 16) -> KVLayout:
     return KVLayout(
         num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, tokens_per_block=tokens_per_block, dtype=dtype
     )
+
+
+def check_layout(model: Any, layout: KVLayout) -> None:
+    """``layout`` must be :func:`layout_for` ``model`` (layers, KV heads, head_dim, dtype; K and V).
+
+    Raises:
+        ValueError: it is not, naming both.
+    """
+    layers, kv_heads, head_dim, dtype = model_geometry(model)
+    want = (layers, kv_heads, head_dim, dtype, 2)
+    have = (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype, layout.kv_factor)
+    if want != have:
+        raise ValueError(
+            f"the cache's layout (layers={have[0]}, kv_heads={have[1]}, head_dim={have[2]}, dtype={have[3]}, "
+            f"kv_factor={have[4]}) does not fit the model (layers={layers}, kv_heads={kv_heads}, "
+            f"head_dim={head_dim}, dtype={dtype}); build it with tiered_kv.integrations.hf.layout_for(model)"
+        )
 
 
 def check_full_attention(model: Any) -> None:

@@ -5,7 +5,7 @@ Primitives:
 * :class:`SamplingOptions` / :class:`GenerateOptions` -- the keyword options of ``generate``, ``generate_batch``
   and ``stream`` (``stream`` has no ``output_logits``), declared once.
 * :func:`check_sampling` -- validate the options (``ValueError`` / ``TypeError`` before anything is admitted)
-  into a :class:`Sampling`.
+  into a :class:`Sampling`; :func:`check_prompts` -- the prompts, into token arrays.
 * :func:`make_sampler` -- the random generator of one prompt (``None`` for greedy decoding).
 * :func:`choose` -- one token per row: argmax, or :func:`sample` after temperature, top-k and top-p.
 """
@@ -13,15 +13,25 @@ Primitives:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection
-from typing import TypedDict
+from collections.abc import Collection, Sequence
+from typing import Any, TypedDict
 
 import numpy as np
 import torch
 
 from ...blocks import DEFAULT_PRIORITY
+from ...keys import as_token_array
 
-__all__ = ["GenerateOptions", "Sampling", "SamplingOptions", "check_sampling", "choose", "make_sampler", "sample"]
+__all__ = [
+    "GenerateOptions",
+    "Sampling",
+    "SamplingOptions",
+    "check_prompts",
+    "check_sampling",
+    "choose",
+    "make_sampler",
+    "sample",
+]
 
 
 class SamplingOptions(TypedDict, total=False):
@@ -152,3 +162,35 @@ def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator 
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def check_prompts(prompts: Sequence[Any], max_new_tokens: int, vocab: int | None, limit: int) -> list[np.ndarray]:
+    """The prompts as token arrays (a ``[1, n]`` tensor is a prompt too), checked before anything is admitted.
+
+    Raises:
+        TypeError: ``prompts`` is not a list of token-id sequences.
+        ValueError: no prompt, an empty prompt, a token outside ``[0, vocab)``, or a prompt that with
+            ``max_new_tokens`` needs more than ``limit`` tokens (what one sequence may hold).
+    """
+    if isinstance(prompts, (str, bytes, np.ndarray, torch.Tensor)) or not isinstance(prompts, Sequence):
+        raise TypeError("prompts must be a list of token-id sequences")
+    if not prompts:
+        raise ValueError("prompts is empty")
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, torch.Tensor):
+            if p.dim() == 2 and p.shape[0] == 1:
+                p = p[0]
+            p = p.detach().cpu().numpy()
+        arr = as_token_array(p, f"prompt {i}")
+        if arr.size == 0:
+            raise ValueError(f"prompt {i} is empty; a prompt needs at least one token")
+        if arr.min() < 0 or (vocab is not None and arr.max() >= vocab):
+            raise ValueError(f"prompt {i} has a token id outside the model's vocabulary [0, {vocab})")
+        if arr.size + max_new_tokens - 1 > limit:
+            raise ValueError(
+                f"prompt {i} has {arr.size} tokens; with max_new_tokens={max_new_tokens} that is more than a "
+                f"sequence may hold ({limit} tokens)"
+            )
+        out.append(arr)
+    return out
