@@ -16,7 +16,7 @@ fails an admission, and drops the blocks, when a source of one of its blocks fai
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .blocks import Admission, Block, BlockManager, Move, Plan
 from .engine import Transfer, TransferEngine
@@ -47,8 +47,9 @@ class CacheCopies:
     _integrity: IntegrityChecks | None
     _integrity_errors: int
 
-    async def _settle(self, seq_ids: list[int], page_tables: list[tuple[int, ...]]) -> None:
-        raise NotImplementedError  # the cache's (it fails a batch whose blocks a failed copy produced)
+    if TYPE_CHECKING:  # the cache's: it fails a batch whose blocks a failed copy produced
+
+        async def _settle(self, seq_ids: list[int], page_tables: list[tuple[int, ...]]) -> None: ...
 
     def _issue(self, plan: Plan) -> list[Transfer]:
         """Enqueue the plan's copies (:meth:`_issue_plan`); returns one transfer per group (its last copy)."""
