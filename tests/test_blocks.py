@@ -69,3 +69,27 @@ def test_partial_blocks_never_match_as_full_blocks() -> None:
     m = bm.match([0, 1, 2, 3, 4, 5, 6, 7, 8])
     assert len(m.blocks) == 1 and m.partial is not None and m.partial[1] == 2
     assert m.tokens_reused == 6
+
+
+@pytest.mark.parametrize("step", [1, 3, 64])
+def test_a_prefix_moved_down_and_back_is_a_run_of_consecutive_slots_on_both_sides(step: int) -> None:
+    """A chain evicted down the tiers lands in ascending consecutive slots and comes back as one run.
+
+    Eviction takes a chain's last block first and the tiers below fill from their highest slot, whatever the batch size
+    of the evictions. A run is one 2-D copy; a prefix in descending slots cost a copy descriptor per block and group.
+    """
+    bm = manager(gpu=24, host=24, file=24)
+    prompt = list(range(16 * TPB))  # 16 blocks
+    seen(bm, list(range(1000, 1000 + 3 * TPB)))  # something released earlier, evicted first
+    seen(bm, prompt)
+    for tier in (Tier.GPU, Tier.HOST):
+        while bm.evictable_blocks(tier):
+            bm.evict(tier, step)
+    bm.check()
+    [a], plan = bm.admit([Request(prompt, 50)])
+    onboards = [m for m in plan.moves if m.kind == "onboard"]
+    assert [m.src_tier for m in onboards] == [Tier.FILE] * 16
+    for side in ([m.src_slot for m in onboards], [m.dst_slot for m in onboards]):
+        assert side == list(range(side[0], side[0] + 16)), side
+    bm.free(a.seq_id)
+    bm.check()

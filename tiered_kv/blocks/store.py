@@ -53,8 +53,13 @@ class BlockStore:
         self.capacity = capacity
         self.tiers = tuple(t for t in TIER_ORDER if capacity[t] > 0)
         self.file_index = file_index if capacity[Tier.FILE] else None
-        # tier -> free slots (a stack, lowest index on top so fresh pools fill from 0)
-        self._free: dict[Tier, list[int]] = {t: list(range(capacity[t] - 1, -1, -1)) for t in TIER_ORDER}
+        # tier -> free slots, a stack. The GPU tier hands out its lowest slot first: a sequence's blocks, allocated in
+        # order, fill ascending slots. The tiers below hand out their highest first: eviction takes a chain's last
+        # block first, so its blocks land in ascending slots too, and a prefix brought back is a run of consecutive
+        # slots on both sides (one 2-D copy per run, where a scattered run costs a descriptor per block)
+        self._free: dict[Tier, list[int]] = {
+            t: list(range(capacity[t] - 1, -1, -1)) if t is Tier.GPU else list(range(capacity[t])) for t in TIER_ORDER
+        }
         self._gpu_free = self._free[Tier.GPU]  # the same list, without an Enum-keyed lookup on the hot path
         # tier -> priority -> block id -> block: cached blocks with refcount 0, least recently released first
         self._lru: dict[Tier, dict[int, collections.OrderedDict[int, Block]]] = {t: {} for t in TIER_ORDER}
