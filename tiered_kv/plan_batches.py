@@ -32,6 +32,13 @@ def batch_moves(moves: Sequence[Move]) -> tuple[list[list[Move]], list[int]]:
     (each onboard frees the host slot the next offload fills), so this turns thousands of single-block copies
     into a handful of calls.
     """
+    if _no_conflicts(moves):
+        return _by_direction(moves)
+    return _place_each(moves)
+
+
+def _place_each(moves: Sequence[Move]) -> tuple[list[list[Move]], list[int]]:
+    """:func:`batch_moves` move by move (the rule itself)."""
     groups: list[list[Move]] = []
     by_kind: dict[tuple[Tier, Tier, int | None], list[int]] = {}  # direction -> its group indices, ascending
     last_read: dict[tuple[Tier, int], int] = {}  # slot -> last group reading it
@@ -53,6 +60,32 @@ def batch_moves(moves: Sequence[Move]) -> tuple[list[list[Move]], list[int]]:
         placed.append(g)
         last_read[src] = max(last_read.get(src, -1), g)
         last_write[dst] = max(last_write.get(dst, -1), g)
+    return groups, placed
+
+
+def _no_conflicts(moves: Sequence[Move]) -> bool:
+    """No slot is written twice, and none is both written and read: no pair of moves needs an order.
+
+    Then :func:`batch_moves` groups by direction alone (:func:`_by_direction`): an onboarding of a long prefix
+    (2,048 moves at 32k tokens) costs a set of its slots instead of placing each move against the others.
+    """
+    writes = {(m.dst_tier, m.dst_slot) for m in moves}
+    return len(writes) == len(moves) and writes.isdisjoint((m.src_tier, m.src_slot) for m in moves)
+
+
+def _by_direction(moves: Sequence[Move]) -> tuple[list[list[Move]], list[int]]:
+    """:func:`batch_moves` of moves without conflicts: a group per direction (and token count), in first-seen order."""
+    index: dict[tuple[Tier, Tier, int | None], int] = {}
+    groups: list[list[Move]] = []
+    placed: list[int] = []
+    for m in moves:
+        kind = (m.src_tier, m.dst_tier, m.num_tokens)
+        g = index.get(kind)
+        if g is None:
+            g = index[kind] = len(groups)
+            groups.append([])
+        groups[g].append(m)
+        placed.append(g)
     return groups, placed
 
 
