@@ -287,3 +287,26 @@ async def test_a_long_reuse_in_flight_holds_tracked_objects_per_copy_not_per_blo
         load.wait_all(None)
         await load.settle()
         cache.free(adm.seq_id)
+
+
+async def test_the_reuse_check_is_enqueued_at_admission_behind_the_layer_copies(device: str) -> None:
+    """The integrity check of a layer-by-layer host hit is enqueued when the admission returns, on a stream of its
+    own behind the copies still held, so it runs while the forward does and the settle only reads its outcome. The GPU
+    slots are zeroed first: a check that read them before the copies landed would refuse every block."""
+    prompt = list(range(1, 30))
+    async with TieredKVCache(LAYOUT, gpu_blocks=16, host_blocks=16, device=device) as cache:
+        await _cached_on_host(cache, prompt)
+        cache.engine.pool(Tier.GPU).tensor.zero_()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        onboard = cache.engine.stream("onboard")
+        onboard.submit(stall_op(onboard, 0.3))
+        [adm], load = await cache.add_sequences_layerwise([prompt], group_layers=2)
+        assert load is not None and not load.transfers[0][0].done()  # the copies are held: the check waits
+        await load.settle()
+        assert cache.statistics().integrity_errors == 0
+        load.wait_all(None if device == "cpu" else torch.cuda.current_stream())
+        if device == "cuda":
+            torch.cuda.synchronize()
+        assert all(_layer_ok(cache, adm.seq_id, layer, 28) for layer in range(LAYOUT.num_layers))
+        cache.free(adm.seq_id)

@@ -204,7 +204,9 @@ class TieredKVCache(CacheCopies):
         self.engine = engine
         gpu_pool = engine.pool(Tier.GPU)
         # block-major GPU pools only (the cache's own engine makes one); a layer-major pool is checked by its engine
-        self._integrity = IntegrityChecks(gpu_pool.tensor) if integrity and isinstance(gpu_pool, BlockPool) else None
+        self._integrity = (
+            IntegrityChecks(gpu_pool.tensor, engine.device) if integrity and isinstance(gpu_pool, BlockPool) else None
+        )
         self._integrity_errors = 0
         self._closed = False
         self._owner_name = f"TieredKVCache@{id(self):x}"
@@ -306,6 +308,8 @@ class TieredKVCache(CacheCopies):
             else:
                 await self.engine.drain()
         finally:
+            if self._integrity is not None:
+                self._integrity.close()
             self._detach()
 
     def _check_open(self) -> None:
@@ -414,9 +418,21 @@ class TieredKVCache(CacheCopies):
         # what the settle needs of the plan: its partial copies (a 32k-token hit's 2,048 moves would outlive the
         # forward for nothing; see _issue_plan on objects held until a batch settles)
         partials = Plan([m for m in plan.moves if m.kind == "partial"])
+        # the reused blocks are checked on the device as soon as the last group lands, while the forward runs: the
+        # settle then only reads the outcome
+        pending = None
+        if self._integrity is not None:
+            engine = self.engine
+
+            def after_loads(stream: Any) -> None:
+                for copies in loads:
+                    for t in copies:
+                        engine.sync_transfer(t, stream)
+
+            pending = self._integrity.start_reuse(self.blocks, admissions, partials, after_loads)
 
         async def settle() -> None:
-            _, bad = await self._finish(admissions, partials, [])
+            _, bad = await self._finish(admissions, partials, [], pending)
             if bad:
                 self._refuse(admissions, partials, bad)
                 raise TransferError(

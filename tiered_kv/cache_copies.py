@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from .blocks import Admission, Block, BlockManager, Move, Plan
 from .engine import Transfer, TransferEngine
 from .errors import EngineClosedError, TransferError
-from .integrity import IntegrityChecks
+from .integrity import IntegrityChecks, PendingCheck
 from .plan_batches import batch_moves, unissued_transfer
 from .pools import Tier
 
@@ -147,10 +147,11 @@ class CacheCopies:
         return [self._copy(head.src_tier, src, head.dst_tier, dst, num_tokens=head.num_tokens, keys=keys)]
 
     async def _finish(
-        self, admissions: list[Admission], plan: Plan, transfers: list[Transfer]
+        self, admissions: list[Admission], plan: Plan, transfers: list[Transfer], pending: PendingCheck | None = None
     ) -> tuple[list[Admission], list[Block]]:
         """Wait for the batch's copies and check its reused blocks: ``(admissions, blocks that changed)``.
 
+        ``pending``: the check already enqueued behind the copies (:meth:`IntegrityChecks.start_reuse`), read here.
         On an exception (a failed copy, a cancellation) the batch is freed first.
         """
         seq_ids = [a.seq_id for a in admissions]
@@ -159,7 +160,10 @@ class CacheCopies:
             if self.remote is not None:  # the blocks whose fetch landed, in a row, are reused
                 admissions, _ = await self.remote.landed(admissions, transfers)
             checks = self._integrity
-            bad = [] if checks is None else await checks.check_reuse(self.blocks, admissions, plan)
+            if pending is not None:
+                bad = await pending.changed()
+            else:
+                bad = [] if checks is None else await checks.check_reuse(self.blocks, admissions, plan)
         except BaseException:
             self._abandon(admissions, plan)
             raise

@@ -11,7 +11,8 @@ Primitives:
 * :class:`Checksum` -- what a committed block carries: its per-token checksums (a row of a device tensor) and how
   many of its tokens are valid.
 * :class:`IntegrityChecks` -- :meth:`~IntegrityChecks.record` at commit, :meth:`~IntegrityChecks.verify` before a
-  reuse is served.
+  reuse is served; :meth:`~IntegrityChecks.start_reuse` enqueues the check of an admission's reused blocks behind
+  copies still in flight (a :class:`PendingCheck`), so that it runs on the device as soon as they land.
 
 Rules:
 
@@ -19,8 +20,12 @@ Rules:
   called at ``commit``, when the writes have been issued, and enqueues on the current stream.
 * Whatever tiers a block then passes through (host, file, a remote store; copies, staging, partial copies), its
   bytes are checked once more where they are read: on the GPU, after every copy that brought them there has
-  completed, before the admission returns. A partial reuse checks the first ``n`` tokens of the new block against
+  completed, before anything computed from them is used (before ``add_sequences`` returns; for a layer-by-layer
+  load, before its ``settle`` returns). A partial reuse checks the first ``n`` tokens of the new block against
   the first ``n`` checksums of the block it was copied from.
+* A check runs on a stream of its own (the device's: CUDA, or the emulated device's worker thread), behind the
+  copies it checks (stream-side waits) and, on CUDA, behind the compute stream's work queued so far (where the
+  committed checksums were taken); the event loop polls its end and never blocks on it.
 * The checksum is a weighted sum of the block's 32-bit words with odd position-dependent weights, modulo 2**32:
   any change of a single word changes it, and modular addition does not depend on the order of the sum, so the
   CPU reference and the CUDA kernel compute the same bits for the same bytes (a checksum taken by one is checked
@@ -32,20 +37,22 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from . import _ext
+from .device import Device
 from .opdefs import token_checksums_ref
 from .pools import Tier
 
 if TYPE_CHECKING:
     from .blocks import Admission, Block, BlockManager, Plan
+    from .device import Event, Stream
 
-__all__ = ["Checksum", "IntegrityChecks", "token_checksums"]
+__all__ = ["Checksum", "IntegrityChecks", "PendingCheck", "token_checksums"]
 
 log = logging.getLogger(__name__)
 
@@ -98,22 +105,73 @@ class Checksum:
     valid: int
 
 
+class PendingCheck:
+    """A check enqueued on the checker stream (:meth:`IntegrityChecks.start`); :meth:`mismatches` awaits its end.
+
+    ``owners``: the block each check stands for (:meth:`changed` maps the mismatches to them).
+    """
+
+    __slots__ = ("_checks", "_event", "_result", "owners")
+
+    def __init__(self, checks: IntegrityChecks, event: Event | None, result: list[torch.Tensor]) -> None:
+        self._checks = checks
+        self._event = event
+        self._result = result  # filled by the stream when it reaches the check: the host copy of the mismatch mask
+        self.owners: list[Block] = []
+
+    async def mismatches(self) -> list[int]:
+        """Indices of the checks whose block no longer holds what was committed (polls the stream's progress).
+
+        Raises:
+            RuntimeError: the check failed on its stream (logged there).
+
+        Notes:
+            Cancellation: only the wait is cancelled; the check still runs.
+        """
+        event = self._event
+        if event is not None:
+            spins = 0
+            while not event.query():
+                spins += 1
+                await asyncio.sleep(0 if spins < 100 else 1e-4)
+        if not self._result:
+            raise RuntimeError("an integrity check did not run on its stream")
+        flags: list[bool] = self._result[0].tolist()
+        bad = [i for i, b in enumerate(flags) if b]
+        self._checks.verified_blocks += len(flags)
+        self._checks.mismatches += len(bad)
+        return bad
+
+    async def changed(self) -> list[Block]:
+        """The :attr:`owners` of the mismatches."""
+        return [self.owners[i] for i in await self.mismatches()]
+
+
 class IntegrityChecks:
     """Checksums of one cache's GPU pool: taken at commit, checked before a reuse is served.
 
     Args:
         pool: the GPU pool's tensor (block-major).
+        device: where the checks run (a stream of its own); default: a CUDA device for a pool on CUDA, else the
+            emulated device.
 
     Attributes:
         verified_blocks: blocks checked so far; ``mismatches``: of them, found changed.
     """
 
-    def __init__(self, pool: torch.Tensor) -> None:
+    def __init__(self, pool: torch.Tensor, device: Device | None = None) -> None:
         self.pool = pool
         self.cuda = pool.is_cuda
-        self._stream: torch.cuda.Stream | None = None
+        self.device = device if device is not None else Device(pool.device)
+        self._stream: Stream | None = None
         self.verified_blocks = 0
         self.mismatches = 0
+
+    def close(self) -> None:
+        """Stop the checker stream (after the checks queued on it); idempotent."""
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
 
     def committed(self, blocks: Sequence[Block]) -> None:
         """Checksum the full blocks just committed (those cached and not checksummed yet), on the current stream."""
@@ -145,6 +203,20 @@ class IntegrityChecks:
         the block they were copied from (the one returned when it fails). Blocks without a checksum (adopted from
         the file tier, fetched from a store: checked by their own headers on the way in) are not checked here.
         """
+        return await self.start_reuse(manager, admissions, plan).changed()
+
+    def start_reuse(
+        self,
+        manager: BlockManager,
+        admissions: Sequence[Admission],
+        plan: Plan,
+        after: Callable[[Stream], None] | None = None,
+    ) -> PendingCheck:
+        """:meth:`check_reuse` enqueued now, behind what ``after(stream)`` makes the checker stream wait for.
+
+        ``after``: stream-side waits for the copies still bringing the reused blocks (every other copy of the batch
+        must have completed). Await :meth:`PendingCheck.changed` for the blocks that changed.
+        """
         tpb = manager.tokens_per_block
         partial = {m.block.id: m.source for m in plan.moves if m.kind == "partial"}
         checks: list[tuple[int, Checksum, int]] = []
@@ -161,7 +233,9 @@ class IntegrityChecks:
             if source is not None and source.checksum is not None:
                 checks.append((blocks[full].slot, source.checksum, adm.partial_tokens))
                 owners.append(source)
-        return [owners[i] for i in await self.verify(checks)]
+        pending = self.start(checks, after)
+        pending.owners = owners
+        return pending
 
     @staticmethod
     def refuse(manager: BlockManager, admissions: Sequence[Admission], plan: Plan, bad: Sequence[Block]) -> int:
@@ -202,68 +276,94 @@ class IntegrityChecks:
                 the blocks there must have completed.
 
         Notes:
-            On CUDA the sums run on a stream of their own (behind the current stream's work, where the committed
-            checksums were taken) and the loop polls their end, so the event loop never blocks on compute.
             Cancellation: only the wait is cancelled.
         """
+        return await self.start(checks).mismatches()
+
+    def start(
+        self, checks: Sequence[tuple[int, Checksum, int]], after: Callable[[Stream], None] | None = None
+    ) -> PendingCheck:
+        """Enqueue :meth:`verify` of ``checks`` on the checker stream, behind ``after(stream)``'s waits.
+
+        On CUDA the checker stream also waits for the current stream's work queued so far (where the committed
+        checksums were taken); the emulated device's compute is the calling thread, done by now.
+        """
         if not checks:
-            return []
+            return PendingCheck(self, None, [torch.zeros(0, dtype=torch.bool)])
+        stream = self._stream
+        if stream is None:
+            stream = self._stream = self.device.new_stream("integrity")
+        if after is not None:
+            after(stream)
+        if self.cuda:
+            compute = torch.cuda.Event()
+            compute.record(torch.cuda.current_stream(self.pool.device))
+            stream.wait(compute)
         slots = [c[0] for c in checks]
-        if not self.cuda:
-            host = self._mismatch_mask(token_checksums(self.pool, slots), checks)
-        else:
-            if self._stream is None:
-                self._stream = torch.cuda.Stream(self.pool.device)
-            stream = self._stream
-            stream.wait_stream(torch.cuda.current_stream(self.pool.device))
-            with torch.cuda.stream(stream):
-                mask = self._mismatch_mask(token_checksums(self.pool, slots), checks)
+        counts = [c[2] for c in checks]
+        expected = _Expected(checks)
+        pool, cuda = self.pool, self.cuda
+        result: list[torch.Tensor] = []
+
+        def run() -> None:
+            mask = self._mismatch_mask(token_checksums(pool, slots), expected, counts)
+            if cuda:
                 host = torch.empty(mask.shape, dtype=torch.bool, pin_memory=True)
                 host.copy_(mask, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(stream)
-            spins = 0
-            while not done.query():
-                spins += 1
-                await asyncio.sleep(0 if spins < 100 else 1e-4)
-        bad = [i for i, b in enumerate(host.tolist()) if b]
-        self.verified_blocks += len(checks)
-        self.mismatches += len(bad)
-        return bad
+                mask = host
+            result.append(mask)
+
+        stream.submit(run)
+        return PendingCheck(self, stream.record(), result)
 
     @staticmethod
-    def _mismatch_mask(now: torch.Tensor, checks: Sequence[tuple[int, Checksum, int]]) -> torch.Tensor:
+    def _mismatch_mask(now: torch.Tensor, expected: _Expected, counts: list[int]) -> torch.Tensor:
         tokens = now.shape[1]
-        expected = _expected_sums(checks)
-        counts = torch.tensor([n for _s, _c, n in checks], device=now.device)
-        within = torch.arange(tokens, device=now.device).unsqueeze(0) < counts.unsqueeze(1)
-        return ((now != expected) & within).any(dim=1)
+        want = expected.tensor(now.device)
+        valid = torch.tensor(counts, device=now.device)
+        within = torch.arange(tokens, device=now.device).unsqueeze(0) < valid.unsqueeze(1)
+        return ((now != want) & within).any(dim=1)
 
 
-def _expected_sums(checks: Sequence[tuple[int, Checksum, int]]) -> torch.Tensor:
-    """The committed checksums of ``checks``, one row each, in order.
+class _Expected:
+    """The committed checksums of a list of checks, one row each, in order, as a few pieces to assemble.
 
     Blocks committed together share one ``sums`` tensor: each such run is read with one slice (its rows in a row)
-    or one ``index_select``, not one slice per block (a 32k-token prefix reuses 2,048 blocks).
+    or one ``index_select``, not one slice per block (a 32k-token prefix reuses 2,048 blocks). It keeps a handful of
+    objects, not one per check: a check enqueued behind a layer-by-layer load lives through the forward.
     """
-    groups: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}  # id(sums) -> (sums, rows, check indices)
-    for i, (_slot, c, _n) in enumerate(checks):
-        group = groups.get(id(c.sums))
-        if group is None:
-            group = groups[id(c.sums)] = (c.sums, [], [])
-        group[1].append(c.row)
-        group[2].append(i)
-    parts: list[torch.Tensor] = []
-    order: list[int] = []
-    for sums, rows, indices in groups.values():
-        first = rows[0]
-        if rows == list(range(first, first + len(rows))):
-            parts.append(sums[first : first + len(rows)])
-        else:
-            parts.append(sums.index_select(0, torch.tensor(rows, dtype=torch.long, device=sums.device)))
-        order += indices
-    expected = parts[0] if len(parts) == 1 else torch.cat(parts)
-    if order != list(range(len(order))):  # rows of check order[j] are at j: put each at its check's place
-        inverse = torch.from_numpy(np.argsort(np.asarray(order))).to(expected.device)
-        expected = expected.index_select(0, inverse)
-    return expected
+
+    __slots__ = ("order", "parts")
+
+    def __init__(self, checks: Sequence[tuple[int, Checksum, int]]) -> None:
+        groups: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}  # id(sums) -> (sums, rows, check indices)
+        for i, (_slot, c, _n) in enumerate(checks):
+            group = groups.get(id(c.sums))
+            if group is None:
+                group = groups[id(c.sums)] = (c.sums, [], [])
+            group[1].append(c.row)
+            group[2].append(i)
+        #: per commit: its sums and the rows read from it (a ``(first, count)`` run, or a list)
+        self.parts: list[tuple[torch.Tensor, tuple[int, int] | list[int]]] = []
+        order: list[int] = []
+        for sums, rows, indices in groups.values():
+            first = rows[0]
+            run = rows == list(range(first, first + len(rows)))
+            self.parts.append((sums, (first, len(rows)) if run else rows))
+            order += indices
+        #: rows of check ``order[j]`` come at ``j`` (``None``: in check order already)
+        self.order: list[int] | None = None if order == list(range(len(order))) else order
+
+    def tensor(self, device: torch.device) -> torch.Tensor:
+        """The rows, on the device of the sums, enqueued on the current stream."""
+        pieces: list[torch.Tensor] = []
+        for sums, rows in self.parts:
+            if isinstance(rows, tuple):
+                pieces.append(sums[rows[0] : rows[0] + rows[1]])
+            else:
+                pieces.append(sums.index_select(0, torch.tensor(rows, dtype=torch.long, device=sums.device)))
+        expected = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        if self.order is not None:
+            inverse = torch.from_numpy(np.argsort(np.asarray(self.order))).to(expected.device)
+            expected = expected.index_select(0, inverse)
+        return expected
