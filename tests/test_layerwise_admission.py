@@ -45,7 +45,7 @@ def _layer_ok(cache: TieredKVCache, seq_id: int, layer: int, stop: int) -> bool:
         b = min(stop, a + tpb)
         want = expected_tokens(cache.hasher, tokens, a, b)[layer]
         got = pool[table[a // tpb], layer, :, :, : b - a, :]
-        if not torch.equal(got.contiguous().view(torch.uint8), want.view(torch.uint8)):
+        if not torch.equal(got.contiguous().cpu().view(torch.uint8), want.view(torch.uint8)):
             return False
     return True
 

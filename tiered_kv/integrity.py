@@ -83,7 +83,7 @@ def token_checksums(pool: torch.Tensor, slots: Sequence[int]) -> torch.Tensor:
     if pool.is_cuda and _dense_blocks(pool) and _ext.load():
         out: torch.Tensor = torch.ops.tiered_kv.token_checksums(pool, index)
         return out
-    return token_checksums_ref(pool, index)
+    return token_checksums_ref(pool, index.pin_memory() if pool.is_cuda else index)  # pinned: enqueued, not waited
 
 
 def _dense_blocks(pool: torch.Tensor) -> bool:
@@ -320,7 +320,7 @@ class IntegrityChecks:
     def _mismatch_mask(now: torch.Tensor, expected: _Expected, counts: list[int]) -> torch.Tensor:
         tokens = now.shape[1]
         want = expected.tensor(now.device)
-        valid = torch.tensor(counts, device=now.device)
+        valid = _upload(counts, now.device)
         within = torch.arange(tokens, device=now.device).unsqueeze(0) < valid.unsqueeze(1)
         return ((now != want) & within).any(dim=1)
 
@@ -361,9 +361,20 @@ class _Expected:
             if isinstance(rows, tuple):
                 pieces.append(sums[rows[0] : rows[0] + rows[1]])
             else:
-                pieces.append(sums.index_select(0, torch.tensor(rows, dtype=torch.long, device=sums.device)))
+                pieces.append(sums.index_select(0, _upload(rows, sums.device)))
         expected = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         if self.order is not None:
-            inverse = torch.from_numpy(np.argsort(np.asarray(self.order))).to(expected.device)
-            expected = expected.index_select(0, inverse)
+            expected = expected.index_select(0, _upload(np.argsort(np.asarray(self.order)).tolist(), expected.device))
         return expected
+
+
+def _upload(values: list[int], device: torch.device) -> torch.Tensor:
+    """``int64`` ``values`` on ``device``, enqueued on the current stream without blocking the host.
+
+    A copy from pageable memory would wait for the stream to reach it: on the checker stream, for the copies the check
+    waits for (a whole layer-by-layer load).
+    """
+    host = torch.tensor(values, dtype=torch.long)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
