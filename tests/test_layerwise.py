@@ -12,8 +12,23 @@ import torch
 from helpers import fill_pool, same, snapshot
 
 from tiered_kv import KVLayout, LayerMajorPool, Tier, TransferEngine, copy_layerwise
-from tiered_kv.layerwise import layer_groups
+from tiered_kv.layerwise import layer_groups, tapered_groups
 from tiered_kv.testing import stall
+
+
+def test_tapered_groups_split_the_last_group_in_halves_down_to_one_layer() -> None:
+    assert tapered_groups(32, 4)[-4:] == [(24, 28), (28, 30), (30, 31), (31, 32)]
+    assert tapered_groups(32, 4)[:7] == layer_groups(32, 4)[:7]
+    assert tapered_groups(5, 2) == [(0, 2), (2, 4), (4, 5)]
+    assert tapered_groups(9, 3) == [(0, 3), (3, 6), (6, 8), (8, 9)]
+    assert tapered_groups(7, 3) == [(0, 3), (3, 6), (6, 7)]  # the last group is one layer already
+    assert tapered_groups(3, 8) == [(0, 3)]  # one copy asked for
+    for n in range(1, 40):
+        for g in range(1, 10):
+            groups = tapered_groups(n, g)
+            assert [a for a, _ in groups[1:]] == [b for _, b in groups[:-1]]  # consecutive
+            assert groups[0][0] == 0 and groups[-1][1] == n
+            assert len(layer_groups(n, g)) == 1 or groups[-1][1] - groups[-1][0] == 1
 
 
 def test_layer_groups_cover_every_layer() -> None:

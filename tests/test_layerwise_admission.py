@@ -56,7 +56,7 @@ async def test_a_host_hit_returns_before_its_layers_land_and_each_wait_gives_tha
         await _cached_on_host(cache, prompt)
         expected, _ = cache.match(prompt)
         [adm], load = await cache.add_sequences_layerwise([prompt], group_layers=2)
-        assert load is not None and load.groups == [(0, 2), (2, 4)]
+        assert load is not None and load.groups == [(0, 2), (2, 3), (3, 4)]  # the last group tapered
         assert adm.tokens_reused == expected and adm.blocks_from["host"] == 7
         reused = adm.tokens_reused - adm.partial_tokens
         for layer in range(LAYOUT.num_layers):
@@ -296,6 +296,11 @@ async def test_the_reuse_check_is_enqueued_at_admission_behind_the_layer_copies(
     prompt = list(range(1, 30))
     async with TieredKVCache(LAYOUT, gpu_blocks=16, host_blocks=16, device=device) as cache:
         await _cached_on_host(cache, prompt)
+        [warm], load = await cache.add_sequences_layerwise([prompt], group_layers=2)  # the kernels it runs, loaded
+        assert load is not None
+        await load.settle()
+        cache.free(warm.seq_id)
+        await cache.evict(Tier.GPU, 16)
         cache.engine.pool(Tier.GPU).tensor.zero_()
         if device == "cuda":
             torch.cuda.synchronize()

@@ -42,7 +42,7 @@ from .engine import EngineStatistics, Transfer, TransferEngine
 from .errors import EngineClosedError, TransferError
 from .integrity import IntegrityChecks
 from .keys import KeyHasher
-from .layerwise import LayerLoad, layer_groups
+from .layerwise import LayerLoad, tapered_groups
 from .layout import KVLayout
 from .pools import BlockPool, Tier
 from .slotstate import SlotEvent, SlotEvents
@@ -373,8 +373,10 @@ class TieredKVCache(CacheCopies):
         """:meth:`add_sequences`, returning before the reused blocks that come from host memory have landed.
 
         Those blocks are copied one group of ``group_layers`` layers at a time, in layer order, so the model can
-        compute layer ``i`` while later layers land. Every other copy of the batch (blocks from the file tier,
-        partial copies, the evictions that made room) has landed when this returns, as with ``add_sequences``.
+        compute layer ``i`` while later layers land; the last group is split in halves down to one layer
+        (:func:`~tiered_kv.layerwise.tapered_groups`), so what is left to compute once the last copy lands is one
+        layer. Every other copy of the batch (blocks from the file tier, partial copies, the evictions that made room)
+        has landed when this returns, as with ``add_sequences``.
 
         Returns:
             ``(admissions, load)``: ``load`` follows the layer groups still landing (its rules:
@@ -389,7 +391,7 @@ class TieredKVCache(CacheCopies):
             Cancellation: as ``add_sequences`` until this returns; afterwards the caller frees the batch.
         """
         self._check_open()
-        ranges = layer_groups(self.layout.num_layers, group_layers)
+        ranges = tapered_groups(self.layout.num_layers, group_layers)
         requests = list(requests)
         if self.remote is not None or len(ranges) == 1:
             return await self.add_sequences(requests), None

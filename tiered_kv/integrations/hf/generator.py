@@ -118,8 +118,9 @@ class CachedGenerator:
             starts in the file tier, how many leading blocks to compute while the rest loads (hybrid prefill; attach
             it to the cache to also price plain reuse). ``"auto"`` (the default): a new unattached one when the
             cache has a file or remote tier, else none. ``None``: no cost model (everything matched is loaded).
-        load_layers: a single prompt's blocks reused from host memory come back this many layers at a time, and
-            the prompt's forward runs each layer as soon as its blocks have landed
+        load_layers: a single prompt's blocks reused from host memory come back this many layers at a time (the
+            last group in halves down to one layer), and the prompt's forward runs each layer as soon as its blocks
+            have landed
             (:meth:`~tiered_kv.TieredKVCache.add_sequences_layerwise`); ``0``: the admission waits for every block.
 
     Raises:
