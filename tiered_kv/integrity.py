@@ -96,9 +96,13 @@ def _dense_blocks(pool: torch.Tensor) -> bool:
     return True
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True, eq=False)
 class Checksum:
-    """A committed block's checksums: row ``row`` of ``sums`` (``[*, tokens_per_block]``), ``valid`` tokens of it."""
+    """A committed block's checksums: row ``row`` of ``sums`` (``[*, tokens_per_block]``), ``valid`` tokens of it.
+
+    Read-only by rule, not frozen: one is made per block at every commit (2,048 for a 32k-token prompt), and a frozen
+    dataclass costs ~6x as much to build.
+    """
 
     sums: torch.Tensor
     row: int

@@ -17,6 +17,7 @@ appended to one :class:`~tiered_kv.blocks.records.Plan`, in the order the copies
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import heapq
 from collections.abc import Callable, Iterable, Sequence
@@ -98,11 +99,9 @@ class AdmissionPlanner(EvictingStore):
         if keys is None:
             keys = self.hasher.chain(tokens)
         blocks: list[Block] = []
-        by_tier = {t.value: 0 for t in TIER_ORDER}
-        for i, key in enumerate(keys):
-            if (i + 1) * tpb > max_reuse:
-                break
-            block = self._lookup.get(key)
+        lookup = self._lookup
+        for i, key in enumerate(keys[: max_reuse // tpb]):
+            block = lookup.get(key)
             if block is None:
                 if self.file_index is None:
                     break
@@ -110,7 +109,8 @@ class AdmissionPlanner(EvictingStore):
                 if block is None:
                     break
             blocks.append(block)
-            by_tier[block.tier.value] += 1  # type: ignore[union-attr]
+        counts = collections.Counter(b.tier for b in blocks)
+        by_tier = {t.value: counts[t] for t in TIER_ORDER}
         m = len(blocks)
         partial: tuple[Block, int] | None = None
         budget = max_reuse - m * tpb
@@ -210,7 +210,8 @@ class AdmissionPlanner(EvictingStore):
         claimed.update(reused)
         # GPU blocks the batch needs: distinct reused blocks not on the GPU yet, plus new blocks (the fresh leading
         # blocks of computed matched blocks included).
-        need = sum(1 for b in reused.values() if b.tier is not Tier.GPU)
+        gpu = Tier.GPU
+        need = sum(1 for b in reused.values() if b.tier is not gpu)
         need += sum(
             -(-len(req[0]) // tpb) - len(m.blocks) + m.compute_blocks for req, m in zip(reqs, matches, strict=True)
         )
@@ -218,7 +219,7 @@ class AdmissionPlanner(EvictingStore):
         # it is offloaded, or dropped when nothing below can take it). Partial sources count as claimed
         # although they are released during phase 2: conservative, so phase 2 never runs out.
         evictable = sum(len(d) for d in self._lru[Tier.GPU].values())
-        evictable -= sum(1 for b in claimed.values() if b.tier is Tier.GPU and b.refcount == 0)
+        evictable -= sum(1 for b in claimed.values() if b.tier is gpu and b.refcount == 0)
         supply = len(self._free[Tier.GPU]) + evictable
         if need > supply:
             raise CacheFullError(

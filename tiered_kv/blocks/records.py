@@ -155,9 +155,12 @@ class Block:
         )
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True, eq=False)
 class Move:
     """One copy a plan needs, in order. Issue the moves of a plan in list order.
+
+    Read-only by rule, not frozen: a frozen dataclass costs ~6x as much to build, and the plan of a long prefix holds
+    one move per block (2,048 at 32k tokens), all made before its first copy starts.
 
     Attributes:
         kind: ``"offload"`` (GPU->host eviction), ``"spill"`` (host->file eviction), ``"onboard"``
