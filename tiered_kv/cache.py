@@ -417,32 +417,7 @@ class TieredKVCache(CacheCopies):
             self._abandon(admissions, plan)
             raise
 
-        # what the settle needs of the plan: its partial copies (a 32k-token hit's 2,048 moves would outlive the
-        # forward for nothing; see _issue_plan on objects held until a batch settles)
-        partials = Plan([m for m in plan.moves if m.kind == "partial"])
-        # the reused blocks are checked on the device as soon as the last group lands, while the forward runs: the
-        # settle then only reads the outcome
-        pending = None
-        if self._integrity is not None:
-            engine = self.engine
-
-            def after_loads(stream: Any) -> None:
-                for copies in loads:
-                    for t in copies:
-                        engine.sync_transfer(t, stream)
-
-            pending = self._integrity.start_reuse(self.blocks, admissions, partials, after_loads)
-
-        async def settle() -> None:
-            _, bad = await self._finish(admissions, partials, [], pending)
-            if bad:
-                self._refuse(admissions, partials, bad)
-                raise TransferError(
-                    f"{len(bad)} reused blocks changed since their commit: dropped, not served; the batch was freed"
-                )
-
-        per_group = [[copies[i] for copies in loads] for i in range(len(ranges))]
-        return admissions, LayerLoad(self.engine, ranges, per_group, settle)
+        return admissions, self._layer_load(admissions, plan, ranges, loads)
 
     async def _settle(self, seq_ids: list[int], page_tables: list[tuple[int, ...]]) -> None:
         """Wait for the copies of the batch's GPU slots; a block whose data a failed copy produced fails the batch."""

@@ -22,6 +22,7 @@ from .blocks import Admission, Block, BlockManager, Move, Plan
 from .engine import Transfer, TransferEngine
 from .errors import EngineClosedError, TransferError
 from .integrity import IntegrityChecks, PendingCheck
+from .layerwise import LayerLoad
 from .plan_batches import batch_moves, unissued_transfer
 from .pools import Tier
 
@@ -145,6 +146,40 @@ class CacheCopies:
         # slot headers, checked on the way back. Cached blocks (the only ones that spill or come back) have keys.
         keys = [m.block.key for m in group] if Tier.FILE in (head.src_tier, head.dst_tier) else None
         return [self._copy(head.src_tier, src, head.dst_tier, dst, num_tokens=head.num_tokens, keys=keys)]
+
+    def _layer_load(
+        self, admissions: list[Admission], plan: Plan, ranges: list[tuple[int, int]], loads: list[list[Transfer]]
+    ) -> LayerLoad:
+        """The :class:`LayerLoad` of a layer-by-layer admission whose other copies have landed.
+
+        ``loads``: per batch of blocks copied layer by layer, its copies (one per range of ``ranges``). The reused
+        blocks' check is enqueued now behind every group, so it runs on the device as soon as the last one lands,
+        while the forward runs; the load's settle reads its outcome.
+        """
+        # what the settle needs of the plan: its partial copies (a 32k-token hit's 2,048 moves would outlive the
+        # forward for nothing; see _issue_plan on objects held until a batch settles)
+        partials = Plan([m for m in plan.moves if m.kind == "partial"])
+        pending = None
+        if self._integrity is not None:
+            engine = self.engine
+
+            def after_loads(stream: Any) -> None:
+                for copies in loads:
+                    for t in copies:
+                        engine.sync_transfer(t, stream)
+
+            pending = self._integrity.start_reuse(self.blocks, admissions, partials, after_loads)
+
+        async def settle() -> None:
+            _, bad = await self._finish(admissions, partials, [], pending)
+            if bad:
+                self._refuse(admissions, partials, bad)
+                raise TransferError(
+                    f"{len(bad)} reused blocks changed since their commit: dropped, not served; the batch was freed"
+                )
+
+        per_group = [[copies[i] for copies in loads] for i in range(len(ranges))]
+        return LayerLoad(self.engine, ranges, per_group, settle)
 
     async def _finish(
         self, admissions: list[Admission], plan: Plan, transfers: list[Transfer], pending: PendingCheck | None = None
