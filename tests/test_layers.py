@@ -111,3 +111,14 @@ def test_the_check_sees_an_import_that_goes_up(tmp_path: pathlib.Path) -> None:
         assert _imported_units(source, {"cache", "engine", "file"}) == {"cache", "engine", "file"}
     finally:
         ROOT = saved
+
+
+def test_no_module_is_over_600_lines() -> None:
+    """A module holds one concept a reviewer reads at once; a longer one is split by concept."""
+    long = {
+        str(path.relative_to(ROOT)): n
+        for files in _units().values()
+        for path in files
+        if (n := len(path.read_text().splitlines())) > 600
+    }
+    assert not long, f"modules over 600 lines: {long}"
