@@ -159,16 +159,7 @@ class CacheCopies:
         # what the settle needs of the plan: its partial copies (a 32k-token hit's 2,048 moves would outlive the
         # forward for nothing; see _issue_plan on objects held until a batch settles)
         partials = Plan([m for m in plan.moves if m.kind == "partial"])
-        pending = None
-        if self._integrity is not None:
-            engine = self.engine
-
-            def after_loads(stream: Any) -> None:
-                for copies in loads:
-                    for t in copies:
-                        engine.sync_transfer(t, stream)
-
-            pending = self._integrity.start_reuse(self.blocks, admissions, partials, after_loads)
+        pending: PendingCheck | None = None
 
         async def settle() -> None:
             _, bad = await self._finish(admissions, partials, [], pending)
@@ -179,7 +170,10 @@ class CacheCopies:
                 )
 
         per_group = [[copies[i] for copies in loads] for i in range(len(ranges))]
-        return LayerLoad(self.engine, ranges, per_group, settle)
+        load = LayerLoad(self.engine, ranges, per_group, settle)
+        if self._integrity is not None:  # behind every group: the checker stream waits as compute would
+            pending = self._integrity.start_reuse(self.blocks, admissions, partials, load.wait_all)
+        return load
 
     async def _finish(
         self, admissions: list[Admission], plan: Plan, transfers: list[Transfer], pending: PendingCheck | None = None

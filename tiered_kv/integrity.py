@@ -323,7 +323,7 @@ class IntegrityChecks:
     @staticmethod
     def _mismatch_mask(now: torch.Tensor, expected: _Expected, counts: list[int]) -> torch.Tensor:
         tokens = now.shape[1]
-        want = expected.tensor(now.device)
+        want = expected.tensor()
         valid = _upload(counts, now.device)
         within = torch.arange(tokens, device=now.device).unsqueeze(0) < valid.unsqueeze(1)
         return ((now != want) & within).any(dim=1)
@@ -358,7 +358,7 @@ class _Expected:
         #: rows of check ``order[j]`` come at ``j`` (``None``: in check order already)
         self.order: list[int] | None = None if order == list(range(len(order))) else order
 
-    def tensor(self, device: torch.device) -> torch.Tensor:
+    def tensor(self) -> torch.Tensor:
         """The rows, on the device of the sums, enqueued on the current stream."""
         pieces: list[torch.Tensor] = []
         for sums, rows in self.parts:
